@@ -1,0 +1,223 @@
+"""``omnishm`` command line: committer, status, ping, cleanup (and subcommands others register).
+
+``status`` and ``ping`` speak the wire protocol as an ``admin`` client and do
+not import torch, so they answer fast. Exit codes: 0 ok, 1 no committer
+answered (or it refused us), 2 bad usage / committer refused to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Callable
+
+# Subcommands that live in other modules: name -> (module, help). The module is
+# imported only when its subcommand runs; it provides ``cli_main(args) -> int``
+# and optionally ``add_arguments(parser)``. E.g. "demo": ("omnishm.demo", "run the demo").
+EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+class CommitterUnavailable(RuntimeError):
+    """No committer answered in time, or it refused the admin session."""
+
+
+def _runtime_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from omnishm.shm import default_runtime_dir  # noqa: PLC0415 (imports torch only when needed)
+
+    return default_runtime_dir()
+
+
+def _default_runtime_dir_light() -> Path:
+    """Same rule as ``shm.default_runtime_dir`` without importing torch (for status/ping)."""
+    env = os.environ.get("OMNISHM_RUNTIME_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "omnishm"
+    return Path(f"/tmp/omnishm-{os.geteuid()}")
+
+
+def resolve_endpoint(name: str, runtime_dir: str | None, endpoint: str | None) -> str:
+    if endpoint:
+        return endpoint
+    rd = Path(runtime_dir) if runtime_dir else _default_runtime_dir_light()
+    return f"ipc://{rd / f'{name}.sock'}"
+
+
+def admin_request(name: str, endpoint: str, request_factory: Callable[[int], object] | None,
+                  timeout_s: float) -> object:
+    """Attach as admin, send ``request_factory(rid)`` (if any), say goodbye; returns the reply.
+
+    Raises CommitterUnavailable when nothing answers within ``timeout_s`` (overall).
+    """
+    import time
+
+    import zmq
+
+    from omnishm import protocol
+
+    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
+        raise CommitterUnavailable(f"no committer for cache {name!r}: socket {endpoint[len('ipc://'):]} does not exist")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    deadline = time.monotonic() + timeout_s
+
+    def call(msg) -> object:
+        sock.send(protocol.encode(msg))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not sock.poll(int(remaining * 1000), zmq.POLLIN):
+            raise CommitterUnavailable(f"no committer for cache {name!r} answered on {endpoint} within {timeout_s}s")
+        return protocol.reply_decoder.decode(sock.recv())
+
+    try:
+        sock.connect(endpoint)
+        welcome = call(protocol.Hello(rid=1, protocol=protocol.PROTOCOL_VERSION, client_id=uuid.uuid4().hex,
+                                      pid=os.getpid(), uid=os.geteuid(), role=protocol.ROLE_ADMIN, cache=name))
+        if not isinstance(welcome, protocol.Welcome):
+            raise CommitterUnavailable(f"committer for cache {name!r} refused the admin session: "
+                                       f"{getattr(welcome, 'reason', None) or getattr(welcome, 'message', welcome)}")
+        reply = call(request_factory(2)) if request_factory is not None else welcome
+        try:
+            call(protocol.Goodbye(rid=3))
+        except CommitterUnavailable:
+            pass
+        return reply
+    finally:
+        sock.close()
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def format_status(st: dict) -> str:
+    lay = st.get("layout") or {}
+    lines = [
+        f"cache {st['name']}  generation {st['generation']}  pid {st['pid']}  up {st['uptime_s']:.1f}s  "
+        f"endpoint {st['endpoint']}",
+        f"layout: {lay.get('num_blocks', '-')} blocks x {lay.get('block_size', '-')} = {lay.get('num_slots', '-')} "
+        f"slots   writer epoch {st['writer_epoch']}   segments {_mib(st['segment_bytes'])}",
+        f"writes: {st['steps_applied']} steps, {st['rows_written']} rows ({_mib(st['bytes_written'])}), "
+        f"{st['rows_skipped']} skipped, {st['steps_failed']} failed steps   queue depth {st['queue_depth']}",
+    ]
+    if st.get("rejected") or st.get("decode_errors"):
+        lines.append(f"rejected: {st.get('rejected')}   decode errors: {st.get('decode_errors')}")
+    lines.append("")
+    lines.append(f"{'key':<24} {'dtype':<9} {'width':>6} {'pool':>12} {'committed':>10} {'share':>7}")
+    for k in st["keys"]:
+        lines.append(f"{k['name']:<24} {k['dtype']:<9} {k['width']:>6} {_mib(k['pool_bytes']):>12} "
+                     f"{k['committed_rows']:>10} {100 * k['committed_share']:>6.1f}%")
+    lines.append("")
+    lines.append(f"{'client':<34} {'role':<7} {'pid':>8} {'seen ago':>9} {'rss':>12} {'shared':>12}")
+    for c in st["clients"]:
+        rss = _mib(c["rss_bytes"]) if "rss_bytes" in c else "-"
+        shared = _mib(c["shared_bytes"]) if "shared_bytes" in c else "-"
+        lines.append(f"{c['client_id']:<34} {c['role']:<7} {c['pid']:>8} {c['last_seen_s_ago']:>8.1f}s "
+                     f"{rss:>12} {shared:>12}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from omnishm import protocol
+
+    endpoint = resolve_endpoint(args.name, args.runtime_dir, args.endpoint)
+    try:
+        reply = admin_request(args.name, endpoint, lambda rid: protocol.StatusRequest(rid=rid), args.timeout_s)
+    except CommitterUnavailable as exc:
+        print(f"omnishm status: {exc}", file=sys.stderr)
+        return 1
+    if not isinstance(reply, protocol.StatusReply):
+        print(f"omnishm status: unexpected reply {reply!r}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply.status, indent=2, sort_keys=True) if args.json else format_status(reply.status))
+    return 0
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    endpoint = resolve_endpoint(args.name, args.runtime_dir, args.endpoint)
+    try:
+        welcome = admin_request(args.name, endpoint, None, args.timeout_s)
+    except CommitterUnavailable as exc:
+        print(f"omnishm ping: {exc}", file=sys.stderr)
+        return 1
+    print(f"cache {args.name}: committer pid {welcome.committer_pid} generation {welcome.generation} answered")
+    return 0
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    from omnishm import shm
+
+    removed = shm.sweep(_runtime_dir(args.runtime_dir), args.name)
+    for name in removed:
+        print(f"removed {name}")
+    print(f"{len(removed)} orphaned object(s) removed" + (f" for cache {args.name}" if args.name else ""))
+    return 0
+
+
+def cmd_committer(args: argparse.Namespace) -> int:
+    from omnishm.committer import main as committer_main
+
+    return committer_main(args.committer_argv)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default="default", help="cache name (default: %(default)s)")
+    p.add_argument("--runtime-dir", default=None)
+    p.add_argument("--endpoint", default=None, help="committer endpoint (default ipc://RUNTIME_DIR/NAME.sock)")
+    p.add_argument("--timeout-s", type=float, default=3.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnishm", description="omnishm: shared-memory omni prefix cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("committer", help="run a committer in the foreground", add_help=False)
+    p.set_defaults(func=cmd_committer)
+    p = sub.add_parser("status", help="print a committer's state")
+    _add_target(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("ping", help="exit 0 when the committer answers")
+    _add_target(p)
+    p.set_defaults(func=cmd_ping)
+    p = sub.add_parser("cleanup", help="remove segments and files no live committer owns")
+    p.add_argument("--name", default=None, help="only this cache (default: all)")
+    p.add_argument("--runtime-dir", default=None)
+    p.set_defaults(func=cmd_cleanup)
+    for name, (_module, help_text) in EXTERNAL_COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # listed in --help; parsed by run_external
+    return parser
+
+
+def run_external(name: str, argv: list[str]) -> int:
+    """Import the subcommand's module now (not at every ``omnishm`` start) and run it."""
+    module, help_text = EXTERNAL_COMMANDS[name]
+    mod = importlib.import_module(module)
+    parser = argparse.ArgumentParser(prog=f"omnishm {name}", description=help_text)
+    if hasattr(mod, "add_arguments"):
+        mod.add_arguments(parser)
+    return int(mod.cli_main(parser.parse_args(argv)) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "committer":
+        # Everything after "committer" belongs to the committer's own parser (same options).
+        args = argparse.Namespace(committer_argv=argv[1:])
+        return cmd_committer(args)
+    if argv and argv[0] in EXTERNAL_COMMANDS:
+        return run_external(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Translate vLLM's scheduler output into the omni prefix cache's step events.
+
+vLLM tells the runner about a step through ``SchedulerOutput``; the manager
+wants a flat, ordered list of per-request events plus the step's token counts
+(``PrefixCacheStep``), and, after the forward, where each request's output rows
+go (``PrefixCacheWriteLayout``). This module is that translation and nothing
+else: no cache state, no process, no vllm import.
+
+Event semantics (what ``OmniPrefixCacheManager.new_step_starts`` relies on):
+
+- Order within a step: FINISHED/ABORTED, then STARTED/REPLACED (in
+  ``scheduled_new_reqs`` order), then RESUMED, then EXTENDED (both in
+  ``scheduled_cached_reqs`` order). A finish therefore always precedes a
+  re-add of the same id in the same step.
+- STARTED: first time the request is scheduled. ``num_computed_tokens`` is the
+  tokens vLLM already has (a prefix hit; vLLM hits are whole blocks, so the
+  manager checks alignment) and ``block_ids`` the request's full block list of
+  the KV group.
+- REPLACED: a "new" request whose id is still live (async-chunk continuation:
+  the same id re-enters as new). Same payload as STARTED; the manager must not
+  treat its ``num_computed_tokens`` as a hit.
+- RESUMED: a preempted request scheduled again. Carries its *full new* block
+  list (vLLM replaces, not appends) and its ``num_computed_tokens`` (may be a
+  hit again).
+- EXTENDED: a running request scheduled again; ``block_ids`` are only the
+  newly appended blocks (possibly empty), ``num_computed_tokens`` the tokens
+  computed before this step.
+- FINISHED / ABORTED: carry only the id. vLLM reports an id in the step
+  *after* it finished, and may report ids the runner never saw (a request
+  finished or aborted while waiting); the manager ignores unknown ids.
+  Preemption is not an event: a preempted request simply is not scheduled.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import operator
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+import torch
+
+from omnishm.interface import ReqId, unmatch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from omnishm.client.group_view import FullAttentionGroupView
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PrefixCacheEventKind",
+    "PrefixCacheRequestEvent",
+    "PrefixCacheStep",
+    "PrefixCacheWrite",
+    "PrefixCacheWriteLayout",
+    "PrefixCacheSchedulerAdapter",
+]
+
+
+class PrefixCacheEventKind(enum.Enum):
+    STARTED = "started"
+    EXTENDED = "extended"
+    RESUMED = "resumed"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REPLACED = "replaced"
+
+
+_END_KINDS = frozenset({PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED})
+_ORDER = {
+    PrefixCacheEventKind.FINISHED: 0,
+    PrefixCacheEventKind.ABORTED: 0,
+    PrefixCacheEventKind.STARTED: 1,
+    PrefixCacheEventKind.REPLACED: 1,
+    PrefixCacheEventKind.RESUMED: 2,
+    PrefixCacheEventKind.EXTENDED: 3,
+}
+
+
+def _nonneg_int(value: Any, what: str) -> int:
+    """``value`` as a non-negative int; numpy integers accepted, bools and floats not."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an int, got {value!r}") from None
+    if out < 0:
+        raise ValueError(f"{what} must be >= 0, got {out}")
+    return out
+
+
+@dataclass(frozen=True)
+class PrefixCacheRequestEvent:
+    """One request's change in one step; see the module docstring for semantics.
+
+    ``block_ids`` is coerced to a tuple of ints. Raises ``ValueError`` for an
+    unknown kind, a negative count or block id, or a FINISHED/ABORTED event
+    that carries tokens or blocks.
+    """
+
+    kind: PrefixCacheEventKind
+    req_id: ReqId
+    num_computed_tokens: int = 0
+    block_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, PrefixCacheEventKind):
+            raise ValueError(f"unknown prefix-cache event kind {self.kind!r}")
+        if not isinstance(self.req_id, str) or not self.req_id:
+            raise ValueError(f"req_id must be a non-empty str, got {self.req_id!r}")
+        object.__setattr__(self, "num_computed_tokens",
+                           _nonneg_int(self.num_computed_tokens, f"{self.req_id}: num_computed_tokens"))
+        blocks = tuple(_nonneg_int(b, f"{self.req_id}: block id") for b in self.block_ids)
+        object.__setattr__(self, "block_ids", blocks)
+        if self.kind in _END_KINDS and (self.num_computed_tokens or blocks):
+            raise ValueError(f"{self.kind.name} event for {self.req_id} must carry only the id")
+
+
+@dataclass(frozen=True)
+class PrefixCacheStep:
+    """Events of one real scheduler step plus its per-request token counts.
+
+    ``num_scheduled_tokens`` is stored as a read-only mapping.
+    """
+
+    events: tuple[PrefixCacheRequestEvent, ...]
+    num_scheduled_tokens: Mapping[ReqId, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "events", tuple(self.events))
+        object.__setattr__(self, "num_scheduled_tokens", MappingProxyType(dict(self.num_scheduled_tokens)))
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(frozen=True)
+class PrefixCacheWrite:
+    """One request's rows in this step's outputs: ``token_start .. +num_tokens``."""
+
+    req_id: ReqId
+    token_start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixCacheWriteLayout:
+    """Where this step's output rows go.
+
+    ``writes`` in batch order, contiguous from row 0. ``slots`` is ``int64``
+    CPU, one vLLM slot id per output row in batch order; its length is
+    ``num_tokens`` (= ``num_tokens_unpadded``). Rows past it (padding) are
+    never written.
+    """
+
+    writes: tuple[PrefixCacheWrite, ...]
+    slots: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slots.numel())
+
+    @property
+    def req_ids(self) -> list[ReqId]:
+        return [w.req_id for w in self.writes]
+
+
+def _group_blocks(per_group: Any, group_index: int, req_id: ReqId) -> tuple[int, ...]:
+    """Block ids of one KV group from vLLM's ``tuple[list[int], ...]`` (None -> ())."""
+    if per_group is None:
+        return ()
+    try:
+        return tuple(per_group[group_index])
+    except IndexError:
+        raise ValueError(f"{req_id}: block ids have no KV group {group_index}: {per_group!r}") from None
+
+
+class PrefixCacheSchedulerAdapter:
+    """Stateful translator of vLLM ``SchedulerOutput`` into ``PrefixCacheStep``.
+
+    Tracks the ids of live requests (started and not yet finished/aborted) so
+    a "new" request whose id is still live becomes REPLACED. Engine thread
+    only, one call per real step, in step order; not thread-safe.
+    """
+
+    def __init__(self, group_index: int = 0) -> None:
+        self.group_index = group_index
+        self._live: set[ReqId] = set()
+
+    @property
+    def live_req_ids(self) -> frozenset[ReqId]:
+        return frozenset(self._live)
+
+    def translate_scheduler_output(self, scheduler_output: Any) -> PrefixCacheStep:
+        """Events of one ``SchedulerOutput`` (duck-typed over vLLM 0.32 and older).
+
+        Reads ``finished_req_ids``, optional ``aborted_req_ids``,
+        ``scheduled_new_reqs`` (``req_id``, ``num_computed_tokens``,
+        ``block_ids`` per group), ``scheduled_cached_reqs`` (``req_ids``,
+        ``resumed_req_ids`` set or the older ``resumed_from_preemption`` list,
+        ``new_block_ids``, ``num_computed_tokens``) and
+        ``num_scheduled_tokens``. Raises ``ValueError`` on a malformed output
+        (e.g. a resumed request without block ids).
+        """
+        g = self.group_index
+        finished = set(getattr(scheduler_output, "finished_req_ids", None) or ())
+        aborted = set(getattr(scheduler_output, "aborted_req_ids", None) or ())
+        events: list[PrefixCacheRequestEvent] = []
+        for rid in sorted(finished | aborted):
+            kind = PrefixCacheEventKind.ABORTED if rid in aborted else PrefixCacheEventKind.FINISHED
+            events.append(PrefixCacheRequestEvent(kind, rid))
+            self._live.discard(rid)
+
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            rid = new.req_id
+            kind = PrefixCacheEventKind.REPLACED if rid in self._live else PrefixCacheEventKind.STARTED
+            events.append(PrefixCacheRequestEvent(kind, rid, new.num_computed_tokens,
+                                                  _group_blocks(new.block_ids, g, rid)))
+            self._live.add(rid)
+
+        resumed: list[PrefixCacheRequestEvent] = []
+        extended: list[PrefixCacheRequestEvent] = []
+        for rid, is_resumed, per_group, computed in self._cached_rows(
+                getattr(scheduler_output, "scheduled_cached_reqs", None)):
+            if is_resumed:
+                if per_group is None:
+                    raise ValueError(f"{rid}: resumed request without block ids")
+                resumed.append(PrefixCacheRequestEvent(PrefixCacheEventKind.RESUMED, rid, computed,
+                                                       _group_blocks(per_group, g, rid)))
+            else:
+                extended.append(PrefixCacheRequestEvent(PrefixCacheEventKind.EXTENDED, rid, computed,
+                                                        _group_blocks(per_group, g, rid)))
+            self._live.add(rid)
+        events.extend(resumed)
+        events.extend(extended)
+        return PrefixCacheStep(tuple(events), dict(scheduler_output.num_scheduled_tokens))
+
+    @staticmethod
+    def _cached_rows(cached: Any) -> Iterable[tuple[ReqId, bool, Any, int]]:
+        """(req_id, resumed, per-group new block ids, num_computed_tokens) per cached request."""
+        if cached is None:
+            return []
+        if isinstance(cached, (list, tuple)):  # vLLM <= 0.9: one object per request
+            return [(c.req_id, bool(getattr(c, "resumed_from_preemption", False)), c.new_block_ids,
+                     c.num_computed_tokens) for c in cached]
+        req_ids: Sequence[ReqId] = cached.req_ids
+        resumed_ids = getattr(cached, "resumed_req_ids", None)
+        if resumed_ids is not None:
+            resumed_set = set(resumed_ids)
+            flags = [rid in resumed_set for rid in req_ids]
+        else:
+            flags = [bool(f) for f in (getattr(cached, "resumed_from_preemption", None) or [False] * len(req_ids))]
+        new_blocks = cached.new_block_ids
+        computed = cached.num_computed_tokens
+        if not (len(flags) == len(new_blocks) == len(computed) == len(req_ids)):
+            raise ValueError("scheduled_cached_reqs fields have different lengths")
+        return list(zip(req_ids, flags, new_blocks, computed))
+
+    def translate_step(self, step_or_events: PrefixCacheStep | Iterable[PrefixCacheRequestEvent],
+                       num_scheduled_tokens: Mapping[ReqId, int] | None = None) -> PrefixCacheStep:
+        """Normalise and validate a step given as a ``PrefixCacheStep`` or events.
+
+        Events are put in the canonical order (stable: FINISHED/ABORTED,
+        STARTED/REPLACED, RESUMED, EXTENDED). ``num_scheduled_tokens`` defaults
+        to the step's own mapping (or empty for bare events); passing both a
+        step and a different mapping is an error. Raises ``ValueError`` for a
+        non-event item, an unknown kind, negative counts, two finishes or two
+        non-finish events for one id. Does not touch the live-id state.
+        """
+        if isinstance(step_or_events, PrefixCacheStep):
+            events = list(step_or_events.events)
+            counts: Mapping[ReqId, int] = step_or_events.num_scheduled_tokens
+            if num_scheduled_tokens is not None and dict(num_scheduled_tokens) != dict(counts):
+                raise ValueError("num_scheduled_tokens given twice with different values")
+        else:
+            events = list(step_or_events)
+            counts = num_scheduled_tokens if num_scheduled_tokens is not None else {}
+        for ev in events:
+            if not isinstance(ev, PrefixCacheRequestEvent):
+                raise ValueError(f"not a PrefixCacheRequestEvent: {ev!r}")
+            if not isinstance(ev.kind, PrefixCacheEventKind):
+                raise ValueError(f"unknown prefix-cache event kind {ev.kind!r}")
+            if ev.num_computed_tokens < 0 or any(b < 0 for b in ev.block_ids):
+                raise ValueError(f"negative count in {ev!r}")
+        ended: set[ReqId] = set()
+        active: set[ReqId] = set()
+        for ev in events:
+            bucket = ended if ev.kind in _END_KINDS else active
+            if ev.req_id in bucket:
+                raise ValueError(f"two {'finish' if bucket is ended else 'schedule'} events for {ev.req_id}")
+            bucket.add(ev.req_id)
+        clean: dict[ReqId, int] = {}
+        for rid, n in counts.items():
+            if not isinstance(rid, str):
+                raise ValueError(f"num_scheduled_tokens key must be a str, got {rid!r}")
+            clean[rid] = _nonneg_int(n, f"num_scheduled_tokens[{rid}]")
+        events.sort(key=lambda ev: _ORDER[ev.kind])
+        return PrefixCacheStep(tuple(events), clean)
+
+    @staticmethod
+    def build_write_layout(group_view: "FullAttentionGroupView",
+                           num_scheduled_tokens: Mapping[ReqId, int]) -> PrefixCacheWriteLayout:
+        """Write layout of this step's outputs, in the batch order of ``group_view``.
+
+        Call after the forward, before the next ``_update_states`` (the batch
+        must be the one the forward ran). Every batch request must be in
+        ``num_scheduled_tokens`` and vice versa (else
+        ``OmniPrefixCacheUnmatchError``: the outputs would be attributed to the
+        wrong requests). Requests with 0 tokens get no write. Slots come from
+        ``group_view.step_slots_cpu`` (CPU block table, vectorised).
+        """
+        req_ids = group_view.batch_req_ids
+        batch = set(req_ids)
+        extra = [rid for rid in num_scheduled_tokens if rid not in batch]
+        if extra:
+            raise unmatch(f"scheduled requests {sorted(extra)} are not in the input batch", req_id=extra[0])
+        missing = [rid for rid in req_ids if rid not in num_scheduled_tokens]
+        if missing:
+            raise unmatch(f"batch requests {missing} have no scheduled-token count", req_id=missing[0])
+        counts = [int(num_scheduled_tokens[rid]) for rid in req_ids]
+        writes: list[PrefixCacheWrite] = []
+        start = 0
+        for rid, n in zip(req_ids, counts):
+            if n < 0:
+                raise unmatch(f"negative scheduled-token count {n}", req_id=rid)
+            if n:
+                writes.append(PrefixCacheWrite(rid, start, n))
+                start += n
+        slots = group_view.step_slots_cpu(counts)
+        if int(slots.numel()) != start:  # a view that disagrees with its own counts is a bug upstream
+            raise unmatch(f"group view returned {int(slots.numel())} slots for {start} tokens")
+        return PrefixCacheWriteLayout(tuple(writes), slots)

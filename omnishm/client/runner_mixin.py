@@ -1,0 +1,277 @@
+"""Runner-facing access layer for the omni prefix cache.
+
+``PrefixCacheRunnerMixin`` is mixed into a vLLM ``GPUModelRunner``-like class
+(vLLM 0.32: ``CPUModelRunner`` subclasses ``GPUModelRunner``). It is thin
+wiring: the cache state lives in ``OmniPrefixCacheManager``; the mixin only
+holds the manager, the scheduler adapter, the policy snapshot and the
+save-time request ids of each unconsumed step id.
+
+How a runner uses it (engine thread unless noted)::
+
+    model loaded            -> self._prefix_cache_load_policy(model)
+    execute_model(so):
+        self.prefix_cache_step_begin(so)        # BEFORE _update_states
+        self._update_states(so); ...forward...
+        step_id = self.prefix_cache_save(hidden, mm, n_unpadded, n_padded, so)
+    any thread, once per step id:
+        out = self.prefix_cache_materialize(step_id)   # or prefix_cache_discard(step_id)
+    shutdown                -> self.prefix_cache_shutdown()
+
+What the mixin reads from the runner (all vLLM 0.32 ``GPUModelRunner``
+attributes): ``vllm_config`` (or ``cache_config``/``scheduler_config``/
+``model_config``/``speculative_config``/``parallel_config``),
+``kv_cache_config``, ``is_pooling_model``, ``input_batch`` (read at every save:
+vLLM may re-create it) and ``get_model()``. Knobs, settable on the class or
+instance: ``prefix_cache_name`` (the committer cache, e.g. the stage name),
+``prefix_cache_endpoint``, ``prefix_cache_autostart``, ``prefix_cache_eager``
+and ``prefix_cache_role`` (None: chosen from TP/PP rank at run time).
+
+Import invariant: vllm is only imported inside ``_prefix_cache_role``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from omnishm.client.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
+from omnishm.client.group_view import (FullAttentionGroupView, check_prefix_cache_token_accounting,
+                                       stage_prefix_cache_config)
+from omnishm.interface import ModelCachePolicy, ReqId, StageCacheOutputs, StepId, unmatch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+    from omnishm.client.manager import OmniPrefixCacheManager
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PrefixCacheRunnerMixin"]
+
+
+def _total_scheduled(scheduler_output: Any) -> int:
+    total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    if total is None:
+        total = sum((getattr(scheduler_output, "num_scheduled_tokens", None) or {}).values())
+    return int(total)
+
+
+class PrefixCacheRunnerMixin:
+    """Omni prefix cache hooks for a GPUModelRunner-like object. See the module docstring.
+
+    No ``__init__``: every attribute has a class-level default, so the mixin
+    can sit anywhere in the runner's MRO. Not thread-safe except
+    ``prefix_cache_materialize`` / ``prefix_cache_discard`` (any thread; the
+    step-id bookkeeping is a single dict ``pop``).
+    """
+
+    prefix_cache_name: str = "default"
+    prefix_cache_endpoint: str | None = None
+    prefix_cache_autostart: bool = True
+    prefix_cache_eager: bool | None = None
+    prefix_cache_role: str | None = None
+
+    _prefix_cache_manager: "OmniPrefixCacheManager | None" = None
+    _prefix_cache_adapter: PrefixCacheSchedulerAdapter | None = None
+    _prefix_cache_policy: ModelCachePolicy | None = None
+    _prefix_cache_block_size: int = 0
+    _prefix_cache_initialized: bool = False
+    _prefix_cache_step_req_ids: "dict[StepId, tuple[ReqId, ...]] | None" = None
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def prefix_cache_manager(self) -> "OmniPrefixCacheManager | None":
+        """The manager, or None before the first real step or when the stage runs no cache."""
+        return self._prefix_cache_manager
+
+    def _prefix_cache_config_source(self, name: str) -> Any:
+        vllm_config = getattr(self, "vllm_config", None)
+        if vllm_config is not None and hasattr(vllm_config, name):
+            return getattr(vllm_config, name)
+        return getattr(self, name, None)
+
+    def _prefix_cache_role(self) -> str:
+        """``"writer"`` iff TP rank 0 of the last PP stage, else ``"reader"``.
+
+        Falls back to writer when vllm is absent or its parallel groups are
+        not initialised (single-process tests, offline tools).
+        """
+        if self.prefix_cache_role is not None:
+            return self.prefix_cache_role
+        try:
+            from vllm.distributed import parallel_state as ps
+        except ImportError:
+            return "writer"
+        try:
+            if not ps.model_parallel_is_initialized():
+                return "writer"
+            tp_rank = ps.get_tensor_model_parallel_rank()
+            last_pp = bool(ps.get_pp_group().is_last_rank)
+        except (AssertionError, AttributeError, RuntimeError) as exc:
+            logger.warning("omni prefix cache: cannot read TP/PP rank (%s); acting as writer", exc)
+            return "writer"
+        return "writer" if tp_rank == 0 and last_pp else "reader"
+
+    def _prefix_cache_load_policy(self, model: Any = None) -> ModelCachePolicy:
+        """Snapshot ``ModelCachePolicy.from_model(model)`` at model load.
+
+        ``model`` defaults to ``self.get_model()`` (vLLM unwraps cudagraph
+        wrappers there). Later attribute changes on the model are not seen. If
+        the manager already exists, the policy is registered with it (the
+        manager refuses that after its first save).
+        """
+        if model is None:
+            model = self.get_model()  # type: ignore[attr-defined]
+        policy = ModelCachePolicy.from_model(model)
+        self._prefix_cache_policy = policy
+        if self._prefix_cache_manager is not None:
+            self._prefix_cache_manager.register_policy(policy)
+        return policy
+
+    def _prefix_cache_init_once(self, scheduler_output: Any) -> "OmniPrefixCacheManager | None":
+        """Build the manager on the first real step; later calls return it.
+
+        A step with ``total_num_scheduled_tokens == 0`` (dummy/profile runs,
+        finish-only steps) is not real and does not trigger construction. The
+        gate (``stage_prefix_cache_config``) raises ``PrefixCacheConfigError``
+        for an unsupported stage; that is not remembered, so every later real
+        step raises again. Returns None when the stage runs no cache (prefix
+        caching off, pooling stage) — decided once.
+        """
+        if self._prefix_cache_initialized:
+            return self._prefix_cache_manager
+        if _total_scheduled(scheduler_output) == 0:
+            return None
+        src = self._prefix_cache_config_source
+        config = stage_prefix_cache_config(
+            kv_cache_config=getattr(self, "kv_cache_config", None),
+            cache_config=src("cache_config"),
+            kv_transfer_config=src("kv_transfer_config"),
+            scheduler_config=src("scheduler_config"),
+            model_config=src("model_config"),
+            is_pooling_model=bool(getattr(self, "is_pooling_model", False)),
+            speculative_config=src("speculative_config"),
+            parallel_config=src("parallel_config"),
+        )
+        if config is None:
+            self._prefix_cache_initialized = True
+            logger.info("omni prefix cache: off for this stage (prefix caching disabled or pooling)")
+            return None
+        policy = self._prefix_cache_policy
+        if policy is None:  # _prefix_cache_load_policy was not called at load: snapshot now
+            try:
+                policy = self._prefix_cache_load_policy()
+            except (AttributeError, ValueError):  # no get_model / model not loaded (vLLM raises ValueError)
+                policy = ModelCachePolicy()
+                logger.warning("omni prefix cache: no model to read a cache policy from; using the default")
+        role = self._prefix_cache_role()
+        from omnishm.client.manager import OmniPrefixCacheManager
+
+        manager = OmniPrefixCacheManager(config, cache=self.prefix_cache_name, role=role,
+                                         endpoint=self.prefix_cache_endpoint,
+                                         autostart=self.prefix_cache_autostart, eager=self.prefix_cache_eager)
+        try:
+            manager.register_policy(policy)
+        except BaseException:
+            manager.shutdown()
+            raise
+        self._prefix_cache_manager = manager
+        self._prefix_cache_adapter = PrefixCacheSchedulerAdapter()
+        self._prefix_cache_block_size = config.block_size
+        self._prefix_cache_step_req_ids = {}
+        self._prefix_cache_initialized = True
+        logger.info("omni prefix cache %r: %s, %d blocks x %d, staging %d x %d tokens", self.prefix_cache_name,
+                    role, config.num_blocks, config.block_size, config.staging_depth,
+                    config.staging_capacity_tokens)
+        return manager
+
+    # ------------------------------------------------------------------ per step
+
+    def prefix_cache_step_begin(self, scheduler_output: Any) -> PrefixCacheStep | None:
+        """Translate ``scheduler_output`` and hand it to the manager.
+
+        Engine thread, BEFORE ``_update_states`` (the manager must see
+        finished requests before vLLM drops them), exactly once per
+        ``execute_model`` call. A zero-token step (vLLM still runs
+        ``_update_states`` for it to drop finished requests) is forwarded only
+        when it carries finish/abort events and the manager exists. Returns
+        the step given to the manager, or None.
+        """
+        manager = self._prefix_cache_init_once(scheduler_output)
+        if manager is None:
+            return None
+        assert self._prefix_cache_adapter is not None
+        step = self._prefix_cache_adapter.translate_scheduler_output(scheduler_output)
+        if _total_scheduled(scheduler_output) == 0 and not step.events:
+            return None
+        manager.new_step_starts(step)
+        return step
+
+    def prefix_cache_save(self, hidden_states: "torch.Tensor | None", mm_outputs: Mapping[str, Any] | None,
+                          num_tokens_unpadded: int, num_tokens_padded: int, scheduler_output: Any) -> StepId | None:
+        """Save this step's outputs; returns the step id (None: no cache / no tokens).
+
+        Engine thread, after the forward and before the next step's
+        ``prefix_cache_step_begin``. The write layout is built from the
+        runner's current ``input_batch`` (the batch the forward ran) and
+        ``scheduler_output.num_scheduled_tokens``; the save-time request ids
+        are remembered for ``prefix_cache_materialize``. The returned id must
+        be consumed exactly once (materialize or discard). Raises
+        ``OmniPrefixCacheUnmatchError`` when the token accounting or the batch
+        disagree with the schedule.
+        """
+        manager = self._prefix_cache_manager
+        if manager is None or _total_scheduled(scheduler_output) == 0:
+            return None
+        counts: Mapping[ReqId, int] = scheduler_output.num_scheduled_tokens
+        check_prefix_cache_token_accounting(num_tokens_unpadded, num_tokens_padded, counts)
+        view = FullAttentionGroupView(self.input_batch, self._prefix_cache_block_size)  # type: ignore[attr-defined]
+        layout = PrefixCacheSchedulerAdapter.build_write_layout(view, counts)
+        step_id = manager.save_outputs(hidden_states, dict(mm_outputs) if mm_outputs is not None else None,
+                                       num_tokens_unpadded=int(num_tokens_unpadded),
+                                       num_tokens_padded=int(num_tokens_padded), write_layout=layout)
+        assert self._prefix_cache_step_req_ids is not None
+        self._prefix_cache_step_req_ids[step_id] = tuple(layout.req_ids)
+        return step_id
+
+    def prefix_cache_save_time_req_ids(self, step_id: StepId) -> tuple[ReqId, ...]:
+        """Request ids of ``step_id``'s save (batch order); KeyError if unknown or consumed."""
+        if self._prefix_cache_step_req_ids is None:
+            raise KeyError(step_id)
+        return self._prefix_cache_step_req_ids[step_id]
+
+    def prefix_cache_materialize(self, step_id: StepId, req_ids: Iterable[ReqId] | None = None) -> StageCacheOutputs:
+        """Merged outputs for the step saved as ``step_id`` (any thread, exactly once).
+
+        ``req_ids`` defaults to the save-time request ids, never the live
+        batch; a given subset is passed through (the manager rejects ids
+        outside the save). Raises ``OmniPrefixCacheUnmatchError`` for an
+        unknown or consumed id, and whatever the manager raises.
+        """
+        manager = self._prefix_cache_require(step_id)
+        saved = self._prefix_cache_step_req_ids.pop(step_id, None) if self._prefix_cache_step_req_ids else None
+        ids = list(req_ids) if req_ids is not None else list(saved or ())
+        return manager.materialize(step_id, ids)
+
+    def prefix_cache_discard(self, step_id: StepId) -> None:
+        """Consume ``step_id`` without reading it (any thread, exactly once)."""
+        manager = self._prefix_cache_require(step_id)
+        if self._prefix_cache_step_req_ids:
+            self._prefix_cache_step_req_ids.pop(step_id, None)
+        manager.discard_step(step_id)
+
+    def prefix_cache_shutdown(self) -> None:
+        """Shut the manager down (flushes deferred writes, detaches). Idempotent."""
+        manager = self._prefix_cache_manager
+        self._prefix_cache_manager = None
+        self._prefix_cache_adapter = None
+        self._prefix_cache_step_req_ids = None
+        if manager is not None:
+            manager.shutdown()
+
+    def _prefix_cache_require(self, step_id: StepId) -> "OmniPrefixCacheManager":
+        manager = self._prefix_cache_manager
+        if manager is None:
+            raise unmatch("no omni prefix cache on this runner (not started, off, or shut down)", step_id=step_id)
+        return manager

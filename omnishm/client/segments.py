@@ -1,0 +1,141 @@
+"""The client's mapped view of the cache: per-key pool, tables, staging pages.
+
+``KeyViews`` owns one tensor name's mappings in this process. ``StagingPages``
+owns the writer's page accounting: a page is held from the save that claimed
+it until BOTH the step id was consumed (materialize/discard) and the committer
+acknowledged the step's writes (it reads rows from the page until then).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from omnishm import protocol as P
+from omnishm.interface import OmniPrefixCacheStagingTimeoutError, StepId
+from omnishm.shm import Segment
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} cannot be cached (supported: {', '.join(DTYPES)})")
+
+
+@dataclass
+class KeyViews:
+    """One tensor name as mapped here. Readers map everything read-only."""
+
+    key: str
+    index: int
+    dtype: torch.dtype
+    width: int
+    row_shape: tuple[int, ...]
+    pool: torch.Tensor
+    claim: torch.Tensor
+    commit: torch.Tensor
+    staging: torch.Tensor | None
+    segments: list[Segment] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def map(cls, seg: P.KeySegments, num_slots: int, *, readonly: bool,
+            row_shape: tuple[int, ...] | None = None) -> "KeyViews":
+        dtype = DTYPES[seg.dtype]
+        pool_seg = Segment.attach(seg.pool, readonly=True)
+        claim_seg = Segment.attach(seg.claim, readonly=readonly)
+        commit_seg = Segment.attach(seg.commit, readonly=True)
+        segments = [pool_seg, claim_seg, commit_seg]
+        staging = None
+        if seg.staging is not None:
+            stage_seg = Segment.attach(seg.staging, readonly=False)
+            segments.append(stage_seg)
+            staging = stage_seg.tensor(dtype, (seg.staging_rows, seg.width))
+        return cls(
+            key=seg.key, index=seg.index, dtype=dtype, width=seg.width,
+            row_shape=row_shape if row_shape is not None else (seg.width,),
+            pool=pool_seg.tensor(dtype, (num_slots, seg.width)),
+            claim=claim_seg.tensor(torch.int64, (num_slots,)),
+            commit=commit_seg.tensor(torch.int64, (num_slots,)),
+            staging=staging, segments=segments)
+
+    def rows_out(self, n: int) -> torch.Tensor:
+        return torch.empty((n, self.width), dtype=self.dtype)
+
+    def shape_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Flat ``(n, width)`` rows back to the model's ``(n, *row_shape)``."""
+        if self.row_shape == (self.width,):
+            return rows
+        return rows.view((rows.shape[0], *self.row_shape))
+
+
+def row_width(shape: tuple[int, ...]) -> int:
+    return int(math.prod(shape)) if shape else 1
+
+
+class StagingPages:
+    """Page claims of the writer's staging segments (same page index for every key).
+
+    Thread-safe (own condition). ``claim`` waits for a free page up to the
+    timeout and then raises ``OmniPrefixCacheStagingTimeoutError`` naming the
+    unconsumed step ids that hold the pages.
+    """
+
+    def __init__(self, depth: int, capacity: int):
+        self.depth = depth
+        self.capacity = capacity
+        self._cond = threading.Condition()
+        self._holds: list[set[str]] = [set() for _ in range(depth)]
+        self._owner: list[StepId | None] = [None] * depth
+        self.waits = 0
+
+    @property
+    def flush_row0(self) -> int:
+        """First row of the flush region that follows the step pages."""
+        return self.depth * self.capacity
+
+    def rows(self, page: int) -> slice:
+        return slice(page * self.capacity, (page + 1) * self.capacity)
+
+    def claim(self, step_id: StepId, timeout_s: float, holds: tuple[str, ...] = ("ctx", "write")) -> int:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            waited = False
+            while True:
+                for page in range(self.depth):
+                    if not self._holds[page]:
+                        self._holds[page] = set(holds)
+                        self._owner[page] = step_id
+                        return page
+                if not waited:
+                    self.waits += 1
+                    waited = True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    owners = sorted(o for o in self._owner if o is not None)
+                    raise OmniPrefixCacheStagingTimeoutError(
+                        f"omni prefix cache: no free staging page for step {step_id} after {timeout_s:.1f}s; "
+                        f"unconsumed step ids {owners} hold all {self.depth} pages: call materialize() or "
+                        f"discard_step() for each, or raise staging_depth")
+                self._cond.wait(remaining)
+
+    def release(self, page: int, hold: str) -> None:
+        with self._cond:
+            self._holds[page].discard(hold)
+            if not self._holds[page]:
+                self._owner[page] = None
+                self._cond.notify_all()
+
+    def in_use(self) -> int:
+        with self._cond:
+            return sum(1 for h in self._holds if h)

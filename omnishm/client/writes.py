@@ -1,0 +1,186 @@
+"""Write tasks of the writer client: row sources, deferred writes, the flusher.
+
+A ``RowSource`` is where the rows of one claim version live until the
+committer has them: a view of a staging page (JOIN_NEXT_STEP) or a clone
+held by a deferred write (JOIN_ON_FINISH). Hits on in-transit rows read them
+here. A ``WriteTask`` is one request's deferred write of one tensor name: it
+collects chunks step after step until the request finishes or aborts, the
+GPU-byte budget forces it out (oldest first), or a hit reads it; then it is
+closed and handed to the ``Flusher`` thread, which copies it through the
+staging flush region to the committer. A closed write is never reopened: the
+request's next deferred rows open a new write.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from omnishm import protocol as P
+from omnishm.interface import ReqId, StepId, TensorName, Tid
+
+logger = logging.getLogger(__name__)
+
+
+class TaskState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class RowSource:
+    """Rows of one claim version for one key, readable until ``alive`` drops.
+
+    ``slots[i]`` is the slot of ``rows[i]``. Readers copy, then check ``alive``
+    again: a source that died during the copy may have had its page reused.
+    """
+
+    cv: int
+    slots: torch.Tensor
+    rows: torch.Tensor
+    alive: bool = True
+    done: Future | None = None
+
+    def take(self, want: torch.Tensor) -> torch.Tensor | None:
+        """Rows for ``want`` slots (a subset of ``slots``), or None if any is missing."""
+        order = torch.argsort(self.slots)
+        sorted_slots = self.slots[order]
+        pos = torch.searchsorted(sorted_slots, want)
+        pos = pos.clamp(max=max(len(sorted_slots) - 1, 0))
+        if len(sorted_slots) == 0 or not bool((sorted_slots[pos] == want).all()):
+            return None
+        # The last occurrence wins when one write holds a slot twice (last chunk wins).
+        idx = order[pos]
+        return self.rows.index_select(0, idx)
+
+
+@dataclass
+class Chunk:
+    cv: int
+    step_id: StepId
+    slots: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass
+class WriteTask:
+    """One request's deferred write of one tensor name (JOIN_ON_FINISH)."""
+
+    tid: Tid
+    req_id: ReqId
+    key: TensorName
+    opened_step: StepId
+    chunks: list[Chunk] = field(default_factory=list)
+    state: TaskState = TaskState.OPEN
+    done: Future = field(default_factory=Future)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.rows.numel() * c.rows.element_size() for c in self.chunks)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(c.slots) for c in self.chunks)
+
+
+def pack(values: list[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype="<i8").tobytes()
+
+
+def build_step_write(rid: int, step: StepId, keys: list[str], key_idx: list[int], tids: list[int],
+                     cvs: list[int], src_rows: list[int], counts: list[int], slots: torch.Tensor) -> P.StepWrite:
+    return P.StepWrite(rid=rid, step=step, keys=keys, key_idx=pack(key_idx), tids=pack(tids), cvs=pack(cvs),
+                       src_rows=pack(src_rows), counts=pack(counts),
+                       slots=slots.to(torch.int64).contiguous().numpy().astype("<i8", copy=False).tobytes())
+
+
+class Flusher:
+    """Copies closed deferred writes through the flush region to the committer.
+
+    Runs on its own thread (``omnishm-flusher``), never on the engine thread:
+    it waits for each piece's acknowledgement before reusing the region. A
+    task's ``done`` future completes (or fails) once all its pieces landed.
+    """
+
+    def __init__(self, *, region: Callable[[TensorName], torch.Tensor], row0: int, rows: int,
+                 key_index: Callable[[TensorName], int], send: Callable[[Callable[[int], P.StepWrite]], Future],
+                 on_task_done: Callable[[WriteTask, P.StepDone | BaseException], None], timeout_s: float):
+        self._region = region
+        self._row0 = row0
+        self._rows = rows
+        self._key_index = key_index
+        self._send = send
+        self._on_task_done = on_task_done
+        self._timeout_s = timeout_s
+        self._queue: queue.Queue[WriteTask | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="omnishm-flusher", daemon=True)
+        self._thread.start()
+
+    def put(self, task: WriteTask) -> None:
+        self._queue.put(task)
+
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=self._timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            try:
+                result: P.StepDone | BaseException = self._flush(task)
+            except BaseException as exc:  # reported to the manager, which makes it sticky
+                result = exc
+            self._on_task_done(task, result)
+
+    def _flush(self, task: WriteTask) -> P.StepDone:
+        region = self._region(task.key)
+        written = skipped = 0
+        last: P.StepDone | None = None
+        pieces: list[tuple[Chunk, int, int]] = []
+        for chunk in task.chunks:
+            for lo in range(0, len(chunk.slots), self._rows):
+                pieces.append((chunk, lo, min(len(chunk.slots), lo + self._rows)))
+        i = 0
+        while i < len(pieces):
+            used = 0
+            batch: list[tuple[Chunk, int, int, int]] = []
+            while i < len(pieces) and used + (pieces[i][2] - pieces[i][1]) <= self._rows:
+                chunk, lo, hi = pieces[i]
+                region[self._row0 + used:self._row0 + used + hi - lo].copy_(chunk.rows[lo:hi])
+                batch.append((chunk, lo, hi, self._row0 + used))
+                used += hi - lo
+                i += 1
+            kidx = self._key_index(task.key)
+            slots = torch.cat([c.slots[lo:hi] for c, lo, hi, _ in batch])
+            msg = lambda rid: build_step_write(  # noqa: E731
+                rid, batch[0][0].step_id, [task.key], [0] * len(batch), [task.tid] * len(batch),
+                [c.cv for c, _, _, _ in batch], [r0 for _, _, _, r0 in batch], [hi - lo for _, lo, hi, _ in batch],
+                slots)
+            del kidx
+            reply = self._send(msg).result(timeout=self._timeout_s)
+            if not isinstance(reply, P.StepDone):
+                raise RuntimeError(f"unexpected reply to a deferred flush: {reply!r}")
+            if reply.failed_tids:
+                return reply
+            written += reply.rows_written
+            skipped += reply.rows_skipped
+            last = reply
+        if last is None:
+            return P.StepDone(rid=0, step=task.opened_step, done_tids=pack([task.tid]))
+        return P.StepDone(rid=last.rid, step=last.step, done_tids=pack([task.tid]), rows_written=written,
+                          rows_skipped=skipped)

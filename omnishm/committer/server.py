@@ -1,0 +1,399 @@
+"""The committer's ROUTER loop: decode, dispatch, reply, reap, stop.
+
+Single-threaded: one loop owns the socket, the ``SessionTable`` and the
+``CachePool``. Signals only set a flag and write a byte to a wakeup socket
+(``signal.set_wakeup_fd``) that the poller watches, so SIGTERM/SIGINT end the
+poll at once; the loop then handles what it already received, replies, and
+unlinks every segment it made.
+
+Bad input never kills the loop: a frame that does not decode, has the wrong
+shape, or trips an unexpected error gets an ``Error`` reply, a log line and a
+count, and the loop goes on serving everyone else.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+import uuid
+
+import msgspec
+import zmq
+
+from omnishm import protocol, shm
+from omnishm.committer.config import CommitterConfig, build_parser, config_from_args, setup_logging
+from omnishm.committer.pool import CachePool, PoolError
+from omnishm.committer.sessions import Session, SessionTable
+
+logger = logging.getLogger("omnishm.committer")
+
+_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+EXIT_OK = 0
+EXIT_REFUSED = 2
+RECV_BATCH = 1024
+
+
+class Committer:
+    """One cache's committer. ``run`` serves until a signal (or idle exit) and returns the exit code."""
+
+    def __init__(self, cfg: CommitterConfig, generation: str):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.generation = generation
+        self.pool = CachePool(cfg.name, generation, prefault=cfg.prefault)
+        self.sessions = SessionTable()
+        self.started = time.monotonic()
+        self.epoch = 0
+        self.stopping = False
+        self.stop_reason = ""
+        self.queue_depth = 0
+        self.messages = 0
+        self.decode_errors: collections.Counter[str] = collections.Counter()
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.ctx: zmq.Context | None = None
+        self.sock: zmq.Socket | None = None
+
+    # ------------------------------------------------------------ loop
+
+    def bind(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        if self.cfg.endpoint.startswith("tcp://") and ("[" in self.cfg.endpoint or "::1" in self.cfg.endpoint):
+            self.sock.setsockopt(zmq.IPV6, 1)
+        self.sock.bind(self.cfg.endpoint)
+        if self.cfg.ipc_path is not None:
+            os.chmod(self.cfg.ipc_path, 0o600)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.stopping = True
+        self.stop_reason = signal.Signals(signum).name
+
+    def run(self) -> int:
+        assert self.sock is not None
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(wake_w.fileno())
+        old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(wake_r.fileno(), zmq.POLLIN)
+        tick_ms = int(1000 * min(self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s / 4))
+        logger.info("committer %s started: pid %d, generation %s, endpoint %s", self.name, os.getpid(),
+                    self.generation, self.cfg.endpoint)
+        try:
+            while not self.stopping:
+                poller.poll(max(tick_ms, 10))
+                try:
+                    while wake_r.recv(512):
+                        pass
+                except BlockingIOError:
+                    pass
+                self.serve_pending()
+                self.reap(time.monotonic())
+                if self.cfg.exit_when_idle and self.sessions.idle():
+                    self.stop_reason = "idle"
+                    break
+            # Stop: handle (and answer) everything already received before unlinking.
+            self.serve_pending()
+        finally:
+            signal.set_wakeup_fd(old_fd)
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+            wake_r.close()
+            wake_w.close()
+        return EXIT_OK
+
+    def serve_pending(self) -> None:
+        """Receive what is queued (up to RECV_BATCH per round) and answer each message."""
+        assert self.sock is not None
+        while True:
+            batch = []
+            while len(batch) < RECV_BATCH:
+                try:
+                    batch.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=True))
+                except zmq.Again:
+                    break
+            if not batch:
+                return
+            for i, frames in enumerate(batch):
+                self.queue_depth = len(batch) - i - 1
+                self.handle_frames(frames)
+            self.queue_depth = 0
+
+    def handle_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        self.messages += 1
+        rid = -1
+        try:
+            if len(frames) != 2:
+                self.decode_errors["frames"] += 1
+                reply: msgspec.Struct = protocol.Error(
+                    rid=-1, code="decode", message=f"expected one payload frame, got {len(frames) - 1} frames")
+            else:
+                try:
+                    msg = protocol.request_decoder.decode(frames[1])
+                except msgspec.ValidationError as exc:
+                    self.decode_errors["schema"] += 1
+                    reply = protocol.Error(rid=-1, code="decode", message=f"message does not match the protocol: {exc}")
+                except msgspec.DecodeError as exc:
+                    self.decode_errors["msgpack"] += 1
+                    reply = protocol.Error(rid=-1, code="decode", message=f"undecodable payload: {exc}")
+                else:
+                    rid = msg.rid
+                    reply = self.dispatch(identity, msg)
+        except Exception as exc:  # the loop never dies on one message; log, count, answer
+            logger.exception("committer %s: error handling a message", self.name)
+            self.rejected["internal"] += 1
+            reply = protocol.Error(rid=rid, code="internal", message=f"{type(exc).__name__}: {exc}")
+        if isinstance(reply, protocol.Error) and reply.code == "decode":
+            logger.warning("committer %s: %s", self.name, reply.message)
+        self.send(identity, reply)
+
+    def send(self, identity: bytes, reply: msgspec.Struct) -> None:
+        assert self.sock is not None
+        try:
+            self.sock.send_multipart([identity, protocol.encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it learns by timing out
+            logger.warning("committer %s: reply to a client dropped: %s", self.name, exc)
+
+    # ------------------------------------------------------------ dispatch
+
+    def dispatch(self, identity: bytes, msg) -> msgspec.Struct:
+        if isinstance(msg, protocol.Hello):
+            return self.on_hello(identity, msg)
+        session = self.sessions.touch(identity, time.monotonic())
+        if session is None:
+            self.rejected["no_session"] += 1
+            return protocol.Error(rid=msg.rid, code="no_session",
+                                  message=f"cache {self.name}: no session for this socket; send Hello first "
+                                          f"(or the session was reaped after {self.cfg.heartbeat_timeout_s}s of silence)")
+        if isinstance(msg, protocol.StepWrite):
+            return self.on_step_write(session, msg)
+        if isinstance(msg, protocol.Heartbeat):
+            session.counters = dict(msg.counters)
+            return protocol.HeartbeatAck(rid=msg.rid, readers=self.sessions.readers(),
+                                         writer=self.sessions.writer is not None)
+        if isinstance(msg, protocol.OpenKey):
+            return self.on_open_key(session, msg)
+        if isinstance(msg, protocol.StatusRequest):
+            return protocol.StatusReply(rid=msg.rid, status=self.status())
+        if isinstance(msg, protocol.Goodbye):
+            self.detach(session, "goodbye")
+            return protocol.Bye(rid=msg.rid)
+        self.rejected["unexpected"] += 1
+        return protocol.Error(rid=msg.rid, code="unexpected", message=f"unexpected message {type(msg).__name__}")
+
+    def refuse(self, msg: protocol.Hello, reason: str, counter: str) -> protocol.Refused:
+        self.rejected[f"hello_{counter}"] += 1
+        logger.warning("committer %s: refused %s client %s (pid %d): %s", self.name, msg.role, msg.client_id,
+                       msg.pid, reason)
+        return protocol.Refused(rid=msg.rid, reason=reason)
+
+    def on_hello(self, identity: bytes, msg: protocol.Hello) -> msgspec.Struct:
+        if msg.protocol != protocol.PROTOCOL_VERSION:
+            return self.refuse(msg, f"protocol version mismatch: client speaks {msg.protocol}, committer of cache "
+                                    f"{self.name} speaks {protocol.PROTOCOL_VERSION}", "protocol")
+        if msg.cache != self.name:
+            return self.refuse(msg, f"this committer serves cache {self.name!r}, not {msg.cache!r}", "cache")
+        if msg.role not in protocol.ROLES:
+            return self.refuse(msg, f"unknown role {msg.role!r} (use one of {', '.join(protocol.ROLES)})", "role")
+        if not _CLIENT_ID_RE.match(msg.client_id):
+            return self.refuse(msg, f"client_id {msg.client_id!r} must be 1-64 letters, digits, '_' or '-'",
+                               "client_id")
+        if msg.uid != os.geteuid():
+            return self.refuse(msg, f"client uid {msg.uid} differs from committer uid {os.geteuid()}; "
+                                    f"segments are 0600", "uid")
+        if msg.staging_rows < 0:
+            return self.refuse(msg, f"staging_rows must be >= 0, got {msg.staging_rows}", "staging")
+        previous = self.sessions.get(identity)
+        if previous is not None:  # same socket says Hello again: start over
+            self.detach(previous, "re-hello")
+        if msg.role == protocol.ROLE_WRITER and self.sessions.writer is not None:
+            w = self.sessions.writer
+            return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid})",
+                               "second_writer")
+        if msg.role != protocol.ROLE_ADMIN:
+            if msg.layout is not None:
+                mismatch = self.pool.layout_mismatch(msg.layout)
+                if mismatch is not None:
+                    return self.refuse(msg, f"layout mismatch: {mismatch}", "layout")
+                try:
+                    self.pool.set_layout(msg.layout)
+                except PoolError as exc:
+                    return self.refuse(msg, exc.message, exc.code)
+            elif self.pool.layout is None:
+                return self.refuse(msg, f"cache {self.name} has no layout yet; the first client must send one",
+                                   "no_layout")
+        now = time.monotonic()
+        session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
+                          attached_at=now, last_seen=now, staging_rows=msg.staging_rows)
+        if msg.role == protocol.ROLE_WRITER:
+            try:
+                for state in self.pool.keys.values():
+                    self.pool.ensure_staging(msg.client_id, state, msg.staging_rows)
+            except OSError as exc:
+                self.pool.drop_client(msg.client_id)
+                return self.refuse(msg, f"cannot create staging segments: {exc}", "no_space")
+            self.epoch += 1
+            session.epoch = self.epoch
+            self.pool.set_writer_epoch(self.epoch)
+        self.sessions.add(session)
+        staging_of = msg.client_id if msg.role == protocol.ROLE_WRITER else None
+        logger.info("committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
+                    f", epoch {session.epoch}" if session.epoch else "")
+        return protocol.Welcome(
+            rid=msg.rid, client_id=msg.client_id, generation=self.generation, epoch=session.epoch,
+            control=self.pool.ctl_seg.name if self.pool.ctl_seg else "", layout=self.pool.current_layout(),
+            keys=[self.pool.key_segments(s, staging_of) for s in self.pool.keys.values()],
+            heartbeat_s=self.cfg.heartbeat_s, heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
+            committer_pid=os.getpid())
+
+    def on_open_key(self, session: Session, msg: protocol.OpenKey) -> msgspec.Struct:
+        if session.role == protocol.ROLE_ADMIN:
+            self.rejected["open_key_admin"] += 1
+            return protocol.Error(rid=msg.rid, code="bad_role", message="admin sessions cannot open keys")
+        if session.role == protocol.ROLE_READER:
+            state = self.pool.keys.get(msg.key)
+            if state is None:
+                self.rejected["unknown_key"] += 1
+                return protocol.Error(rid=msg.rid, code="unknown_key",
+                                      message=f"cache {self.name} has no key {msg.key!r} (the writer opens keys)")
+            if (state.dtype_name, state.width) != (msg.dtype, msg.width):
+                self.rejected["layout_mismatch"] += 1
+                return protocol.Error(rid=msg.rid, code="layout_mismatch",
+                                      message=f"cache {self.name} key {msg.key!r} is {state.dtype_name}"
+                                              f"[{state.width}], reader asked for {msg.dtype}[{msg.width}]")
+            return protocol.KeyOpened(rid=msg.rid, segments=self.pool.key_segments(state))
+        try:
+            state = self.pool.open_key(msg.key, msg.dtype, msg.width)
+            self.pool.ensure_staging(session.client_id, state, session.staging_rows)
+        except PoolError as exc:
+            self.rejected[exc.code] += 1
+            return protocol.Error(rid=msg.rid, code=exc.code, message=exc.message)
+        except OSError as exc:  # ENOSPC from posix_fallocate: /dev/shm is full
+            self.rejected["no_space"] += 1
+            return protocol.Error(rid=msg.rid, code="no_space", message=f"cache {self.name} key {msg.key!r}: {exc}")
+        return protocol.KeyOpened(rid=msg.rid, segments=self.pool.key_segments(state, session.client_id))
+
+    def on_step_write(self, session: Session, msg: protocol.StepWrite) -> msgspec.Struct:
+        if session.role != protocol.ROLE_WRITER:
+            self.rejected["not_writer"] += 1
+            return protocol.Error(rid=msg.rid, code="not_writer",
+                                  message=f"cache {self.name}: only the writer sends StepWrite, this is a {session.role}")
+        reply = self.pool.apply_step(session.client_id, msg)
+        if reply.reason:
+            self.rejected["step_invalid"] += 1
+            logger.warning("committer %s: step %d of client %s rejected: %s", self.name, msg.step,
+                           session.client_id, reply.reason)
+        return reply
+
+    # ------------------------------------------------------------ liveness
+
+    def detach(self, session: Session, why: str) -> None:
+        self.sessions.remove(session.identity)
+        removed = self.pool.drop_client(session.client_id)
+        logger.info("committer %s: %s client %s detached (%s)%s", self.name, session.role, session.client_id, why,
+                    f", {len(removed)} staging segment(s) unlinked" if removed else "")
+
+    def reap(self, now: float) -> None:
+        for session in self.sessions.expired(now, self.cfg.heartbeat_timeout_s):
+            self.sessions.reaped += 1
+            self.detach(session, f"reaped after {now - session.last_seen:.1f}s of silence")
+
+    # ------------------------------------------------------------ status and stop
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        layout = self.pool.layout
+        keys = self.pool.describe_keys()
+        return {
+            "name": self.name, "generation": self.generation, "pid": os.getpid(),
+            "endpoint": self.cfg.endpoint, "uptime_s": round(now - self.started, 3),
+            "layout": None if layout is None else {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
+                                                   "num_slots": self.pool.num_slots},
+            "writer_epoch": self.epoch, "keys": keys, "segment_bytes": self.pool.segment_bytes(),
+            "clients": self.sessions.describe(now), "clients_reaped": self.sessions.reaped,
+            "rows_written": sum(k["rows_written"] for k in keys),
+            "bytes_written": sum(k["bytes_written"] for k in keys),
+            "steps_applied": self.pool.steps_applied, "steps_failed": self.pool.steps_failed,
+            "tids_failed": self.pool.tids_failed, "rows_skipped": self.pool.rows_skipped,
+            "apply_seconds": self.pool.apply_seconds, "prefault_seconds": self.pool.prefault_seconds,
+            "messages": self.messages, "rejected": dict(self.rejected), "decode_errors": dict(self.decode_errors),
+            "queue_depth": self.queue_depth,
+        }
+
+    def close(self) -> list[str]:
+        """Unlink every segment, close the socket, remove the socket file (lock: the caller)."""
+        removed = self.pool.close()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        if self.cfg.ipc_path is not None:
+            try:
+                self.cfg.ipc_path.unlink()
+            except FileNotFoundError:
+                pass
+        return removed
+
+
+def _lock_holder(runtime_dir, name: str) -> str:
+    try:
+        text = shm.lock_path(runtime_dir, name).read_text().split()
+        return f"pid {text[1]}" if len(text) > 1 else "unknown pid"
+    except (OSError, IndexError):
+        return "unknown pid"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a committer in the foreground. Returns 0 on a clean stop, 2 when it refuses to start."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        shm.check_cache_name(args.name)
+        runtime_dir = shm.ensure_runtime_dir(args.runtime_dir)
+        cfg = config_from_args(args, runtime_dir)
+    except (ValueError, PermissionError) as exc:
+        print(f"omnishm committer: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    generation = uuid.uuid4().hex[:8]
+    lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
+    if lock is None:
+        print(f"omnishm committer: cache {cfg.name!r} already has a running committer "
+              f"({_lock_holder(runtime_dir, cfg.name)}, lock file {shm.lock_path(runtime_dir, cfg.name)}); "
+              f"refusing to start a second one", file=sys.stderr)
+        return EXIT_REFUSED
+    committer: Committer | None = None
+    try:
+        swept = shm.sweep(runtime_dir, cfg.name, keep_generation=generation, assume_dead=True)
+        if swept:
+            logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
+        if cfg.ipc_path is not None and cfg.ipc_path.exists():
+            cfg.ipc_path.unlink()  # stale: we hold the lock, so no live committer is bound there (trap 4)
+        import torch
+
+        torch.set_num_threads(1)
+        committer = Committer(cfg, generation)
+        committer.bind()
+        code = committer.run()
+    except zmq.ZMQError as exc:
+        print(f"omnishm committer: cannot bind {cfg.endpoint}: {exc}", file=sys.stderr)
+        code = EXIT_REFUSED
+    finally:
+        removed = committer.close() if committer is not None else []
+        lock.release(remove=True)
+    if committer is not None:
+        logger.info("committer %s stopped (%s): %d segment(s) unlinked", cfg.name,
+                    committer.stop_reason or "error", len(removed))
+    return code

@@ -1,0 +1,188 @@
+"""Identities, configuration, policy, outputs and errors of the omni prefix cache.
+
+This is the seed's ``interface`` module. Everything here is a plain value: no
+process, socket or shared memory is touched, and nothing imports vllm at
+module scope (the import invariant; ``tests/test_import_invariant.py`` scans).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple
+
+logger = logging.getLogger(__name__)
+
+TensorName = str
+"""Name of a cached per-token tensor: ``HIDDEN_KEY`` or an mm output key."""
+ReqId = str
+"""vLLM request id as the runner sees it."""
+Tid = int
+"""Write id. Never reused within a cache; see ``omnishm.versions``."""
+StepId = int
+"""Id of one saved step; consumed exactly once by materialize or discard_step."""
+
+HIDDEN_KEY: TensorName = "__hidden_states__"
+"""Pool key of the full-prompt hidden states (the shared identity)."""
+
+
+class WriteSchedule(enum.Enum):
+    """When a write's rows go from the client to the pool.
+
+    ``JOIN_NEXT_STEP``: staged at save; the next save waits for it to land.
+    ``JOIN_ON_FINISH``: rows stay with the client until the request finishes or
+    aborts, the GPU-byte budget forces the oldest pending write out, or a hit
+    reads them (then the write is closed and flushed so every rank can see it).
+    """
+
+    JOIN_NEXT_STEP = "join_next_step"
+    JOIN_ON_FINISH = "join_on_finish"
+
+
+class OmniPrefixCacheUnmatchError(RuntimeError):
+    """Contract, config, or KV-occupancy error that must raise.
+
+    Includes hit spans that resolve to absent slots (the omni cache diverged
+    from vLLM's KV), a step id consumed twice or never saved, a step larger than
+    the staging page, and a failed write. Do not pretend these were a miss.
+    """
+
+
+class OmniPrefixCacheStagingTimeoutError(OmniPrefixCacheUnmatchError):
+    """Save waited for a free staging slot and timed out."""
+
+
+class OmniPrefixCacheCommitterError(OmniPrefixCacheUnmatchError):
+    """The committer refused a request, went away, or did not answer in time."""
+
+
+def unmatch(reason: str, *, req_id: ReqId | None = None, key: TensorName | None = None,
+            step_id: StepId | None = None) -> OmniPrefixCacheUnmatchError:
+    """Build an unmatch error whose message names request, tensor, step and reason."""
+    return OmniPrefixCacheUnmatchError(
+        f"omni prefix cache: {reason} (request={req_id!r}, tensor={key!r}, step_id={step_id!r})")
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """Sizing and flow-control knobs (mirrors KVCacheConfig).
+
+    ``num_blocks * block_size`` is the number of pool rows per tensor name, so a
+    vLLM slot id indexes a row directly. A staging page holds one step (the
+    whole batch): ``staging_capacity_tokens`` rows. ``staging_depth`` is how many
+    unconsumed step ids may exist at once; a save past it waits up to
+    ``staging_claim_timeout_s`` and then raises
+    ``OmniPrefixCacheStagingTimeoutError``. A step larger than the capacity
+    raises at once: that is a configuration break, never clamped.
+    """
+
+    num_blocks: int
+    block_size: int
+    staging_capacity_tokens: int = 8192
+    staging_depth: int = 4
+    staging_claim_timeout_s: float = 30.0
+    gpu_staging_bytes: int = 1 << 30
+    copy_chunk_bytes: int = 64 << 20
+    commit_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "staging_capacity_tokens", "staging_depth",
+                     "gpu_staging_bytes", "copy_chunk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"PrefixCacheConfig.{name} must be a positive int, got {value!r}")
+        for name in ("staging_claim_timeout_s", "commit_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"PrefixCacheConfig.{name} must be a positive number, got {value!r}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @classmethod
+    def from_vllm_config(cls, *, num_blocks: int, block_size: int, scheduler_config: Any = None,
+                         model_config: Any = None, **overrides: Any) -> "PrefixCacheConfig":
+        """Size device-to-host staging from the running scheduler.
+
+        A staging page holds one step, not one request: the capacity is
+        ``max_num_batched_tokens`` (falling back to ``max_model_len``), and the
+        depth is how many unconsumed step ids may exist, not ``max_num_seqs``.
+        """
+        capacity = getattr(scheduler_config, "max_num_batched_tokens", None)
+        if not capacity:
+            capacity = getattr(model_config, "max_model_len", None)
+        if not capacity:
+            capacity = getattr(scheduler_config, "max_model_len", None)
+        kwargs: dict[str, Any] = {"num_blocks": int(num_blocks), "block_size": int(block_size)}
+        if capacity:
+            kwargs["staging_capacity_tokens"] = int(capacity)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class ModelCachePolicy:
+    """Which of a model's outputs the cache keeps, and when.
+
+    Hidden's name is ``HIDDEN_KEY`` (shared identity). This object answers
+    whether this model caches it, and which mm keys are deferred
+    (``WriteSchedule.JOIN_ON_FINISH``). Replaces getattr probing on models.
+    """
+
+    cache_hidden: bool = True
+    deferred_keys: frozenset[TensorName] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deferred_keys", frozenset(self.deferred_keys))
+        if HIDDEN_KEY in self.deferred_keys:
+            raise ValueError("HIDDEN_KEY is always written JOIN_NEXT_STEP; it cannot be deferred")
+
+    @property
+    def hidden_key(self) -> TensorName | None:
+        """Pool key for hidden, or None when this model opts out."""
+        return HIDDEN_KEY if self.cache_hidden else None
+
+    @classmethod
+    def from_model(cls, model: Any) -> "ModelCachePolicy":
+        """Shim over legacy per-model attributes (deprecation window).
+
+        Reads ``omni_prefix_cache_policy`` if the model has one; otherwise the
+        legacy ``cache_hidden_states`` and ``prefix_cache_deferred_mm_keys``.
+        """
+        policy = getattr(model, "omni_prefix_cache_policy", None)
+        if isinstance(policy, ModelCachePolicy):
+            return policy
+        cache_hidden = bool(getattr(model, "cache_hidden_states", True))
+        deferred = getattr(model, "prefix_cache_deferred_mm_keys", ()) or ()
+        return cls(cache_hidden=cache_hidden, deferred_keys=frozenset(deferred))
+
+    def schedule(self, key: TensorName) -> WriteSchedule:
+        return WriteSchedule.JOIN_ON_FINISH if key in self.deferred_keys else WriteSchedule.JOIN_NEXT_STEP
+
+    def get_hit_keys(self, keys: Iterable[TensorName]) -> list[TensorName]:
+        """Keys to plan/prefetch for a hit: hidden first (if cached), then mm."""
+        out: list[TensorName] = []
+        if self.hidden_key is not None:
+            out.append(HIDDEN_KEY)
+        out.extend(sorted(k for k in set(keys) if k != HIDDEN_KEY))
+        return out
+
+    def skip_immediate_mm(self, key: TensorName) -> bool:
+        """Immediate staging must not take hidden or deferred keys from mm."""
+        return key == HIDDEN_KEY or key in self.deferred_keys
+
+
+class StageCacheOutputs(NamedTuple):
+    """Plain value object: per-request merged stage outputs.
+
+    ``hidden_states[req]`` is ``[hit_rows + step_rows, H]`` (None when the
+    policy does not cache hidden). ``mm_outputs[req][key]`` is the merged
+    per-token tensor for token-major keys, and the save-time copy of the
+    value for leftover keys (non-token-major tensors, lists).
+    """
+
+    hidden_states: dict[ReqId, Any]
+    mm_outputs: dict[ReqId, dict[TensorName, Any]]
+    num_hit_tokens: dict[ReqId, int]

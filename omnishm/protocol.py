@@ -1,0 +1,186 @@
+"""Wire protocol between clients (DEALER) and the committer (ROUTER).
+
+Every message is one msgpack frame of one of the Structs below, tagged by its
+``type`` field, so one ``Decoder(Request)`` or ``Decoder(Reply)`` reads any of
+them. Every request carries ``rid``, echoed in its reply, so a client can keep
+several requests in flight on one socket.
+
+A step's writes travel in ONE ``StepWrite``: entries are parallel packed
+little-endian int64 buffers (no per-task Python objects on either side), and
+the slot ids of all entries are one packed int64 buffer, entry after entry.
+Entry ``i`` copies ``counts[i]`` rows starting at row ``src_rows[i]`` of the
+writer's staging segment of key ``keys[key_idx[i]]`` to the pool rows
+``slots[off_i : off_i + counts[i]]``, only where the claim table still holds
+``cvs[i]`` (see ``omnishm.versions``). ``tids[i]`` is the write the entry
+belongs to; ``StepDone`` reports every tid of the message as done or failed.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20
+"""Frames above this are dropped by libzmq (ZMQ_MAXMSGSIZE) before we decode them."""
+
+ROLE_WRITER = "writer"
+ROLE_READER = "reader"
+ROLE_ADMIN = "admin"
+ROLES = (ROLE_WRITER, ROLE_READER, ROLE_ADMIN)
+
+# Words of the per-cache control segment (int64 each). Each word has one writer.
+CTL_WORDS = 16
+CTL_PUBLISHED_STEP = 0   # writer client: last step id whose claims are in the claim table (-1: none)
+CTL_WRITER_EPOCH = 1     # committer: epoch of the attached writer (0: none yet)
+CTL_COMMITTER_PID = 2    # committer
+CTL_WRITER_STEP_BASE = 3  # writer client: step id its manager started at
+
+
+class KeySpec(msgspec.Struct, frozen=True):
+    """Geometry of one tensor name: dtype (torch name, e.g. ``bfloat16``) and row width."""
+
+    dtype: str
+    width: int
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """Layout fingerprint: must match the committer's before a client attaches."""
+
+    num_blocks: int
+    block_size: int
+    keys: dict[str, KeySpec] = {}
+
+
+class KeySegments(msgspec.Struct, frozen=True):
+    """Where one tensor name lives: pool, claim and commit table, and (writer) staging."""
+
+    key: str
+    index: int
+    dtype: str
+    width: int
+    pool: str
+    claim: str
+    commit: str
+    staging: str | None = None
+    staging_rows: int = 0
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    rid: int
+    protocol: int
+    client_id: str
+    pid: int
+    uid: int
+    role: str
+    cache: str
+    layout: Layout | None = None
+    staging_rows: int = 0
+    heartbeat_s: float | None = None
+
+
+class OpenKey(msgspec.Struct, tag="open_key"):
+    rid: int
+    key: str
+    dtype: str
+    width: int
+
+
+class StepWrite(msgspec.Struct, tag="step_write"):
+    rid: int
+    step: int
+    keys: list[str]
+    key_idx: bytes
+    tids: bytes
+    cvs: bytes
+    src_rows: bytes
+    counts: bytes
+    slots: bytes
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    rid: int
+    counters: dict[str, float] = {}
+
+
+class StatusRequest(msgspec.Struct, tag="status"):
+    rid: int
+
+
+class Goodbye(msgspec.Struct, tag="goodbye"):
+    rid: int
+
+
+Request = Union[Hello, OpenKey, StepWrite, Heartbeat, StatusRequest, Goodbye]
+
+
+# ---------------------------------------------------------------- replies
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    rid: int
+    client_id: str
+    generation: str
+    epoch: int
+    control: str
+    layout: Layout
+    keys: list[KeySegments]
+    heartbeat_s: float
+    heartbeat_timeout_s: float
+    committer_pid: int
+
+
+class Refused(msgspec.Struct, tag="refused"):
+    rid: int
+    reason: str
+
+
+class KeyOpened(msgspec.Struct, tag="key_opened"):
+    rid: int
+    segments: KeySegments
+
+
+class StepDone(msgspec.Struct, tag="step_done"):
+    rid: int
+    step: int
+    done_tids: bytes
+    failed_tids: bytes = b""
+    reason: str = ""
+    rows_written: int = 0
+    rows_skipped: int = 0
+
+
+class HeartbeatAck(msgspec.Struct, tag="heartbeat_ack"):
+    rid: int
+    readers: int = 0
+    writer: bool = False
+
+
+class StatusReply(msgspec.Struct, tag="status_reply"):
+    rid: int
+    status: dict
+
+
+class Error(msgspec.Struct, tag="error"):
+    rid: int
+    code: str
+    message: str
+
+
+class Bye(msgspec.Struct, tag="bye"):
+    rid: int
+
+
+Reply = Union[Welcome, Refused, KeyOpened, StepDone, HeartbeatAck, StatusReply, Error, Bye]
+
+_request_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _request_encoder.encode(msg)

@@ -1,0 +1,359 @@
+"""Named POSIX shared-memory segments, mapped as torch tensor views.
+
+One naming scheme for every segment omnishm makes::
+
+    /omnishm.<cache>.<generation>.<what>
+
+``cache`` is the cache (and committer) name, ``generation`` the committer
+instance that created it, ``what`` the purpose (``ctl``, ``pool.k0``,
+``claim.k0``, ``commit.k0``, ``stage.<client>.k0``). Segments are created
+0600 by the committer only, reserved with ``posix_fallocate`` (a full
+``/dev/shm`` fails cleanly with ENOSPC instead of a later SIGBUS, trap 3) and
+optionally pre-faulted.
+
+Liveness: the committer of a cache holds an exclusive ``flock`` on
+``<runtime_dir>/<cache>.lock`` for its whole life. A segment of a cache whose
+lock no process holds is an orphan (the committer was SIGKILLed, trap 1);
+``sweep`` unlinks it. Views never outlive their mapping: every tensor made by
+``Segment.tensor`` holds a reference to the ``mmap`` (trap 5), and nothing in
+omnishm calls ``mmap.close`` explicitly.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import stat
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import posix_ipc
+import torch
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "omnishm"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11
+PAGE = mmap.PAGESIZE
+
+
+def check_cache_name(cache: str) -> str:
+    """Cache names go into file and segment names: letters, digits, ``_`` and ``-``."""
+    if not isinstance(cache, str) or not _NAME_RE.match(cache):
+        raise ValueError(f"invalid cache name {cache!r}: use 1-64 letters, digits, '_' or '-'")
+    return cache
+
+
+def segment_name(cache: str, generation: str, what: str) -> str:
+    return f"/{PREFIX}.{cache}.{generation}.{what}"
+
+
+def parse_segment_name(name: str) -> tuple[str, str, str] | None:
+    """``(cache, generation, what)`` of an omnishm segment name, else None."""
+    name = name.lstrip("/")
+    parts = name.split(".", 3)
+    if len(parts) != 4 or parts[0] != PREFIX:
+        return None
+    return parts[1], parts[2], parts[3]
+
+
+def list_segments(cache: str | None = None) -> list[str]:
+    """Names (with leading ``/``) of omnishm segments in /dev/shm, optionally of one cache."""
+    out = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        parsed = parse_segment_name(entry)
+        if parsed is None:
+            continue
+        if cache is not None and parsed[0] != cache:
+            continue
+        out.append("/" + entry)
+    return sorted(out)
+
+
+def unlink_segment(name: str) -> bool:
+    """Unlink by name; False when it was already gone."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+class Segment:
+    """One mapped POSIX shared-memory segment.
+
+    Owned by whoever created or attached it; ``unlink`` is called only by the
+    committer (the creator). Dropping the object unmaps once no tensor view of
+    it remains, because every view holds the ``mmap`` alive.
+    """
+
+    def __init__(self, name: str, mm: mmap.mmap, size: int, *, readonly: bool, created: bool):
+        self.name = name
+        self.size = size
+        self.readonly = readonly
+        self.created = created
+        self._mmap: mmap.mmap | None = mm
+
+    @classmethod
+    def create(cls, name: str, size: int, *, prefault: bool = False, mlock: bool = False) -> "Segment":
+        """Create a new 0600 segment of ``size`` bytes (fails if the name exists).
+
+        Raises OSError(ENOSPC) when /dev/shm cannot hold it; the name is then
+        unlinked again so nothing is left behind.
+        """
+        size = max(int(size), 1)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        try:
+            os.fchmod(shm.fd, 0o600)  # mode is filtered by umask; make it exact
+            os.posix_fallocate(shm.fd, 0, size)
+            mm = mmap.mmap(shm.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            shm.close_fd()
+            unlink_segment(name)
+            raise
+        shm.close_fd()
+        seg = cls(name, mm, size, readonly=False, created=True)
+        if prefault:
+            seg.prefault()
+        if mlock:
+            seg.mlock()
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, *, readonly: bool = False) -> "Segment":
+        """Map an existing segment; read-only maps cannot be written (the OS enforces it)."""
+        flags = os.O_RDONLY if readonly else os.O_RDWR
+        try:
+            shm = posix_ipc.SharedMemory(name, 0, read_only=readonly)
+        except posix_ipc.ExistentialError as exc:
+            raise FileNotFoundError(errno.ENOENT, f"shared memory segment {name} does not exist") from exc
+        except posix_ipc.PermissionsError as exc:
+            raise PermissionError(errno.EACCES, f"no permission to map {name}: it belongs to another user") from exc
+        del flags
+        try:
+            st = os.fstat(shm.fd)
+            if st.st_uid != os.geteuid():
+                raise PermissionError(errno.EACCES, f"segment {name} is owned by uid {st.st_uid}, not us")
+            size = st.st_size
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            mm = mmap.mmap(shm.fd, size, mmap.MAP_SHARED, prot)
+        finally:
+            shm.close_fd()
+        return cls(name, mm, size, readonly=readonly, created=False)
+
+    @property
+    def mmap(self) -> mmap.mmap:
+        if self._mmap is None:
+            raise ValueError(f"segment {self.name} is closed")
+        return self._mmap
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        """A zero-copy view of ``shape`` at byte ``offset``; it keeps the mapping alive."""
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset + numel * itemsize > self.size:
+            raise ValueError(f"view of {numel * itemsize} bytes at {offset} exceeds segment {self.name} ({self.size})")
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            # Read-only maps: torch warns that the buffer is not writable. The
+            # mapping is PROT_READ, so a stray write faults instead of
+            # corrupting the shared pool; readers only ever copy out of it.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self.mmap, dtype=dtype, count=numel, offset=offset)
+        return flat.view(shape)
+
+    def prefault(self) -> float:
+        """Fault every page in now (creation time) so first writes do not; returns seconds."""
+        t0 = time.perf_counter()
+        try:
+            self.mmap.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            view = memoryview(self.mmap)
+            for off in range(0, self.size, PAGE):
+                view[off] = view[off]
+            view.release()
+        return time.perf_counter() - t0
+
+    def mlock(self) -> bool:
+        """Page-lock the mapping; False (logged) when RLIMIT_MEMLOCK refuses."""
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        buf = (ctypes.c_char * self.size).from_buffer(self.mmap)
+        try:
+            rc = libc.mlock(ctypes.addressof(buf), ctypes.c_size_t(self.size))
+        finally:
+            del buf
+        if rc != 0:
+            logger.warning("mlock of %s (%d bytes) failed: %s", self.name, self.size,
+                           os.strerror(ctypes.get_errno()))
+            return False
+        return True
+
+    def unlink(self) -> bool:
+        return unlink_segment(self.name)
+
+    def close(self) -> None:
+        """Drop this object's reference; the pages unmap when the last view is gone."""
+        self._mmap = None
+
+
+# ---------------------------------------------------------------------------
+# runtime directory, lock files and the orphan sweep
+
+
+def default_runtime_dir() -> Path:
+    env = os.environ.get("OMNISHM_RUNTIME_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "omnishm"
+    return Path(f"/tmp/omnishm-{os.geteuid()}")
+
+
+def ensure_runtime_dir(path: Path | str | None = None) -> Path:
+    """Create (0700) or validate the socket and lock directory.
+
+    Refuses a directory owned by another user or writable by group/others: a
+    socket or lock file there could be replaced by someone else.
+    """
+    path = Path(path) if path is not None else default_runtime_dir()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        pass
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"runtime dir {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"runtime dir {path} is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"runtime dir {path} has mode {stat.S_IMODE(st.st_mode):04o}; others could replace our socket. "
+            f"Run `chmod 700 {path}` or pick another --runtime-dir")
+    return path
+
+
+def lock_path(runtime_dir: Path, cache: str) -> Path:
+    return Path(runtime_dir) / f"{cache}.lock"
+
+
+def socket_path(runtime_dir: Path, cache: str) -> Path:
+    return Path(runtime_dir) / f"{cache}.sock"
+
+
+@dataclass
+class CacheLock:
+    """An exclusive flock held for a committer's whole life; the kernel drops it on death."""
+
+    path: Path
+    fd: int
+
+    @classmethod
+    def acquire(cls, runtime_dir: Path, cache: str, generation: str) -> "CacheLock | None":
+        """Take the lock, or None when a live process holds it."""
+        path = lock_path(runtime_dir, cache)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            # A sweeper may have unlinked the file between our open and flock;
+            # a lock on an unlinked inode guards nothing, so take it again.
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{generation} {os.getpid()}\n".encode())
+        return cls(path, fd)
+
+    def release(self, *, remove: bool = True) -> None:
+        if self.fd < 0:
+            return
+        if remove:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+def cache_is_live(runtime_dir: Path, cache: str) -> bool:
+    """True when some process holds the cache's committer lock."""
+    path = lock_path(runtime_dir, cache)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
+          keep_generation: str | None = None, assume_dead: bool = False) -> list[str]:
+    """Unlink segments (and stale sockets/locks) of caches no live committer owns.
+
+    ``assume_dead`` is for a committer that holds the lock itself: every
+    segment of ``cache`` other than ``keep_generation`` is then an orphan.
+    Returns what was removed.
+    """
+    runtime_dir = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
+    removed: list[str] = []
+    live: dict[str, bool] = {}
+    for name in list_segments(cache):
+        seg_cache, generation, _ = parse_segment_name(name)  # type: ignore[misc]
+        if keep_generation is not None and generation == keep_generation:
+            continue
+        if seg_cache not in live:
+            live[seg_cache] = False if (assume_dead and seg_cache == cache) else cache_is_live(runtime_dir, seg_cache)
+        if live[seg_cache]:
+            continue
+        if unlink_segment(name):
+            removed.append(name)
+    if runtime_dir.is_dir():
+        caches = [cache] if cache is not None else sorted(
+            {p.name.rsplit(".", 1)[0] for p in runtime_dir.glob("*.sock")} |
+            {p.name.rsplit(".", 1)[0] for p in runtime_dir.glob("*.lock")})
+        for name in caches:
+            if assume_dead and name == cache:
+                continue
+            if cache_is_live(runtime_dir, name):
+                continue
+            for path in (socket_path(runtime_dir, name), lock_path(runtime_dir, name)):
+                try:
+                    path.unlink()
+                    removed.append(str(path))
+                except FileNotFoundError:
+                    pass
+    if removed:
+        logger.info("swept %d orphaned omnishm object(s): %s", len(removed), ", ".join(removed))
+    return removed

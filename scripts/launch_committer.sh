@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Run an omnishm committer in the foreground (for a supervisor: systemd, supervisord, k8s).
+#
+# Usage: scripts/launch_committer.sh --name NAME [--runtime-dir DIR] [--endpoint ipc://...|tcp://127.0.0.1:PORT]
+#                                    [--heartbeat-s S] [--heartbeat-timeout-s S] [--exit-when-idle]
+#                                    [--prefault] [--log-level LEVEL]
+#
+# SIGTERM/SIGINT stop it cleanly (every segment unlinked, exit 0). Exit 2: another committer
+# already holds that cache name. PYTHON overrides the interpreter (default python3).
+set -euo pipefail
+exec "${PYTHON:-python3}" -m omnishm.committer "$@"

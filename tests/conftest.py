@@ -1,0 +1,177 @@
+"""Shared fixtures: a private runtime dir, a leak check, committer subprocesses.
+
+Every cache a test makes is named by ``unique_cache_name()`` (a per-session
+prefix), so the leak check only judges this session's segments: other people's
+omnishm processes on the same machine share /dev/shm and are left alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Before anything imports omnishm: committer subprocesses inherit this, so no
+# test ever touches the user's runtime dir. mkdtemp makes it 0700.
+RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="omnishm-test-"))
+os.environ["OMNISHM_RUNTIME_DIR"] = str(RUNTIME_DIR)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from omnishm import protocol, shm  # noqa: E402
+
+from helpers import RawClient  # noqa: E402
+
+SESSION_PREFIX = f"t{uuid.uuid4().hex[:6]}"
+_counter = itertools.count()
+SHARED_CACHES: set[str] = set()
+"""Caches of module-scoped committers: their segments outlive single tests and are checked at their teardown."""
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+
+
+def unique_cache_name(tag: str = "c") -> str:
+    return f"{SESSION_PREFIX}-{tag}{next(_counter)}"
+
+
+def _ours(cache: str) -> bool:
+    return cache.startswith(SESSION_PREFIX)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
+
+
+def _cache_of_file(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves omnishm segments or runtime-dir files behind (and clean them up)."""
+    before_segs = set(shm.list_segments())
+    before_files = set(os.listdir(RUNTIME_DIR))
+    yield
+    leaked_segs = sorted(s for s in set(shm.list_segments()) - before_segs
+                         if _ours(shm.parse_segment_name(s)[0]) and shm.parse_segment_name(s)[0] not in SHARED_CACHES)
+    leaked_files = sorted(f for f in set(os.listdir(RUNTIME_DIR)) - before_files
+                          if _cache_of_file(f) not in SHARED_CACHES)
+    for seg in leaked_segs:
+        shm.unlink_segment(seg)
+    for f in leaked_files:
+        (RUNTIME_DIR / f).unlink(missing_ok=True)
+    if leaked_segs or leaked_files:
+        pytest.fail(f"test leaked omnishm segments {leaked_segs} / runtime files {leaked_files}")
+
+
+@dataclass
+class CommitterHandle:
+    name: str
+    endpoint: str
+    runtime_dir: Path
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"committer {self.name} did not stop within {timeout_s}s:\n{self.log()}") from None
+
+    def client(self) -> RawClient:
+        return RawClient(self.endpoint, self.name)
+
+
+def wait_ready(handle: CommitterHandle, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Bounded wait until an admin Hello round trip succeeds (fails early if the process exits)."""
+    client = handle.client()
+    try:
+        client.send(protocol.Hello(rid=1, protocol=protocol.PROTOCOL_VERSION, client_id=client.client_id,
+                                   pid=os.getpid(), uid=os.geteuid(), role=protocol.ROLE_ADMIN, cache=handle.name))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if client.sock.poll(100):
+                reply = protocol.reply_decoder.decode(client.sock.recv())
+                assert isinstance(reply, protocol.Welcome), reply
+                assert isinstance(client.goodbye(), protocol.Bye)
+                return
+            if handle.proc.poll() is not None:
+                raise AssertionError(f"committer {handle.name} exited with {handle.proc.returncode}:\n{handle.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"committer {handle.name} did not answer within {timeout_s}s:\n{handle.log()}")
+    finally:
+        client.close()
+
+
+def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: bool = True) -> CommitterHandle:
+    name = name or unique_cache_name()
+    log_path = log_dir / f"{name}.{uuid.uuid4().hex[:6]}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name,
+                                 "--runtime-dir", str(RUNTIME_DIR), *extra],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    handle = CommitterHandle(name, f"ipc://{RUNTIME_DIR / f'{name}.sock'}", RUNTIME_DIR, proc, log_path)
+    if wait:
+        try:
+            wait_ready(handle)
+        except BaseException:
+            handle.stop(signal.SIGKILL)
+            raise
+    return handle
+
+
+def assert_clean_stop(handle: CommitterHandle) -> None:
+    """SIGTERM, exit 0, and nothing of that cache left in /dev/shm or the runtime dir."""
+    rc = handle.stop(signal.SIGTERM)
+    assert rc == 0, f"committer {handle.name} exited {rc}:\n{handle.log()}"
+    assert shm.list_segments(handle.name) == [], handle.log()
+    left = [f for f in os.listdir(RUNTIME_DIR) if _cache_of_file(f) == handle.name]
+    assert left == [], left
+
+
+@pytest.fixture
+def committer_factory(tmp_path_factory):
+    """Start committers owned by one test; at teardown every one still running gets SIGTERM and must exit 0."""
+    log_dir = tmp_path_factory.mktemp("committer-logs")
+    started: list[CommitterHandle] = []
+
+    def factory(*extra: str, name: str | None = None, wait: bool = True) -> CommitterHandle:
+        handle = start_committer(log_dir, name, *extra, wait=wait)
+        started.append(handle)
+        return handle
+
+    yield factory
+    for handle in started:
+        if handle.proc.returncode is None and handle.proc.poll() is None:
+            assert_clean_stop(handle)
+
+
+@pytest.fixture(scope="module")
+def committer(tmp_path_factory):
+    """One committer shared by a module's tests (start-up costs ~2-3 s of ``import torch``)."""
+    handle = start_committer(tmp_path_factory.mktemp("committer-logs"), None, "--heartbeat-timeout-s", "60")
+    SHARED_CACHES.add(handle.name)
+    try:
+        yield handle
+    finally:
+        try:
+            assert_clean_stop(handle)
+        finally:
+            SHARED_CACHES.discard(handle.name)

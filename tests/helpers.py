@@ -1,0 +1,160 @@
+"""Test helpers: a raw DEALER speaking omnishm.protocol, a writer built on it, packing."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zmq
+
+from omnishm import protocol, shm
+from omnishm.committer.pool import DTYPES
+
+REPLY_TIMEOUT_S = 5.0
+
+
+def pack(values) -> bytes:
+    """Packed little-endian int64, as StepWrite carries them."""
+    return np.asarray(values, dtype="<i8").tobytes()
+
+
+def unpack(buf: bytes) -> list[int]:
+    return np.frombuffer(buf, dtype="<i8").tolist()
+
+
+class RawClient:
+    """One DEALER socket. ``call`` sends a Struct and returns the decoded reply (TimeoutError if none)."""
+
+    def __init__(self, endpoint: str, cache: str):
+        self.endpoint = endpoint
+        self.cache = cache
+        self.client_id = uuid.uuid4().hex
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self._rid = 100
+
+    def next_rid(self) -> int:
+        self._rid += 1
+        return self._rid
+
+    def send(self, msg) -> None:
+        self.sock.send(protocol.encode(msg))
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout_s: float = REPLY_TIMEOUT_S):
+        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise TimeoutError(f"no reply from {self.endpoint} within {timeout_s}s")
+        return protocol.reply_decoder.decode(self.sock.recv())
+
+    def call(self, msg, timeout_s: float = REPLY_TIMEOUT_S):
+        self.send(msg)
+        return self.recv(timeout_s)
+
+    def hello(self, role: str, layout: protocol.Layout | None = None, staging_rows: int = 0,
+              version: int = protocol.PROTOCOL_VERSION, timeout_s: float = REPLY_TIMEOUT_S):
+        return self.call(protocol.Hello(rid=self.next_rid(), protocol=version, client_id=self.client_id,
+                                        pid=os.getpid(), uid=os.geteuid(), role=role, cache=self.cache,
+                                        layout=layout, staging_rows=staging_rows), timeout_s)
+
+    def goodbye(self):
+        return self.call(protocol.Goodbye(rid=self.next_rid()))
+
+    def status(self) -> dict:
+        reply = self.call(protocol.StatusRequest(rid=self.next_rid()))
+        assert isinstance(reply, protocol.StatusReply), reply
+        return reply.status
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@dataclass
+class KeyView:
+    """A key's segments mapped in the test process (as a writer client would map them)."""
+
+    segments: protocol.KeySegments
+    dtype: torch.dtype
+    pool: torch.Tensor
+    claim: torch.Tensor
+    commit: torch.Tensor
+    staging: torch.Tensor | None
+    _segs: list = field(default_factory=list)
+
+
+def map_key(ks: protocol.KeySegments, num_slots: int) -> KeyView:
+    dtype = DTYPES[ks.dtype]
+    pool_seg = shm.Segment.attach(ks.pool, readonly=True)
+    claim_seg = shm.Segment.attach(ks.claim)  # the writer owns the claim table
+    commit_seg = shm.Segment.attach(ks.commit, readonly=True)
+    segs = [pool_seg, claim_seg, commit_seg]
+    staging = None
+    if ks.staging:
+        stage_seg = shm.Segment.attach(ks.staging)
+        staging = stage_seg.tensor(dtype, (ks.staging_rows, ks.width))
+        segs.append(stage_seg)
+    return KeyView(ks, dtype, pool_seg.tensor(dtype, (num_slots, ks.width)),
+                   claim_seg.tensor(torch.int64, (num_slots,)), commit_seg.tensor(torch.int64, (num_slots,)),
+                   staging, segs)
+
+
+def random_rows(dtype: torch.dtype, shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Byte view of rows, for bit-exact comparison whatever the dtype."""
+    return t.contiguous().view(torch.uint8)
+
+
+class Writer:
+    """The writer side of the protocol done by hand: hello, open keys, claim, stage, StepWrite."""
+
+    def __init__(self, endpoint: str, cache: str, layout: protocol.Layout, staging_rows: int):
+        self.raw = RawClient(endpoint, cache)
+        self.layout = layout
+        self.num_slots = layout.num_blocks * layout.block_size
+        self.welcome = self.raw.hello(protocol.ROLE_WRITER, layout, staging_rows)
+        assert isinstance(self.welcome, protocol.Welcome), self.welcome
+        self.epoch = self.welcome.epoch
+        self.keys: dict[str, KeyView] = {ks.key: map_key(ks, self.num_slots) for ks in self.welcome.keys}
+        self._seq = 0
+
+    def open_key(self, key: str, dtype: str, width: int) -> KeyView:
+        reply = self.raw.call(protocol.OpenKey(rid=self.raw.next_rid(), key=key, dtype=dtype, width=width))
+        assert isinstance(reply, protocol.KeyOpened), reply
+        self.keys[key] = map_key(reply.segments, self.num_slots)
+        return self.keys[key]
+
+    def new_cv(self, step: int) -> int:
+        from omnishm.versions import make_cv
+
+        self._seq += 1
+        return make_cv(self.epoch, step, self._seq)
+
+    def step_write(self, step: int, entries: list[tuple[str, int, int, int, list[int]]], claim: bool = True,
+                   keys: list[str] | None = None):
+        """entries: (key, tid, cv, src_row, slots). Claims the slots (unless claim=False), sends one StepWrite."""
+        keys = keys if keys is not None else sorted({e[0] for e in entries})
+        for key, _tid, cv, _src, slots in entries:
+            in_range = [s for s in slots if 0 <= s < self.num_slots]  # bad slots are the test's point
+            if claim and key in self.keys:
+                self.keys[key].claim[torch.tensor(in_range, dtype=torch.int64)] = cv
+        msg = protocol.StepWrite(
+            rid=self.raw.next_rid(), step=step, keys=keys,
+            key_idx=pack([keys.index(e[0]) for e in entries]), tids=pack([e[1] for e in entries]),
+            cvs=pack([e[2] for e in entries]), src_rows=pack([e[3] for e in entries]),
+            counts=pack([len(e[4]) for e in entries]), slots=pack([s for e in entries for s in e[4]]))
+        return self.raw.call(msg)
+
+    def goodbye(self) -> None:
+        assert isinstance(self.raw.goodbye(), protocol.Bye)
+        self.raw.close()

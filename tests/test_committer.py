@@ -1,0 +1,373 @@
+"""The committer as a real subprocess, driven over real ZeroMQ and real shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from omnishm import protocol, shm
+from omnishm.committer.config import check_endpoint
+
+from conftest import RUNTIME_DIR, unique_cache_name
+from helpers import RawClient, Writer, bits, pack, random_rows, unpack
+
+LAYOUT = protocol.Layout(num_blocks=16, block_size=4)  # the shared committer's layout: 64 slots
+NUM_SLOTS = 64
+STAGING_ROWS = 32
+KEYS = [("f32", "float32", 16), ("bf16", "bfloat16", 8), ("f16", "float16", 4), ("i64", "int64", 3)]
+
+
+def unique_key(tag: str) -> str:
+    return f"{tag}-{unique_cache_name('k')}"
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omnishm", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def fill_staging(writer: Writer, key: str, seed: int) -> torch.Tensor:
+    view = writer.keys[key]
+    rows = random_rows(view.dtype, tuple(view.staging.shape), torch.Generator().manual_seed(seed))
+    view.staging.copy_(rows)
+    return rows
+
+
+def check_rows(writer: Writer, key: str, expect: dict[int, tuple[torch.Tensor, int]]) -> None:
+    """Every slot in ``expect`` holds the row bit-exact and commit == cv; every other slot is untouched."""
+    view = writer.keys[key]
+    for slot, (row, cv) in expect.items():
+        assert torch.equal(bits(view.pool[slot]), bits(row)), f"{key} slot {slot} differs"
+        assert int(view.commit[slot]) == cv, f"{key} slot {slot} commit {int(view.commit[slot])} != {cv}"
+    others = [s for s in range(NUM_SLOTS) if s not in expect]
+    assert int(view.commit[others].count_nonzero()) == 0
+    assert int(bits(view.pool[others]).count_nonzero()) == 0
+
+
+def test_rows_land_bit_exact_for_several_keys_and_dtypes(committer):
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, STAGING_ROWS)
+    names = {}
+    for tag, dtype, width in KEYS:
+        names[tag] = unique_key(tag)
+        writer.open_key(names[tag], dtype, width)
+    staged = {tag: fill_staging(writer, names[tag], seed) for seed, (tag, _, _) in enumerate(KEYS)}
+    step = 7
+    entries, expect, tids = [], {tag: {} for tag in names}, []
+    for n, tag in enumerate(names):
+        # A run of two whole blocks, a scattered set, and a run at another staging offset.
+        pieces = [(0, list(range(8 + 4 * n, 16 + 4 * n))), (10, [3, 41, 60 - n, 2]), (20, [48, 49, 50])]
+        for src, slots in pieces:
+            tid, cv = 1000 + len(tids), writer.new_cv(step)
+            tids.append(tid)
+            entries.append((names[tag], tid, cv, src, slots))
+            for i, slot in enumerate(slots):
+                expect[tag][slot] = (staged[tag][src + i], cv)
+    # One more key staged in order but scattered over the pool (the no-gather index_copy_ path).
+    names["seq"] = unique_key("seq")
+    writer.open_key(names["seq"], "float32", 5)
+    staged["seq"] = fill_staging(writer, names["seq"], 99)
+    tids.append(2000)
+    cv = writer.new_cv(step)
+    entries.append((names["seq"], 2000, cv, 5, [7, 3, 30, 31, 12, 63]))
+    expect["seq"] = {slot: (staged["seq"][5 + i], cv) for i, slot in enumerate(entries[-1][4])}
+    done = writer.step_write(step, entries)
+    assert isinstance(done, protocol.StepDone), done
+    assert done.reason == "" and done.failed_tids == b""
+    assert sorted(unpack(done.done_tids)) == sorted(tids)
+    assert done.rows_written == sum(len(e[4]) for e in entries) and done.rows_skipped == 0
+    for tag in names:
+        check_rows(writer, names[tag], expect[tag])
+    stage_segs = [kv.segments.staging for kv in writer.keys.values()]
+    assert all(s in shm.list_segments(committer.name) for s in stage_segs)
+    writer.goodbye()
+    # Goodbye unlinks the writer's staging segments; pool, claim and commit stay.
+    left = shm.list_segments(committer.name)
+    assert not any(s in left for s in stage_segs)
+    assert all(kv.segments.pool in left for kv in writer.keys.values())
+
+
+def test_slot_claimed_by_newer_write_is_skipped(committer):
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, STAGING_ROWS)
+    key = unique_key("skip")
+    view = writer.open_key(key, "float32", 8)
+    staged = fill_staging(writer, key, 42)
+    before = writer.raw.status()["rows_skipped"]
+    slots = list(range(16, 24))
+    cv_old = writer.new_cv(3)
+    view.claim[torch.tensor(slots)] = cv_old
+    cv_new = writer.new_cv(4)
+    view.claim[[18, 21]] = cv_new  # reclaimed by a newer write before the committer got to step 3
+    done = writer.step_write(3, [(key, 1, cv_old, 0, slots)], claim=False)
+    assert done.rows_written == 6 and done.rows_skipped == 2 and unpack(done.done_tids) == [1]
+    check_rows(writer, key, {s: (staged[i], cv_old) for i, s in enumerate(slots) if s not in (18, 21)})
+    assert writer.raw.status()["rows_skipped"] == before + 2
+    writer.goodbye()
+
+
+def test_bad_requests_get_clear_errors_while_another_client_is_served(committer):
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, STAGING_ROWS)
+    key = unique_key("err")
+    writer.open_key(key, "bfloat16", 8)
+    staged = fill_staging(writer, key, 7)
+    bad = committer.client()
+    expect: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def good_step(step: int, slots: list[int], src: int) -> None:
+        cv = writer.new_cv(step)
+        done = writer.step_write(step, [(key, step, cv, src, slots)])
+        assert done.rows_written == len(slots) and done.reason == "", done
+        expect.update({s: (staged[src + i], cv) for i, s in enumerate(slots)})
+        check_rows(writer, key, expect)
+
+    reply = bad.call(protocol.StatusRequest(rid=5))  # no Hello yet
+    assert isinstance(reply, protocol.Error) and reply.code == "no_session" and reply.rid == 5
+    good_step(1, [0, 1, 2, 3], 0)
+    bad.send_raw(b"\xc1\xff not msgpack")
+    reply = bad.recv()
+    assert isinstance(reply, protocol.Error) and reply.code == "decode" and reply.rid == -1
+    bad.send_raw(b"", protocol.encode(protocol.StatusRequest(rid=6)))  # REQ-style delimiter: wrong shape
+    reply = bad.recv()
+    assert isinstance(reply, protocol.Error) and reply.code == "decode" and "frames" in reply.message
+    bad.send_raw(protocol.encode(protocol.Bye(rid=9)))  # a reply type is not a request
+    assert bad.recv().code == "decode"
+    good_step(2, [4, 5], 4)
+    reply = bad.hello(protocol.ROLE_READER, LAYOUT, version=999)
+    assert isinstance(reply, protocol.Refused)
+    assert "999" in reply.reason and f"speaks {protocol.PROTOCOL_VERSION}" in reply.reason
+    good_step(3, [9, 10, 11], 6)
+
+    # A bad descriptor fails as a whole, names the step, key and value, and applies nothing.
+    cv = writer.new_cv(4)
+    done = writer.step_write(4, [(key, 40, cv, 0, [12, 13]), (key, 41, cv, 2, [14, NUM_SLOTS + 5])])
+    assert unpack(done.done_tids) == [] and sorted(unpack(done.failed_tids)) == [40, 41]
+    assert "step 4" in done.reason and key in done.reason and str(NUM_SLOTS + 5) in done.reason
+    writer.keys[key].claim[[12, 13, 14, NUM_SLOTS - 1]] = 0
+    check_rows(writer, key, expect)
+    done = writer.step_write(5, [("no-such-key", 50, writer.new_cv(5), 0, [20])], claim=False)
+    assert unpack(done.failed_tids) == [50] and "unknown key 'no-such-key'" in done.reason
+    done = writer.step_write(6, [(key, 60, writer.new_cv(6), STAGING_ROWS - 1, [21, 22])])
+    assert unpack(done.failed_tids) == [60] and "staging rows" in done.reason
+    writer.keys[key].claim[[21, 22]] = 0
+    msg = protocol.StepWrite(rid=77, step=7, keys=[key], key_idx=pack([0]), tids=pack([70]), cvs=b"\x01\x02\x03",
+                             src_rows=pack([0]), counts=pack([1]), slots=pack([30]))
+    done = writer.raw.call(msg)
+    assert unpack(done.failed_tids) == [70] and "not a multiple of 8" in done.reason
+    good_step(8, [24, 25, 26, 27, 28], 10)
+
+    reader = committer.client()
+    assert isinstance(reader.hello(protocol.ROLE_READER, LAYOUT), protocol.Welcome)
+    reply = reader.call(protocol.StepWrite(rid=3, step=1, keys=[key], key_idx=b"", tids=b"", cvs=b"", src_rows=b"",
+                                           counts=b"", slots=b""))
+    assert isinstance(reply, protocol.Error) and reply.code == "not_writer"
+    good_step(9, [40], 20)
+
+    status = writer.raw.status()
+    assert status["decode_errors"]["msgpack"] >= 1 and status["decode_errors"]["frames"] >= 1
+    assert status["rejected"]["step_invalid"] >= 4 and status["rejected"]["hello_protocol"] >= 1
+    assert status["rejected"]["no_session"] >= 1 and status["rejected"]["not_writer"] >= 1
+    assert isinstance(reader.goodbye(), protocol.Bye)
+    for client in (bad, reader):
+        client.close()
+    writer.goodbye()
+
+
+def test_second_writer_refused_then_next_writer_gets_new_epoch(committer):
+    first = Writer(committer.endpoint, committer.name, LAYOUT, 4)
+    second = committer.client()
+    reply = second.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+    assert isinstance(reply, protocol.Refused)
+    assert "already has a writer" in reply.reason
+    assert first.raw.client_id in reply.reason and f"pid {os.getpid()}" in reply.reason
+    first.goodbye()
+    welcome = second.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+    assert isinstance(welcome, protocol.Welcome) and welcome.epoch == first.epoch + 1
+    ctl = shm.Segment.attach(welcome.control, readonly=True).tensor(torch.int64, (protocol.CTL_WORDS,))
+    assert int(ctl[protocol.CTL_WRITER_EPOCH]) == welcome.epoch
+    assert int(ctl[protocol.CTL_COMMITTER_PID]) == committer.proc.pid
+    assert isinstance(second.goodbye(), protocol.Bye)
+    second.close()
+
+
+def test_layout_mismatch_refused(committer):
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, 4)
+    key = unique_key("lay")
+    writer.open_key(key, "float16", 8)
+    client = committer.client()
+    reply = client.hello(protocol.ROLE_READER, protocol.Layout(num_blocks=17, block_size=4))
+    assert isinstance(reply, protocol.Refused) and "num_blocks=16" in reply.reason and "num_blocks=17" in reply.reason
+    reply = client.hello(protocol.ROLE_READER, protocol.Layout(16, 4, {key: protocol.KeySpec("float32", 8)}))
+    assert isinstance(reply, protocol.Refused) and key in reply.reason and "float16[8]" in reply.reason
+    reply = writer.raw.call(protocol.OpenKey(rid=1, key=key, dtype="float16", width=9))
+    assert isinstance(reply, protocol.Error) and reply.code == "layout_mismatch" and "float16[9]" in reply.message
+    reply = writer.raw.call(protocol.OpenKey(rid=2, key=unique_key("dt"), dtype="complex64", width=2))
+    assert isinstance(reply, protocol.Error) and reply.code == "bad_dtype" and "complex64" in reply.message
+    welcome = client.hello(protocol.ROLE_READER, protocol.Layout(16, 4, {key: protocol.KeySpec("float16", 8)}))
+    assert isinstance(welcome, protocol.Welcome)
+    assert all(ks.staging is None for ks in welcome.keys) and key in [ks.key for ks in welcome.keys]
+    reply = client.call(protocol.OpenKey(rid=3, key=unique_key("nope"), dtype="float16", width=8))
+    assert isinstance(reply, protocol.Error) and reply.code == "unknown_key"
+    opened = client.call(protocol.OpenKey(rid=4, key=key, dtype="float16", width=8))
+    assert isinstance(opened, protocol.KeyOpened) and opened.segments.staging is None
+    ack = client.call(protocol.Heartbeat(rid=5, counters={"reads": 3.0}))
+    assert isinstance(ack, protocol.HeartbeatAck) and ack.writer and ack.readers == 1
+    me = [c for c in writer.raw.status()["clients"] if c["client_id"] == client.client_id]
+    assert me and me[0]["counters"] == {"reads": 3.0} and me[0]["rss_bytes"] > 0
+    assert isinstance(client.goodbye(), protocol.Bye)
+    client.close()
+    writer.goodbye()
+
+
+def test_second_committer_with_same_name_refuses(committer):
+    proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", committer.name],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"cache {committer.name!r} already has a running committer" in proc.stderr
+    assert f"pid {committer.proc.pid}" in proc.stderr
+    assert committer.proc.poll() is None  # the first one is untouched and still answers
+    client = committer.client()
+    assert isinstance(client.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+    client.goodbye()
+    client.close()
+
+
+def test_status_json_and_ping(committer):
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, 4)
+    key = unique_key("st")
+    writer.open_key(key, "int64", 2)
+    proc = run_cli("status", "--name", committer.name, "--json")
+    assert proc.returncode == 0, proc.stderr
+    status = json.loads(proc.stdout)
+    assert status["name"] == committer.name and status["pid"] == committer.proc.pid
+    assert status["layout"]["num_slots"] == NUM_SLOTS and status["segment_bytes"] > 0
+    assert key in [k["name"] for k in status["keys"]]
+    assert writer.raw.client_id in [c["client_id"] for c in status["clients"]]
+    proc = run_cli("status", "--name", committer.name)
+    assert proc.returncode == 0 and key in proc.stdout and "MiB" in proc.stdout
+    assert run_cli("ping", "--name", committer.name).returncode == 0
+    writer.goodbye()
+
+
+def test_status_and_ping_fail_when_nothing_answers():
+    name = unique_cache_name("absent")
+    for cmd in ("status", "ping"):
+        proc = run_cli(cmd, "--name", name, "--json")if cmd == "status" else run_cli(cmd, "--name", name)
+        assert proc.returncode == 1 and f"no committer for cache {name!r}" in proc.stderr
+    # A reachable-looking endpoint where nobody answers: bounded by --timeout-s.
+    t0 = time.monotonic()
+    proc = run_cli("ping", "--name", name, "--endpoint", "tcp://127.0.0.1:9", "--timeout-s", "0.5")
+    assert proc.returncode == 1 and "within 0.5s" in proc.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_endpoint_policy():
+    for ok in ("ipc:///tmp/x.sock", "tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://[::1]:5555"):
+        assert check_endpoint(ok) == ok
+    for bad in ("tcp://0.0.0.0:5555", "tcp://10.1.2.3:5555", "tcp://*:5555", "udp://127.0.0.1:1", "inproc://x"):
+        with pytest.raises(ValueError, match="refused"):
+            check_endpoint(bad)
+
+
+def test_large_write_throughput_then_sigterm_unlinks_everything(committer_factory):
+    """The largest write: 8192 rows x 4 KiB in runs of one block, against a plain copy_ of the same bytes."""
+    handle = committer_factory()
+    layout = protocol.Layout(num_blocks=512, block_size=16)
+    n, width = 512 * 16, 1024
+    writer = Writer(handle.endpoint, handle.name, layout, n)
+    view = writer.open_key("hidden", "float32", width)
+    writer.open_key("mm", "bfloat16", 64)
+    staged = fill_staging(writer, "hidden", 1)
+    blocks = torch.randperm(512, generator=torch.Generator().manual_seed(0))
+    slots = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1).tolist()
+    cv = writer.new_cv(1)
+    view.claim[torch.tensor(slots)] = cv
+    nbytes = n * width * 4
+    assert writer.step_write(1, [("hidden", 1, cv, 0, slots)], claim=False).rows_written == n  # faults pages in
+    warm = writer.raw.status()
+    times = []
+    for step in range(2, 7):
+        t0 = time.perf_counter()
+        done = writer.step_write(step, [("hidden", step, cv, 0, slots)], claim=False)
+        times.append(time.perf_counter() - t0)
+        assert done.rows_written == n, done
+    expect = torch.empty_like(staged)
+    expect[torch.tensor(slots)] = staged
+    assert torch.equal(bits(view.pool), bits(expect)) and bool((view.commit == cv).all())
+    src, dst = torch.randn(n, width), torch.zeros(n, width)
+    copies = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like the committer (LIMITS.md): one thread against one thread
+    try:
+        dst.copy_(src)  # fault dst in, as the warm-up step did for the pool
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copies.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    status = writer.raw.status()
+    inside = (status["apply_seconds"] - warm["apply_seconds"]) / (status["steps_applied"] - warm["steps_applied"])
+    print(f"\n[omnishm] committer wrote {nbytes / 2**20:.0f} MiB in runs of 16 rows: "
+          f"{nbytes / np.median(times) / 1e9:.2f} GB/s round trip, {nbytes / inside / 1e9:.2f} GB/s inside "
+          f"apply_step; plain torch copy_ of the same bytes here: {nbytes / np.median(copies) / 1e9:.2f} GB/s")
+
+    reader = handle.client()
+    welcome = reader.hello(protocol.ROLE_READER)
+    assert isinstance(welcome, protocol.Welcome) and welcome.layout.num_blocks == 512
+    pool_copy = shm.Segment.attach(welcome.keys[0].pool, readonly=True).tensor(torch.float32, (n, width))
+    assert len(shm.list_segments(handle.name)) == 1 + 2 * 3 + 2  # ctl, 2 x (pool, claim, commit), 2 staging
+    rc = handle.stop(signal.SIGTERM)
+    assert rc == 0, handle.log()
+    assert shm.list_segments(handle.name) == []
+    assert not (RUNTIME_DIR / f"{handle.name}.sock").exists() and not (RUNTIME_DIR / f"{handle.name}.lock").exists()
+    assert torch.equal(bits(pool_copy[:4]), bits(expect[:4]))  # mappings outlive the unlink (trap 11)
+    assert "stopped (SIGTERM)" in handle.log()
+    reader.close()
+    writer.raw.close()
+
+
+def _kill_with_segments(committer_factory):
+    handle = committer_factory()
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    writer.open_key("k", "float32", 4)
+    segs = shm.list_segments(handle.name)
+    assert len(segs) == 5  # ctl, pool, claim, commit, staging
+    handle.stop(signal.SIGKILL)
+    writer.raw.close()
+    assert shm.list_segments(handle.name) == segs  # SIGKILL leaves them (trap 1)
+    return handle, segs
+
+
+def test_sigkilled_committer_segments_removed_by_next_start(committer_factory):
+    handle, segs = _kill_with_segments(committer_factory)
+    again = committer_factory(name=handle.name)
+    assert not set(segs) & set(shm.list_segments(handle.name))
+    assert "removed 5 segment(s) of a previous committer" in again.log()
+
+
+def test_sigkilled_committer_segments_removed_by_cleanup(committer_factory):
+    handle, segs = _kill_with_segments(committer_factory)
+    proc = run_cli("cleanup", "--name", handle.name)
+    assert proc.returncode == 0, proc.stderr
+    for seg in segs:
+        assert f"removed {seg}" in proc.stdout
+    assert shm.list_segments(handle.name) == []
+    assert not (RUNTIME_DIR / f"{handle.name}.lock").exists() and not (RUNTIME_DIR / f"{handle.name}.sock").exists()
+
+
+def test_silent_client_is_reaped_and_idle_committer_exits(committer_factory):
+    handle = committer_factory("--exit-when-idle", "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5")
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    writer.open_key("k", "float16", 4)
+    assert any(".stage." in s for s in shm.list_segments(handle.name))
+    # The writer goes silent: reaped after 0.5 s, then the committer has no client left and exits 0.
+    assert handle.proc.wait(15) == 0, handle.log()
+    assert "reaped after" in handle.log() and "stopped (idle)" in handle.log()
+    assert shm.list_segments(handle.name) == []
+    writer.raw.close()

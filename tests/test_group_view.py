@@ -1,0 +1,164 @@
+"""FullAttentionGroupView: batch order and CPU-block-table slots; group selection; token accounting."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from omnishm.client.group_view import (
+    FullAttentionGroupView,
+    PrefixCacheConfigError,
+    check_prefix_cache_token_accounting,
+    get_prefix_cache_group_view,
+)
+from omnishm.interface import OmniPrefixCacheUnmatchError
+
+
+class FullAttentionSpec:
+    def __init__(self, block_size=32):
+        self.block_size = block_size
+
+
+class SlidingWindowSpec(FullAttentionSpec):
+    pass
+
+
+class _DeviceOnly:
+    """Stands in for the device-side buffers: any read fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"group view read device state ({name})")
+
+
+class _Table:
+    """Shaped like vLLM 0.32's BlockTable: block_table is a CpuGpuBuffer, slot_mapping must not be read."""
+
+    def __init__(self, block_size, cpu, per_row):
+        self.block_size = block_size
+        self.block_table = SimpleNamespace(cpu=cpu, np=cpu.numpy(), gpu=_DeviceOnly())
+        self.num_blocks_per_row = per_row
+        self.slot_mapping = _DeviceOnly()
+
+
+def make_batch(block_size, rows, width=16, max_reqs=8, per_row_attr=True, multi_as_list=False):
+    table = torch.zeros(max_reqs, width, dtype=torch.int32)
+    per_row = np.zeros(max_reqs, dtype=np.int32)
+    computed = np.zeros(max_reqs, dtype=np.int32)
+    for i, (rid, c, blocks) in enumerate(rows):
+        if rid is None:
+            continue
+        table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        per_row[i] = len(blocks)
+        computed[i] = c
+    bt = _Table(block_size, table, per_row)
+    if not per_row_attr:
+        del bt.num_blocks_per_row
+    multi = [bt] if multi_as_list else SimpleNamespace(block_tables=[bt])
+    return SimpleNamespace(req_ids=[r[0] for r in rows], num_computed_tokens_cpu=computed, block_table=multi)
+
+
+def reference_slots(rows, counts, block_size):
+    out = []
+    for (rid, c, blocks), n in zip([r for r in rows if r[0] is not None], counts):
+        for pos in range(c, c + n):
+            out.append(blocks[pos // block_size] * block_size + pos % block_size)
+    return out
+
+
+def test_batch_req_ids_skip_holes_and_are_read_at_call_time():
+    batch = make_batch(32, [("a", 0, [1]), (None, 0, []), ("b", 0, [2])])
+    view = FullAttentionGroupView(batch, 32)
+    assert view.batch_req_ids == ["a", "b"]
+    batch.req_ids[1] = "c"
+    assert view.batch_req_ids == ["a", "c", "b"]
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+def test_step_slots_match_per_token_reference(block_size):
+    rng = random.Random(block_size)
+    pool = list(range(1, 200))
+    for _ in range(40):
+        rng.shuffle(pool)
+        rows, counts, used = [], [], 0
+        for i in range(rng.randint(0, 7)):
+            if rng.random() < 0.15:
+                rows.append((None, 0, []))
+                continue
+            computed = rng.randint(0, 5 * block_size)
+            n = rng.randint(0, 3 * block_size)
+            nblocks = -(-(computed + n) // block_size)
+            blocks = pool[used:used + nblocks]  # non-contiguous, never sorted
+            used += nblocks
+            rows.append((f"r{i}", computed, blocks))
+            counts.append(n)
+        view = FullAttentionGroupView(make_batch(block_size, rows, width=16), block_size)
+        ids = view.batch_req_ids
+        expected = reference_slots(rows, counts, block_size)
+        got = view.step_slots_cpu(counts)
+        assert got.dtype == torch.int64 and got.tolist() == expected
+        assert view.step_slots_cpu(dict(zip(ids, counts))).tolist() == expected
+
+
+def test_list_shaped_multi_group_table_and_no_per_row_counts():
+    rows = [("a", 30, [5, 9])]
+    view = FullAttentionGroupView(make_batch(32, rows, width=2, per_row_attr=False, multi_as_list=True), 32)
+    assert view.step_slots_cpu([4]).tolist() == [5 * 32 + 30, 5 * 32 + 31, 9 * 32, 9 * 32 + 1]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="outside the block-table row"):
+        view.step_slots_cpu([35])  # past the table width
+
+
+def test_position_past_the_requests_blocks_raises():
+    view = FullAttentionGroupView(make_batch(32, [("a", 0, [3]), ("b", 32, [4, 6])]), 32)
+    assert view.step_slots_cpu([32, 32]).numel() == 64
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="request='b'"):
+        view.step_slots_cpu([32, 33])  # b's position 64 needs a third block it does not have
+
+
+def test_bad_counts_raise():
+    view = FullAttentionGroupView(make_batch(32, [("a", 0, [3]), ("b", 0, [4])]), 32)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="2 batch requests"):
+        view.step_slots_cpu([1])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="no scheduled-token count"):
+        view.step_slots_cpu({"a": 1})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="negative"):
+        view.step_slots_cpu([1, -1])
+    assert view.step_slots_cpu([0, 0]).tolist() == []
+    assert FullAttentionGroupView(make_batch(32, []), 32).step_slots_cpu([]).dtype == torch.int64
+
+
+def test_view_block_size_must_match_the_table():
+    with pytest.raises(PrefixCacheConfigError, match="--block-size"):
+        FullAttentionGroupView(make_batch(64, [("a", 0, [1])]), 32)
+    with pytest.raises(ValueError):
+        FullAttentionGroupView(make_batch(32, []), 0)
+
+
+def test_get_group_view_checks_spec_first_and_selects_full_attention_table():
+    batch = make_batch(32, [("a", 0, [1])])
+    groups = [SimpleNamespace(kv_cache_spec=FullAttentionSpec(32), layer_names=["l0"])]
+    view = get_prefix_cache_group_view(batch, 32, groups)
+    assert isinstance(view, FullAttentionGroupView) and view.group_index == 0
+    assert get_prefix_cache_group_view(batch, 32) is not None
+    # the spec check runs before looking at the batch
+    bad = [SimpleNamespace(kv_cache_spec=SlidingWindowSpec(32))]
+    with pytest.raises(PrefixCacheConfigError):
+        get_prefix_cache_group_view(SimpleNamespace(req_ids=[]), 32, bad)
+    # no block table (e.g. attention-free batch) -> None
+    assert get_prefix_cache_group_view(SimpleNamespace(req_ids=[]), 32, groups) is None
+    assert get_prefix_cache_group_view(SimpleNamespace(req_ids=[], block_table=None), 32) is None
+    assert get_prefix_cache_group_view(
+        SimpleNamespace(req_ids=[], block_table=SimpleNamespace(block_tables=[])), 32) is None
+
+
+def test_token_accounting():
+    check_prefix_cache_token_accounting(10, 16, {"a": 4, "b": 6})
+    check_prefix_cache_token_accounting(10, 10, [4, 6])
+    check_prefix_cache_token_accounting(0, 0, {})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="num_tokens_unpadded=9"):
+        check_prefix_cache_token_accounting(9, 16, {"a": 4, "b": 6})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="num_tokens_padded=8"):
+        check_prefix_cache_token_accounting(10, 8, {"a": 4, "b": 6})
