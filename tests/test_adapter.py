@@ -130,6 +130,30 @@ def test_resumed_carries_full_new_block_list_in_every_vllm_shape(shape):
     assert step.events == (Ev(K.RESUMED, "p", 32, (9, 4, 12)), Ev(K.EXTENDED, "q", 20, (6,)))
 
 
+def test_v2_runner_resume_sent_as_new_after_preempted_req_ids():
+    ad = PrefixCacheSchedulerAdapter()
+    ad.translate_scheduler_output(sched(new=[new_req("p", 0, [1, 2]), new_req("q", 0, [3])],
+                                        nst={"p": 40, "q": 20}))
+    out = sched(cached_reqs=cached([("q", None, 20)]), nst={"q": 1})
+    out.preempted_req_ids = {"p", "unknown"}
+    assert kinds(ad.translate_scheduler_output(out)) == [(K.EXTENDED, "q")]
+    step = ad.translate_scheduler_output(sched(new=[new_req("s", 0, [4]), new_req("p", 32, [9, 4, 12])],
+                                               cached_reqs=cached([("q", None, 21)]),
+                                               nst={"p": 9, "q": 1, "s": 2}))
+    assert step.events == (Ev(K.STARTED, "s", 0, (4,)), Ev(K.RESUMED, "p", 32, (9, 4, 12)),
+                           Ev(K.EXTENDED, "q", 21, ()))
+    # resumed once: a later re-entry as new while live is a replacement again
+    step = ad.translate_scheduler_output(sched(new=[new_req("p", 41, [9, 4, 12])], nst={"p": 1}))
+    assert kinds(step) == [(K.REPLACED, "p")]
+    # a preempted request that finishes before resuming is forgotten
+    out = sched(nst={})
+    out.preempted_req_ids = {"q"}
+    ad.translate_scheduler_output(out)
+    ad.translate_scheduler_output(sched(finished={"q"}))
+    assert kinds(ad.translate_scheduler_output(sched(new=[new_req("q", 0, [7])], nst={"q": 1}))) == [
+        (K.STARTED, "q")]
+
+
 def test_aborted_attribute_is_optional_and_wins_over_finished():
     ad = PrefixCacheSchedulerAdapter()
     out = sched(finished={"z"})
@@ -142,10 +166,13 @@ def test_aborted_attribute_is_optional_and_wins_over_finished():
     assert ad.translate_scheduler_output(out).events == ()
 
 
-def test_resumed_without_block_ids_is_rejected():
+def test_resumed_without_block_ids_is_rejected_and_state_is_unchanged():
     ad = PrefixCacheSchedulerAdapter()
+    ad.translate_scheduler_output(sched(new=[new_req("x", 0, [1])], nst={"x": 1}))
     with pytest.raises(ValueError, match="resumed request without block ids"):
-        ad.translate_scheduler_output(sched(cached_reqs=cached([("p", None, 0)], resumed={"p"}), nst={"p": 1}))
+        ad.translate_scheduler_output(sched(new=[new_req("y", 0, [2])], finished={"x"},
+                                            cached_reqs=cached([("p", None, 0)], resumed={"p"}), nst={"p": 1}))
+    assert ad.live_req_ids == {"x"}
 
 
 def test_cached_fields_of_different_lengths_are_rejected():

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -276,7 +277,7 @@ def test_endpoint_policy():
 
 def test_large_write_throughput_then_sigterm_unlinks_everything(committer_factory):
     """The largest write: 8192 rows x 4 KiB in runs of one block, against a plain copy_ of the same bytes."""
-    handle = committer_factory()
+    handle = committer_factory("--prefault")
     layout = protocol.Layout(num_blocks=512, block_size=16)
     n, width = 512 * 16, 1024
     writer = Writer(handle.endpoint, handle.name, layout, n)
@@ -312,6 +313,7 @@ def test_large_write_throughput_then_sigterm_unlinks_everything(committer_factor
     finally:
         torch.set_num_threads(threads)
     status = writer.raw.status()
+    assert status["prefault_seconds"] > 0
     inside = (status["apply_seconds"] - warm["apply_seconds"]) / (status["steps_applied"] - warm["steps_applied"])
     print(f"\n[omnishm] committer wrote {nbytes / 2**20:.0f} MiB in runs of 16 rows: "
           f"{nbytes / np.median(times) / 1e9:.2f} GB/s round trip, {nbytes / inside / 1e9:.2f} GB/s inside "
@@ -365,9 +367,36 @@ def test_silent_client_is_reaped_and_idle_committer_exits(committer_factory):
     handle = committer_factory("--exit-when-idle", "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5")
     writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
     writer.open_key("k", "float16", 4)
+    reader = handle.client()
+    assert isinstance(reader.hello(protocol.ROLE_READER), protocol.Welcome)
     assert any(".stage." in s for s in shm.list_segments(handle.name))
-    # The writer goes silent: reaped after 0.5 s, then the committer has no client left and exits 0.
+    # The writer goes silent and is reaped; the reader keeps heartbeating and stays.
+    deadline = time.monotonic() + 10
+    while True:
+        ack = reader.call(protocol.Heartbeat(rid=reader.next_rid()), timeout_s=2)
+        assert isinstance(ack, protocol.HeartbeatAck) and ack.readers == 1, ack
+        if not ack.writer:
+            break
+        assert time.monotonic() < deadline, "silent writer was not reaped"
+        reader.sock.poll(100)  # heartbeat pacing (nothing arrives on this socket meanwhile)
+    assert not any(".stage." in s for s in shm.list_segments(handle.name))
+    status = reader.status()
+    assert status["clients_reaped"] == 1 and [c["role"] for c in status["clients"]] == ["reader"]
+    assert handle.proc.poll() is None  # a reader is still attached
+    assert isinstance(reader.goodbye(), protocol.Bye)  # the last client leaves: the committer exits 0
     assert handle.proc.wait(15) == 0, handle.log()
     assert "reaped after" in handle.log() and "stopped (idle)" in handle.log()
     assert shm.list_segments(handle.name) == []
+    reader.close()
     writer.raw.close()
+
+
+def test_committer_refuses_non_loopback_tcp_via_cli_and_script():
+    name = unique_cache_name("tcp")
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "committer", "--name", name,
+                           "--endpoint", "tcp://0.0.0.0:5555"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "only on loopback" in proc.stderr
+    script = Path(__file__).resolve().parents[1] / "scripts" / "launch_committer.sh"
+    proc = subprocess.run(["bash", str(script), "--name", name, "--endpoint", "tcp://10.1.2.3:5555"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 2 and "'10.1.2.3'" in proc.stderr

@@ -19,9 +19,11 @@ Event semantics (what ``OmniPrefixCacheManager.new_step_starts`` relies on):
 - REPLACED: a "new" request whose id is still live (async-chunk continuation:
   the same id re-enters as new). Same payload as STARTED; the manager must not
   treat its ``num_computed_tokens`` as a hit.
-- RESUMED: a preempted request scheduled again. Carries its *full new* block
-  list (vLLM replaces, not appends) and its ``num_computed_tokens`` (may be a
-  hit again).
+- RESUMED: a preempted request scheduled again (V1 runner: listed in
+  ``scheduled_cached_reqs.resumed_req_ids``; V2 runner: re-sent as new after
+  being reported in ``preempted_req_ids``). Carries its *full new* block list
+  (vLLM replaces, not appends) and its ``num_computed_tokens`` (may be a hit
+  again).
 - EXTENDED: a running request scheduled again; ``block_ids`` are only the
   newly appended blocks (possibly empty), ``num_computed_tokens`` the tokens
   computed before this step.
@@ -183,13 +185,17 @@ class PrefixCacheSchedulerAdapter:
     """Stateful translator of vLLM ``SchedulerOutput`` into ``PrefixCacheStep``.
 
     Tracks the ids of live requests (started and not yet finished/aborted) so
-    a "new" request whose id is still live becomes REPLACED. Engine thread
-    only, one call per real step, in step order; not thread-safe.
+    a "new" request whose id is still live becomes REPLACED, and of live
+    requests reported in ``preempted_req_ids`` (vLLM's V2 model runner) so
+    that such a request re-sent as new becomes RESUMED. Engine thread only,
+    one call per scheduler output (zero-token ones included, so no finish is
+    missed), in step order; not thread-safe.
     """
 
     def __init__(self, group_index: int = 0) -> None:
         self.group_index = group_index
         self._live: set[ReqId] = set()
+        self._preempted: set[ReqId] = set()  # live ids reported in preempted_req_ids, not yet resumed
 
     @property
     def live_req_ids(self) -> frozenset[ReqId]:
@@ -202,28 +208,44 @@ class PrefixCacheSchedulerAdapter:
         ``scheduled_new_reqs`` (``req_id``, ``num_computed_tokens``,
         ``block_ids`` per group), ``scheduled_cached_reqs`` (``req_ids``,
         ``resumed_req_ids`` set or the older ``resumed_from_preemption`` list,
-        ``new_block_ids``, ``num_computed_tokens``) and
-        ``num_scheduled_tokens``. Raises ``ValueError`` on a malformed output
-        (e.g. a resumed request without block ids).
+        ``new_block_ids``, ``num_computed_tokens``), optional
+        ``preempted_req_ids`` and ``num_scheduled_tokens``. Raises
+        ``ValueError`` on a malformed output (e.g. a resumed request without
+        block ids) and then leaves the live-id state unchanged.
         """
         g = self.group_index
+        # Work on copies and commit at the end: a malformed output leaves the state unchanged.
+        live = set(self._live)
+        preempted = set(self._preempted)
         finished = set(getattr(scheduler_output, "finished_req_ids", None) or ())
         aborted = set(getattr(scheduler_output, "aborted_req_ids", None) or ())
         events: list[PrefixCacheRequestEvent] = []
         for rid in sorted(finished | aborted):
             kind = PrefixCacheEventKind.ABORTED if rid in aborted else PrefixCacheEventKind.FINISHED
             events.append(PrefixCacheRequestEvent(kind, rid))
-            self._live.discard(rid)
+            live.discard(rid)
+            preempted.discard(rid)
 
-        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-            rid = new.req_id
-            kind = PrefixCacheEventKind.REPLACED if rid in self._live else PrefixCacheEventKind.STARTED
-            events.append(PrefixCacheRequestEvent(kind, rid, new.num_computed_tokens,
-                                                  _group_blocks(new.block_ids, g, rid)))
-            self._live.add(rid)
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if rid in live:
+                preempted.add(rid)
 
         resumed: list[PrefixCacheRequestEvent] = []
         extended: list[PrefixCacheRequestEvent] = []
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            rid = new.req_id
+            blocks = _group_blocks(new.block_ids, g, rid)
+            if rid in preempted:
+                # vLLM's V2 model runner re-sends a resumed request as new (after
+                # reporting it in preempted_req_ids): a resume, not a replacement.
+                preempted.discard(rid)
+                resumed.append(PrefixCacheRequestEvent(PrefixCacheEventKind.RESUMED, rid,
+                                                       new.num_computed_tokens, blocks))
+                continue
+            kind = PrefixCacheEventKind.REPLACED if rid in live else PrefixCacheEventKind.STARTED
+            events.append(PrefixCacheRequestEvent(kind, rid, new.num_computed_tokens, blocks))
+            live.add(rid)
+
         for rid, is_resumed, per_group, computed in self._cached_rows(
                 getattr(scheduler_output, "scheduled_cached_reqs", None)):
             if is_resumed:
@@ -234,10 +256,13 @@ class PrefixCacheSchedulerAdapter:
             else:
                 extended.append(PrefixCacheRequestEvent(PrefixCacheEventKind.EXTENDED, rid, computed,
                                                         _group_blocks(per_group, g, rid)))
-            self._live.add(rid)
+            live.add(rid)
+            preempted.discard(rid)
         events.extend(resumed)
         events.extend(extended)
-        return PrefixCacheStep(tuple(events), dict(scheduler_output.num_scheduled_tokens))
+        counts = dict(scheduler_output.num_scheduled_tokens)
+        self._live, self._preempted = live, preempted
+        return PrefixCacheStep(tuple(events), counts)
 
     @staticmethod
     def _cached_rows(cached: Any) -> Iterable[tuple[ReqId, bool, Any, int]]:

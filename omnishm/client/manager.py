@@ -76,6 +76,7 @@ class OmniPrefixCacheManager:
         self._open: dict[tuple[ReqId, TensorName], WriteTask] = {}
         self._open_by_cv: dict[tuple[TensorName, int], WriteTask] = {}
         self._deferred_order: OrderedDict[int, WriteTask] = OrderedDict()
+        self._closing: dict[int, WriteTask] = {}
         self._pending_bytes = 0
         self._tids = itertools.count(1)
         self._prev_write: Future | None = None
@@ -191,6 +192,10 @@ class OmniPrefixCacheManager:
         if int(num_tokens_padded) < n or write_layout.num_tokens != n:
             raise self._unmatch(f"token accounting: unpadded={n}, padded={num_tokens_padded}, "
                                 f"layout rows={write_layout.num_tokens}", step_id=step_id)
+        layout_slots = write_layout.slots
+        if n and (int(layout_slots.min()) < 0 or int(layout_slots.max()) >= self.config.num_slots):
+            raise self._unmatch(f"write layout has slots outside [0, {self.config.num_slots}) "
+                                f"(min {int(layout_slots.min())}, max {int(layout_slots.max())})", step_id=step_id)
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         if self.is_writer:
             for key, rows in itertools.chain(immediate.items(), deferred.items()):
@@ -260,12 +265,15 @@ class OmniPrefixCacheManager:
         t0 = time.perf_counter()
         self._check_usable()
         req_ids = list(req_ids)
+        with self._lock:
+            peek = self._ctxs.get(step_id)
+        if peek is not None:
+            outside = [r for r in req_ids if r not in peek.spans]
+            if outside:  # a caller bug caught before any work: the step id stays unconsumed
+                raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
+                                    f"batch {list(peek.req_ids)} (reading the live batch?)", step_id=step_id)
         ctx = self._take_ctx(step_id, "materialize")
         try:
-            outside = [r for r in req_ids if r not in ctx.spans]
-            if outside:
-                raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
-                                    f"batch {list(ctx.req_ids)} (reading the live batch?)", step_id=step_id)
             if not self.is_writer:
                 self._wait_published(step_id)
             hidden: dict[ReqId, Any] = {}
@@ -345,6 +353,22 @@ class OmniPrefixCacheManager:
     @property
     def client_id(self) -> str:
         return self._link.client_id
+
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Block until every closed write was acknowledged (tests, demos, shutdown).
+
+        Open deferred writes stay open: they land when their request ends.
+        Any thread but the engine thread's hot path; raises on a failed write.
+        """
+        timeout_s = self.config.commit_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            closed = [t for t in self._closing.values()]
+        for t in closed:
+            t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
+        if self._prev_write is not None:
+            self._prev_write.result(timeout=max(deadline - time.monotonic(), 0.001))
+        self._check_usable()
 
     def unconsumed_step_ids(self) -> list[StepId]:
         with self._lock:
@@ -520,6 +544,7 @@ class OmniPrefixCacheManager:
         if task.state is not TaskState.OPEN:
             return
         task.state = TaskState.CLOSED
+        self._closing[task.tid] = task
         self._open.pop((task.req_id, task.key), None)
         self._deferred_order.pop(task.tid, None)
         for c in task.chunks:
@@ -565,6 +590,7 @@ class OmniPrefixCacheManager:
             failed = result.reason
         with self._lock:
             task.state = TaskState.FAILED if failed else TaskState.DONE
+            self._closing.pop(task.tid, None)
             for c in task.chunks:
                 src = self._sources.pop((task.key, c.cv), None)
                 if src is not None:
@@ -605,9 +631,10 @@ class OmniPrefixCacheManager:
     def _resolve_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
                       ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId) -> None:
         """Writer: rows of ``slots`` at versions ``cvs`` from the pool, a live source or a rescue."""
-        if bool((cvs == 0).any()):
-            raise self._unmatch("hit span resolves to absent rows (never written)", req_id=req, key=key,
-                                step_id=step_id)
+        if bool(((cvs == 0) | ((cvs >> 48) != self._epoch)).any()):
+            # 0: never written; another epoch: written by an earlier writer this engine never saw.
+            raise self._unmatch("hit span resolves to absent rows (never written by this writer)",
+                                req_id=req, key=key, step_id=step_id)
         torch.index_select(kv.pool, 0, slots, out=out)
         ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
         if not bool(ok.all()):

@@ -1,0 +1,385 @@
+"""Run the omni prefix cache inside a vLLM v1 engine through public extension points.
+
+Enable it with one argument::
+
+    LLM(model, enable_prefix_caching=True,
+        worker_extension_cls="omnishm.integrations.vllm.OmniPrefixCacheWorkerExtension")
+
+vLLM mixes ``OmniPrefixCacheWorkerExtension`` into its worker class. When the
+worker assigns ``self.model_runner`` (in ``init_device``) the extension wraps
+``execute_model`` on that runner *instance* (no vLLM class is patched):
+
+1. step begin: ``PrefixCacheSchedulerAdapter.translate_scheduler_output`` and
+   ``OmniPrefixCacheManager.new_step_starts``, BEFORE the runner's
+   ``_update_states`` drops finished requests;
+2. the runner's own ``execute_model`` (``_update_states`` + forward);
+3. save: the first ``num_tokens_unpadded`` rows of
+   ``runner.execute_model_state.hidden_states`` (``input_batch.req_ids``
+   order) with the write layout built from the CPU block table of the
+   runner's *current* ``input_batch``;
+4. ``materialize`` with the save-time request ids. The merged rows (cached
+   prefix + this step) are accumulated per request up to its prompt length, so
+   each request ends with its whole prompt's hidden states, retrievable with
+   ``llm.collective_rpc("omnishm_take_prompt_hidden")``.
+
+The manager is built on the first real step (the KV-cache config is known
+then), with ``autostart=True`` (an embedded committer) and the cache named by
+``$OMNISHM_CACHE`` (default ``"default"``). Call
+``llm.collective_rpc("omnishm_shutdown")`` before the engine goes away: it
+detaches from the committer (which exits when idle and removes its segments)
+and removes the hooks. ``omnishm_install`` re-installs them; do it only on a
+fresh vLLM prefix cache (``llm.reset_prefix_cache()``), because a new cache
+holds none of the rows behind vLLM's existing hits.
+
+Request ids are the runner's internal ids (vLLM appends ``-<8 chars>`` to the
+caller's id); ``external_req_id`` strips that suffix.
+
+Threads: every hook runs on the engine (worker) thread; the RPC methods run on
+the thread vLLM uses for ``collective_rpc`` (the same thread in both the
+in-process and the engine-core-process setups), and take ``_lock`` for the
+result tables anyway. Errors from the cache (``OmniPrefixCacheUnmatchError``
+and subclasses) propagate into vLLM: they are fatal by contract.
+
+Import invariant: vllm is imported only inside functions.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from omnishm.client.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
+from omnishm.client.group_view import get_prefix_cache_group_view, stage_prefix_cache_config
+from omnishm.client.manager import OmniPrefixCacheManager
+from omnishm.interface import ModelCachePolicy, ReqId
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OmniPrefixCacheWorkerExtension", "OmniPrefixCacheRunnerHooks", "external_req_id", "EXTENSION_CLS"]
+
+EXTENSION_CLS = "omnishm.integrations.vllm.OmniPrefixCacheWorkerExtension"
+CACHE_ENV = "OMNISHM_CACHE"
+
+_K = PrefixCacheEventKind
+_SCHEDULED_KINDS = (_K.STARTED, _K.REPLACED, _K.RESUMED, _K.EXTENDED)
+
+
+def external_req_id(internal_req_id: str) -> str:
+    """The caller's request id: vLLM's runner id minus its ``-<8 chars>`` suffix."""
+    head, sep, tail = internal_req_id.rpartition("-")
+    return head if sep and len(tail) == 8 else internal_req_id
+
+
+class _PromptRows:
+    """One request's accumulated full-prompt rows (engine thread only)."""
+
+    __slots__ = ("prompt_len", "parts", "length", "hit_tokens")
+
+    def __init__(self, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
+        self.parts: list[torch.Tensor] = []
+        self.length = 0
+        self.hit_tokens = 0
+
+    def add(self, start: int, rows: torch.Tensor) -> bool:
+        """Rows for prompt positions ``start ..``; True when the prompt is complete.
+
+        A start before the accumulated length (a preempted request recomputed
+        from its hit) drops the rows from ``start`` on; a start past it would
+        leave a hole and raises ``RuntimeError`` (the accumulation is broken).
+        """
+        if start > self.length:
+            raise RuntimeError(f"prompt rows jump from position {self.length} to {start}")
+        if start < self.length:
+            kept = torch.cat(self.parts)[:start] if self.parts else rows[:0]
+            self.parts = [kept] if start else []
+            self.length = start
+        take = rows[:max(0, self.prompt_len - start)]
+        if take.shape[0]:
+            self.parts.append(take)
+            self.length += int(take.shape[0])
+        return self.length >= self.prompt_len
+
+    def tensor(self) -> torch.Tensor:
+        return torch.cat(self.parts) if len(self.parts) != 1 else self.parts[0]
+
+
+class OmniPrefixCacheRunnerHooks:
+    """The cache's hooks on one vLLM v1 model runner (``GPUModelRunner`` or a subclass).
+
+    ``install`` wraps ``runner.execute_model`` on the instance; ``uninstall``
+    shuts the manager down and removes the wrapper. Engine thread only, apart
+    from the ``take_*``/``stats`` readers, which take ``_lock``.
+    """
+
+    def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool = True) -> None:
+        for attr in ("execute_model", "_update_states", "execute_model_state", "input_batch"):
+            if not hasattr(runner, attr):
+                raise RuntimeError(f"omnishm: model runner {type(runner).__name__} has no {attr!r}; the vLLM "
+                                   "integration needs the V1 GPUModelRunner family (set "
+                                   "VLLM_USE_V2_MODEL_RUNNER=0)")
+        self.runner = runner
+        self.cache = cache or os.environ.get(CACHE_ENV, "default")
+        self.capture_raw = capture_raw
+        self.manager: OmniPrefixCacheManager | None = None
+        self.disabled = False
+        self._adapter = PrefixCacheSchedulerAdapter()
+        self._block_size = 0
+        self._orig_execute: Any = None
+        self._lock = threading.Lock()
+        self._prompts: dict[ReqId, _PromptRows] = {}
+        self._raw: dict[ReqId, _PromptRows] = {}
+        self._done: dict[ReqId, tuple[torch.Tensor, int]] = {}
+        self._raw_done: dict[ReqId, torch.Tensor] = {}
+        self.counters: dict[str, int] = {k: 0 for k in (
+            "steps", "saves", "requests", "hit_requests", "hit_tokens", "rows", "raw_requests",
+            "incomplete_dropped")}
+
+    # ------------------------------------------------------------------ install
+
+    def install(self) -> None:
+        """Wrap ``execute_model`` on the runner instance (idempotent)."""
+        if self._orig_execute is not None:
+            return
+        self._orig_execute = self.runner.execute_model  # bound method of the class
+        hooks = weakref.proxy(self)
+
+        def execute_model(scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+            return hooks.execute_model(scheduler_output, intermediate_tensors)
+
+        execute_model.__omnishm_hooks__ = True  # type: ignore[attr-defined]
+        self.runner.execute_model = execute_model
+
+    def uninstall(self) -> dict[str, Any]:
+        """Shut the manager down (flush, detach) and remove the wrapper; returns final stats. Idempotent."""
+        try:
+            if self.manager is not None:
+                self.manager.shutdown()
+        finally:
+            if self._orig_execute is not None and getattr(self.runner.__dict__.get("execute_model"),
+                                                          "__omnishm_hooks__", False):
+                del self.runner.execute_model
+            self._orig_execute = None
+        return self.stats()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _ensure_manager(self) -> OmniPrefixCacheManager | None:
+        """One-shot construction on the first real step (KV-cache config known then)."""
+        if self.manager is not None or self.disabled:
+            return self.manager
+        r = self.runner
+        vc = r.vllm_config
+        cfg = stage_prefix_cache_config(
+            kv_cache_config=r.kv_cache_config, cache_config=r.cache_config,
+            kv_transfer_config=vc.kv_transfer_config, scheduler_config=vc.scheduler_config,
+            model_config=vc.model_config, is_pooling_model=bool(getattr(r, "is_pooling_model", False)),
+            speculative_config=vc.speculative_config, parallel_config=vc.parallel_config)
+        if cfg is None:
+            logger.info("omnishm: prefix caching is off (or a pooling stage); hooks pass through")
+            self.disabled = True
+            return None
+        self._block_size = cfg.block_size
+        manager = OmniPrefixCacheManager(cfg, cache=self.cache, autostart=True)
+        try:
+            model = r.get_model() if hasattr(r, "get_model") else getattr(r, "model", None)
+            manager.register_policy(ModelCachePolicy.from_model(model))
+        except BaseException:
+            manager.shutdown()
+            raise
+        self.manager = manager
+        logger.info("omnishm: cache %s on %d blocks x %d (staging %d tokens)", self.cache, cfg.num_blocks,
+                    cfg.block_size, cfg.staging_capacity_tokens)
+        return manager
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        orig = self._orig_execute
+        so = scheduler_output
+        n = int(so.total_num_scheduled_tokens)
+        if self.disabled or (n == 0 and not so.finished_req_ids and not getattr(so, "aborted_req_ids", None)):
+            return orig(so, intermediate_tensors)  # dummy/profile or idle step: nothing to track
+        manager = self._ensure_manager()
+        if manager is None:
+            return orig(so, intermediate_tensors)
+        step = self._adapter.translate_scheduler_output(so)
+        manager.new_step_starts(step)  # before _update_states (inside orig) drops finished requests
+        self.counters["steps"] += 1
+        computed: dict[ReqId, int] = {}
+        for ev in step.events:
+            if ev.kind in (_K.FINISHED, _K.ABORTED):
+                self._drop(ev.req_id)
+            elif ev.kind in _SCHEDULED_KINDS:
+                computed[ev.req_id] = ev.num_computed_tokens
+        for new in so.scheduled_new_reqs:
+            if new.prompt_token_ids is not None:
+                plen = len(new.prompt_token_ids)
+            else:
+                plen = int(new.prompt_embeds.shape[0])
+            self._prompts[new.req_id] = _PromptRows(plen)
+            if self.capture_raw:
+                self._raw[new.req_id] = _PromptRows(plen) if new.num_computed_tokens == 0 else None
+
+        out = orig(so, intermediate_tensors)
+        if n == 0:
+            return out
+        state = self.runner.execute_model_state
+        if state is None:  # pooling / non-last PP rank returned early: no hidden states to save
+            return out
+        hidden = state.hidden_states
+        view = get_prefix_cache_group_view(self.runner.input_batch, self._block_size)
+        if view is None:
+            raise RuntimeError("omnishm: the runner's input batch has no block table")
+        layout = self._adapter.build_write_layout(view, so.num_scheduled_tokens)
+        step_id = manager.save_outputs(hidden, None, num_tokens_unpadded=n,
+                                       num_tokens_padded=int(hidden.shape[0]), write_layout=layout)
+        self.counters["saves"] += 1
+        merged = manager.materialize(step_id, layout.req_ids)
+        self._accumulate(merged, computed)
+        if self.capture_raw:
+            for w in layout.writes:
+                raw = self._raw.get(w.req_id)
+                if raw is not None and raw.length < raw.prompt_len:
+                    rows = hidden[w.token_start:w.token_start + w.num_tokens].detach().to("cpu", copy=True)
+                    if raw.add(computed.get(w.req_id, raw.length), rows):
+                        with self._lock:
+                            self._raw_done[w.req_id] = raw.tensor()
+                        self.counters["raw_requests"] += 1
+        return out
+
+    def _accumulate(self, merged: Any, computed: dict[ReqId, int]) -> None:
+        for rid, rows in merged.hidden_states.items():
+            acc = self._prompts.get(rid)
+            if acc is None or rows is None or acc.length >= acc.prompt_len:
+                continue  # unknown, hidden not cached, or prompt already complete (decode / recompute)
+            hit = int(merged.num_hit_tokens.get(rid, 0))
+            start = computed[rid] - hit
+            if start >= acc.prompt_len:
+                continue  # decode token: not a prompt row
+            acc.hit_tokens = max(acc.hit_tokens, hit)
+            if acc.add(start, rows):
+                with self._lock:
+                    self._done[rid] = (acc.tensor(), acc.hit_tokens)
+                self.counters["requests"] += 1
+                self.counters["rows"] += acc.prompt_len
+                if acc.hit_tokens:
+                    self.counters["hit_requests"] += 1
+                    self.counters["hit_tokens"] += acc.hit_tokens
+                acc.parts = []  # the tensor lives in _done now
+
+    def _drop(self, rid: ReqId) -> None:
+        acc = self._prompts.pop(rid, None)
+        self._raw.pop(rid, None)
+        if acc is not None and acc.length < acc.prompt_len:
+            self.counters["incomplete_dropped"] += 1  # finished/aborted before its prompt was computed
+
+    # ------------------------------------------------------------------ readers (any thread)
+
+    def take_results(self) -> dict[ReqId, tuple[torch.Tensor, int]]:
+        """Completed requests since the last take: ``{runner req id: (prompt rows [P, H], hit tokens)}``."""
+        with self._lock:
+            out, self._done = self._done, {}
+        return out
+
+    def take_raw(self) -> dict[ReqId, torch.Tensor]:
+        """Full-prompt hidden states read straight from the runner, for requests that had no hit."""
+        with self._lock:
+            out, self._raw_done = self._raw_done, {}
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        out["cache"] = self.cache
+        if self.manager is not None:
+            out["manager"] = dict(self.manager.counters)
+        return out
+
+
+class OmniPrefixCacheWorkerExtension:
+    """vLLM worker extension (``worker_extension_cls``) that installs the cache's runner hooks.
+
+    vLLM appends this class to the worker's bases, so it cannot override worker
+    methods; it intercepts the ``model_runner`` attribute instead (a data
+    descriptor here wins over the instance dict): when the worker assigns its
+    runner, the hooks are installed on that instance. They are installed only
+    if this engine's ``worker_extension_cls`` names this class (vLLM mutates the
+    worker class for the whole process, so a later engine without the argument
+    also inherits it). RPC methods (``llm.collective_rpc("name")``):
+    ``omnishm_install``, ``omnishm_shutdown``, ``omnishm_take_prompt_hidden``,
+    ``omnishm_take_results``, ``omnishm_take_raw_prompt_hidden``, ``omnishm_stats``.
+    """
+
+    @property
+    def model_runner(self) -> Any:
+        return self.__dict__.get("_omnishm_model_runner")
+
+    @model_runner.setter
+    def model_runner(self, runner: Any) -> None:
+        old = self.__dict__.get("_omnishm_hooks")
+        if old is not None and old.runner is not runner:
+            old.uninstall()
+            self.__dict__.pop("_omnishm_hooks", None)
+        self.__dict__["_omnishm_model_runner"] = runner
+        if runner is not None and self._omnishm_enabled():
+            self.omnishm_install()
+
+    def _omnishm_enabled(self) -> bool:
+        cfg = getattr(self, "vllm_config", None)
+        wanted = getattr(getattr(cfg, "parallel_config", None), "worker_extension_cls", None)
+        return wanted == EXTENSION_CLS or wanted is OmniPrefixCacheWorkerExtension
+
+    def _omnishm_hooks_or_none(self) -> OmniPrefixCacheRunnerHooks | None:
+        return self.__dict__.get("_omnishm_hooks")
+
+    def omnishm_install(self) -> bool:
+        """Install the hooks on the current model runner (idempotent); False without a runner."""
+        runner = self.model_runner
+        if runner is None:
+            return False
+        hooks = self._omnishm_hooks_or_none()
+        if hooks is None or hooks.runner is not runner:
+            hooks = OmniPrefixCacheRunnerHooks(runner)
+            self.__dict__["_omnishm_hooks"] = hooks
+            atexit.register(_shutdown_quietly, weakref.ref(hooks))
+        hooks.install()
+        return True
+
+    def omnishm_shutdown(self) -> dict[str, Any]:
+        """Flush and detach the manager, remove the hooks; returns the final stats ({} if none)."""
+        hooks = self.__dict__.pop("_omnishm_hooks", None)
+        return hooks.uninstall() if hooks is not None else {}
+
+    def omnishm_take_prompt_hidden(self) -> dict[ReqId, torch.Tensor]:
+        """``{runner req id: full-prompt hidden states [P, H]}`` completed since the last take."""
+        hooks = self._omnishm_hooks_or_none()
+        return {} if hooks is None else {rid: t for rid, (t, _h) in hooks.take_results().items()}
+
+    def omnishm_take_results(self) -> dict[ReqId, tuple[torch.Tensor, int]]:
+        """Like ``omnishm_take_prompt_hidden`` plus each request's omnishm hit length."""
+        hooks = self._omnishm_hooks_or_none()
+        return {} if hooks is None else hooks.take_results()
+
+    def omnishm_take_raw_prompt_hidden(self) -> dict[ReqId, torch.Tensor]:
+        """Full-prompt hidden states read directly from the runner for requests without a hit."""
+        hooks = self._omnishm_hooks_or_none()
+        return {} if hooks is None else hooks.take_raw()
+
+    def omnishm_stats(self) -> dict[str, Any]:
+        hooks = self._omnishm_hooks_or_none()
+        return {} if hooks is None else hooks.stats()
+
+
+def _shutdown_quietly(ref: "weakref.ref[OmniPrefixCacheRunnerHooks]") -> None:
+    """atexit fallback for an engine torn down without ``omnishm_shutdown``."""
+    hooks = ref()
+    if hooks is None:
+        return
+    try:
+        hooks.uninstall()
+    except Exception as exc:  # exiting anyway; the committer's idle exit cleans up
+        logger.warning("omnishm: shutdown at exit failed: %s", exc)

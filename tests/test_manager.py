@@ -1,0 +1,323 @@
+"""The seed's manager contracts, each against a real committer subprocess."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from manager_helpers import Part, aborted, expect, extended, finished, rows, save, started
+from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
+                            OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError, PrefixCacheConfig)
+from omnishm.client.adapter import PrefixCacheEventKind as K, PrefixCacheRequestEvent as E
+
+BS = 4
+
+
+def config(**kw) -> PrefixCacheConfig:
+    base = dict(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3,
+                staging_claim_timeout_s=0.5, commit_timeout_s=5.0)
+    base.update(kw)
+    return PrefixCacheConfig(**base)
+
+
+@pytest.fixture
+def mgr(committer):
+    made = []
+
+    def make(policy: ModelCachePolicy | None = None, **kw) -> OmniPrefixCacheManager:
+        m = OmniPrefixCacheManager(config(**kw), cache=committer.name, autostart=False)
+        if policy is not None:
+            m.register_policy(policy)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.shutdown()
+
+
+def test_no_hit_returns_exactly_this_steps_rows(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])], num_scheduled_tokens={"a": 6})
+    sid = save(m, [Part("a", 1, [0, 1], 0, 6)], BS)
+    out = m.materialize(sid, ["a"])
+    assert torch.equal(out.hidden_states["a"], rows(1, range(6)))
+    assert torch.equal(out.mm_outputs["a"]["feat"], expect(0, 0, 1, 0, 6, mm=True))
+    assert out.num_hit_tokens == {"a": 0}
+
+
+def test_hit_merges_prefix_rows_for_hidden_and_every_mm_key(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1, 2])])
+    sid = save(m, [Part("a", 1, [0, 1, 2], 0, 10)], BS)
+    m.discard_step(sid)
+    # b shares a's first two blocks (8 tokens), then its own block 5.
+    m.new_step_starts([started("b", [0, 1, 5], hit=8)])
+    sid = save(m, [Part("b", 1, [0, 1, 5], 8, 3)], BS, padded=16)
+    out = m.materialize(sid, ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 8, 1, 8, 3))
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 8, 1, 8, 3, mm=True))
+    assert out.num_hit_tokens["b"] == 8
+
+
+def test_partial_match_shared_blocks_divergent_last_block(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1, 2])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1, 2], 0, 12)], BS))
+    m.new_step_starts([started("b", [0, 6, 7], hit=4)])  # shares block 0 only
+    sid = save(m, [Part("b", 2, [0, 6, 7], 4, 7)], BS)
+    out = m.materialize(sid, ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 2, 4, 7))
+
+
+def test_tenant_succession_serves_newest_tenant(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [3])])
+    m.discard_step(save(m, [Part("a", 1, [3], 0, 4)], BS))
+    m.new_step_starts([finished("a"), started("c", [3])])  # block 3 recycled to c
+    m.discard_step(save(m, [Part("c", 7, [3], 0, 4)], BS))
+    m.new_step_starts([started("d", [3, 4], hit=4)])
+    sid = save(m, [Part("d", 7, [3, 4], 4, 2)], BS)
+    assert torch.equal(m.materialize(sid, ["d"]).hidden_states["d"], expect(7, 4, 7, 4, 2))
+
+
+def test_same_step_hit_reads_rows_written_in_that_step(mgr):
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1]), started("b", [0, 2], hit=4)])
+    sid = save(m, [Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
+    out = m.materialize(sid, ["b", "a"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 1, 4, 3))
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 3, mm=True))
+    assert torch.equal(out.hidden_states["a"], rows(1, range(8)))
+
+
+def test_live_request_reentering_as_new_is_not_a_hit(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))
+    m.new_step_starts([started("a", [0, 1], hit=4)])  # async chunk continuation: same live id
+    sid = save(m, [Part("a", 1, [0, 1], 4, 4)], BS)
+    out = m.materialize(sid, ["a"])
+    assert out.num_hit_tokens["a"] == 0
+    assert torch.equal(out.hidden_states["a"], rows(1, range(4, 8)))
+    m.new_step_starts([E(K.REPLACED, "a", num_computed_tokens=8, block_ids=(0, 1))])
+    sid = save(m, [Part("a", 1, [0, 1, 2], 8, 1)], BS)
+    assert m.materialize(sid, ["a"]).num_hit_tokens["a"] == 0
+
+
+def test_hits_must_be_block_aligned_and_carry_block_ids(mgr):
+    m = mgr()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="not a multiple of block_size.*'x'"):
+        m.new_step_starts([started("x", [0, 1], hit=6)])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="carries 1 block ids, needs 2"):
+        m.new_step_starts([started("y", [0], hit=8)])
+
+
+def test_absent_hit_raises_and_releases_staging(mgr):
+    m = mgr()
+    m.new_step_starts([started("b", [9, 10], hit=4)])  # block 9 was never written
+    sid = save(m, [Part("b", 3, [9, 10], 4, 2)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"absent rows.*'b'.*__hidden_states__.*step_id=0"):
+        m.materialize(sid, ["b"])
+    assert m.unconsumed_step_ids() == []
+    for i in range(3):  # all staging pages are free again
+        m.new_step_starts([extended("b", 6 + i)])
+        m.discard_step(save(m, [Part("b", 3, [9, 10, 11], 6 + i, 1)], BS))
+
+
+def test_step_ids_are_consumed_exactly_once_in_any_order(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    s0 = save(m, [Part("a", 1, [0, 1], 0, 4)], BS)
+    m.new_step_starts([extended("a", 4)])
+    s1 = save(m, [Part("a", 1, [0, 1], 4, 1)], BS)
+    assert torch.equal(m.materialize(s1, ["a"]).hidden_states["a"], rows(1, [4]))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="outside|not in the save-time"):
+        m.materialize(s0, ["a", "zzz"])
+    m.discard_step(s0)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed"):
+        m.materialize(s0, ["a"])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed"):
+        m.discard_step(s1)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="never saved"):
+        m.discard_step(99)
+
+
+def test_staging_depth_bounds_unconsumed_step_ids(mgr):
+    m = mgr()
+    ids = []
+    m.new_step_starts([started("a", [0, 1, 2, 3])])
+    ids.append(save(m, [Part("a", 1, [0, 1, 2, 3], 0, 1)], BS))
+    # A leftover-only save (no per-token output) still takes a page.
+    m.new_step_starts([extended("a", 1)])
+    h, layout_parts = None, [Part("a", 1, [0, 1, 2, 3], 1, 1)]
+    from manager_helpers import build
+    _, _, layout, n, _ = build(layout_parts, BS)
+    ids.append(m.save_outputs(h, {"codes": [1, 2, 3]}, num_tokens_unpadded=n, num_tokens_padded=n,
+                              write_layout=layout))
+    m.new_step_starts([extended("a", 2)])
+    ids.append(save(m, [Part("a", 1, [0, 1, 2, 3], 2, 1)], BS))
+    m.new_step_starts([extended("a", 3)])
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=r"unconsumed step ids \[0, 1, 2\]"):
+        save(m, [Part("a", 1, [0, 1, 2, 3], 3, 1)], BS)
+    m.discard_step(ids[1])
+    sid = save(m, [Part("a", 1, [0, 1, 2, 3], 3, 1)], BS)
+    for s in (ids[0], ids[2], sid):
+        m.discard_step(s)
+
+
+def test_step_larger_than_staging_page_raises(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", list(range(10)))])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="exceeds staging_capacity_tokens=32"):
+        save(m, [Part("a", 1, list(range(10)), 0, 33)], BS)
+
+
+def test_save_waits_for_previous_steps_immediate_writes(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 5)], BS))
+    m.new_step_starts([extended("a", 5)])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 5, 1)], BS))
+    kv = m._keys[HIDDEN_KEY]
+    slots = torch.arange(0, 5)
+    # The second save returned only after the first step's rows were committed.
+    assert torch.equal(kv.commit[slots], kv.claim[slots])
+    assert torch.equal(kv.pool[slots], rows(1, range(5)))
+
+
+def test_deferred_rows_land_only_when_the_request_ends_and_aborts_still_land(mgr):
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1]), started("b", [4, 5])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4), Part("b", 2, [4, 5], 0, 4)], BS))
+    m.new_step_starts([extended("a", 4), extended("b", 4)])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 2), Part("b", 2, [4, 5], 4, 2)], BS))
+    m.wait_idle()
+    feat = m._keys["feat"]
+    a_slots, b_slots = torch.arange(0, 6), torch.arange(16, 22)
+    assert not bool((feat.commit[a_slots] == feat.claim[a_slots]).any())  # JOIN_ON_FINISH: still with the client
+    hid = m._keys[HIDDEN_KEY]
+    assert torch.equal(hid.commit[a_slots], hid.claim[a_slots])  # JOIN_NEXT_STEP: landed
+    m.new_step_starts([finished("a"), aborted("b")])
+    m.wait_idle()
+    assert torch.equal(feat.commit[a_slots], feat.claim[a_slots])
+    assert torch.equal(feat.pool[a_slots], rows(501, range(6), 3))
+    assert torch.equal(feat.commit[b_slots], feat.claim[b_slots])
+    assert torch.equal(feat.pool[b_slots], rows(502, range(6), 3))
+
+
+def test_budget_forces_the_oldest_pending_write_out(mgr):
+    row_bytes = 3 * 4
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=6 * row_bytes)
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))
+    m.new_step_starts([started("b", [4, 5]), extended("a", 4)])
+    m.discard_step(save(m, [Part("b", 2, [4, 5], 0, 4)], BS))  # 8 rows pending > 6: a (oldest) goes out
+    m.wait_idle()
+    feat = m._keys["feat"]
+    assert torch.equal(feat.commit[torch.arange(0, 4)], feat.claim[torch.arange(0, 4)])
+    assert not bool((feat.commit[torch.arange(16, 20)] == feat.claim[torch.arange(16, 20)]).any())
+    assert m.counters["budget_flushes"] == 1
+    # The budget-closed write is never reopened: a's next rows open a new write, which lands on finish.
+    m.new_step_starts([extended("a", 4)])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 2)], BS))
+    m.new_step_starts([finished("a")])
+    m.wait_idle()
+    assert torch.equal(feat.pool[torch.arange(0, 6)], rows(501, range(6), 3))
+
+
+def test_hits_on_deferred_keys_read_in_flight_rows(mgr):
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))
+    m.new_step_starts([extended("a", 8, [2]), started("b", [0, 3], hit=4)])
+    sid = save(m, [Part("a", 1, [0, 1, 2], 8, 1), Part("b", 1, [0, 3], 4, 2)], BS)
+    out = m.materialize(sid, ["b"])
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 2, mm=True))
+
+
+def test_last_chunk_wins_for_a_slot_written_twice_by_one_write(mgr):
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 2)], BS))
+    m.new_step_starts([extended("a", 0)])  # recompute of positions 0..1 into the same slots
+    m.discard_step(save(m, [Part("a", 9, [0], 0, 2)], BS))
+    m.new_step_starts([finished("a")])
+    m.wait_idle()
+    feat = m._keys["feat"]
+    assert torch.equal(feat.pool[torch.arange(0, 2)], rows(509, range(2), 3))
+
+
+def test_leftover_mm_is_copied_at_save_and_keeps_its_shape(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    live = torch.arange(6.0).reshape(2, 3)  # not token-major: dim 0 != 5
+    codes = [[1, 2], [3]]
+    sid = save(m, [Part("a", 1, [0, 1], 0, 5)], BS, extra_mm={"pooled": live, "codes": codes})
+    live.fill_(-7)
+    codes[0].append(99)
+    out = m.materialize(sid, ["a"])
+    assert torch.equal(out.mm_outputs["a"]["pooled"], torch.arange(6.0).reshape(2, 3))
+    assert out.mm_outputs["a"]["codes"] == [[1, 2], [3]]
+    assert out.mm_outputs["a"]["feat"].shape == (5, 3)
+
+
+def test_token_major_mm_with_padded_first_dim_is_cut_to_the_step(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    sid = save(m, [Part("a", 4, [0, 1], 0, 5)], BS, padded=8)
+    out = m.materialize(sid, ["a"])
+    assert torch.equal(out.mm_outputs["a"]["feat"], rows(504, range(5), 3))
+
+
+def test_delayed_read_gets_rescued_rows_not_the_new_tenants(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))
+    m.new_step_starts([finished("a"), started("b", [0, 2], hit=4)])
+    late = save(m, [Part("b", 1, [0, 2], 4, 2)], BS)  # not consumed yet
+    # b aborts, block 0 goes to c, which overwrites its rows before the late read.
+    m.new_step_starts([aborted("b"), started("c", [0])])
+    m.discard_step(save(m, [Part("c", 8, [0], 0, 4)], BS))
+    m.new_step_starts([extended("c", 4, [1])])
+    m.discard_step(save(m, [Part("c", 8, [0, 1], 4, 1)], BS))
+    assert torch.equal(m._keys[HIDDEN_KEY].pool[torch.arange(0, 4)], rows(8, range(4)))
+    out = m.materialize(late, ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 1, 4, 2))
+    assert m.counters["cow_rescues"] > 0
+
+
+def test_dtype_or_width_mismatch_raises_clearly(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 2)], BS))
+    m.new_step_starts([extended("a", 2)])
+    _, _, layout, n, _ = __import__("manager_helpers").build([Part("a", 1, [0, 1], 2, 1)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="__hidden_states__.*float64"):
+        m.save_outputs(torch.zeros((1, 8), dtype=torch.float64), {}, num_tokens_unpadded=n, num_tokens_padded=n,
+                       write_layout=layout)
+
+
+def test_failed_write_is_fatal_and_sticky(committer_factory):
+    handle = committer_factory("--heartbeat-s", "0.2", "--heartbeat-timeout-s", "1")
+    m = OmniPrefixCacheManager(config(commit_timeout_s=3.0), cache=handle.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0, 1])])
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))
+        m.wait_idle()
+        handle.stop(signal.SIGKILL)
+        m.new_step_starts([extended("a", 4)])
+        with pytest.raises(OmniPrefixCacheUnmatchError):
+            m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 1)], BS))
+            m.new_step_starts([extended("a", 5)])
+            save(m, [Part("a", 1, [0, 1], 5, 1)], BS)
+        for _ in range(2):
+            with pytest.raises(OmniPrefixCacheUnmatchError):
+                m.new_step_starts([extended("a", 6)])
+    finally:
+        m.shutdown()
+        # The killed committer's segments are ours to sweep.
+        from omnishm import shm
+        shm.sweep(handle.runtime_dir, handle.name)
