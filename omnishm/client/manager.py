@@ -613,19 +613,24 @@ class OmniPrefixCacheManager:
                                     step_id=ctx.step_id)
             self._resolve_rows(kv, span.slots, planned, out, ctx, key, req, ctx.step_id)
         else:
-            self._read_committed(self._reader_key(key, req, ctx.step_id), span.slots, out, key, req, ctx.step_id)
+            kv = self._reader_key(key, out, req, ctx.step_id)
+            self._read_committed(kv, span.slots, out, key, req, ctx.step_id)
 
-    def _reader_key(self, key: TensorName, req: ReqId, step_id: StepId) -> KeyViews:
+    def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId) -> KeyViews:
+        """Map a key the writer opened; this rank's rows must have the same dtype and width."""
         kv = self._keys.get(key)
-        if kv is not None:
-            return kv
-        try:
-            reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype="", width=0))
-        except OmniPrefixCacheCommitterError as exc:
-            raise self._unmatch(f"hit on a tensor the writer never wrote ({exc})", req_id=req, key=key,
-                                step_id=step_id) from exc
-        kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
-        self._keys[key] = kv
+        if kv is None:
+            try:
+                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(out.dtype),
+                                                                 width=int(out.shape[1])))
+            except OmniPrefixCacheCommitterError as exc:
+                raise self._unmatch(f"hit on a tensor the writer never wrote or wrote with another layout "
+                                    f"({exc})", req_id=req, key=key, step_id=step_id) from exc
+            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
+            self._keys[key] = kv
+        if kv.dtype != out.dtype or kv.width != out.shape[1]:
+            raise self._unmatch(f"this rank's rows are {out.dtype} width {out.shape[1]}, the pool holds "
+                                f"{kv.dtype} width {kv.width}", req_id=req, key=key, step_id=step_id)
         return kv
 
     def _resolve_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,

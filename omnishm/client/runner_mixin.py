@@ -23,14 +23,17 @@ attributes): ``vllm_config`` (or ``cache_config``/``scheduler_config``/
 ``kv_cache_config``, ``is_pooling_model``, ``input_batch`` (read at every save:
 vLLM may re-create it) and ``get_model()``. Knobs, settable on the class or
 instance: ``prefix_cache_name`` (the committer cache, e.g. the stage name),
-``prefix_cache_endpoint``, ``prefix_cache_autostart``, ``prefix_cache_eager``
-and ``prefix_cache_role`` (None: chosen from TP/PP rank at run time).
+``prefix_cache_endpoint``, ``prefix_cache_autostart``, ``prefix_cache_eager``,
+``prefix_cache_role`` (None: chosen from TP/PP rank at run time) and
+``prefix_cache_config_overrides`` (``PrefixCacheConfig`` fields replacing the
+gate's sizing, e.g. ``{"staging_depth": 8}``).
 
 Import invariant: vllm is only imported inside ``_prefix_cache_role``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -70,6 +73,7 @@ class PrefixCacheRunnerMixin:
     prefix_cache_autostart: bool = True
     prefix_cache_eager: bool | None = None
     prefix_cache_role: str | None = None
+    prefix_cache_config_overrides: Mapping[str, Any] | None = None
 
     _prefix_cache_manager: "OmniPrefixCacheManager | None" = None
     _prefix_cache_adapter: PrefixCacheSchedulerAdapter | None = None
@@ -154,6 +158,9 @@ class PrefixCacheRunnerMixin:
             speculative_config=src("speculative_config"),
             parallel_config=src("parallel_config"),
         )
+        if config is not None and self.prefix_cache_config_overrides:
+            # dataclasses.replace re-runs PrefixCacheConfig validation (ValueError/TypeError on a bad knob).
+            config = dataclasses.replace(config, **dict(self.prefix_cache_config_overrides))
         if config is None:
             self._prefix_cache_initialized = True
             logger.info("omni prefix cache: off for this stage (prefix caching disabled or pooling)")
@@ -245,13 +252,21 @@ class PrefixCacheRunnerMixin:
         """Merged outputs for the step saved as ``step_id`` (any thread, exactly once).
 
         ``req_ids`` defaults to the save-time request ids, never the live
-        batch; a given subset is passed through (the manager rejects ids
-        outside the save). Raises ``OmniPrefixCacheUnmatchError`` for an
+        batch; a given subset is passed through. An id outside the save
+        raises before anything is consumed (the step id stays valid). Raises ``OmniPrefixCacheUnmatchError`` for an
         unknown or consumed id, and whatever the manager raises.
         """
         manager = self._prefix_cache_require(step_id)
-        saved = self._prefix_cache_step_req_ids.pop(step_id, None) if self._prefix_cache_step_req_ids else None
+        table = self._prefix_cache_step_req_ids
+        saved = table.get(step_id) if table else None
         ids = list(req_ids) if req_ids is not None else list(saved or ())
+        if saved is not None:
+            outside = [r for r in ids if r not in saved]
+            if outside:  # caller bug: leave the step id (and its save-time ids) unconsumed
+                raise unmatch(f"materialize asked for requests {outside} that were not in the save-time batch "
+                              f"{list(saved)} (reading the live batch?)", step_id=step_id)
+            assert table is not None
+            table.pop(step_id, None)
         return manager.materialize(step_id, ids)
 
     def prefix_cache_discard(self, step_id: StepId) -> None:

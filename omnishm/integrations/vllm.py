@@ -61,7 +61,8 @@ from omnishm.interface import ModelCachePolicy, ReqId
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OmniPrefixCacheWorkerExtension", "OmniPrefixCacheRunnerHooks", "external_req_id", "EXTENSION_CLS"]
+__all__ = ["OmniPrefixCacheWorkerExtension", "OmniPrefixCacheRunnerHooks", "external_req_id", "EXTENSION_CLS",
+           "encode_tensor", "decode_tensor", "decode_results"]
 
 EXTENSION_CLS = "omnishm.integrations.vllm.OmniPrefixCacheWorkerExtension"
 CACHE_ENV = "OMNISHM_CACHE"
@@ -138,8 +139,8 @@ class OmniPrefixCacheRunnerHooks:
         self._done: dict[ReqId, tuple[torch.Tensor, int]] = {}
         self._raw_done: dict[ReqId, torch.Tensor] = {}
         self.counters: dict[str, int] = {k: 0 for k in (
-            "steps", "saves", "requests", "hit_requests", "hit_tokens", "rows", "raw_requests",
-            "incomplete_dropped")}
+            "steps", "saves", "rows_saved", "requests", "hit_requests", "hit_tokens", "rows", "raw_requests",
+            "incomplete_dropped", "max_hit_requests_per_step")}
 
     # ------------------------------------------------------------------ install
 
@@ -239,6 +240,7 @@ class OmniPrefixCacheRunnerHooks:
         step_id = manager.save_outputs(hidden, None, num_tokens_unpadded=n,
                                        num_tokens_padded=int(hidden.shape[0]), write_layout=layout)
         self.counters["saves"] += 1
+        self.counters["rows_saved"] += n
         merged = manager.materialize(step_id, layout.req_ids)
         self._accumulate(merged, computed)
         if self.capture_raw:
@@ -253,6 +255,8 @@ class OmniPrefixCacheRunnerHooks:
         return out
 
     def _accumulate(self, merged: Any, computed: dict[ReqId, int]) -> None:
+        step_hits = sum(1 for h in merged.num_hit_tokens.values() if h)
+        self.counters["max_hit_requests_per_step"] = max(self.counters["max_hit_requests_per_step"], step_hits)
         for rid, rows in merged.hidden_states.items():
             acc = self._prompts.get(rid)
             if acc is None or rows is None or acc.length >= acc.prompt_len:
@@ -297,6 +301,7 @@ class OmniPrefixCacheRunnerHooks:
         out["cache"] = self.cache
         if self.manager is not None:
             out["manager"] = dict(self.manager.counters)
+            out["num_slots"] = self.manager.config.num_slots
         return out
 
 
@@ -336,14 +341,20 @@ class OmniPrefixCacheWorkerExtension:
     def _omnishm_hooks_or_none(self) -> OmniPrefixCacheRunnerHooks | None:
         return self.__dict__.get("_omnishm_hooks")
 
-    def omnishm_install(self) -> bool:
-        """Install the hooks on the current model runner (idempotent); False without a runner."""
+    def omnishm_install(self, cache: str | None = None) -> bool:
+        """Install the hooks on the current model runner; False without a runner.
+
+        Idempotent while hooks are installed (``cache`` is then ignored). After
+        ``omnishm_shutdown`` it makes fresh hooks on cache ``cache`` (default
+        ``$OMNISHM_CACHE``); reset vLLM's prefix cache first, a new cache holds
+        none of the rows behind vLLM's existing hits.
+        """
         runner = self.model_runner
         if runner is None:
             return False
         hooks = self._omnishm_hooks_or_none()
         if hooks is None or hooks.runner is not runner:
-            hooks = OmniPrefixCacheRunnerHooks(runner)
+            hooks = OmniPrefixCacheRunnerHooks(runner, cache=cache)
             self.__dict__["_omnishm_hooks"] = hooks
             atexit.register(_shutdown_quietly, weakref.ref(hooks))
         hooks.install()
@@ -355,23 +366,56 @@ class OmniPrefixCacheWorkerExtension:
         return hooks.uninstall() if hooks is not None else {}
 
     def omnishm_take_prompt_hidden(self) -> dict[ReqId, torch.Tensor]:
-        """``{runner req id: full-prompt hidden states [P, H]}`` completed since the last take."""
+        """``{runner req id: full-prompt hidden states [P, H]}`` completed since the last take.
+
+        Returns tensors: fine in-process; across vLLM's engine-core process
+        boundary use ``omnishm_take_results`` (plain types) instead, unless
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+        """
         hooks = self._omnishm_hooks_or_none()
         return {} if hooks is None else {rid: t for rid, (t, _h) in hooks.take_results().items()}
 
-    def omnishm_take_results(self) -> dict[ReqId, tuple[torch.Tensor, int]]:
-        """Like ``omnishm_take_prompt_hidden`` plus each request's omnishm hit length."""
-        hooks = self._omnishm_hooks_or_none()
-        return {} if hooks is None else hooks.take_results()
+    def omnishm_take_results(self) -> dict[ReqId, dict[str, Any]]:
+        """Completed requests as plain types (crosses vLLM's msgpack RPC): see ``decode_results``.
 
-    def omnishm_take_raw_prompt_hidden(self) -> dict[ReqId, torch.Tensor]:
-        """Full-prompt hidden states read directly from the runner for requests without a hit."""
+        ``{runner req id: {"hidden": encoded [P, H], "hit_tokens": int}}``.
+        """
         hooks = self._omnishm_hooks_or_none()
-        return {} if hooks is None else hooks.take_raw()
+        if hooks is None:
+            return {}
+        return {rid: {"hidden": encode_tensor(t), "hit_tokens": int(h)}
+                for rid, (t, h) in hooks.take_results().items()}
+
+    def omnishm_take_raw_prompt_hidden(self) -> dict[ReqId, dict[str, Any]]:
+        """Full-prompt hidden states read directly from the runner for requests without a hit (encoded)."""
+        hooks = self._omnishm_hooks_or_none()
+        return {} if hooks is None else {rid: encode_tensor(t) for rid, t in hooks.take_raw().items()}
 
     def omnishm_stats(self) -> dict[str, Any]:
         hooks = self._omnishm_hooks_or_none()
         return {} if hooks is None else hooks.stats()
+
+
+def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """A CPU tensor as plain msgpack-able types (dtype name, shape, raw bytes)."""
+    t = t.detach().to("cpu").contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": t.view(torch.uint8).numpy().tobytes() if t.numel() else b""}
+
+
+def decode_tensor(payload: Any) -> torch.Tensor:
+    """Inverse of ``encode_tensor``; a tensor passes through (in-process RPC)."""
+    if isinstance(payload, torch.Tensor):
+        return payload
+    dtype = getattr(torch, payload["dtype"])
+    data = bytearray(payload["data"])
+    flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    return flat.reshape(payload["shape"])
+
+
+def decode_results(result: dict[ReqId, dict[str, Any]]) -> dict[ReqId, tuple[torch.Tensor, int]]:
+    """``omnishm_take_results`` output (one rank's) as ``{req id: (hidden [P, H], hit tokens)}``."""
+    return {rid: (decode_tensor(v["hidden"]), int(v["hit_tokens"])) for rid, v in result.items()}
 
 
 def _shutdown_quietly(ref: "weakref.ref[OmniPrefixCacheRunnerHooks]") -> None:

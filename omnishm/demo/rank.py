@@ -1,0 +1,168 @@
+"""One simulated TP rank: the engine loop of ``omnishm demo`` and of the TP tests.
+
+Every rank runs the same deterministic ``SimEngine`` (same seed), so all ranks
+count the same real steps, as TP ranks of one engine do. Rank 0 is the writer;
+the others attach as readers. Each rank checks every row it materializes
+against ground truth and counts mismatches (it never raises on one: the demo
+must report them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from omnishm.interface import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
+
+
+@dataclass
+class RankOptions:
+    cache: str = "default"
+    tp: int = 2
+    seed: int = 0
+    steps: int = 200
+    duration_s: float | None = None
+    num_blocks: int = 256
+    block_size: int = 16
+    max_batched_tokens: int = 256
+    width: int = 256
+    mm_width: int = 16
+    lag: int = 1
+    deferred_mm: bool = True
+    autostart: bool = True
+    endpoint: str | None = None
+    runtime_dir: str | None = None
+    commit_timeout_s: float = 30.0
+    gpu_staging_bytes: int = 1 << 20
+    lockstep: bool = True
+    """Ranks meet at a barrier every step, as TP ranks meet at their collectives."""
+
+
+@dataclass
+class RankResult:
+    rank: int
+    role: str
+    pid: int = 0
+    steps: int = 0
+    requests: int = 0
+    hit_tokens: int = 0
+    rows_served: int = 0
+    rows_checked: int = 0
+    mismatches: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    mirror_bytes: int = 0
+    rss_bytes: int = 0
+    shared_bytes: int = 0
+    seconds: float = 0.0
+    failure: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _statm() -> tuple[int, int]:
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            parts = f.read().split()
+        page = os.sysconf("SC_PAGE_SIZE")
+        return int(parts[1]) * page, int(parts[2]) * page
+    except OSError:
+        return 0, 0
+
+
+def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = None) -> RankResult:
+    """Run one rank to completion; ``progress`` (a queue) gets ``(rank, steps, mismatches)``.
+
+    With a ``barrier`` every step starts together on all ranks (the collective
+    of a real TP forward); without one, ranks drift apart freely.
+    """
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.sim import SimEngine
+
+    torch.set_num_threads(1)
+    role = "writer" if rank == 0 else "reader"
+    result = RankResult(rank=rank, role=role, pid=os.getpid())
+    cfg = PrefixCacheConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
+                            staging_capacity_tokens=opts.max_batched_tokens, staging_depth=opts.lag + 2,
+                            commit_timeout_s=opts.commit_timeout_s, staging_claim_timeout_s=opts.commit_timeout_s,
+                            gpu_staging_bytes=opts.gpu_staging_bytes)
+    eng = SimEngine(num_blocks=opts.num_blocks, block_size=opts.block_size,
+                    max_batched_tokens=opts.max_batched_tokens, width=opts.width, mm_width=opts.mm_width,
+                    seed=opts.seed)
+    errors: Counter = Counter()
+    pending: deque = deque()
+    t0 = time.perf_counter()
+
+    def consume(m: Any, sid: int, st: Any) -> None:
+        reqs = st.layout.req_ids
+        try:
+            out = m.materialize(sid, reqs)
+        except OmniPrefixCacheUnmatchError as exc:
+            errors[_error_kind(exc)] += 1
+            if os.environ.get("OMNISHM_DEMO_DEBUG"):
+                print(f"rank {rank}: {exc}", flush=True)
+            return
+        for r in reqs:
+            got = out.hidden_states[r]
+            want = eng.expected(st, r)
+            feat = out.mm_outputs[r]["mm_feat"]
+            want_feat = eng.expected(st, r, salt=0x5A5A, width=opts.mm_width)
+            result.rows_served += got.shape[0] + feat.shape[0]
+            result.rows_checked += got.shape[0] + feat.shape[0]
+            result.hit_tokens += out.num_hit_tokens[r]
+            if not torch.equal(got, want):
+                result.mismatches += int((got != want).any(dim=1).sum())
+            if not torch.equal(feat, want_feat):
+                result.mismatches += int((feat != want_feat).any(dim=1).sum())
+
+    try:
+        with OmniPrefixCacheManager(cfg, cache=opts.cache, role=role, endpoint=opts.endpoint,
+                                    autostart=opts.autostart, runtime_dir=opts.runtime_dir) as m:
+            if opts.deferred_mm:
+                m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feat"})))
+            while True:
+                if opts.duration_s is not None:
+                    if time.perf_counter() - t0 >= opts.duration_s:
+                        break
+                elif result.steps >= opts.steps:
+                    break
+                while len(eng.waiting) < 4:
+                    eng.add_request()
+                if barrier is not None:
+                    barrier.wait(timeout=opts.commit_timeout_s)
+                st = eng.schedule()
+                m.new_step_starts(st.step)
+                sid = m.save_outputs(st.hidden, st.mm, num_tokens_unpadded=st.num_tokens,
+                                     num_tokens_padded=st.num_tokens, write_layout=st.layout)
+                pending.append((sid, st))
+                eng.advance(st)
+                while len(pending) > opts.lag:
+                    consume(m, *pending.popleft())
+                result.steps += 1
+                if progress is not None and result.steps % 5 == 0:
+                    progress.put((rank, result.steps, result.mismatches))
+            while pending:
+                consume(m, *pending.popleft())
+            result.mirror_bytes = sum(int(kv.pool.numel() * kv.pool.element_size()) for kv in m._keys.values())
+            result.rss_bytes, result.shared_bytes = _statm()
+    except Exception as exc:  # reported, so the demo can print it and exit non-zero
+        result.failure = f"{type(exc).__name__}: {exc}"
+    result.requests = eng.requests_done
+    result.errors = dict(errors)
+    result.seconds = time.perf_counter() - t0
+    if progress is not None:
+        progress.put((rank, result.steps, result.mismatches))
+    return result
+
+
+def _error_kind(exc: Exception) -> str:
+    text = str(exc)
+    for kind in ("reused", "absent", "not committed", "did not publish", "did not land"):
+        if kind in text:
+            return kind
+    return type(exc).__name__

@@ -1,0 +1,411 @@
+"""``PrefixCacheRunnerMixin`` on a GPUModelRunner-shaped fake, against a real committer.
+
+``FakeRunner`` carries what the mixin reads from a vLLM 0.32 runner
+(``vllm_config``, ``kv_cache_config``, ``input_batch`` with a real CPU block
+table, ``get_model``) and a minimal ``_update_states``/forward. The forward's
+rows are a pure function of a request's content tag and token position
+(``manager_helpers.rows``), so a merged hit is checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+
+from manager_helpers import MM_WIDTH, WIDTH, rows
+from omnishm import shm
+from omnishm.client import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError
+from omnishm.client.adapter import PrefixCacheEventKind as K
+from omnishm.client.group_view import PrefixCacheConfigError
+from omnishm.client.runner_mixin import PrefixCacheRunnerMixin
+
+BS = 4
+NUM_BLOCKS = 16
+MAX_REQS = 4
+MAX_BLOCKS = 4
+OVERRIDES = {"staging_depth": 3, "staging_claim_timeout_s": 0.5, "commit_timeout_s": 5.0}
+
+
+class FullAttentionSpec:  # named like vLLM's; the gate classifies fakes by class name
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+
+def sched(new=(), cached=(), finished=(), counts=None):
+    """A vLLM 0.32-shaped ``SchedulerOutput``.
+
+    ``new``: (req, num_computed_tokens, block_ids); ``cached``: (req, num_computed_tokens, new_block_ids).
+    """
+    counts = dict(counts or {})
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(list(b),))
+                            for r, c, b in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+            new_block_ids=[(list(b),) if b else None for _, _, b in cached],
+            num_computed_tokens=[c for _, c, _ in cached]),
+        num_scheduled_tokens=counts, total_num_scheduled_tokens=sum(counts.values()),
+        finished_req_ids=set(finished), preempted_req_ids=set())
+
+
+class FakeRunner(PrefixCacheRunnerMixin):
+    """The attributes of vLLM 0.32's GPUModelRunner the mixin reads, plus a toy ``execute_model``."""
+
+    prefix_cache_autostart = False
+
+    def __init__(self, cache: str, model=None, *, prefix_caching: bool = True, speculative=None) -> None:
+        self.prefix_cache_name = cache
+        self.prefix_cache_config_overrides = OVERRIDES
+        self.vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=BS,
+                                         mamba_cache_mode="none"),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=32, max_num_seqs=MAX_REQS),
+            model_config=SimpleNamespace(max_model_len=64),
+            speculative_config=speculative, kv_transfer_config=None,
+            parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+        self.kv_cache_config = SimpleNamespace(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+            kv_cache_groups=[SimpleNamespace(layer_names=["layers.0.attn"], kv_cache_spec=FullAttentionSpec(BS))])
+        self.is_pooling_model = False
+        table = SimpleNamespace(block_size=BS,
+                                block_table=SimpleNamespace(cpu=torch.zeros((MAX_REQS, MAX_BLOCKS), dtype=torch.int32)),
+                                num_blocks_per_row=torch.zeros(MAX_REQS, dtype=torch.int32))
+        self.input_batch = SimpleNamespace(req_ids=[None] * MAX_REQS,
+                                           num_computed_tokens_cpu=torch.zeros(MAX_REQS, dtype=torch.int32),
+                                           block_table=SimpleNamespace(block_tables=[table]))
+        self.model = model
+        self.tags: dict[str, int] = {}
+        self.batch_at_begin: list = []
+
+    def get_model(self):
+        if self.model is None:
+            raise ValueError("model not loaded")  # what vLLM raises before load
+        return self.model
+
+    # -- a toy runner ---------------------------------------------------------------
+
+    @property
+    def _table(self):
+        return self.input_batch.block_table.block_tables[0]
+
+    def _row(self, req: str) -> int:
+        return self.input_batch.req_ids.index(req)
+
+    def _set_blocks(self, row: int, blocks, append: bool) -> None:
+        start = int(self._table.num_blocks_per_row[row]) if append else 0
+        for i, b in enumerate(blocks):
+            self._table.block_table.cpu[row, start + i] = b
+        self._table.num_blocks_per_row[row] = start + len(blocks)
+
+    def _update_states(self, so) -> None:
+        ids = self.input_batch.req_ids
+        for r in so.finished_req_ids:
+            if r in ids:
+                row = self._row(r)
+                ids[row] = None
+                self._table.num_blocks_per_row[row] = 0
+        for new in so.scheduled_new_reqs:
+            row = ids.index(None)
+            ids[row] = new.req_id
+            self.input_batch.num_computed_tokens_cpu[row] = new.num_computed_tokens
+            self._set_blocks(row, new.block_ids[0], append=False)
+        c = so.scheduled_cached_reqs
+        for r, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            row = self._row(r)
+            self.input_batch.num_computed_tokens_cpu[row] = computed
+            if blocks:
+                self._set_blocks(row, blocks[0], append=True)
+
+    def _forward(self, so, padded: int):
+        hidden, feat = [], []
+        for r in self.input_batch.req_ids:
+            if r is None or not so.num_scheduled_tokens.get(r):
+                continue
+            first = int(self.input_batch.num_computed_tokens_cpu[self._row(r)])
+            pos = range(first, first + so.num_scheduled_tokens[r])
+            hidden.append(rows(self.tags[r], pos))
+            feat.append(rows(self.tags[r] + 500, pos, MM_WIDTH))
+        n = so.total_num_scheduled_tokens
+        pad = max(padded, n)
+        h = torch.cat(hidden + [torch.full((pad - n, WIDTH), -1.0)])
+        f = torch.cat(feat + [torch.full((pad - n, MM_WIDTH), -1.0)])
+        return h, {"feat": f}, n, pad
+
+    def execute_model(self, so, padded: int = 0):
+        self.batch_at_begin = list(self.input_batch.req_ids)
+        step = self.prefix_cache_step_begin(so)  # BEFORE _update_states
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return step, None
+        h, mm, n, pad = self._forward(so, padded)
+        return step, self.prefix_cache_save(h, mm, n, pad, so)
+
+
+@pytest.fixture
+def runner(committer):
+    made: list[FakeRunner] = []
+
+    def make(model=None, **kw) -> FakeRunner:
+        r = FakeRunner(committer.name, model if model is not None else SimpleNamespace(), **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.prefix_cache_shutdown()
+
+
+def merged(prefix_tag: int, hit: int, tag: int, first: int, count: int, mm: bool = False) -> torch.Tensor:
+    off, width = (500, MM_WIDTH) if mm else (0, WIDTH)
+    parts = [rows(prefix_tag + off, range(hit), width)] if hit else []
+    return torch.cat(parts + [rows(tag + off, range(first, first + count), width)])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dummy_step_builds_nothing_and_the_first_real_step_builds_once(runner):
+    r = runner()
+    dummy = sched()
+    assert r.execute_model(dummy) == (None, None)
+    assert r.prefix_cache_save(torch.zeros((4, WIDTH)), None, 0, 4, dummy) is None  # a padded profile run
+    assert r.prefix_cache_manager is None and not r._prefix_cache_initialized
+    r.tags["a"] = 1
+    step, sid = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))
+    m = r.prefix_cache_manager
+    assert m is not None and [e.kind for e in step.events] == [K.STARTED]
+    assert (m.config.num_blocks, m.config.block_size, m.config.staging_capacity_tokens) == (NUM_BLOCKS, BS, 32)
+    assert m.config.staging_depth == 3  # prefix_cache_config_overrides
+    assert m.role == "writer"
+    r.prefix_cache_discard(sid)
+    _, sid = r.execute_model(sched(cached=[("a", 5, [])], counts={"a": 1}))
+    assert r.prefix_cache_manager is m
+    r.prefix_cache_discard(sid)
+
+
+def test_gate_refusal_is_not_remembered_and_prefix_caching_off_is_decided_once(runner):
+    spec = runner(speculative=SimpleNamespace(method="eagle"))
+    spec.tags["a"] = 1
+    for _ in range(2):
+        with pytest.raises(PrefixCacheConfigError, match="speculative"):
+            spec.prefix_cache_step_begin(sched(new=[("a", 0, [0])], counts={"a": 1}))
+    assert spec.prefix_cache_manager is None
+    off = runner(prefix_caching=False)
+    off.tags["a"] = 1
+    assert off.execute_model(sched(new=[("a", 0, [0])], counts={"a": 1})) == (None, None)
+    assert off._prefix_cache_initialized and off.prefix_cache_manager is None
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="no omni prefix cache on this runner"):
+        off.prefix_cache_materialize(0)
+
+
+def test_policy_is_snapshotted_at_load_from_legacy_attributes(runner):
+    model = SimpleNamespace(cache_hidden_states=True, prefix_cache_deferred_mm_keys=["feat"])
+    r = runner(model)
+    snap = r._prefix_cache_load_policy()  # defaults to get_model()
+    assert snap == ModelCachePolicy(cache_hidden=True, deferred_keys=frozenset({"feat"}))
+    model.prefix_cache_deferred_mm_keys = []  # later changes are not seen
+    model.cache_hidden_states = False
+    r.tags["a"] = 1
+    _, sid = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 6}))
+    m = r.prefix_cache_manager
+    assert m.policy == snap
+    out = r.prefix_cache_materialize(sid)
+    assert torch.equal(out.hidden_states["a"], rows(1, range(6)))
+    m.wait_idle()
+    feat, slots = m._keys["feat"], torch.arange(0, 6)
+    assert not bool((feat.commit[slots] == feat.claim[slots]).any())  # deferred: still with the client
+    with pytest.raises(RuntimeError, match="before the first save"):
+        r._prefix_cache_load_policy(model)
+
+
+def test_policy_opting_out_of_hidden_and_the_no_model_fallback(runner):
+    r = runner(SimpleNamespace(omni_prefix_cache_policy=ModelCachePolicy(cache_hidden=False)))
+    r.tags["a"] = 1
+    _, sid = r.execute_model(sched(new=[("a", 0, [0])], counts={"a": 2}))  # no load call: snapshot at build
+    out = r.prefix_cache_materialize(sid)
+    assert out.hidden_states["a"] is None
+    assert torch.equal(out.mm_outputs["a"]["feat"], rows(501, range(2), MM_WIDTH))
+    r.prefix_cache_shutdown()  # one writer per cache at a time
+    bare = runner()
+    bare.model = None  # get_model raises like vLLM before load
+    bare.tags["b"] = 2
+    _, sid = bare.execute_model(sched(new=[("b", 0, [3])], counts={"b": 1}))
+    assert bare.prefix_cache_manager.policy == ModelCachePolicy()
+    bare.prefix_cache_discard(sid)
+
+
+def test_save_builds_the_layout_from_the_cpu_block_table(runner):
+    r = runner()
+    r.input_batch.req_ids[0] = "hole"  # row 0 taken, so "a" sits in row 1 ...
+    r.tags.update(a=1)
+    so = sched(new=[("a", 0, [5, 2])], counts={"a": 6})
+    r.prefix_cache_step_begin(so)
+    r._update_states(so)
+    r.input_batch.req_ids[0] = None  # ... and row 0 is a hole in the batch
+    h, mm, n, pad = r._forward(so, padded=8)
+    sid = r.prefix_cache_save(h, mm, n, pad, so)
+    _, sid2 = r.execute_model(sched(cached=[("a", 6, [])], counts={"a": 1}))
+    m = r.prefix_cache_manager
+    m.wait_idle()
+    slots = torch.tensor([20, 21, 22, 23, 8, 9, 10])  # blocks 5, 2: positions 0..6, padding never written
+    pool = m._keys[HIDDEN_KEY]
+    assert torch.equal(pool.commit[slots], pool.claim[slots])
+    assert torch.equal(pool.pool[slots], rows(1, range(7)))
+    assert torch.equal(m._keys["feat"].pool[slots], rows(501, range(7), MM_WIDTH))
+    assert not bool((pool.claim[torch.tensor([11, 24])] != 0).any())
+    r.prefix_cache_discard(sid)
+    r.prefix_cache_discard(sid2)
+
+
+def test_finish_is_seen_before_update_states_and_a_same_step_hit_reads_its_rows(runner):
+    r = runner(SimpleNamespace(prefix_cache_deferred_mm_keys=("feat",)))
+    r.tags.update(a=1, b=1)
+    _, s0 = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 8}))
+    r.prefix_cache_discard(s0)
+    # a finished; b shares its two blocks (a hit of 8) and gets block 3 for its own tokens.
+    step, s1 = r.execute_model(sched(new=[("b", 8, [0, 1, 3])], finished=["a"], counts={"b": 3}))
+    assert "a" in r.batch_at_begin and "a" not in r.input_batch.req_ids
+    assert [(e.kind, e.req_id) for e in step.events] == [(K.FINISHED, "a"), (K.STARTED, "b")]
+    out = r.prefix_cache_materialize(s1)
+    assert out.num_hit_tokens == {"b": 8}
+    assert torch.equal(out.hidden_states["b"], merged(1, 8, 1, 8, 3))
+    assert torch.equal(out.mm_outputs["b"]["feat"], merged(1, 8, 1, 8, 3, mm=True))
+    m = r.prefix_cache_manager
+    m.wait_idle()
+    feat, a_slots = m._keys["feat"], torch.arange(0, 8)
+    assert torch.equal(feat.commit[a_slots], feat.claim[a_slots])  # a's deferred rows landed on its finish
+    # A zero-token finish-only step is still forwarded (vLLM runs _update_states for it).
+    step, sid = r.execute_model(sched(finished=["b"]))
+    assert sid is None and [(e.kind, e.req_id) for e in step.events] == [(K.FINISHED, "b")]
+    m.wait_idle()
+    b_slots = torch.tensor([12, 13, 14])
+    assert torch.equal(feat.commit[b_slots], feat.claim[b_slots])
+    assert r.execute_model(sched()) == (None, None)  # nothing to tell the manager
+
+
+def test_hit_across_two_requests_in_one_batch_returns_exact_merged_rows(runner):
+    r = runner()
+    r.tags.update(a=1, b=1, c=2)
+    _, s0 = r.execute_model(sched(new=[("a", 0, [0, 1, 2])], counts={"a": 9}))
+    r.prefix_cache_discard(s0)
+    # a decodes one token; b hits a's first two blocks; c misses. Batch order: a, b, c.
+    so = sched(new=[("b", 8, [0, 1, 4]), ("c", 0, [6])], cached=[("a", 9, [])], counts={"a": 1, "b": 2, "c": 3})
+    _, s1 = r.execute_model(so, padded=8)
+    assert r.prefix_cache_save_time_req_ids(s1) == ("a", "b", "c")
+    out = r.prefix_cache_materialize(s1)
+    assert out.num_hit_tokens == {"a": 0, "b": 8, "c": 0}
+    assert torch.equal(out.hidden_states["a"], rows(1, [9]))
+    assert torch.equal(out.hidden_states["b"], merged(1, 8, 1, 8, 2))
+    assert torch.equal(out.mm_outputs["b"]["feat"], merged(1, 8, 1, 8, 2, mm=True))
+    assert torch.equal(out.hidden_states["c"], rows(2, range(3)))
+
+
+def test_materialize_uses_save_time_ids_not_the_live_batch(runner):
+    r = runner()
+    r.tags.update(a=1, b=2, c=3)
+    _, s0 = r.execute_model(sched(new=[("a", 0, [0]), ("b", 0, [1])], counts={"a": 2, "b": 3}))
+    # Next step before s0 is read: b finished and left the batch, c took its row.
+    _, s1 = r.execute_model(sched(new=[("c", 0, [2])], cached=[("a", 2, [])], finished=["b"],
+                                  counts={"a": 1, "c": 1}))
+    assert r.input_batch.req_ids[:2] == ["a", "c"]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"\['c'\].*not in the save-time batch"):
+        r.prefix_cache_materialize(s0, ["a", "c"])  # the live batch: refused, s0 stays valid
+    assert r.prefix_cache_save_time_req_ids(s0) == ("a", "b")
+    # Read s0 on another thread (any thread may materialize).
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(out=r.prefix_cache_materialize(s0)))
+    t.start()
+    t.join(10)
+    out = got["out"]
+    assert set(out.hidden_states) == {"a", "b"}
+    assert torch.equal(out.hidden_states["b"], rows(2, range(3)))
+    sub = r.prefix_cache_materialize(s1, ["c"])
+    assert list(sub.hidden_states) == ["c"] and torch.equal(sub.hidden_states["c"], rows(3, [0]))
+
+
+def test_discard_and_exactly_once_errors_propagate(runner):
+    r = runner()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="no omni prefix cache on this runner"):
+        r.prefix_cache_discard(0)
+    r.tags["a"] = 1
+    _, s0 = r.execute_model(sched(new=[("a", 0, [0])], counts={"a": 2}))
+    _, s1 = r.execute_model(sched(cached=[("a", 2, [])], counts={"a": 1}))
+    r.prefix_cache_discard(s0)
+    with pytest.raises(KeyError):
+        r.prefix_cache_save_time_req_ids(s0)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed"):
+        r.prefix_cache_materialize(s0)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed"):
+        r.prefix_cache_discard(s0)
+    assert torch.equal(r.prefix_cache_materialize(s1).hidden_states["a"], rows(1, [2]))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed"):
+        r.prefix_cache_materialize(s1)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="never saved"):
+        r.prefix_cache_materialize(42)
+    # A contract break in save propagates too (the schedule and the forward disagree).
+    so = sched(cached=[("a", 3, [])], counts={"a": 1})
+    r.prefix_cache_step_begin(so)
+    r._update_states(so)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="num_tokens_unpadded=2"):
+        r.prefix_cache_save(torch.zeros((2, WIDTH)), None, 2, 2, so)
+    assert r.prefix_cache_manager.unconsumed_step_ids() == []
+
+
+def _links() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("omnishm-link", "omnishm-flusher"))]
+
+
+def test_shutdown_leaves_nothing_behind(committer_factory):
+    handle = committer_factory()
+    threads = _links()
+    r = FakeRunner(handle.name, SimpleNamespace(prefix_cache_deferred_mm_keys=("feat",)))
+    r._prefix_cache_load_policy()
+    r.tags["a"] = 1
+    _, sid = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))
+    def staging() -> list[str]:
+        return [w for w in (shm.parse_segment_name(s)[2] for s in shm.list_segments(handle.name))
+                if w.startswith("stage.")]
+
+    assert staging()  # the writer's staging pages exist while it is attached
+    assert _links() != threads
+    # Shut down with an unconsumed step id and an open deferred write.
+    r.prefix_cache_shutdown()
+    r.prefix_cache_shutdown()  # idempotent
+    assert r.prefix_cache_manager is None
+    assert _links() == threads
+    assert staging() == []  # ... and went with it
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="not started, off, or shut down"):
+        r.prefix_cache_materialize(sid)
+
+
+def test_role_is_writer_without_vllm_and_follows_tp_pp_rank_with_it(monkeypatch):
+    r = FakeRunner("unused")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vllm absent
+    assert r._prefix_cache_role() == "writer"
+
+    def fake_vllm(initialized: bool, tp_rank: int, last_pp: bool) -> None:
+        ps = ModuleType("vllm.distributed.parallel_state")
+        ps.model_parallel_is_initialized = lambda: initialized
+        ps.get_tensor_model_parallel_rank = lambda: tp_rank
+        ps.get_pp_group = lambda: SimpleNamespace(is_last_rank=last_pp)
+        dist = ModuleType("vllm.distributed")
+        dist.parallel_state = ps
+        vllm = ModuleType("vllm")
+        vllm.distributed = dist
+        for name, mod in (("vllm", vllm), ("vllm.distributed", dist), ("vllm.distributed.parallel_state", ps)):
+            monkeypatch.setitem(sys.modules, name, mod)
+
+    fake_vllm(False, 1, True)
+    assert r._prefix_cache_role() == "writer"  # groups not initialised: single-process tools
+    fake_vllm(True, 0, True)
+    assert r._prefix_cache_role() == "writer"
+    fake_vllm(True, 1, True)
+    assert r._prefix_cache_role() == "reader"
+    fake_vllm(True, 0, False)
+    assert r._prefix_cache_role() == "reader"
+    r.prefix_cache_role = "writer"  # explicit knob wins
+    assert r._prefix_cache_role() == "writer"

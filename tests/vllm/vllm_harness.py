@@ -1,0 +1,207 @@
+"""Real-engine helpers for the vLLM tier: engines, prompts, ground truth, exact comparison.
+
+Ground truth for a prompt is the same engine run with its prefix cache reset
+(``llm.reset_prefix_cache()``): the hidden states the runner produced for the
+whole prompt with no hit, read straight from ``execute_model_state`` by the
+hooks (``omnishm_take_raw_prompt_hidden``), not through the cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from vllm_tier import TIER_COUNTS, unique_cache_name
+from omnishm.integrations.vllm import EXTENSION_CLS, decode_results, decode_tensor, external_req_id
+
+BLOCK = 32
+HIDDEN = 128
+ENGINE_KW: dict[str, Any] = dict(enable_prefix_caching=True, block_size=BLOCK, max_model_len=512, dtype="float32",
+                                 enforce_eager=True, seed=0, max_num_seqs=8, max_num_batched_tokens=512,
+                                 num_gpu_blocks_override=64, kv_cache_memory_bytes=64 << 20)
+
+
+def make_llm(model_dir: Any, *, multiprocess: bool, cache: str, **overrides: Any) -> Any:
+    """A real vLLM engine with the omnishm worker extension (cache ``cache`` via $OMNISHM_CACHE)."""
+    from vllm import LLM
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    os.environ["OMNISHM_CACHE"] = cache
+    kw = dict(ENGINE_KW)
+    kw.update(overrides)
+    return LLM(model=str(model_dir), worker_extension_cls=EXTENSION_CLS, **kw)
+
+
+def close_llm(llm: Any) -> dict[str, Any]:
+    """omnishm shutdown first (the engine must not take the manager down with it), then the engine."""
+    stats = llm.collective_rpc("omnishm_shutdown")[0]
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    return stats
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 1000) for _ in range(n)]
+
+
+@dataclass
+class Harness:
+    """One engine plus its omnishm hooks, one test at a time (``begin``/``end``)."""
+
+    llm: Any
+    gt: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    results: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    cache: str = ""
+
+    def rpc(self, method: str, *args: Any) -> Any:
+        out = self.llm.collective_rpc(method, args=args)
+        assert len(out) == 1, out
+        return out[0]
+
+    def begin(self, tag: str, *, keep_current: bool = False) -> None:
+        """Fresh vLLM prefix cache and fresh hooks on a new cache (or keep the auto-installed ones)."""
+        self.prompts.clear()
+        self.results.clear()
+        self.cached.clear()
+        if keep_current:
+            stats = self.rpc("omnishm_stats")
+            assert stats and stats["cache"] == os.environ["OMNISHM_CACHE"], stats
+            assert stats["steps"] == 0, f"auto-installed hooks already ran: {stats}"
+            self.cache = stats["cache"]
+            return
+        self.rpc("omnishm_shutdown")
+        assert self.llm.reset_prefix_cache()
+        self.cache = unique_cache_name(tag)
+        assert self.rpc("omnishm_install", self.cache) is True
+
+    def end(self) -> dict[str, Any]:
+        return self.rpc("omnishm_shutdown")
+
+    # ------------------------------------------------------------------ running
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 1) -> list[Any]:
+        """One ``generate`` call (the prompts are scheduled together); records outputs by request id."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            self.prompts[o.request_id] = list(p)
+            self.cached[o.request_id] = int(o.num_cached_tokens or 0)
+        return outs
+
+    def add(self, req_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
+        """Add a request through the engine API (for aborts); drive it with ``step``."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.llm.llm_engine.add_request(req_id, TokensPrompt(prompt_token_ids=list(prompt)), sp)
+        self.prompts[req_id] = list(prompt)
+
+    def step(self) -> list[Any]:
+        outs = self.llm.llm_engine.step()
+        for o in outs:
+            if getattr(o, "num_cached_tokens", None) is not None:
+                self.cached[o.request_id] = int(o.num_cached_tokens)
+        return outs
+
+    def drain(self, limit: int = 10_000) -> None:
+        for _ in range(limit):
+            if not self.llm.llm_engine.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("engine did not drain")
+
+    def collect(self) -> dict[str, tuple[torch.Tensor, int]]:
+        got = decode_results(self.rpc("omnishm_take_results"))
+        for rid, val in got.items():
+            ext = external_req_id(rid)
+            assert ext not in self.results, f"request {ext} completed twice"
+            self.results[ext] = val
+        return self.results
+
+    # ------------------------------------------------------------------ ground truth + check
+
+    def ground_truth(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Hidden states of ``prompt`` with the prefix cache reset (no hit), memoised per prompt."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        key = tuple(prompt)
+        if key in self.gt:
+            return self.gt[key]
+        self.collect()  # keep the scenario's results apart from the ground-truth run's
+        assert self.llm.reset_prefix_cache()
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))],
+                                SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0, "ground truth run had a prefix hit"
+        raw = {external_req_id(k): decode_tensor(v) for k, v in self.rpc("omnishm_take_raw_prompt_hidden").items()}
+        mine = {external_req_id(k): v for k, v in decode_results(self.rpc("omnishm_take_results")).items()}
+        assert out.request_id in raw, (out.request_id, list(raw))
+        truth = raw[out.request_id]
+        # The no-hit run through the cache must equal the runner's own rows too.
+        assert torch.equal(mine[out.request_id][0], truth)
+        assert mine[out.request_id][1] == 0
+        self.gt[key] = truth
+        return truth
+
+    def check(self, *, expect_hit: Sequence[str] = (), expect_missing: Sequence[str] = (),
+              expect_cached: dict[str, int] | None = None) -> dict[str, int]:
+        """Compare every completed request with its ground truth, bit for bit; count rows.
+
+        ``expect_hit``: requests that must show a vLLM prefix hit
+        (``num_cached_tokens > 0``). ``expect_missing``: requests that must not
+        complete (aborted before their prompt was computed). Each completed
+        request's omnishm hit length must equal vLLM's ``num_cached_tokens``.
+        """
+        self.collect()
+        results = dict(self.results)
+        prompts = dict(self.prompts)
+        cached = dict(self.cached)
+        counts = {"requests": 0, "rows": 0, "mismatches": 0, "hit_requests": 0, "hit_rows": 0}
+        for rid in expect_missing:
+            assert rid not in results, f"{rid} should not have completed its prompt"
+        for rid in expect_hit:
+            assert cached.get(rid, 0) > 0, f"{rid}: vLLM reported no prefix hit ({cached.get(rid)})"
+        for rid, exp in (expect_cached or {}).items():
+            assert cached.get(rid) == exp, f"{rid}: num_cached_tokens {cached.get(rid)} != {exp}"
+        bad: list[str] = []
+        for rid, prompt in prompts.items():
+            if rid in expect_missing:
+                continue
+            assert rid in results, f"{rid}: omnishm has no full-prompt hidden states (got {sorted(results)})"
+            hidden, hit = results[rid]
+            assert tuple(hidden.shape) == (len(prompt), HIDDEN), (rid, hidden.shape, len(prompt))
+            if rid in cached:
+                assert hit == cached[rid], f"{rid}: omnishm hit {hit} != vLLM num_cached_tokens {cached[rid]}"
+            truth = self.ground_truth(prompt)
+            counts["requests"] += 1
+            counts["rows"] += len(prompt)
+            if hit:
+                counts["hit_requests"] += 1
+                counts["hit_rows"] += hit
+            if not torch.equal(hidden, truth):
+                diff = (hidden - truth).abs().amax(dim=1)
+                counts["mismatches"] += int((diff != 0).sum())
+                bad.append(f"{rid}: {int((diff != 0).sum())} rows differ (first {int(torch.nonzero(diff)[0, 0])},"
+                           f" hit {hit}, max |diff| {float(diff.max())})")
+        for k, v in counts.items():
+            TIER_COUNTS[k] += v
+        print(f"[{self.cache}] requests compared={counts['requests']} rows compared={counts['rows']} "
+              f"hit requests={counts['hit_requests']} hit rows={counts['hit_rows']} "
+              f"mismatches={counts['mismatches']}")
+        assert not bad, "\n".join(bad)
+        return counts

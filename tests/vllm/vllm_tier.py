@@ -1,0 +1,63 @@
+"""Session state of the vLLM tier, shared by its conftest and test modules.
+
+A plain module (not ``conftest``) so that importing it never picks up another
+directory's conftest. The runtime dir is set by ``conftest.py`` before this is used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from pathlib import Path
+
+SESSION_PREFIX = f"v{uuid.uuid4().hex[:6]}"
+_counter = itertools.count()
+CLEAN_TIMEOUT_S = 30.0
+
+TIER_COUNTS = {"requests": 0, "rows": 0, "mismatches": 0, "hit_requests": 0, "hit_rows": 0,
+               "scheduler_rows": 0, "scheduler_steps": 0}
+"""Totals over the session, printed in the terminal summary."""
+
+
+def unique_cache_name(tag: str = "c") -> str:
+    return f"{SESSION_PREFIX}-{tag}{next(_counter)}"
+
+
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ["OMNISHM_RUNTIME_DIR"])
+
+
+def _our_segments() -> list[str]:
+    from omnishm import shm
+
+    out = []
+    for seg in shm.list_segments():
+        parsed = shm.parse_segment_name(seg)
+        if parsed is not None and parsed[0].startswith(SESSION_PREFIX):
+            out.append(seg)
+    return sorted(out)
+
+
+def _our_runtime_files() -> list[str]:
+    # Autostart logs are the link's append-only diagnostics; sockets and locks must go.
+    return sorted(f for f in os.listdir(runtime_dir()) if not f.endswith(".autostart.log"))
+
+
+def wait_clean(timeout_s: float = CLEAN_TIMEOUT_S) -> tuple[list[str], list[str]]:
+    """Bounded wait until this tier's caches left /dev/shm and the runtime dir.
+
+    A detached embedded committer exits when idle and unlinks its segments; the
+    wait is for that condition, not a fixed sleep. Returns what is left.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        segs, files = _our_segments(), _our_runtime_files()
+        if (not segs and not files) or time.monotonic() > deadline:
+            return segs, files
+        time.sleep(0.05)
+
+
