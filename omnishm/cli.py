@@ -34,22 +34,23 @@ def _runtime_dir(arg: str | None) -> Path:
     return default_runtime_dir()
 
 
-def _default_runtime_dir_light() -> Path:
-    """Same rule as ``shm.default_runtime_dir`` without importing torch (for status/ping)."""
-    env = os.environ.get("OMNISHM_RUNTIME_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return Path(xdg) / "omnishm"
-    return Path(f"/tmp/omnishm-{os.geteuid()}")
+TARGET_KNOBS = ("name", "runtime_dir", "endpoint")
 
 
-def resolve_endpoint(name: str, runtime_dir: str | None, endpoint: str | None) -> str:
-    if endpoint:
-        return endpoint
-    rd = Path(runtime_dir) if runtime_dir else _default_runtime_dir_light()
-    return f"ipc://{rd / f'{name}.sock'}"
+def resolve_target(args: argparse.Namespace) -> tuple[str, str]:
+    """(cache name, endpoint) from flags > ``OMNISHM_*`` > config file > defaults. Raises ConfigError.
+
+    Same runtime-dir rule as ``shm.default_runtime_dir``, without importing torch.
+    """
+    from omnishm import config as knobs
+
+    flags = {k: getattr(args, k, None) for k in TARGET_KNOBS}
+    r = knobs.resolve("both", flags, config_file=getattr(args, "config", None), names=TARGET_KNOBS)
+    name, endpoint = r["name"], r["endpoint"]
+    if not endpoint:
+        rd = r["runtime_dir"] or knobs.default_runtime_dir()
+        endpoint = f"ipc://{Path(rd) / f'{name}.sock'}"
+    return name, endpoint
 
 
 def admin_request(name: str, endpoint: str, request_factory: Callable[[int], object] | None,
@@ -100,7 +101,10 @@ def _mib(n: float) -> str:
 
 
 def format_status(st: dict) -> str:
+    """The human view of a StatusReply's dict: header, keys table, clients table (sizes in MiB/GiB)."""
     lay = st.get("layout") or {}
+    tp = st.get("throughput") or {}
+    own = st.get("committer_memory") or {}
     lines = [
         f"cache {st['name']}  generation {st['generation']}  pid {st['pid']}  up {st['uptime_s']:.1f}s  "
         f"endpoint {st['endpoint']}",
@@ -108,11 +112,18 @@ def format_status(st: dict) -> str:
         f"slots   writer epoch {st['writer_epoch']}   segments {_mib(st['segment_bytes'])}",
         f"writes: {st['steps_applied']} steps, {st['rows_written']} rows ({_mib(st['bytes_written'])}), "
         f"{st['rows_skipped']} skipped, {st['steps_failed']} failed steps   queue depth {st['queue_depth']}",
+        f"recent: {tp.get('rows_per_s', 0.0):.1f} rows/s, {tp.get('bytes_per_s', 0.0) / 1e6:.2f} MB/s "
+        f"over the last {tp.get('window_s', 0.0):.1f}s   committer rss "
+        f"{_mib(own['rss_bytes']) if 'rss_bytes' in own else '-'}, shared "
+        f"{_mib(own['shared_bytes']) if 'shared_bytes' in own else '-'}"
+        + (f"   metrics {st['metrics_endpoint']}" if st.get("metrics_endpoint") else ""),
     ]
+    for role, counters in sorted((st.get("client_counters") or {}).items()):
+        lines.append(f"{role} counters: " + ", ".join(f"{k} {v:g}" for k, v in sorted(counters.items())))
     if st.get("rejected") or st.get("decode_errors"):
         lines.append(f"rejected: {st.get('rejected')}   decode errors: {st.get('decode_errors')}")
     lines.append("")
-    lines.append(f"{'key':<24} {'dtype':<9} {'width':>6} {'pool':>12} {'committed':>10} {'share':>7}")
+    lines.append(f"{'key':<24} {'dtype':<9} {'width':>6} {'mirror':>12} {'committed':>10} {'share':>7}")
     for k in st["keys"]:
         lines.append(f"{k['name']:<24} {k['dtype']:<9} {k['width']:>6} {_mib(k['pool_bytes']):>12} "
                      f"{k['committed_rows']:>10} {100 * k['committed_share']:>6.1f}%")
@@ -128,10 +139,15 @@ def format_status(st: dict) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from omnishm import protocol
+    from omnishm.config import ConfigError
 
-    endpoint = resolve_endpoint(args.name, args.runtime_dir, args.endpoint)
     try:
-        reply = admin_request(args.name, endpoint, lambda rid: protocol.StatusRequest(rid=rid), args.timeout_s)
+        name, endpoint = resolve_target(args)
+    except ConfigError as exc:
+        print(f"omnishm status: {exc}", file=sys.stderr)
+        return 2
+    try:
+        reply = admin_request(name, endpoint, lambda rid: protocol.StatusRequest(rid=rid), args.timeout_s)
     except CommitterUnavailable as exc:
         print(f"omnishm status: {exc}", file=sys.stderr)
         return 1
@@ -143,13 +159,24 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
-    endpoint = resolve_endpoint(args.name, args.runtime_dir, args.endpoint)
+    """Exit 0 when the committer welcomes an admin session within ``--timeout-s``, 1 when not, 2 on bad usage."""
+    import time
+
+    from omnishm.config import ConfigError
+
     try:
-        welcome = admin_request(args.name, endpoint, None, args.timeout_s)
+        name, endpoint = resolve_target(args)
+    except ConfigError as exc:
+        print(f"omnishm ping: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    try:
+        welcome = admin_request(name, endpoint, None, args.timeout_s)
     except CommitterUnavailable as exc:
         print(f"omnishm ping: {exc}", file=sys.stderr)
         return 1
-    print(f"cache {args.name}: committer pid {welcome.committer_pid} generation {welcome.generation} answered")
+    print(f"cache {name}: committer pid {welcome.committer_pid} generation {welcome.generation} answered "
+          f"in {1000 * (time.monotonic() - t0):.1f} ms")
     return 0
 
 
@@ -169,11 +196,24 @@ def cmd_committer(args: argparse.Namespace) -> int:
     return committer_main(args.committer_argv)
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--name", default="default", help="cache name (default: %(default)s)")
-    p.add_argument("--runtime-dir", default=None)
-    p.add_argument("--endpoint", default=None, help="committer endpoint (default ipc://RUNTIME_DIR/NAME.sock)")
-    p.add_argument("--timeout-s", type=float, default=3.0)
+    p.add_argument("--name", default=None, help="cache name (env OMNISHM_NAME; default: default)")
+    p.add_argument("--runtime-dir", default=None, help="env OMNISHM_RUNTIME_DIR")
+    p.add_argument("--endpoint", default=None,
+                   help="committer endpoint (env OMNISHM_ENDPOINT; default ipc://RUNTIME_DIR/NAME.sock)")
+    p.add_argument("--config", metavar="FILE", default=None, help="TOML file of knobs (default: $OMNISHM_CONFIG)")
+    p.add_argument("--timeout-s", type=_positive_float, default=3.0,
+                   help="give up after this many seconds (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:

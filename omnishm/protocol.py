@@ -81,6 +81,12 @@ class Hello(msgspec.Struct, tag="hello"):
     layout: Layout | None = None
     staging_rows: int = 0
     heartbeat_s: float | None = None
+    resume: bool = False
+    """Re-attach after the committer was lost: same ``client_id``; the committer
+    re-registers the session with its existing staging (see docs/FAULTS.md)."""
+    resume_generation: str = ""
+    resume_epoch: int = 0
+    resume_staging: list[str] = []
 
 
 class OpenKey(msgspec.Struct, tag="open_key"):
@@ -132,6 +138,9 @@ class Welcome(msgspec.Struct, tag="welcome"):
     heartbeat_s: float
     heartbeat_timeout_s: float
     committer_pid: int
+    resumed: bool = False
+    instance: str = ""
+    """Id of the committer process (its generation is the cache's, kept across an adopting restart)."""
 
 
 class Refused(msgspec.Struct, tag="refused"):

@@ -160,6 +160,7 @@ class SimEngine:
         self.pending_finished: list[tuple[str, bool]] = []
         self.counter = 0
         self.requests_done = 0
+        self.same_step_hits = 0
         self.max_prompt = max(block_size * 2, max_batched_tokens * 3)
 
     # ---------------------------------------------------------------- workload
@@ -227,6 +228,7 @@ class SimEngine:
         self.pending_finished = []
         budget = self.budget
         batch: list[tuple[SimRequest, int, int]] = []  # req, hit, count
+        written: set[int] = set()  # blocks whose rows this step computes
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -244,6 +246,8 @@ class SimEngine:
             events.append(PrefixCacheRequestEvent(PrefixCacheEventKind.EXTENDED, req.req_id,
                                                   num_computed_tokens=req.num_computed, block_ids=new_blocks))
             batch.append((req, 0, count))
+            written.update(self._written_blocks(req, count))
+            self._register_full(req, min(req.num_computed + count, len(req.tokens)))
             budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
@@ -251,6 +255,8 @@ class SimEngine:
             hit_blocks = self.alloc.lookup(full)
             max_hit = (len(req.tokens) - 1) // self.bs
             hit_blocks = hit_blocks[:max_hit]
+            if any(b in written for b in hit_blocks):
+                self.same_step_hits += 1
             hit = len(hit_blocks) * self.bs
             count = min(len(req.tokens) - hit, budget)
             need = -(-(hit + count) // self.bs) - len(hit_blocks)
@@ -267,11 +273,16 @@ class SimEngine:
                                                   block_ids=tuple(req.blocks)))
             self.running.append(req)
             batch.append((req, hit, count))
-            budget -= count
-        # Hashes are registered at scheduling time (same-step hits become possible).
-        for req, _, count in batch:
+            written.update(self._written_blocks(req, count))
+            # Hashes are registered at scheduling time, as vLLM does: a later
+            # request of this same step can hit blocks this one computes now.
             self._register_full(req, min(req.num_computed + count, len(req.tokens)))
+            budget -= count
         return self._outputs(events, batch)
+
+    def _written_blocks(self, req: SimRequest, count: int) -> set[int]:
+        first, last = req.num_computed // self.bs, (req.num_computed + count - 1) // self.bs
+        return set(req.blocks[first:last + 1])
 
     def _outputs(self, events, batch) -> SimStep:
         writes, slot_parts, rows, mm_rows = [], [], [], []

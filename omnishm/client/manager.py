@@ -31,14 +31,16 @@ import torch
 
 from omnishm import protocol as P
 from omnishm.client.link import CommitterLink
-from omnishm.client.segments import KeyViews, StagingPages, dtype_name, row_width
+from omnishm.client.segments import KeyViews, StagingPages
+from omnishm.client.reads import Prefetcher, ReadSide
 from omnishm.client.steps import HitSpan, StepCtx
-from omnishm.client.writes import Chunk, Flusher, RowSource, TaskState, WriteTask, build_step_write
+from omnishm.client.writer import WriterSide
+from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheCommitterError,
                                OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId, StageCacheOutputs, StepId,
                                TensorName, unmatch)
 from omnishm.shm import Segment
-from omnishm.versions import cv_epoch, cv_step, make_cv
+from omnishm.versions import make_cv
 
 if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
@@ -47,8 +49,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.0005
 
-
-class OmniPrefixCacheManager:
+class OmniPrefixCacheManager(WriterSide, ReadSide):
     """The runner-side cache. Use as a context manager or call ``shutdown``."""
 
     def __init__(self, config: PrefixCacheConfig, *, cache: str = "default", role: str = "writer",
@@ -83,7 +84,8 @@ class OmniPrefixCacheManager:
         self._pin_count = torch.zeros(config.num_slots, dtype=torch.int32)
         self.counters: dict[str, float] = {k: 0.0 for k in (
             "steps_saved", "hit_tokens", "hit_rows_served", "rows_served", "cow_rescues", "unmatch_errors",
-            "save_seconds", "materialize_seconds", "staging_waits", "deferred_flushes", "budget_flushes")}
+            "save_seconds", "materialize_seconds", "staging_waits", "deferred_flushes", "budget_flushes",
+            "prefetch_used", "prefetch_dropped")}
         cap = config.staging_capacity_tokens
         staging_rows = config.staging_depth * cap + cap if self.is_writer else 0
         self._link = CommitterLink(
@@ -103,9 +105,11 @@ class OmniPrefixCacheManager:
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
                 key_index=lambda key: self._keys[key].index, send=self._link.submit,
                 on_task_done=self._on_task_done, timeout_s=config.commit_timeout_s)
+            self._prefetcher: Prefetcher | None = None
         else:
             self._pages = None
             self._flusher = None
+            self._prefetcher = Prefetcher(self._prefetch)
             for seg in welcome.keys:
                 self._keys[seg.key] = KeyViews.map(seg, config.num_slots, readonly=True)
 
@@ -244,6 +248,9 @@ class OmniPrefixCacheManager:
             self._ctxs[step_id] = ctx
             self._pinned[step_id] = ctx
         self._flush(to_flush)
+        if self._prefetcher is not None and ctx.hits:
+            ctx.prefetch_done = threading.Event()
+            self._prefetcher.put(ctx)
         if self.is_writer:
             self._ctl[P.CTL_PUBLISHED_STEP] = step_id
             self._send_step(ctx, writes, cvs, slots, immediate)
@@ -288,7 +295,11 @@ class OmniPrefixCacheManager:
                 for key, step_rows in ctx.step_rows.items():
                     out = torch.empty((h + count, step_rows.shape[1]), dtype=step_rows.dtype)
                     if h:
-                        self._read_hit(ctx, span, key, out[:h], req)
+                        pre = self._take_prefetched(ctx, req, key)
+                        if pre is not None:
+                            out[:h].copy_(pre)
+                        else:
+                            self._read_hit(ctx, span, key, out[:h], req)
                     out[h:].copy_(step_rows[start:start + count])
                     merged[key] = out.view((h + count, *ctx.row_shapes[key]))
                 if span is not None:
@@ -340,6 +351,8 @@ class OmniPrefixCacheManager:
         finally:
             if self._flusher is not None:
                 self._flusher.stop()
+            if self._prefetcher is not None:
+                self._prefetcher.stop(self.config.commit_timeout_s)
             self._link.close()
 
     def __enter__(self) -> "OmniPrefixCacheManager":
@@ -399,330 +412,15 @@ class OmniPrefixCacheManager:
                 leftover[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         return immediate, deferred, leftover
 
-    def _ensure_key(self, key: TensorName, rows: torch.Tensor) -> KeyViews:
-        row_shape = tuple(rows.shape[1:])
-        width = row_width(row_shape)
-        kv = self._keys.get(key)
-        if kv is None:
-            reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(rows.dtype),
-                                                             width=width))
-            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer,
-                              row_shape=row_shape)
-            self._keys[key] = kv
-        if kv.dtype != rows.dtype or kv.width != width:
-            raise self._unmatch(f"tensor {key!r} is {rows.dtype} width {width}, but the cache holds "
-                                f"{kv.dtype} width {kv.width}", key=key, step_id=self._next_step)
-        kv.row_shape = row_shape
-        return kv
-
-    def _join_previous_write(self) -> None:
-        fut = self._prev_write
-        if fut is None:
-            return
-        try:
-            reply = fut.result(timeout=self.config.commit_timeout_s)
-        except TimeoutError as exc:
-            raise self._set_fatal(f"previous step's writes not acknowledged within "
-                                  f"{self.config.commit_timeout_s:.1f}s") from exc
-        except OmniPrefixCacheCommitterError as exc:
-            raise self._set_fatal(f"previous step's writes were lost: {exc}") from exc
-        self._prev_write = None
-        self._check_reply(reply)
-
-    def _check_reply(self, reply: Any) -> None:
-        if isinstance(reply, P.StepDone) and not reply.failed_tids:
-            return
-        reason = reply.reason if isinstance(reply, P.StepDone) else repr(reply)
-        raise self._set_fatal(f"write of step {getattr(reply, 'step', '?')} failed: {reason}")
-
-    def _register_writes(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
-                         immediate: dict, deferred: dict) -> list[WriteTask]:
-        """Row sources for this step's claims, and its deferred chunks. Engine thread."""
-        to_flush: list[WriteTask] = []
-        with self._lock:
-            for w, cv in zip(writes, cvs):
-                req_slots = slots[w.token_start:w.token_start + w.num_tokens]
-                for key in immediate:
-                    self._sources[(key, cv)] = ctx.sources.setdefault(
-                        key, RowSource(cv=0, slots=slots, rows=ctx.step_rows[key]))
-                    ctx.source_keys.append((key, cv))
-                for key in deferred:
-                    rows = ctx.step_rows[key][w.token_start:w.token_start + w.num_tokens]
-                    task = self._open.get((w.req_id, key))
-                    if task is None:
-                        task = WriteTask(tid=next(self._tids), req_id=w.req_id, key=key, opened_step=ctx.step_id)
-                        self._open[(w.req_id, key)] = task
-                        self._deferred_order[task.tid] = task
-                    task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows))
-                    self._open_by_cv[(key, cv)] = task
-                    self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows)
-                    self._pending_bytes += rows.numel() * rows.element_size()
-            while self._pending_bytes > self.config.gpu_staging_bytes and self._deferred_order:
-                oldest = next(iter(self._deferred_order.values()))
-                self._close_task_locked(oldest)
-                self.counters["budget_flushes"] += 1
-                to_flush.append(oldest)
-        return to_flush
-
-    def _send_step(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
-                   immediate: dict) -> None:
-        keys = list(immediate)
-        assert self._pages is not None and ctx.page is not None
-        row0 = ctx.page * self._pages.capacity
-        if not keys or not writes:
-            self._pages.release(ctx.page, "write")
-            self._drop_sources(ctx)
-            return
-        key_idx, tids, e_cvs, src, counts = [], [], [], [], []
-        step_tids = [next(self._tids) for _ in writes]
-        for ki, _key in enumerate(keys):
-            for w, cv, tid in zip(writes, cvs, step_tids):
-                key_idx.append(ki)
-                tids.append(tid)
-                e_cvs.append(cv)
-                src.append(row0 + w.token_start)
-                counts.append(w.num_tokens)
-        # Entries list each key's writes in batch order, so their slots are the step's slots per key.
-        all_slots = slots.repeat(len(keys))
-        page = ctx.page
-        fut = self._link.submit(lambda rid: build_step_write(rid, ctx.step_id, keys, key_idx, tids, e_cvs, src,
-                                                              counts, all_slots))
-
-        def done(f: Future) -> None:
-            self._drop_sources(ctx)
-            assert self._pages is not None
-            self._pages.release(page, "write")
-            try:
-                self._check_reply(f.result())
-            except Exception as exc:  # recorded as the sticky fatal error
-                self._set_fatal(f"write of step {ctx.step_id} failed: {exc}")
-
-        fut.add_done_callback(done)
-        self._prev_write = fut
-
-    def _drop_sources(self, ctx: StepCtx) -> None:
-        with self._lock:
-            for src in ctx.sources.values():
-                src.alive = False
-            for k in ctx.source_keys:
-                self._sources.pop(k, None)
-            ctx.source_keys.clear()
-
-    def _rescue_before_claim(self, slots: torch.Tensor, row_cv: torch.Tensor) -> None:
-        """Copy-on-write: keep rows a pending read planned before their slots change tenant."""
-        if not self._pinned or not bool((self._pin_count[slots] > 0).any()):
-            return
-        with self._lock:
-            pinned = list(self._pinned.values())
-        hot = slots[self._pin_count[slots] > 0]
-        for ctx in pinned:
-            for req, span in ctx.hits.items():
-                inter = torch.isin(span.slots, hot)
-                if not bool(inter.any()):
-                    continue
-                for key, planned in span.cvs.items():
-                    want = span.slots[inter]
-                    cvs = planned[inter]
-                    keep = cvs != 0
-                    want, cvs = want[keep], cvs[keep]
-                    if len(want) == 0:
-                        continue
-                    out = self._keys[key].rows_out(len(want))
-                    try:
-                        self._resolve_rows(self._keys[key], want, cvs, out, None, key, req, ctx.step_id)
-                    except OmniPrefixCacheUnmatchError:
-                        continue  # nothing valid to keep; the read will raise
-                    with self._lock:
-                        store = ctx.rescue.setdefault(key, {})
-                        for i, s in enumerate(want.tolist()):
-                            store[s] = out[i]
-                    self.counters["cow_rescues"] += len(want)
-
-    # ------------------------------------------------------------------ internals: deferred writes
-
-    def _close_task_locked(self, task: WriteTask) -> None:
-        if task.state is not TaskState.OPEN:
-            return
-        task.state = TaskState.CLOSED
-        self._closing[task.tid] = task
-        self._open.pop((task.req_id, task.key), None)
-        self._deferred_order.pop(task.tid, None)
-        for c in task.chunks:
-            self._open_by_cv.pop((task.key, c.cv), None)
-        self._pending_bytes -= task.nbytes
-
-    def _close_request_locked(self, req_id: ReqId) -> list[WriteTask]:
-        tasks = [t for (r, _), t in self._open.items() if r == req_id]
-        for t in tasks:
-            self._close_task_locked(t)
-        return tasks
-
-    def _close_hit_writes_locked(self, slots: torch.Tensor) -> list[WriteTask]:
-        """Close open deferred writes a hit reads, so the rows land and every rank can read them."""
-        if not self._open_by_cv:
-            return []
-        out: list[WriteTask] = []
-        for key in {k for k, _ in self._open_by_cv}:
-            kv = self._keys.get(key)
-            if kv is None:
-                continue
-            for cv in torch.unique(kv.claim[slots]).tolist():
-                task = self._open_by_cv.get((key, cv))
-                if task is not None and task.state is TaskState.OPEN:
-                    self._close_task_locked(task)
-                    out.append(task)
-        return out
-
-    def _flush(self, tasks: list[WriteTask]) -> None:
-        if not tasks:
-            return
-        assert self._flusher is not None
-        for t in tasks:
-            self.counters["deferred_flushes"] += 1
-            self._flusher.put(t)
-
-    def _on_task_done(self, task: WriteTask, result: Any) -> None:
-        """Flusher thread: a deferred write landed (or failed)."""
-        failed: str | None = None
-        if isinstance(result, BaseException):
-            failed = str(result)
-        elif result.failed_tids:
-            failed = result.reason
-        with self._lock:
-            task.state = TaskState.FAILED if failed else TaskState.DONE
-            self._closing.pop(task.tid, None)
-            for c in task.chunks:
-                src = self._sources.pop((task.key, c.cv), None)
-                if src is not None:
-                    src.alive = False
-        if failed:
-            err = self._set_fatal(f"deferred write {task.tid} of request {task.req_id!r} tensor {task.key!r} "
-                                  f"failed: {failed}")
-            task.done.set_exception(err)
-        else:
-            task.done.set_result(result)
-
-    # ------------------------------------------------------------------ internals: reads
-
-    def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId) -> None:
-        if self.is_writer:
-            kv = self._keys.get(key)
-            planned = span.cvs.get(key)
-            if kv is None or planned is None:
-                raise self._unmatch("hit on a tensor the cache never held", req_id=req, key=key,
-                                    step_id=ctx.step_id)
-            self._resolve_rows(kv, span.slots, planned, out, ctx, key, req, ctx.step_id)
-        else:
-            kv = self._reader_key(key, out, req, ctx.step_id)
-            self._read_committed(kv, span.slots, out, key, req, ctx.step_id)
-
-    def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId) -> KeyViews:
-        """Map a key the writer opened; this rank's rows must have the same dtype and width."""
-        kv = self._keys.get(key)
-        if kv is None:
-            try:
-                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(out.dtype),
-                                                                 width=int(out.shape[1])))
-            except OmniPrefixCacheCommitterError as exc:
-                raise self._unmatch(f"hit on a tensor the writer never wrote or wrote with another layout "
-                                    f"({exc})", req_id=req, key=key, step_id=step_id) from exc
-            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
-            self._keys[key] = kv
-        if kv.dtype != out.dtype or kv.width != out.shape[1]:
-            raise self._unmatch(f"this rank's rows are {out.dtype} width {out.shape[1]}, the pool holds "
-                                f"{kv.dtype} width {kv.width}", req_id=req, key=key, step_id=step_id)
-        return kv
-
-    def _resolve_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
-                      ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId) -> None:
-        """Writer: rows of ``slots`` at versions ``cvs`` from the pool, a live source or a rescue."""
-        if bool(((cvs == 0) | ((cvs >> 48) != self._epoch)).any()):
-            # 0: never written; another epoch: written by an earlier writer this engine never saw.
-            raise self._unmatch("hit span resolves to absent rows (never written by this writer)",
-                                req_id=req, key=key, step_id=step_id)
-        torch.index_select(kv.pool, 0, slots, out=out)
-        ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
-        if not bool(ok.all()):
-            self._fix_rows(kv, slots, cvs, out, ~ok, ctx, key, req, step_id)
-        # Seqlock: a claim that moved while we copied means the row may be the new tenant's.
-        moved = ok & (kv.claim[slots] != cvs)
-        if bool(moved.any()):
-            self._fix_rows(kv, slots, cvs, out, moved, ctx, key, req, step_id, from_pool=False)
-
-    def _fix_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
-                  mask: torch.Tensor, ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId,
-                  from_pool: bool = True) -> None:
-        idx = torch.nonzero(mask).reshape(-1)
-        deadline = time.monotonic() + self.config.commit_timeout_s
-        for cv in torch.unique(cvs[idx]).tolist():
-            sel = idx[cvs[idx] == cv]
-            want = slots[sel]
-            while True:
-                with self._lock:
-                    src = self._sources.get((key, cv))
-                    rescue = ctx.rescue.get(key) if ctx is not None else None
-                if src is not None:
-                    rows = src.take(want)
-                    if rows is not None and src.alive:
-                        out[sel] = rows
-                        break
-                if rescue is not None and all(s in rescue for s in want.tolist()):
-                    out[sel] = torch.stack([rescue[s] for s in want.tolist()])
-                    break
-                claim = kv.claim[want]
-                if bool((claim != cv).any()):
-                    raise self._unmatch(f"slot reused before the read (planned version {cv:#x}, now "
-                                        f"{int(claim[claim != cv][0]):#x}) and no copy-on-write rescue",
-                                        req_id=req, key=key, step_id=step_id)
-                if from_pool and bool((kv.commit[want] == cv).all()):
-                    out[sel] = kv.pool.index_select(0, want)
-                    if bool((kv.claim[want] == cv).all()):
-                        break
-                    continue
-                self._check_usable()
-                if time.monotonic() > deadline:
-                    raise self._unmatch(f"rows of version {cv:#x} did not land within "
-                                        f"{self.config.commit_timeout_s:.1f}s", req_id=req, key=key,
-                                        step_id=step_id)
-                time.sleep(_POLL_S)
-
-    def _read_committed(self, kv: KeyViews, slots: torch.Tensor, out: torch.Tensor, key: TensorName,
-                        req: ReqId, step_id: StepId) -> None:
-        """Reader: wait until the writer's rows for ``slots`` landed, copy, validate (seqlock)."""
-        deadline = time.monotonic() + self.config.commit_timeout_s
-        while True:
-            epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
-            claim = kv.claim[slots].clone()
-            if bool((claim == 0).any()):
-                raise self._unmatch("hit span resolves to absent rows (never written)", req_id=req, key=key,
-                                    step_id=step_id)
-            bad_epoch = (claim >> 48) != epoch
-            later = ((claim >> 16) & 0xFFFFFFFF) > step_id
-            if bool((bad_epoch | later).any()):
-                raise self._unmatch("slot reused after the hit was planned (reader has no rescue)",
-                                    req_id=req, key=key, step_id=step_id)
-            if bool((kv.commit[slots] == claim).all()):
-                torch.index_select(kv.pool, 0, slots, out=out)
-                if bool((kv.claim[slots] == claim).all()):
-                    return
-                raise self._unmatch("slot reused while reading it", req_id=req, key=key, step_id=step_id)
-            self._check_usable()
-            if time.monotonic() > deadline:
-                raise self._unmatch(f"hit rows not committed within {self.config.commit_timeout_s:.1f}s",
-                                    req_id=req, key=key, step_id=step_id)
-            time.sleep(_POLL_S)
-
-    def _wait_published(self, step_id: StepId) -> None:
-        deadline = time.monotonic() + self.config.commit_timeout_s
-        while int(self._ctl[P.CTL_PUBLISHED_STEP]) < step_id:
-            self._check_usable()
-            if time.monotonic() > deadline:
-                raise self._unmatch(f"writer did not publish step {step_id} within "
-                                    f"{self.config.commit_timeout_s:.1f}s (published "
-                                    f"{int(self._ctl[P.CTL_PUBLISHED_STEP])})", step_id=step_id)
-            time.sleep(_POLL_S)
-
     # ------------------------------------------------------------------ internals: step ids
+
+    def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName) -> torch.Tensor | None:
+        if ctx.prefetch_done is None:
+            return None
+        ctx.prefetch_done.wait(self.config.commit_timeout_s)
+        rows = ctx.prefetched.pop((req, key), None)
+        self.counters["prefetch_used" if rows is not None else "prefetch_dropped"] += 1
+        return rows
 
     def _take_ctx(self, step_id: StepId, what: str) -> StepCtx:
         with self._lock:
@@ -764,6 +462,5 @@ class OmniPrefixCacheManager:
             raise RuntimeError(f"cache {self.cache}: manager is shut down")
         if self._link.dead is not None:
             raise OmniPrefixCacheCommitterError(self._link.dead)
-
 
 __all__ = ["OmniPrefixCacheManager"]

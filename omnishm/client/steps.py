@@ -8,6 +8,7 @@ staging page. Owned by the manager; mutated under the manager's state lock.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,3 +39,5 @@ class StepCtx:
     sources: dict[TensorName, RowSource] = field(default_factory=dict)
     source_keys: list[tuple[TensorName, int]] = field(default_factory=list)
     page: int | None = None
+    prefetched: dict[tuple[ReqId, TensorName], torch.Tensor] = field(default_factory=dict)
+    prefetch_done: threading.Event | None = None

@@ -1,7 +1,11 @@
 """Command-line options of the committer and endpoint policy.
 
-Shared by ``python -m omnishm.committer`` and ``omnishm committer``. Nothing
-here imports torch, so a refused start (bad endpoint, name in use) is cheap.
+Shared by ``python -m omnishm.committer`` and ``omnishm committer``. The
+knobs themselves (flags, ``OMNISHM_*`` variables, TOML keys, checks) live in
+``omnishm.config``; the parser here resolves them at parse time, so
+``build_parser().parse_args(argv)`` returns final values with the precedence
+flags > environment > file > defaults, or exits 2 naming the bad value.
+Nothing here imports torch, so a refused start (bad endpoint, name in use) is cheap.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+from omnishm import config as knobs
+from omnishm.config import LOOPBACK_HOSTS, ConfigError, check_endpoint  # noqa: F401 (re-exported)
+
+SCOPE = "committer"
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,8 @@ class CommitterConfig:
     exit_when_idle: bool
     prefault: bool
     log_level: str
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     @property
     def ipc_path(self) -> Path | None:
@@ -36,57 +44,39 @@ class CommitterConfig:
         return None
 
 
+class CommitterArgumentParser(argparse.ArgumentParser):
+    """``parse_args`` resolves every knob (flags > ``OMNISHM_*`` > ``--config``/``$OMNISHM_CONFIG`` > defaults).
+
+    The namespace it returns has one attribute per committer knob holding the
+    final, checked value, plus ``sources`` (knob -> where it came from). A bad
+    value exits 2 through ``error`` with a message naming knob, source and rule.
+    """
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns = super().parse_args(args, namespace)
+        try:
+            resolved = knobs.resolve(SCOPE, knobs.flags_from_args(ns, SCOPE), config_file=ns.config)
+        except ConfigError as exc:
+            self.error(str(exc))
+        for name, value in resolved.values.items():
+            setattr(ns, name, value)
+        ns.sources = resolved.sources
+        return ns
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the committer's options to ``parser`` (also used by ``omnishm committer``)."""
-    parser.add_argument("--name", default="default", help="cache name (default: %(default)s)")
-    parser.add_argument("--runtime-dir", default=None,
-                        help="0700 directory for the socket and lock file "
-                             "(default: $OMNISHM_RUNTIME_DIR, $XDG_RUNTIME_DIR/omnishm or /tmp/omnishm-UID)")
-    parser.add_argument("--endpoint", default=None,
-                        help="ZeroMQ endpoint (default ipc://RUNTIME_DIR/NAME.sock); tcp only on loopback")
-    parser.add_argument("--heartbeat-s", type=float, default=1.0,
-                        help="heartbeat interval clients are told to use (default: %(default)s)")
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
-                        help="reap a client silent this long (default: %(default)s)")
-    parser.add_argument("--exit-when-idle", action="store_true",
-                        help="exit 0 once the last writer/reader left (after at least one attached)")
-    parser.add_argument("--prefault", action="store_true",
-                        help="fault every pool page in at creation (first writes do not fault)")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    """Add the committer's options to ``parser`` (one per committer knob, plus ``--config``)."""
+    knobs.add_arguments(parser, SCOPE)
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommitterArgumentParser(
         prog="python -m omnishm.committer",
-        description="omnishm committer: owns a cache's shared-memory segments and applies step writes.")
+        description="omnishm committer: owns a cache's shared-memory segments and applies step writes. "
+                    "Every option can also be set as OMNISHM_<OPTION> or as a key in a TOML file "
+                    "(--config / OMNISHM_CONFIG); flags win over the environment, which wins over the file.")
     return add_arguments(parser)
-
-
-def check_endpoint(endpoint: str) -> str:
-    """Return ``endpoint`` if allowed: ``ipc://PATH`` or ``tcp://`` on a loopback host.
-
-    Raises ValueError naming the endpoint and the rule otherwise (the pool is
-    readable by anyone who can talk to the committer, so never a routable address).
-    """
-    if endpoint.startswith("ipc://"):
-        if len(endpoint) <= len("ipc://"):
-            raise ValueError(f"endpoint {endpoint!r} has no socket path")
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        parts = urlsplit(endpoint)
-        try:
-            host, port = parts.hostname, parts.port
-        except ValueError as exc:
-            raise ValueError(f"endpoint {endpoint!r}: bad port ({exc})") from None
-        if host not in LOOPBACK_HOSTS:
-            raise ValueError(f"endpoint {endpoint!r} refused: tcp is allowed only on loopback "
-                             f"({', '.join(LOOPBACK_HOSTS)}), never on {host!r}")
-        if port is None:
-            raise ValueError(f"endpoint {endpoint!r} has no port")
-        return endpoint
-    raise ValueError(f"endpoint {endpoint!r} refused: use ipc://PATH or tcp://127.0.0.1:PORT")
 
 
 def default_endpoint(runtime_dir: Path, name: str) -> str:
@@ -94,15 +84,22 @@ def default_endpoint(runtime_dir: Path, name: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterConfig:
-    """Validate parsed options (runtime_dir already ensured). Raises ValueError."""
-    if args.heartbeat_s <= 0 or args.heartbeat_timeout_s <= 0:
-        raise ValueError("--heartbeat-s and --heartbeat-timeout-s must be positive")
+    """Build the config from a namespace of ``build_parser`` (runtime_dir already ensured). Raises ValueError.
+
+    Values were checked when parsed; this fills the endpoint default and checks
+    that ``prometheus_client`` is importable when metrics were asked for.
+    """
     endpoint = check_endpoint(args.endpoint or default_endpoint(runtime_dir, args.name))
+    if args.metrics_port:
+        from omnishm.committer.metrics import require_prometheus  # noqa: PLC0415
+
+        require_prometheus()
     return CommitterConfig(name=args.name, runtime_dir=runtime_dir, endpoint=endpoint,
                            heartbeat_s=float(args.heartbeat_s),
                            heartbeat_timeout_s=float(args.heartbeat_timeout_s),
                            exit_when_idle=bool(args.exit_when_idle), prefault=bool(args.prefault),
-                           log_level=args.log_level)
+                           log_level=args.log_level, metrics_port=int(args.metrics_port),
+                           metrics_host=args.metrics_host)
 
 
 def setup_logging(level: str) -> None:

@@ -8,10 +8,18 @@ Write path (``apply_step``), all vectorised over the packed int64 buffers of a
 ``StepWrite``: per-row claim versions and staging rows come from ``np.repeat``;
 a row lands only where the claim table still holds its claim version (a slot
 reclaimed by a newer write is skipped); rows are copied as maximal runs of
-consecutive slots and staging rows with one slice ``copy_`` each (memcpy
-speed, LIMITS.md), the scattered leftovers with one ``index_copy_`` (half
-speed, so only for what is not a run). The commit table is written after every
-row of that key has landed, so a reader that sees ``commit == claim`` sees the row.
+consecutive slots and staging rows with one slice assignment each (memcpy
+speed, LIMITS.md), the scattered leftovers with one fancy-indexed assignment.
+Copies go through numpy byte views of the pool and staging rows: a numpy slice
+assignment costs ~0.3 us against ~5 us for a torch slice ``copy_``, and a
+fancy-indexed row scatter runs at memcpy speed for small batches where
+``index_copy_`` on bf16 rows was 8x slower (measured, ``omnishm bench``).
+The commit table is written after every row of that key has landed, so a
+reader that sees ``commit == claim`` sees the row.
+
+Validation is a fast pass of one reduction per rule (negative int64s are huge
+as uint64, so one ``max`` checks both bounds); only when it trips does the
+detailed pass run, to name the first offending entry in the error.
 """
 
 from __future__ import annotations
@@ -35,11 +43,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 MAX_WIDTH = 1 << 24
 RUN_BYTES = 64 << 10
-"""A run of consecutive rows of at least this many bytes (and 2 rows) goes by one slice ``copy_``.
+"""A run of consecutive rows of at least this many bytes (and 2 rows) goes by one slice assignment.
 
-Measured (2 vCPU, 4 KiB rows): a slice copy_ costs ~4-5 us of call overhead on top of
-memcpy, ``index_copy_`` runs at about half memcpy speed, so the break-even is near
-50-60 KiB per run. Shorter runs go into the single ``index_copy_``."""
+Measured (2 vCPU, 8 KiB rows): a numpy fancy-indexed row scatter runs at 0.8-0.9 of
+memcpy, a slice assignment at memcpy speed plus ~1 us of Python per run, so runs
+below ~64 KiB are cheaper inside the single scatter."""
 
 
 class PoolError(Exception):
@@ -60,6 +68,12 @@ class Staging:
     segment: shm.Segment
     tensor: torch.Tensor
     rows: int
+    data: np.ndarray | None = None
+    """uint8[rows, row_bytes] view of ``tensor`` (the copy engine's source)."""
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            self.data = _byte_rows(self.tensor)
 
 
 @dataclass
@@ -77,19 +91,24 @@ class KeyState:
     commit: np.ndarray
     row_bytes: int
     staging: dict[str, Staging] = field(default_factory=dict)
-    scratch: torch.Tensor | None = None
+    scratch: np.ndarray | None = None
     rows_written: int = 0
     bytes_written: int = 0
     rows_skipped: int = 0
+    data: np.ndarray | None = None
+    """uint8[num_slots, row_bytes] view of ``pool`` (the copy engine's target)."""
+    min_run: int = 2
+    """Shortest run (rows) copied by its own slice assignment: RUN_BYTES worth, at least 2."""
 
-    @property
-    def min_run(self) -> int:
-        return int(max(2, -(-RUN_BYTES // max(self.row_bytes, 1))))
+    def __post_init__(self) -> None:
+        if self.data is None:
+            self.data = _byte_rows(self.pool)
+        self.min_run = int(max(2, -(-RUN_BYTES // max(self.row_bytes, 1))))
 
-    def gather_buffer(self, rows: int) -> torch.Tensor:
+    def gather_buffer(self, rows: int) -> np.ndarray:
         """Preallocated gather target (an allocating gather pays page faults on every call)."""
         if self.scratch is None or self.scratch.shape[0] < rows:
-            self.scratch = torch.empty((max(rows, 64), self.width), dtype=self.dtype)
+            self.scratch = np.empty((max(rows, 64), self.row_bytes), dtype=np.uint8)
         return self.scratch[:rows]
 
 
@@ -98,6 +117,17 @@ class StepResult:
     done_tids: bytes
     rows_written: int
     rows_skipped: int
+
+
+def _byte_rows(t: torch.Tensor) -> np.ndarray:
+    """uint8[rows, row_bytes] numpy view sharing ``t``'s memory (numpy has no bf16, trap 8)."""
+    rows = t.shape[0]
+    flat = t.reshape(rows, -1)
+    return flat.view(torch.uint8).numpy().reshape(rows, -1) if flat.numel() else np.empty((rows, 0), np.uint8)
+
+
+_max = np.maximum.reduce  # the ufunc itself: ndarray.max() adds two Python frames per call
+_min = np.minimum.reduce
 
 
 def _ints(buf: bytes, what: str, step: int) -> np.ndarray:
@@ -270,9 +300,10 @@ class CachePool:
         counts = _ints(msg.counts, "counts", step)
         slots = _ints(msg.slots, "slots", step)
         n = len(tids)
-        for what, arr in (("key_idx", key_idx), ("cvs", cvs), ("src_rows", src_rows), ("counts", counts)):
-            if len(arr) != n:
-                raise StepRejected(f"step {step}: {what} has {len(arr)} entries, tids has {n}")
+        if not len(key_idx) == len(cvs) == len(src_rows) == len(counts) == n:
+            for what, arr in (("key_idx", key_idx), ("cvs", cvs), ("src_rows", src_rows), ("counts", counts)):
+                if len(arr) != n:
+                    raise StepRejected(f"step {step}: {what} has {len(arr)} entries, tids has {n}")
         states: list[KeyState] = []
         for key in msg.keys:
             state = self.keys.get(key)
@@ -291,22 +322,31 @@ class CachePool:
                 i = int(np.flatnonzero(bad)[0])
                 raise StepRejected(f"step {step}: entry {i} (tid {int(tids[i])}) has {what} {int(values[i])}")
 
-        first_bad((key_idx < 0) | (key_idx >= len(states)), f"key_idx out of 0..{len(states) - 1}:", key_idx)
-        first_bad(counts < 0, "negative count", counts)
-        first_bad(cvs <= 0, "claim version <= 0:", cvs)
+        # Fast pass: one reduction per rule; the detailed pass names the first offender.
+        if int(_max(key_idx.view(np.uint64))) >= len(states) or int(_min(counts)) < 0 or int(_min(cvs)) <= 0:
+            first_bad((key_idx < 0) | (key_idx >= len(states)), f"key_idx out of 0..{len(states) - 1}:", key_idx)
+            first_bad(counts < 0, "negative count", counts)
+            first_bad(cvs <= 0, "claim version <= 0:", cvs)
         total = int(counts.sum())
         if total != len(slots):
             raise StepRejected(f"step {step}: counts sum to {total} rows but {len(slots)} slots were sent")
         num_slots = self.num_slots
-        bad = (slots < 0) | (slots >= num_slots)
-        if bad.any():
+        if total and int(_max(slots.view(np.uint64))) >= num_slots:
+            bad = (slots < 0) | (slots >= num_slots)
             r = int(np.flatnonzero(bad)[0])
             e = int(np.searchsorted(np.cumsum(counts), r, side="right"))
             raise StepRejected(f"step {step}: key {states[int(key_idx[e])].name!r} entry {e} (tid {int(tids[e])}) "
                                f"slot {int(slots[r])} out of range 0..{num_slots - 1}")
-        limits = np.array([s.staging[client_id].rows for s in states], dtype=np.int64)[key_idx]
-        bad = (src_rows < 0) | (src_rows + counts > limits)
-        if bad.any():
+        if len(states) == 1:
+            limit = states[0].staging[client_id].rows
+            ok = int(_min(src_rows)) >= 0 and int(_max(src_rows + counts)) <= limit
+            limits: np.ndarray | int = limit
+        else:
+            limits = np.array([s.staging[client_id].rows for s in states], dtype=np.int64)[key_idx]
+            ok = not bool(((src_rows < 0) | (src_rows + counts > limits)).any())
+        if not ok:
+            limits = np.broadcast_to(np.asarray(limits, dtype=np.int64), (n,))
+            bad = (src_rows < 0) | (src_rows + counts > limits)
             e = int(np.flatnonzero(bad)[0])
             raise StepRejected(f"step {step}: key {states[int(key_idx[e])].name!r} entry {e} (tid {int(tids[e])}) "
                                f"staging rows {int(src_rows[e])}..{int(src_rows[e] + counts[e])} "
@@ -328,9 +368,12 @@ class CachePool:
         written = skipped = 0
         total = len(slots)
         if total:
-            starts = np.cumsum(counts) - counts
-            within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-            row_src = np.repeat(src_rows, counts) + within
+            # Per-row staging row and claim version, without per-entry Python: entry i's rows
+            # are src_rows[i] + 0..counts[i]-1, i.e. arange(total) shifted by src_rows[i] - offset[i].
+            offset = np.cumsum(counts)
+            offset -= counts
+            row_src = np.repeat(src_rows - offset, counts)
+            row_src += np.arange(total, dtype=np.int64)
             row_cv = np.repeat(cvs, counts)
             row_key = np.repeat(key_idx, counts) if len(states) > 1 else None
             for j, state in enumerate(states):
@@ -349,7 +392,7 @@ class CachePool:
                     s, r, cv = s[ok], r[ok], cv[ok]
                 if not n_ok:
                     continue
-                _copy_rows(state, state.staging[client_id].tensor, s, r)
+                _copy_rows(state, state.staging[client_id], s, r)
                 state.commit[s] = cv  # after the rows: a reader seeing commit == claim sees the row
                 state.rows_written += n_ok
                 state.bytes_written += n_ok * state.row_bytes
@@ -357,7 +400,7 @@ class CachePool:
         self.steps_applied += 1
         self.rows_skipped += skipped
         self.apply_seconds += time.perf_counter() - t0
-        return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=np.unique(tids).astype("<i8").tobytes(),
+        return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=_unique_tids(tids, len(states)),
                                  rows_written=written, rows_skipped=skipped)
 
     # ------------------------------------------------------------ status and teardown
@@ -396,29 +439,62 @@ class CachePool:
         return removed
 
 
-def _copy_rows(state: KeyState, stage: torch.Tensor, s: np.ndarray, r: np.ndarray) -> None:
-    """pool[s[i]] = stage[r[i]] for all i: long runs by slice copy_, the rest by one index_copy_."""
-    pool = state.pool
+def _unique_tids(tids: np.ndarray, num_keys: int) -> bytes:
+    """Sorted distinct tids as packed int64 (what ``np.unique`` gives, without its ~9 us sort).
+
+    The manager sends each key's entries in batch order with increasing tids, so the
+    packed tids are one increasing run repeated once per key: that is checked, not assumed.
+    """
+    n = len(tids)
+    if n <= 1 or bool((tids[1:] > tids[:-1]).all()):
+        return tids.astype("<i8", copy=False).tobytes()
+    if num_keys > 1 and n % num_keys == 0:
+        per = tids.reshape(num_keys, -1)
+        first = per[0]
+        if bool((per == first).all()) and (len(first) <= 1 or bool((first[1:] > first[:-1]).all())):
+            return first.astype("<i8", copy=False).tobytes()
+    return np.unique(tids).astype("<i8").tobytes()
+
+
+def _copy_rows(state: KeyState, staging: Staging, s: np.ndarray, r: np.ndarray) -> None:
+    """pool[s[i]] = stage[r[i]] for all i: long runs by one slice assignment each, the rest by one scatter.
+
+    Works on the uint8 row views (``KeyState.data``, ``Staging.data``), so each call is a
+    memcpy without torch dispatch. A slot listed twice gets its last row.
+    """
+    dst, src = state.data, staging.data
+    assert dst is not None and src is not None
     m = len(s)
     if m == 0:
         return
-    brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(r) != 1)) + 1
+    if m == 1:
+        dst[int(s[0])] = src[int(r[0])]
+        return
+    if m < state.min_run:  # no run can be long enough: straight to the scatter
+        _scatter(state, dst, src, s, r)
+        return
+    brk = np.flatnonzero((s[1:] - s[:-1] != 1) | (r[1:] - r[:-1] != 1))
     if len(brk) == 0:  # one run: the common case of a contiguous step
         s0, r0 = int(s[0]), int(r[0])
-        pool[s0:s0 + m].copy_(stage[r0:r0 + m])
+        dst[s0:s0 + m] = src[r0:r0 + m]
         return
+    brk += 1
     run_start = np.concatenate(([0], brk))
     lengths = np.diff(np.concatenate((run_start, [m])))
     long = lengths >= state.min_run
-    # One iteration per long run (a block or more of rows), never per row.
-    for a, length in zip(run_start[long].tolist(), lengths[long].tolist()):
-        s0, r0 = int(s[a]), int(r[a])
-        pool[s0:s0 + length].copy_(stage[r0:r0 + length])
+    # One iteration per long run (RUN_BYTES or more), never per row.
+    for s0, r0, length in zip(s[run_start[long]].tolist(), r[run_start[long]].tolist(), lengths[long].tolist()):
+        dst[s0:s0 + length] = src[r0:r0 + length]
     if not long.all():
         short = np.repeat(~long, lengths)
-        rs = r[short]
-        if len(rs) == 1 or bool((np.diff(rs) == 1).all()):
-            src = stage[int(rs[0]):int(rs[0]) + len(rs)]  # staged in order (the usual case): no gather
-        else:
-            src = torch.index_select(stage, 0, torch.from_numpy(rs), out=state.gather_buffer(len(rs)))
-        pool.index_copy_(0, torch.from_numpy(s[short]), src)
+        _scatter(state, dst, src, s[short], r[short])
+
+
+def _scatter(state: KeyState, dst: np.ndarray, src: np.ndarray, s: np.ndarray, r: np.ndarray) -> None:
+    """dst[s] = src[r] by one fancy-indexed assignment (no gather when ``r`` is one run)."""
+    m = len(r)
+    r0 = int(r[0])
+    if int(r[-1]) - r0 == m - 1 and (m == 1 or bool((r[1:] - r[:-1] == 1).all())):
+        dst[s] = src[r0:r0 + m]  # staged in order (the usual case)
+    else:
+        dst[s] = np.take(src, r, axis=0, out=state.gather_buffer(m))

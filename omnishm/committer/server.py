@@ -28,6 +28,7 @@ import zmq
 
 from omnishm import protocol, shm
 from omnishm.committer.config import CommitterConfig, build_parser, config_from_args, setup_logging
+from omnishm.committer.metrics import Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
 
@@ -58,6 +59,8 @@ class Committer:
         self.rejected: collections.Counter[str] = collections.Counter()
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
+        self.tick_s = max(0.01, min(cfg.heartbeat_s, cfg.heartbeat_timeout_s / 4))
+        self.obs = Observability(self, tick_s=self.tick_s)
 
     # ------------------------------------------------------------ loop
 
@@ -86,7 +89,7 @@ class Committer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
-        tick_ms = int(1000 * min(self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s / 4))
+        tick_ms = int(1000 * self.tick_s)
         logger.info("committer %s started: pid %d, generation %s, endpoint %s", self.name, os.getpid(),
                     self.generation, self.cfg.endpoint)
         try:
@@ -99,6 +102,7 @@ class Committer:
                     pass
                 self.serve_pending()
                 self.reap(time.monotonic())
+                self.obs.tick(time.monotonic())
                 if self.cfg.exit_when_idle and self.sessions.idle():
                     self.stop_reason = "idle"
                     break
@@ -124,10 +128,12 @@ class Committer:
                     break
             if not batch:
                 return
+            received_at = time.monotonic()
             for i, frames in enumerate(batch):
                 self.queue_depth = len(batch) - i - 1
                 self.handle_frames(frames)
             self.queue_depth = 0
+            self.obs.batch_done(len(batch), received_at, time.monotonic())
 
     def handle_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -180,6 +186,7 @@ class Committer:
             return self.on_step_write(session, msg)
         if isinstance(msg, protocol.Heartbeat):
             session.counters = dict(msg.counters)
+            self.obs.heartbeat(session)
             return protocol.HeartbeatAck(rid=msg.rid, readers=self.sessions.readers(),
                                          writer=self.sessions.writer is not None)
         if isinstance(msg, protocol.OpenKey):
@@ -248,8 +255,10 @@ class Committer:
             self.pool.set_writer_epoch(self.epoch)
         self.sessions.add(session)
         staging_of = msg.client_id if msg.role == protocol.ROLE_WRITER else None
-        logger.info("committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
-                    f", epoch {session.epoch}" if session.epoch else "")
+        # Admin sessions (status, ping, liveness probes) come every few seconds: not lifecycle, DEBUG only.
+        logger.log(logging.DEBUG if msg.role == protocol.ROLE_ADMIN else logging.INFO,
+                   "committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
+                   f", epoch {session.epoch}" if session.epoch else "")
         return protocol.Welcome(
             rid=msg.rid, client_id=msg.client_id, generation=self.generation, epoch=session.epoch,
             control=self.pool.ctl_seg.name if self.pool.ctl_seg else "", layout=self.pool.current_layout(),
@@ -289,7 +298,9 @@ class Committer:
             self.rejected["not_writer"] += 1
             return protocol.Error(rid=msg.rid, code="not_writer",
                                   message=f"cache {self.name}: only the writer sends StepWrite, this is a {session.role}")
+        t0 = time.perf_counter()
         reply = self.pool.apply_step(session.client_id, msg)
+        self.obs.step_applied(time.perf_counter() - t0)
         if reply.reason:
             self.rejected["step_invalid"] += 1
             logger.warning("committer %s: step %d of client %s rejected: %s", self.name, msg.step,
@@ -301,8 +312,10 @@ class Committer:
     def detach(self, session: Session, why: str) -> None:
         self.sessions.remove(session.identity)
         removed = self.pool.drop_client(session.client_id)
-        logger.info("committer %s: %s client %s detached (%s)%s", self.name, session.role, session.client_id, why,
-                    f", {len(removed)} staging segment(s) unlinked" if removed else "")
+        self.obs.departed(session)
+        logger.log(logging.DEBUG if session.role == protocol.ROLE_ADMIN else logging.INFO,
+                   "committer %s: %s client %s detached (%s)%s", self.name, session.role, session.client_id, why,
+                   f", {len(removed)} staging segment(s) unlinked" if removed else "")
 
     def reap(self, now: float) -> None:
         for session in self.sessions.expired(now, self.cfg.heartbeat_timeout_s):
@@ -329,10 +342,12 @@ class Committer:
             "apply_seconds": self.pool.apply_seconds, "prefault_seconds": self.pool.prefault_seconds,
             "messages": self.messages, "rejected": dict(self.rejected), "decode_errors": dict(self.decode_errors),
             "queue_depth": self.queue_depth,
+            **self.obs.status_extras(now),
         }
 
     def close(self) -> list[str]:
         """Unlink every segment, close the socket, remove the socket file (lock: the caller)."""
+        self.obs.stop_http()
         removed = self.pool.close()
         if self.sock is not None:
             self.sock.close()
@@ -386,7 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         committer = Committer(cfg, generation)
         committer.bind()
-        code = committer.run()
+        try:
+            committer.obs.start_http()
+        except OSError as exc:  # port taken or host not bindable: refuse to start rather than run blind
+            print(f"omnishm committer: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc}",
+                  file=sys.stderr)
+            code = EXIT_REFUSED
+        else:
+            code = committer.run()
     except zmq.ZMQError as exc:
         print(f"omnishm committer: cannot bind {cfg.endpoint}: {exc}", file=sys.stderr)
         code = EXIT_REFUSED

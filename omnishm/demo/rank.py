@@ -32,7 +32,7 @@ class RankOptions:
     max_batched_tokens: int = 256
     width: int = 256
     mm_width: int = 16
-    lag: int = 1
+    lag: int = 0
     deferred_mm: bool = True
     autostart: bool = True
     endpoint: str | None = None

@@ -1,0 +1,191 @@
+"""Read-side internals of the manager: finding and validating hit rows.
+
+``ReadSide`` is a mixin of ``OmniPrefixCacheManager`` and works on its state.
+The writer resolves a hit slot through its own knowledge (pool row, a live row
+source, or a copy-on-write rescue); a reader waits until the writer published
+the step and the rows are committed, then copies and re-checks the claim
+versions (a seqlock): it raises rather than serve a reused slot.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from omnishm import protocol as P
+from omnishm.client.segments import KeyViews, dtype_name
+from omnishm.client.steps import HitSpan, StepCtx
+from omnishm.interface import OmniPrefixCacheCommitterError, ReqId, StepId, TensorName
+
+_POLL_S = 0.0005
+
+
+class ReadSide:
+    """Hit-row reads (mixin; all state lives in the manager)."""
+
+    def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId) -> None:
+        if self.is_writer:
+            kv = self._keys.get(key)
+            planned = span.cvs.get(key)
+            if kv is None or planned is None:
+                raise self._unmatch("hit on a tensor the cache never held", req_id=req, key=key,
+                                    step_id=ctx.step_id)
+            self._resolve_rows(kv, span.slots, planned, out, ctx, key, req, ctx.step_id)
+        else:
+            kv = self._reader_key(key, out, req, ctx.step_id)
+            self._read_committed(kv, span.slots, out, key, req, ctx.step_id)
+
+    def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId) -> KeyViews:
+        """Map a key the writer opened; this rank's rows must have the same dtype and width."""
+        kv = self._keys.get(key)
+        if kv is None:
+            try:
+                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(out.dtype),
+                                                                 width=int(out.shape[1])))
+            except OmniPrefixCacheCommitterError as exc:
+                raise self._unmatch(f"hit on a tensor the writer never wrote or wrote with another layout "
+                                    f"({exc})", req_id=req, key=key, step_id=step_id) from exc
+            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
+            self._keys[key] = kv
+        if kv.dtype != out.dtype or kv.width != out.shape[1]:
+            raise self._unmatch(f"this rank's rows are {out.dtype} width {out.shape[1]}, the pool holds "
+                                f"{kv.dtype} width {kv.width}", req_id=req, key=key, step_id=step_id)
+        return kv
+
+    def _resolve_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
+                      ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId) -> None:
+        """Writer: rows of ``slots`` at versions ``cvs`` from the pool, a live source or a rescue."""
+        if bool(((cvs == 0) | ((cvs >> 48) != self._epoch)).any()):
+            # 0: never written; another epoch: written by an earlier writer this engine never saw.
+            raise self._unmatch("hit span resolves to absent rows (never written by this writer)",
+                                req_id=req, key=key, step_id=step_id)
+        torch.index_select(kv.pool, 0, slots, out=out)
+        ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
+        if not bool(ok.all()):
+            self._fix_rows(kv, slots, cvs, out, ~ok, ctx, key, req, step_id)
+        # Seqlock: a claim that moved while we copied means the row may be the new tenant's.
+        moved = ok & (kv.claim[slots] != cvs)
+        if bool(moved.any()):
+            self._fix_rows(kv, slots, cvs, out, moved, ctx, key, req, step_id, from_pool=False)
+
+    def _fix_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
+                  mask: torch.Tensor, ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId,
+                  from_pool: bool = True) -> None:
+        idx = torch.nonzero(mask).reshape(-1)
+        deadline = time.monotonic() + self.config.commit_timeout_s
+        for cv in torch.unique(cvs[idx]).tolist():
+            sel = idx[cvs[idx] == cv]
+            want = slots[sel]
+            while True:
+                with self._lock:
+                    src = self._sources.get((key, cv))
+                    rescue = ctx.rescue.get(key) if ctx is not None else None
+                if src is not None:
+                    rows = src.take(want)
+                    if rows is not None and src.alive:
+                        out[sel] = rows
+                        break
+                if rescue is not None and all(s in rescue for s in want.tolist()):
+                    out[sel] = torch.stack([rescue[s] for s in want.tolist()])
+                    break
+                claim = kv.claim[want]
+                if bool((claim != cv).any()):
+                    raise self._unmatch(f"slot reused before the read (planned version {cv:#x}, now "
+                                        f"{int(claim[claim != cv][0]):#x}) and no copy-on-write rescue",
+                                        req_id=req, key=key, step_id=step_id)
+                if from_pool and bool((kv.commit[want] == cv).all()):
+                    out[sel] = kv.pool.index_select(0, want)
+                    if bool((kv.claim[want] == cv).all()):
+                        break
+                    continue
+                self._check_usable()
+                if time.monotonic() > deadline:
+                    raise self._unmatch(f"rows of version {cv:#x} did not land within "
+                                        f"{self.config.commit_timeout_s:.1f}s", req_id=req, key=key,
+                                        step_id=step_id)
+                time.sleep(_POLL_S)
+
+    def _read_committed(self, kv: KeyViews, slots: torch.Tensor, out: torch.Tensor, key: TensorName,
+                        req: ReqId, step_id: StepId) -> None:
+        """Reader: wait until the writer's rows for ``slots`` landed, copy, validate (seqlock)."""
+        deadline = time.monotonic() + self.config.commit_timeout_s
+        while True:
+            epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
+            claim = kv.claim[slots].clone()
+            if bool((claim == 0).any()):
+                raise self._unmatch("hit span resolves to absent rows (never written)", req_id=req, key=key,
+                                    step_id=step_id)
+            bad_epoch = (claim >> 48) != epoch
+            later = ((claim >> 16) & 0xFFFFFFFF) > step_id
+            if bool((bad_epoch | later).any()):
+                raise self._unmatch("slot reused after the hit was planned (reader has no rescue)",
+                                    req_id=req, key=key, step_id=step_id)
+            if bool((kv.commit[slots] == claim).all()):
+                torch.index_select(kv.pool, 0, slots, out=out)
+                if bool((kv.claim[slots] == claim).all()):
+                    return
+                raise self._unmatch("slot reused while reading it", req_id=req, key=key, step_id=step_id)
+            self._check_usable()
+            if time.monotonic() > deadline:
+                raise self._unmatch(f"hit rows not committed within {self.config.commit_timeout_s:.1f}s",
+                                    req_id=req, key=key, step_id=step_id)
+            time.sleep(_POLL_S)
+
+    def _wait_published(self, step_id: StepId) -> None:
+        deadline = time.monotonic() + self.config.commit_timeout_s
+        while int(self._ctl[P.CTL_PUBLISHED_STEP]) < step_id:
+            self._check_usable()
+            if time.monotonic() > deadline:
+                raise self._unmatch(f"writer did not publish step {step_id} within "
+                                    f"{self.config.commit_timeout_s:.1f}s (published "
+                                    f"{int(self._ctl[P.CTL_PUBLISHED_STEP])})", step_id=step_id)
+            time.sleep(_POLL_S)
+
+    def _prefetch(self, ctx: StepCtx) -> None:
+        """Reader, prefetch thread: copy a step's hit rows as soon as the writer published them.
+
+        Reading right after publication, not at a late materialize, keeps the
+        window in which the writer may re-claim a hit slot small; what fails
+        here is simply read (and raised) again by materialize.
+        """
+        try:
+            self._wait_published(ctx.step_id)
+            for req, span in ctx.hits.items():
+                for key, step_rows in ctx.step_rows.items():
+                    out = torch.empty((len(span.slots), step_rows.shape[1]), dtype=step_rows.dtype)
+                    kv = self._reader_key(key, out, req, ctx.step_id)
+                    self._read_committed(kv, span.slots, out, key, req, ctx.step_id)
+                    ctx.prefetched[(req, key)] = out
+        except Exception:  # materialize reads again and raises with full context
+            pass
+        finally:
+            assert ctx.prefetch_done is not None
+            ctx.prefetch_done.set()
+
+
+class Prefetcher:
+    """One daemon thread (``omnishm-prefetch``) running ``work(ctx)`` in order."""
+
+    def __init__(self, work) -> None:
+        import queue
+        import threading
+
+        self._work = work
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="omnishm-prefetch", daemon=True)
+        self._thread.start()
+
+    def put(self, ctx: StepCtx) -> None:
+        self._queue.put(ctx)
+
+    def stop(self, timeout_s: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            ctx = self._queue.get()
+            if ctx is None:
+                return
+            self._work(ctx)

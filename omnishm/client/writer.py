@@ -1,0 +1,224 @@
+"""Writer-side internals of the manager: keys, claims, step writes, deferred writes.
+
+``WriterSide`` is a mixin of ``OmniPrefixCacheManager`` and works on its state
+(see the manager's docstring for the threads and the state lock). It holds no
+state of its own. Claim-table writes happen only on the engine thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from omnishm import protocol as P
+from omnishm.client.segments import KeyViews, dtype_name, row_width
+from omnishm.client.steps import StepCtx
+from omnishm.client.writes import Chunk, RowSource, TaskState, WriteTask, build_step_write
+from omnishm.interface import OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError, ReqId, TensorName
+
+
+class WriterSide:
+    """Writes of the writer client (mixin; all state lives in the manager)."""
+
+    def _ensure_key(self, key: TensorName, rows: torch.Tensor) -> KeyViews:
+        row_shape = tuple(rows.shape[1:])
+        width = row_width(row_shape)
+        kv = self._keys.get(key)
+        if kv is None:
+            reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(rows.dtype),
+                                                             width=width))
+            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer,
+                              row_shape=row_shape)
+            self._keys[key] = kv
+        if kv.dtype != rows.dtype or kv.width != width:
+            raise self._unmatch(f"tensor {key!r} is {rows.dtype} width {width}, but the cache holds "
+                                f"{kv.dtype} width {kv.width}", key=key, step_id=self._next_step)
+        kv.row_shape = row_shape
+        return kv
+
+    def _join_previous_write(self) -> None:
+        fut = self._prev_write
+        if fut is None:
+            return
+        try:
+            reply = fut.result(timeout=self.config.commit_timeout_s)
+        except TimeoutError as exc:
+            raise self._set_fatal(f"previous step's writes not acknowledged within "
+                                  f"{self.config.commit_timeout_s:.1f}s") from exc
+        except OmniPrefixCacheCommitterError as exc:
+            raise self._set_fatal(f"previous step's writes were lost: {exc}") from exc
+        self._prev_write = None
+        self._check_reply(reply)
+
+    def _check_reply(self, reply: Any) -> None:
+        if isinstance(reply, P.StepDone) and not reply.failed_tids:
+            return
+        reason = reply.reason if isinstance(reply, P.StepDone) else repr(reply)
+        raise self._set_fatal(f"write of step {getattr(reply, 'step', '?')} failed: {reason}")
+
+    def _register_writes(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
+                         immediate: dict, deferred: dict) -> list[WriteTask]:
+        """Row sources for this step's claims, and its deferred chunks. Engine thread."""
+        to_flush: list[WriteTask] = []
+        with self._lock:
+            for w, cv in zip(writes, cvs):
+                req_slots = slots[w.token_start:w.token_start + w.num_tokens]
+                for key in immediate:
+                    self._sources[(key, cv)] = ctx.sources.setdefault(
+                        key, RowSource(cv=0, slots=slots, rows=ctx.step_rows[key]))
+                    ctx.source_keys.append((key, cv))
+                for key in deferred:
+                    rows = ctx.step_rows[key][w.token_start:w.token_start + w.num_tokens]
+                    task = self._open.get((w.req_id, key))
+                    if task is None:
+                        task = WriteTask(tid=next(self._tids), req_id=w.req_id, key=key, opened_step=ctx.step_id)
+                        self._open[(w.req_id, key)] = task
+                        self._deferred_order[task.tid] = task
+                    task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows))
+                    self._open_by_cv[(key, cv)] = task
+                    self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows)
+                    self._pending_bytes += rows.numel() * rows.element_size()
+            while self._pending_bytes > self.config.gpu_staging_bytes and self._deferred_order:
+                oldest = next(iter(self._deferred_order.values()))
+                self._close_task_locked(oldest)
+                self.counters["budget_flushes"] += 1
+                to_flush.append(oldest)
+        return to_flush
+
+    def _send_step(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
+                   immediate: dict) -> None:
+        keys = list(immediate)
+        assert self._pages is not None and ctx.page is not None
+        row0 = ctx.page * self._pages.capacity
+        if not keys or not writes:
+            self._pages.release(ctx.page, "write")
+            self._drop_sources(ctx)
+            return
+        key_idx, tids, e_cvs, src, counts = [], [], [], [], []
+        step_tids = [next(self._tids) for _ in writes]
+        for ki, _key in enumerate(keys):
+            for w, cv, tid in zip(writes, cvs, step_tids):
+                key_idx.append(ki)
+                tids.append(tid)
+                e_cvs.append(cv)
+                src.append(row0 + w.token_start)
+                counts.append(w.num_tokens)
+        # Entries list each key's writes in batch order, so their slots are the step's slots per key.
+        all_slots = slots.repeat(len(keys))
+        page = ctx.page
+        fut = self._link.submit(lambda rid: build_step_write(rid, ctx.step_id, keys, key_idx, tids, e_cvs, src,
+                                                              counts, all_slots))
+
+        def done(f: Future) -> None:
+            self._drop_sources(ctx)
+            assert self._pages is not None
+            self._pages.release(page, "write")
+            try:
+                self._check_reply(f.result())
+            except Exception as exc:  # recorded as the sticky fatal error
+                self._set_fatal(f"write of step {ctx.step_id} failed: {exc}")
+
+        fut.add_done_callback(done)
+        self._prev_write = fut
+
+    def _drop_sources(self, ctx: StepCtx) -> None:
+        with self._lock:
+            for src in ctx.sources.values():
+                src.alive = False
+            for k in ctx.source_keys:
+                self._sources.pop(k, None)
+            ctx.source_keys.clear()
+
+    def _rescue_before_claim(self, slots: torch.Tensor, row_cv: torch.Tensor) -> None:
+        """Copy-on-write: keep rows a pending read planned before their slots change tenant."""
+        if not self._pinned or not bool((self._pin_count[slots] > 0).any()):
+            return
+        with self._lock:
+            pinned = list(self._pinned.values())
+        hot = slots[self._pin_count[slots] > 0]
+        for ctx in pinned:
+            for req, span in ctx.hits.items():
+                inter = torch.isin(span.slots, hot)
+                if not bool(inter.any()):
+                    continue
+                for key, planned in span.cvs.items():
+                    want = span.slots[inter]
+                    cvs = planned[inter]
+                    keep = cvs != 0
+                    want, cvs = want[keep], cvs[keep]
+                    if len(want) == 0:
+                        continue
+                    out = self._keys[key].rows_out(len(want))
+                    try:
+                        self._resolve_rows(self._keys[key], want, cvs, out, None, key, req, ctx.step_id)
+                    except OmniPrefixCacheUnmatchError:
+                        continue  # nothing valid to keep; the read will raise
+                    with self._lock:
+                        store = ctx.rescue.setdefault(key, {})
+                        for i, s in enumerate(want.tolist()):
+                            store[s] = out[i]
+                    self.counters["cow_rescues"] += len(want)
+
+    def _close_task_locked(self, task: WriteTask) -> None:
+        if task.state is not TaskState.OPEN:
+            return
+        task.state = TaskState.CLOSED
+        self._closing[task.tid] = task
+        self._open.pop((task.req_id, task.key), None)
+        self._deferred_order.pop(task.tid, None)
+        for c in task.chunks:
+            self._open_by_cv.pop((task.key, c.cv), None)
+        self._pending_bytes -= task.nbytes
+
+    def _close_request_locked(self, req_id: ReqId) -> list[WriteTask]:
+        tasks = [t for (r, _), t in self._open.items() if r == req_id]
+        for t in tasks:
+            self._close_task_locked(t)
+        return tasks
+
+    def _close_hit_writes_locked(self, slots: torch.Tensor) -> list[WriteTask]:
+        """Close open deferred writes a hit reads, so the rows land and every rank can read them."""
+        if not self._open_by_cv:
+            return []
+        out: list[WriteTask] = []
+        for key in {k for k, _ in self._open_by_cv}:
+            kv = self._keys.get(key)
+            if kv is None:
+                continue
+            for cv in torch.unique(kv.claim[slots]).tolist():
+                task = self._open_by_cv.get((key, cv))
+                if task is not None and task.state is TaskState.OPEN:
+                    self._close_task_locked(task)
+                    out.append(task)
+        return out
+
+    def _flush(self, tasks: list[WriteTask]) -> None:
+        if not tasks:
+            return
+        assert self._flusher is not None
+        for t in tasks:
+            self.counters["deferred_flushes"] += 1
+            self._flusher.put(t)
+
+    def _on_task_done(self, task: WriteTask, result: Any) -> None:
+        """Flusher thread: a deferred write landed (or failed)."""
+        failed: str | None = None
+        if isinstance(result, BaseException):
+            failed = str(result)
+        elif result.failed_tids:
+            failed = result.reason
+        with self._lock:
+            task.state = TaskState.FAILED if failed else TaskState.DONE
+            self._closing.pop(task.tid, None)
+            for c in task.chunks:
+                src = self._sources.pop((task.key, c.cv), None)
+                if src is not None:
+                    src.alive = False
+        if failed:
+            err = self._set_fatal(f"deferred write {task.tid} of request {task.req_id!r} tensor {task.key!r} "
+                                  f"failed: {failed}")
+            task.done.set_exception(err)
+        else:
+            task.done.set_result(result)

