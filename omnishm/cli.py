@@ -19,7 +19,9 @@ from typing import Callable
 # Subcommands that live in other modules: name -> (module, help). The module is
 # imported only when its subcommand runs; it provides ``cli_main(args) -> int``
 # and optionally ``add_arguments(parser)``. E.g. "demo": ("omnishm.demo", "run the demo").
-EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {}
+EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("omnishm.demo.main", "simulated TP engine sharing one embedded committer; checks every row"),
+}
 
 
 class CommitterUnavailable(RuntimeError):

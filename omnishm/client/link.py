@@ -3,14 +3,42 @@
 ZeroMQ sockets are not thread-safe, so exactly one thread (``omnishm-link``)
 touches the socket. Other threads hand it messages through a deque and a wake
 pipe, and get a ``Future`` that the I/O thread completes with the reply whose
-``rid`` matches. The I/O thread also sends heartbeats (carrying the client's
-counters) and fails every pending future with ``OmniPrefixCacheCommitterError``
-when the committer stops answering, so no caller ever waits forever.
+``rid`` matches.
+
+Liveness, both ways. The I/O thread sends a ``Heartbeat`` (carrying the
+client's counters) every ``heartbeat_s`` the committer asked for; the
+committer reaps a client silent for its ``heartbeat_timeout_s`` and answers
+each heartbeat with a ``HeartbeatAck``. The link declares its committer lost
+when (a) nothing came back for ``heartbeat_timeout_s`` while a request was
+outstanding, (b) the committer's process is gone (``/proc/PID/stat``, checked
+every heartbeat; zombie or a new process under the pid counts as gone), or
+(c) the committer answers ``no_session`` (a restarted committer that does not
+know this socket, or we were reaped).
+
+Losing the committer is not yet an error. The link keeps every request that
+was never answered together with its encoded bytes, and for up to
+``reconnect_timeout_s`` opens a fresh socket and sends ``Hello(resume=True)``
+with the same client id, generation, epoch and staging segment names. When a
+committer (the restarted one, which adopted the cache's segments) welcomes the
+session back, every unanswered request except heartbeats is re-sent in its
+original order: re-applying a ``StepWrite`` is idempotent (rows land only
+where the claim table still holds the descriptor's claim version, and the
+staging page is held until the acknowledgement). When no committer resumes
+the session in time, or one refuses (it could not adopt the cache, or the
+writer was reaped), the link is dead: every pending future and every later
+``submit`` fails with ``OmniPrefixCacheCommitterError`` naming the reason.
+Nothing waits forever: a round trip is bounded by its timeout, a lost
+committer by ``heartbeat_timeout_s + reconnect_timeout_s``.
+
+While attached, the link holds ``flock(LOCK_SH)`` on the cache's control
+segment: a restarting committer adopts a cache only while some client holds
+it (``omnishm.committer.meta``).
 """
 
 from __future__ import annotations
 
 import collections
+import fcntl
 import itertools
 import logging
 import os
@@ -21,10 +49,12 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import msgspec
+import posix_ipc
 import zmq
 
 from omnishm import protocol as P
@@ -32,6 +62,11 @@ from omnishm import shm
 from omnishm.interface import OmniPrefixCacheCommitterError
 
 logger = logging.getLogger(__name__)
+
+CONNECTED = "connected"
+RECONNECTING = "reconnecting"
+DEAD = "dead"
+RECONNECT_TIMEOUT_ENV = "OMNISHM_RECONNECT_TIMEOUT_S"
 
 
 def default_endpoint(cache: str, runtime_dir: Path | None = None) -> str:
@@ -55,16 +90,43 @@ def start_committer(cache: str, runtime_dir: Path, *, exit_when_idle: bool = Tru
     return proc
 
 
+def _proc_identity(pid: int) -> str | None:
+    """Start time of a live (not zombie) process ``pid`` from /proc, or None when it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
+@dataclass
+class _Pending:
+    fut: Future
+    sent_at: float
+    data: bytes
+    resend: bool
+    """Re-sent after a resume (everything but heartbeats)."""
+
+
 class CommitterLink:
     """A session with one committer.
 
     Thread-safe: ``request`` and ``submit`` may be called from any thread.
     ``close`` says goodbye (bounded) and stops the I/O thread; exactly once.
+    ``reconnect_timeout_s`` (default: ``$OMNISHM_RECONNECT_TIMEOUT_S``, else
+    ``request_timeout_s``) bounds how long a lost committer is waited for;
+    ``heartbeat_timeout_s`` (default: the committer's) how long silence is
+    tolerated before the committer counts as lost.
     """
 
     def __init__(self, *, cache: str, role: str, endpoint: str | None = None, layout: P.Layout | None = None,
                  staging_rows: int = 0, autostart: bool = False, connect_timeout_s: float = 30.0,
-                 request_timeout_s: float = 30.0, runtime_dir: Path | None = None):
+                 request_timeout_s: float = 30.0, runtime_dir: Path | None = None,
+                 reconnect_timeout_s: float | None = None, heartbeat_timeout_s: float | None = None):
         shm.check_cache_name(cache)
         self.cache = cache
         self.role = role
@@ -72,59 +134,90 @@ class CommitterLink:
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else shm.default_runtime_dir()
         self.endpoint = endpoint or default_endpoint(cache, self.runtime_dir)
         self.request_timeout_s = request_timeout_s
+        if reconnect_timeout_s is None:
+            env = os.environ.get(RECONNECT_TIMEOUT_ENV)
+            reconnect_timeout_s = float(env) if env else request_timeout_s
+        if reconnect_timeout_s <= 0:
+            raise ValueError(f"reconnect_timeout_s must be positive, got {reconnect_timeout_s}")
+        self.reconnect_timeout_s = float(reconnect_timeout_s)
         self.counters: dict[str, float] = {}
+        self.stats: collections.Counter[str] = collections.Counter()
+        """``committer_lost``, ``reconnects``, ``resent`` (requests re-sent after a resume), ``resume_attempts``."""
         self.readers = 0
+        self._layout = layout
+        self._staging_rows = staging_rows
+        self._autostart = autostart
         self._rids = itertools.count(1)
-        self._pending: dict[int, tuple[Future, float]] = {}
-        self._outbox: collections.deque[bytes] = collections.deque()
+        self._plock = threading.Lock()  # guards _pending, _outbox and _dead
+        self._pending: dict[int, _Pending] = {}
+        self._outbox: collections.deque[int] = collections.deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._closed = False
         self._dead: str | None = None
+        self._state = CONNECTED
+        self._welcomed = False
         self._heartbeat_s = 1.0
-        self._heartbeat_timeout_s = 10.0
+        self._heartbeat_timeout_override = heartbeat_timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s or 10.0
         self._last_heard = time.monotonic()
+        self._committer_ident: str | None = None
+        self._lost_reason = ""
+        self._reconnect_deadline = 0.0
+        self._attempt_deadline = 0.0
+        self._hello_rid = -1
+        self._last_autostart = 0.0
+        self._live_fd = -1
+        self._staging_names: set[str] = set()
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
-        self._sock.connect(self.endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._sock: zmq.Socket | None = None
+        self._new_socket()
         self._thread = threading.Thread(target=self._run, name=f"omnishm-link-{cache}", daemon=True)
         self._thread.start()
         try:
             self.welcome = self._hello(layout, staging_rows, autostart, connect_timeout_s)
+            self._hold_liveness_lock(self.welcome)
         except BaseException:
             self._shutdown_thread()
             raise
-        self._heartbeat_s = self.welcome.heartbeat_s
-        self._heartbeat_timeout_s = self.welcome.heartbeat_timeout_s
+        self._adopt_welcome(self.welcome)
+        self._welcomed = True
         logger.info("cache %s: client %s attached as %s (committer pid %d, epoch %d)", cache,
                     self.client_id[:12], role, self.welcome.committer_pid, self.welcome.epoch)
 
     # ------------------------------------------------------------ public
 
     def submit(self, make: Callable[[int], msgspec.Struct]) -> Future:
-        """Queue ``make(rid)`` for sending; the future gets its reply (or an error)."""
-        if self._dead is not None:
-            raise OmniPrefixCacheCommitterError(self._dead)
+        """Queue ``make(rid)`` for sending; the future gets its reply (or an error). Raises when dead."""
         rid = next(self._rids)
+        msg = make(rid)
+        data = P.encode(msg)
         fut: Future = Future()
-        data = P.encode(make(rid))
-        self._pending[rid] = (fut, time.monotonic())
-        self._outbox.append(data)
+        fut.rid = rid  # type: ignore[attr-defined]
+        with self._plock:
+            if self._dead is not None:
+                raise OmniPrefixCacheCommitterError(self._dead)
+            self._pending[rid] = _Pending(fut, time.monotonic(), data, not isinstance(msg, P.Heartbeat))
+            self._outbox.append(rid)
         self._wake()
         return fut
 
     def request(self, make: Callable[[int], msgspec.Struct], timeout_s: float | None = None) -> msgspec.Struct:
         """Round trip; raises OmniPrefixCacheCommitterError on Error replies, timeouts and death."""
         fut = self.submit(make)
+        timeout_s = timeout_s or self.request_timeout_s
         try:
-            reply = fut.result(timeout=timeout_s or self.request_timeout_s)
+            reply = fut.result(timeout=timeout_s)
         except TimeoutError as exc:
+            with self._plock:
+                self._pending.pop(fut.rid, None)  # type: ignore[attr-defined]
+            state = f" (link {self._state}: {self._lost_reason})" if self._state != CONNECTED else ""
             raise OmniPrefixCacheCommitterError(
-                f"cache {self.cache}: committer at {self.endpoint} did not answer within "
-                f"{timeout_s or self.request_timeout_s:.1f}s") from exc
+                f"cache {self.cache}: committer at {self.endpoint} did not answer within {timeout_s:.1f}s{state}") \
+                from exc
         if isinstance(reply, P.Error):
             raise OmniPrefixCacheCommitterError(f"cache {self.cache}: committer error {reply.code}: {reply.message}")
         if isinstance(reply, P.Refused):
@@ -134,19 +227,27 @@ class CommitterLink:
     def close(self, *, timeout_s: float = 5.0) -> None:
         if self._closed:
             return
-        if self._dead is None:
+        if self._dead is None and self._state == CONNECTED:
             try:
                 self.request(lambda rid: P.Goodbye(rid=rid), timeout_s=timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 logger.warning("cache %s: goodbye not acknowledged: %s", self.cache, exc)
+        elif self._dead is None:
+            logger.warning("cache %s: closing while %s (%s); the committer reaps the session", self.cache,
+                           self._state, self._lost_reason)
         self._shutdown_thread()
         logger.info("cache %s: client %s detached", self.cache, self.client_id[:12])
 
     @property
     def dead(self) -> str | None:
+        """Why the link is unusable, or None (also None while it is reconnecting)."""
         return self._dead
 
-    # ------------------------------------------------------------ internals
+    @property
+    def state(self) -> str:
+        return self._state
+
+    # ------------------------------------------------------------ attach
 
     def _hello(self, layout: P.Layout | None, staging_rows: int, autostart: bool, timeout_s: float) -> P.Welcome:
         deadline = time.monotonic() + timeout_s
@@ -162,24 +263,66 @@ class CommitterLink:
                 raise OmniPrefixCacheCommitterError(
                     f"cache {self.cache}: no committer answered at {self.endpoint} within {timeout_s:.1f}s; "
                     f"start one with `scripts/launch_committer.sh --name {self.cache}` or pass autostart=True")
-            fut = self.submit(lambda rid: P.Hello(
-                rid=rid, protocol=P.PROTOCOL_VERSION, client_id=self.client_id, pid=os.getpid(), uid=os.geteuid(),
-                role=self.role, cache=self.cache, layout=layout, staging_rows=staging_rows))
+            fut = self.submit(lambda rid: self._hello_msg(rid, resume=False))
             try:
                 reply = fut.result(timeout=min(remaining, 2.0 if autostart and not started else remaining))
             except TimeoutError:
-                self._pending.clear()
+                with self._plock:
+                    self._pending.clear()
                 continue
             if isinstance(reply, P.Welcome):
                 return reply
             reason = reply.reason if isinstance(reply, P.Refused) else f"{reply.code}: {reply.message}"
             raise OmniPrefixCacheCommitterError(f"cache {self.cache}: committer refused this {self.role}: {reason}")
 
+    def _hello_msg(self, rid: int, resume: bool) -> P.Hello:
+        welcome = getattr(self, "welcome", None)
+        return P.Hello(
+            rid=rid, protocol=P.PROTOCOL_VERSION, client_id=self.client_id, pid=os.getpid(), uid=os.geteuid(),
+            role=self.role, cache=self.cache, layout=self._layout, staging_rows=self._staging_rows, resume=resume,
+            resume_generation=welcome.generation if resume and welcome else "",
+            resume_epoch=welcome.epoch if resume and welcome else 0,
+            resume_staging=sorted(self._staging_names) if resume else [])
+
+    def _adopt_welcome(self, welcome: P.Welcome) -> None:
+        self._heartbeat_s = welcome.heartbeat_s
+        self._heartbeat_timeout_s = self._heartbeat_timeout_override or welcome.heartbeat_timeout_s
+        self._committer_ident = _proc_identity(welcome.committer_pid)
+        self._last_heard = time.monotonic()
+        self._staging_names.update(k.staging for k in welcome.keys if k.staging)
+
+    def _hold_liveness_lock(self, welcome: P.Welcome) -> None:
+        """Shared flock on the control segment while attached: tells a restarting committer to adopt."""
+        if not welcome.control or self._live_fd >= 0:
+            return
+        try:
+            seg = posix_ipc.SharedMemory(welcome.control, 0, read_only=True)
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError) as exc:
+            logger.warning("cache %s: cannot hold the liveness lock on %s (%s): a committer restart will not "
+                           "adopt the cache for this client", self.cache, welcome.control, exc)
+            return
+        fcntl.flock(seg.fd, fcntl.LOCK_SH)  # a starting committer holds LOCK_EX only for a probe
+        self._live_fd = seg.fd
+
+    # ------------------------------------------------------------ internals
+
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
-        except BlockingIOError:
-            pass  # a wake byte is already pending
+        except (BlockingIOError, OSError):
+            pass  # a wake byte is already pending, or we are closing
+
+    def _new_socket(self) -> None:
+        """A fresh DEALER (new identity, nothing queued): the only way to drop what a dead peer never read."""
+        if self._sock is not None:
+            self._poller.unregister(self._sock)
+            self._sock.close(linger=0)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        sock.connect(self.endpoint)
+        self._poller.register(sock, zmq.POLLIN)
+        self._sock = sock
 
     def _shutdown_thread(self) -> None:
         self._closed = True
@@ -188,49 +331,84 @@ class CommitterLink:
         self._fail_all("client link closed")
         self._wake_r.close()
         self._wake_w.close()
+        if self._live_fd >= 0:
+            os.close(self._live_fd)
+            self._live_fd = -1
 
     def _fail_all(self, reason: str) -> None:
-        pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(OmniPrefixCacheCommitterError(f"cache {self.cache}: {reason}"))
+        with self._plock:
+            pending, self._pending = self._pending, {}
+            self._outbox.clear()
+        for entry in pending.values():
+            if not entry.fut.done():
+                entry.fut.set_exception(OmniPrefixCacheCommitterError(f"cache {self.cache}: {reason}"))
+
+    def _go_dead(self, reason: str) -> None:
+        with self._plock:
+            self._dead = reason
+        self._state = DEAD
+        logger.error("%s", reason)
+        self._fail_all(reason)
 
     def _run(self) -> None:
         """I/O thread: the only code that touches the socket."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)
         next_beat = time.monotonic() + self._heartbeat_s
         try:
             while not self._closed:
-                events = dict(poller.poll(timeout=max(1, int(self._heartbeat_s * 250))))
+                tick = 20 if self._state == RECONNECTING else max(1, int(self._heartbeat_s * 250))
+                events = dict(self._poller.poll(timeout=tick))
                 if self._wake_r.fileno() in events:
                     try:
                         while self._wake_r.recv(4096):
                             pass
-                    except BlockingIOError:
+                    except (BlockingIOError, OSError):
                         pass
-                while self._outbox:
-                    self._sock.send(self._outbox.popleft(), copy=False)
-                if self._sock in events:
-                    self._drain()
+                if self._state == DEAD:
+                    continue
+                if self._state == CONNECTED:
+                    self._flush_outbox()
+                self._drain()
                 now = time.monotonic()
-                if now >= next_beat and hasattr(self, "welcome") and self._dead is None:
-                    counters = dict(self.counters)
-                    fut = self.submit(lambda rid: P.Heartbeat(rid=rid, counters=counters))
-                    fut.add_done_callback(self._on_heartbeat)
+                if self._state == RECONNECTING:
+                    self._reconnect_step(now)
                     next_beat = now + self._heartbeat_s
-                if self._pending and now - self._last_heard > self._heartbeat_timeout_s:
-                    oldest = min(t for _, t in self._pending.values())
+                    continue
+                if not self._welcomed or self._state != CONNECTED:
+                    continue
+                if now >= next_beat:
+                    next_beat = now + self._heartbeat_s
+                    counters = {**self.counters, **{f"link_{k}": float(v) for k, v in self.stats.items()}}
+                    try:
+                        fut = self.submit(lambda rid: P.Heartbeat(rid=rid, counters=counters))
+                    except OmniPrefixCacheCommitterError:
+                        continue
+                    fut.add_done_callback(self._on_heartbeat)
+                    if self._committer_ident is not None and \
+                            _proc_identity(self.welcome.committer_pid) != self._committer_ident:
+                        self._lost(f"committer process {self.welcome.committer_pid} is gone")
+                        continue
+                if now - self._last_heard > self._heartbeat_timeout_s:
+                    with self._plock:
+                        oldest = min((e.sent_at for e in self._pending.values()), default=now)
                     if now - oldest > self._heartbeat_timeout_s:
-                        self._dead = (f"cache {self.cache}: committer at {self.endpoint} has not answered for "
-                                      f"{now - self._last_heard:.1f}s (heartbeat timeout)")
-                        logger.error(self._dead)
-                        self._fail_all("committer unreachable")
+                        self._lost(f"no answer for {now - self._last_heard:.1f}s (heartbeat timeout "
+                                   f"{self._heartbeat_timeout_s:.1f}s)")
         finally:
-            self._sock.close(linger=0)
+            if self._sock is not None:
+                self._sock.close(linger=0)
+
+    def _flush_outbox(self) -> None:
+        assert self._sock is not None
+        while True:
+            with self._plock:
+                if not self._outbox:
+                    return
+                entry = self._pending.get(self._outbox.popleft())
+            if entry is not None:
+                self._sock.send(entry.data, copy=False)
 
     def _drain(self) -> None:
+        assert self._sock is not None
         while True:
             try:
                 frame = self._sock.recv(zmq.NOBLOCK, copy=False)
@@ -242,14 +420,24 @@ class CommitterLink:
             except msgspec.DecodeError as exc:
                 logger.error("cache %s: undecodable reply from committer: %s", self.cache, exc)
                 continue
-            entry = self._pending.pop(reply.rid, None)
+            if self._state == RECONNECTING:
+                if reply.rid == self._hello_rid:
+                    self._on_resume_reply(reply)
+                continue  # anything else answers a socket we gave up
+            if isinstance(reply, P.Error) and reply.code == "no_session" and self._welcomed:
+                # A restarted committer that does not know this socket (or we were reaped): resume, then re-send.
+                self._lost(f"committer does not know this session ({reply.message})")
+                return
+            with self._plock:
+                entry = self._pending.pop(reply.rid, None)
             if entry is None:
                 if isinstance(reply, P.Error):
                     logger.error("cache %s: committer error %s: %s", self.cache, reply.code, reply.message)
                 continue
-            fut, _ = entry
-            if not fut.done():
-                fut.set_result(reply)
+            if isinstance(reply, P.KeyOpened) and reply.segments.staging:
+                self._staging_names.add(reply.segments.staging)
+            if not entry.fut.done():
+                entry.fut.set_result(reply)
 
     def _on_heartbeat(self, fut: Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -257,3 +445,66 @@ class CommitterLink:
         reply = fut.result()
         if isinstance(reply, P.HeartbeatAck):
             self.readers = reply.readers
+
+    # ------------------------------------------------------------ losing and resuming the committer
+
+    def _lost(self, reason: str) -> None:
+        """I/O thread: the committer is gone or forgot us; start resuming (bounded by reconnect_timeout_s)."""
+        if self._state != CONNECTED:
+            return
+        now = time.monotonic()
+        self.stats["committer_lost"] += 1
+        self._state = RECONNECTING
+        self._lost_reason = reason
+        self._reconnect_deadline = now + self.reconnect_timeout_s
+        self._attempt_deadline = 0.0
+        logger.warning("cache %s: committer at %s lost (%s); resuming for up to %.1fs", self.cache, self.endpoint,
+                       reason, self.reconnect_timeout_s)
+        with self._plock:
+            beats = [rid for rid, e in self._pending.items() if not e.resend]
+            dropped = [self._pending.pop(rid) for rid in beats]
+        for entry in dropped:
+            entry.fut.set_exception(OmniPrefixCacheCommitterError(f"cache {self.cache}: heartbeat lost"))
+
+    def _reconnect_step(self, now: float) -> None:
+        if now >= self._reconnect_deadline:
+            self._go_dead(f"cache {self.cache}: committer at {self.endpoint} lost ({self._lost_reason}) and no "
+                          f"committer resumed client {self.client_id} within reconnect_timeout_s="
+                          f"{self.reconnect_timeout_s:.1f}s; its unacknowledged requests failed")
+            return
+        if now < self._attempt_deadline:
+            return
+        if self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0 \
+                and not shm.cache_is_live(self.runtime_dir, self.cache):
+            self._last_autostart = now
+            start_committer(self.cache, self.runtime_dir)
+        self._new_socket()
+        self.stats["resume_attempts"] += 1
+        self._hello_rid = next(self._rids)
+        assert self._sock is not None
+        self._sock.send(P.encode(self._hello_msg(self._hello_rid, resume=True)))
+        self._attempt_deadline = min(now + max(1.0, 2 * self._heartbeat_s), self._reconnect_deadline)
+
+    def _on_resume_reply(self, reply: msgspec.Struct) -> None:
+        if not isinstance(reply, P.Welcome):
+            reason = reply.reason if isinstance(reply, P.Refused) else getattr(reply, "message", repr(reply))
+            self._go_dead(f"cache {self.cache}: committer at {self.endpoint} was lost ({self._lost_reason}) and the "
+                          f"committer now there refused to resume client {self.client_id}: {reason}")
+            return
+        self.welcome = reply
+        self._adopt_welcome(reply)
+        self._state = CONNECTED
+        with self._plock:
+            self._outbox.clear()
+            entries = [self._pending[rid] for rid in sorted(self._pending)]
+        assert self._sock is not None
+        resent = 0
+        for entry in entries:
+            if entry.resend:
+                entry.sent_at = time.monotonic()
+                self._sock.send(entry.data, copy=False)
+                resent += 1
+        self.stats["reconnects"] += 1
+        self.stats["resent"] += resent
+        logger.warning("cache %s: session resumed with committer pid %d (generation %s); re-sent %d unacknowledged "
+                       "request(s)", self.cache, reply.committer_pid, reply.generation, resent)

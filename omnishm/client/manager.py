@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 import torch
 
 from omnishm import protocol as P
+from omnishm.client.device import DONE, DeviceOps, HostRegistration, StepSender, ops_for
 from omnishm.client.link import CommitterLink
 from omnishm.client.segments import KeyViews, StagingPages
 from omnishm.client.reads import Prefetcher, ReadSide
@@ -54,7 +55,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
 
     def __init__(self, config: PrefixCacheConfig, *, cache: str = "default", role: str = "writer",
                  endpoint: str | None = None, autostart: bool = True, eager: bool | None = None,
-                 runtime_dir: str | Path | None = None, connect_timeout_s: float = 30.0):
+                 runtime_dir: str | Path | None = None, connect_timeout_s: float = 30.0,
+                 device_ops: DeviceOps | None = None):
         if role not in (P.ROLE_WRITER, P.ROLE_READER):
             raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
         self.config = config
@@ -81,6 +83,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self._pending_bytes = 0
         self._tids = itertools.count(1)
         self._prev_write: Future | None = None
+        self._ops: DeviceOps | None = device_ops
+        self._registrations: list[HostRegistration] = []
         self._pin_count = torch.zeros(config.num_slots, dtype=torch.int32)
         self.counters: dict[str, float] = {k: 0.0 for k in (
             "steps_saved", "hit_tokens", "hit_rows_served", "rows_served", "cow_rescues", "unmatch_errors",
@@ -103,13 +107,16 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             self._pages: StagingPages | None = StagingPages(config.staging_depth, cap)
             self._flusher: Flusher | None = Flusher(
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
+                to_host=self._flush_copy, chunk_bytes=config.copy_chunk_bytes,
                 key_index=lambda key: self._keys[key].index, send=self._link.submit,
                 on_task_done=self._on_task_done, timeout_s=config.commit_timeout_s)
             self._prefetcher: Prefetcher | None = None
+            self._sender: StepSender | None = StepSender(self._link.submit)
         else:
             self._pages = None
             self._flusher = None
             self._prefetcher = Prefetcher(self._prefetch)
+            self._sender = None
             for seg in welcome.keys:
                 self._keys[seg.key] = KeyViews.map(seg, config.num_slots, readonly=True)
 
@@ -201,6 +208,19 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             raise self._unmatch(f"write layout has slots outside [0, {self.config.num_slots}) "
                                 f"(min {int(layout_slots.min())}, max {int(layout_slots.max())})", step_id=step_id)
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
+        if self._ops is None:
+            self._ops = ops_for(list(immediate.values()) + list(deferred.values()) +
+                                [v for v in leftover.values() if isinstance(v, torch.Tensor)])
+        ops = self._ops
+        # Freeze first: the live (graph) buffers may be overwritten once this call returns.
+        immediate = {k: ops.freeze(v) for k, v in immediate.items()}
+        deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone()) for k, v in deferred.items()}
+        leftover_events = []
+        for k, v in list(leftover.items()):
+            if isinstance(v, torch.Tensor):
+                leftover[k], event = ops.leftover(v)
+                leftover_events.append(event)
+        freeze_event = ops.record_freeze()
         if self.is_writer:
             for key, rows in itertools.chain(immediate.items(), deferred.items()):
                 self._ensure_key(key, rows)
@@ -209,7 +229,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         slots = write_layout.slots.to(torch.int64)
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
                       spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
-                      leftover=leftover,
+                      leftover=leftover, leftover_events=leftover_events, freeze_event=freeze_event,
                       row_shapes={k: tuple(v.shape[1:]) for k, v in itertools.chain(immediate.items(),
                                                                                      deferred.items())})
         self._next_step += 1
@@ -217,15 +237,18 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             assert self._pages is not None
             ctx.page = self._pages.claim(step_id, self.config.staging_claim_timeout_s)
             rows = self._pages.rows(ctx.page)
+            pairs = []
             for key, data in immediate.items():
                 view = self._keys[key].staging[rows][:n]
-                view.copy_(data.reshape(n, -1))
+                pairs.append((view, data))
                 ctx.step_rows[key] = view
+            # One whole-step device-to-host copy per key, fenced by the freeze event.
+            ctx.d2h_event = ops.to_host(pairs, freeze_event)
         else:
             for key, data in immediate.items():
-                ctx.step_rows[key] = data.reshape(n, -1).clone()
+                ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, -1))
         for key, data in deferred.items():
-            ctx.step_rows[key] = data.reshape(n, -1).clone()
+            ctx.step_rows[key] = data.reshape(n, -1)
         counts = torch.as_tensor([w.num_tokens for w in writes], dtype=torch.int64)
         cvs = [make_cv(self._epoch, step_id, seq + 1) for seq in range(len(writes))] if self.is_writer else []
         row_cv = torch.repeat_interleave(torch.as_tensor(cvs, dtype=torch.int64), counts) if cvs else None
@@ -286,6 +309,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             hidden: dict[ReqId, Any] = {}
             mm: dict[ReqId, dict[TensorName, Any]] = {}
             hits: dict[ReqId, int] = {}
+            self._wait_step_events(ctx)
             for req in req_ids:
                 start, count = ctx.spans[req]
                 span = ctx.hits.get(req)
@@ -300,7 +324,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                             out[:h].copy_(pre)
                         else:
                             self._read_hit(ctx, span, key, out[:h], req)
-                    out[h:].copy_(step_rows[start:start + count])
+                    own = step_rows[start:start + count]
+                    out[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
                     merged[key] = out.view((h + count, *ctx.row_shapes[key]))
                 if span is not None:
                     self.counters["hit_tokens"] += h
@@ -308,7 +333,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                 self.counters["rows_served"] += (h + count) * len(ctx.step_rows)
                 hidden[req] = merged.pop(HIDDEN_KEY, None)
                 for key, value in ctx.leftover.items():
-                    merged[key] = value
+                    # Cloned out, so the caller never holds pinned pages or a shared snapshot.
+                    merged[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
                 mm[req] = merged
             return StageCacheOutputs(hidden_states=hidden, mm_outputs=mm, num_hit_tokens=hits)
         except OmniPrefixCacheUnmatchError:
@@ -353,6 +379,11 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                 self._flusher.stop()
             if self._prefetcher is not None:
                 self._prefetcher.stop(self.config.commit_timeout_s)
+            if self._sender is not None:
+                self._sender.stop(self.config.commit_timeout_s)
+            for reg in self._registrations:  # before the mappings can go away
+                reg.unregister()
+            self._registrations.clear()
             self._link.close()
 
     def __enter__(self) -> "OmniPrefixCacheManager":
@@ -409,10 +440,28 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                     immediate[key] = rows
             else:
                 # Leftover: copied now so later overwrites of live (graph) buffers change nothing.
-                leftover[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                leftover[key] = value if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         return immediate, deferred, leftover
 
     # ------------------------------------------------------------------ internals: step ids
+
+    def _flush_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        """Flusher thread: one piece of a deferred write into the flush region (waits its copy)."""
+        assert self._ops is not None
+        self._ops.to_host([(dst, src)], after if after is not None else DONE).synchronize()
+
+    def _read_device_rows(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if self._ops is None:
+            return rows.index_select(0, index)
+        return self._ops.read_rows(rows, index)
+
+    @staticmethod
+    def _wait_step_events(ctx: StepCtx) -> None:
+        """materialize waits only the events of the step it reads."""
+        if ctx.d2h_event is not None:
+            ctx.d2h_event.synchronize()
+        for event in ctx.leftover_events:
+            event.synchronize()
 
     def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName) -> torch.Tensor | None:
         if ctx.prefetch_done is None:

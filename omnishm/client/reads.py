@@ -82,7 +82,7 @@ class ReadSide:
                     src = self._sources.get((key, cv))
                     rescue = ctx.rescue.get(key) if ctx is not None else None
                 if src is not None:
-                    rows = src.take(want)
+                    rows = src.take(want, self._read_device_rows)
                     if rows is not None and src.alive:
                         out[sel] = rows
                         break

@@ -39,5 +39,8 @@ class StepCtx:
     sources: dict[TensorName, RowSource] = field(default_factory=dict)
     source_keys: list[tuple[TensorName, int]] = field(default_factory=list)
     page: int | None = None
+    freeze_event: Any = None
+    d2h_event: Any = None
+    leftover_events: list[Any] = field(default_factory=list)
     prefetched: dict[tuple[ReqId, TensorName], torch.Tensor] = field(default_factory=dict)
     prefetch_done: threading.Event | None = None

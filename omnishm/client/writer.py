@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from omnishm import protocol as P
+from omnishm.client.device import HostRegistration
 from omnishm.client.segments import KeyViews, dtype_name, row_width
 from omnishm.client.steps import StepCtx
 from omnishm.client.writes import Chunk, RowSource, TaskState, WriteTask, build_step_write
@@ -31,6 +32,8 @@ class WriterSide:
                                                              width=width))
             kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer,
                               row_shape=row_shape)
+            if rows.is_cuda and kv.staging is not None:
+                self._registrations.append(HostRegistration(kv.staging))
             self._keys[key] = kv
         if kv.dtype != rows.dtype or kv.width != width:
             raise self._unmatch(f"tensor {key!r} is {rows.dtype} width {width}, but the cache holds "
@@ -76,7 +79,8 @@ class WriterSide:
                         task = WriteTask(tid=next(self._tids), req_id=w.req_id, key=key, opened_step=ctx.step_id)
                         self._open[(w.req_id, key)] = task
                         self._deferred_order[task.tid] = task
-                    task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows))
+                    task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
+                                             freeze=ctx.freeze_event))
                     self._open_by_cv[(key, cv)] = task
                     self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows)
                     self._pending_bytes += rows.numel() * rows.element_size()
@@ -108,8 +112,9 @@ class WriterSide:
         # Entries list each key's writes in batch order, so their slots are the step's slots per key.
         all_slots = slots.repeat(len(keys))
         page = ctx.page
-        fut = self._link.submit(lambda rid: build_step_write(rid, ctx.step_id, keys, key_idx, tids, e_cvs, src,
-                                                              counts, all_slots))
+        # The sender thread waits the step's copy event; only then may the committer read the page.
+        fut = self._sender.submit(ctx.d2h_event, lambda rid: build_step_write(
+            rid, ctx.step_id, keys, key_idx, tids, e_cvs, src, counts, all_slots))
 
         def done(f: Future) -> None:
             self._drop_sources(ctx)

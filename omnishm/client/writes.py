@@ -19,7 +19,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -51,8 +51,13 @@ class RowSource:
     alive: bool = True
     done: Future | None = None
 
-    def take(self, want: torch.Tensor) -> torch.Tensor | None:
-        """Rows for ``want`` slots (a subset of ``slots``), or None if any is missing."""
+    def take(self, want: torch.Tensor, read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+             ) -> torch.Tensor | None:
+        """Host rows for ``want`` slots (a subset of ``slots``), or None if any is missing.
+
+        ``read(rows, index)`` gathers on the host, or through the read stream
+        when the rows are still on the device clone.
+        """
         order = torch.argsort(self.slots)
         sorted_slots = self.slots[order]
         pos = torch.searchsorted(sorted_slots, want)
@@ -61,7 +66,7 @@ class RowSource:
             return None
         # The last occurrence wins when one write holds a slot twice (last chunk wins).
         idx = order[pos]
-        return self.rows.index_select(0, idx)
+        return read(self.rows, idx)
 
 
 @dataclass
@@ -70,6 +75,8 @@ class Chunk:
     step_id: StepId
     slots: torch.Tensor
     rows: torch.Tensor
+    freeze: Any = None
+    """Event after which ``rows`` (a device clone on CUDA) are complete."""
 
 
 @dataclass
@@ -113,9 +120,12 @@ class Flusher:
     """
 
     def __init__(self, *, region: Callable[[TensorName], torch.Tensor], row0: int, rows: int,
+                 to_host: Callable[[torch.Tensor, torch.Tensor, Any], None], chunk_bytes: int,
                  key_index: Callable[[TensorName], int], send: Callable[[Callable[[int], P.StepWrite]], Future],
                  on_task_done: Callable[[WriteTask, P.StepDone | BaseException], None], timeout_s: float):
         self._region = region
+        self._to_host = to_host
+        self._chunk_bytes = chunk_bytes
         self._row0 = row0
         self._rows = rows
         self._key_index = key_index
@@ -152,26 +162,27 @@ class Flusher:
         written = skipped = 0
         last: P.StepDone | None = None
         pieces: list[tuple[Chunk, int, int]] = []
+        row_bytes = max(region[0].numel() * region.element_size(), 1)
+        step = max(1, min(self._rows, self._chunk_bytes // row_bytes))  # copy_chunk_bytes pieces
         for chunk in task.chunks:
-            for lo in range(0, len(chunk.slots), self._rows):
-                pieces.append((chunk, lo, min(len(chunk.slots), lo + self._rows)))
+            for lo in range(0, len(chunk.slots), step):
+                pieces.append((chunk, lo, min(len(chunk.slots), lo + step)))
         i = 0
         while i < len(pieces):
             used = 0
             batch: list[tuple[Chunk, int, int, int]] = []
             while i < len(pieces) and used + (pieces[i][2] - pieces[i][1]) <= self._rows:
                 chunk, lo, hi = pieces[i]
-                region[self._row0 + used:self._row0 + used + hi - lo].copy_(chunk.rows[lo:hi])
+                self._to_host(region[self._row0 + used:self._row0 + used + hi - lo], chunk.rows[lo:hi],
+                              chunk.freeze)
                 batch.append((chunk, lo, hi, self._row0 + used))
                 used += hi - lo
                 i += 1
-            kidx = self._key_index(task.key)
             slots = torch.cat([c.slots[lo:hi] for c, lo, hi, _ in batch])
             msg = lambda rid: build_step_write(  # noqa: E731
                 rid, batch[0][0].step_id, [task.key], [0] * len(batch), [task.tid] * len(batch),
                 [c.cv for c, _, _, _ in batch], [r0 for _, _, _, r0 in batch], [hi - lo for _, lo, hi, _ in batch],
                 slots)
-            del kidx
             reply = self._send(msg).result(timeout=self._timeout_s)
             if not isinstance(reply, P.StepDone):
                 raise RuntimeError(f"unexpected reply to a deferred flush: {reply!r}")

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from omnishm import protocol, shm
+from omnishm.committer import meta
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ DTYPES: dict[str, torch.dtype] = {
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 MAX_WIDTH = 1 << 24
+MAX_SLOTS = 1 << 34
+"""Upper bound on ``num_blocks * block_size`` (bad input gets a clear error, never an overflow)."""
+MAX_STAGING_ROWS = 1 << 26
 RUN_BYTES = 64 << 10
 """A run of consecutive rows of at least this many bytes (and 2 rows) goes by one slice assignment.
 
@@ -154,6 +158,10 @@ class CachePool:
         self.rows_skipped = 0
         self.apply_seconds = 0.0
         self.prefault_seconds = 0.0
+        self.meta_seq = 0
+        self.max_epoch = 0
+        self.writer_epochs: dict[str, int] = {}
+        self.adopted = False
 
     # ------------------------------------------------------------ layout
 
@@ -188,26 +196,38 @@ class CachePool:
         if layout.num_blocks <= 0 or layout.block_size <= 0:
             raise PoolError("bad_layout", f"num_blocks and block_size must be positive, got "
                                           f"{layout.num_blocks} and {layout.block_size}")
+        if layout.num_blocks * layout.block_size > MAX_SLOTS:
+            raise PoolError("bad_layout", f"num_blocks*block_size = {layout.num_blocks * layout.block_size} "
+                                          f"exceeds {MAX_SLOTS} slots")
         for key, spec in layout.keys.items():
             self._check_spec(key, spec.dtype, spec.width)
         if self.layout is None:
             self.layout = protocol.Layout(layout.num_blocks, layout.block_size, {})
-            self.ctl_seg = self._create("ctl", protocol.CTL_WORDS * 8)
+            # Control words, then the metadata a restarted committer adopts (committer/meta.py).
+            self.ctl_seg = self._create("ctl", meta.CTL_BYTES)
             self.ctl = self.ctl_seg.tensor(torch.int64, (protocol.CTL_WORDS,)).numpy()
             self.ctl[:] = 0
             self.ctl[protocol.CTL_PUBLISHED_STEP] = -1
             self.ctl[protocol.CTL_COMMITTER_PID] = os.getpid()
+        new_specs = [k for k in layout.keys if k not in self.key_specs]
         for key, spec in layout.keys.items():
             self.key_specs.setdefault(key, spec)
+        if self.meta_seq == 0 or new_specs:
+            self.save_meta()
 
     def current_layout(self) -> protocol.Layout:
         if self.layout is None:
             return protocol.Layout(0, 0, {})
         return protocol.Layout(self.layout.num_blocks, self.layout.block_size, dict(self.key_specs))
 
-    def set_writer_epoch(self, epoch: int) -> None:
+    def set_writer_epoch(self, epoch: int, client_id: str | None = None) -> None:
+        """Publish the attached writer's epoch (control word) and remember it for a restart."""
         assert self.ctl is not None
         self.ctl[protocol.CTL_WRITER_EPOCH] = epoch
+        self.max_epoch = max(self.max_epoch, epoch)
+        if client_id is not None and self.writer_epochs.get(client_id) != epoch:
+            self.writer_epochs[client_id] = epoch
+            self.save_meta()
 
     @staticmethod
     def _check_spec(key: str, dtype: str, width: int) -> None:
@@ -260,15 +280,26 @@ class CachePool:
         self.key_specs[key] = protocol.KeySpec(dtype, width)
         logger.info("cache %s: opened key %r %s[%d], %d slots, %.1f MiB pool", self.name, key, dtype,
                     width, n, n * row_bytes / 2**20)
+        self.save_meta()
         return state
 
     def ensure_staging(self, client_id: str, state: KeyState, rows: int) -> Staging:
         staging = state.staging.get(client_id)
         if staging is None:
-            seg = self._create(f"stage.{client_id[:12]}.k{state.index}", rows * state.row_bytes)
+            if not 0 <= rows <= MAX_STAGING_ROWS:
+                raise PoolError("bad_staging", f"staging_rows must be in 0..{MAX_STAGING_ROWS}, got {rows}")
+            seg = self._create(self._staging_what(client_id, state.index), rows * state.row_bytes)
             staging = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
             state.staging[client_id] = staging
+            self.save_meta()
         return staging
+
+    @staticmethod
+    def _staging_what(client_id: str, index: int) -> str:
+        return f"stage.{client_id[:12]}.k{index}"
+
+    def staging_names(self, client_id: str) -> list[str]:
+        return [st.staging[client_id].segment.name for st in self.keys.values() if client_id in st.staging]
 
     def key_segments(self, state: KeyState, client_id: str | None = None) -> protocol.KeySegments:
         staging = state.staging.get(client_id) if client_id is not None else None
@@ -279,14 +310,118 @@ class CachePool:
 
     def drop_client(self, client_id: str) -> list[str]:
         """Unlink every staging segment of ``client_id``; returns their names."""
+        dropped = [st.staging.pop(client_id) for st in self.keys.values() if client_id in st.staging]
+        known = self.writer_epochs.pop(client_id, None) is not None
+        if dropped or known:
+            self.save_meta()  # before the unlink: a crash in between leaves strays, never dangling names
         removed = []
-        for state in self.keys.values():
-            staging = state.staging.pop(client_id, None)
-            if staging is not None:
-                staging.segment.unlink()
-                staging.segment.close()
-                removed.append(staging.segment.name)
+        for staging in dropped:
+            staging.segment.unlink()
+            staging.segment.close()
+            removed.append(staging.segment.name)
         return removed
+
+    # ------------------------------------------------------------ restart: metadata and adoption
+
+    def meta_doc(self) -> dict:
+        assert self.layout is not None
+        doc = meta.empty_doc(self.name, self.generation, self.layout)
+        doc["key_specs"] = {k: [s.dtype, s.width] for k, s in self.key_specs.items()}
+        doc["keys"] = [[s.name, s.index, s.dtype_name, s.width] for s in sorted(self.keys.values(),
+                                                                                  key=lambda s: s.index)]
+        doc["epoch"] = self.max_epoch
+        writers: dict[str, dict] = {}
+        for state in self.keys.values():
+            for cid, st in state.staging.items():
+                writers.setdefault(cid, {"rows": st.rows, "epoch": self.writer_epochs.get(cid, 0)})
+        for cid, epoch in self.writer_epochs.items():
+            writers.setdefault(cid, {"rows": 0, "epoch": epoch})
+        doc["writers"] = writers
+        return doc
+
+    def save_meta(self) -> None:
+        """Write the metadata a restarted committer adopts (never on the write path)."""
+        if self.ctl_seg is None or self.layout is None:
+            return
+        try:
+            self.meta_seq = meta.write(self.ctl_seg.mmap, self.meta_doc(), self.meta_seq + 1)
+        except meta.MetaError as exc:
+            logger.error("cache %s: %s; a restart would adopt an older state", self.name, exc)
+
+    @classmethod
+    def adopt(cls, name: str, generation: str, *, prefault: bool = False) -> "CachePool":
+        """Map the segments of a live cache left by a dead committer (never creates or clears any).
+
+        Raises ``meta.MetaError`` naming what does not fit (metadata torn or of
+        another cache, a pool/table segment missing or of the wrong size). A
+        writer whose staging is gone is dropped from the adopted state (logged).
+        Segments of the generation that the metadata does not name (a crash
+        between creating them and recording them) are unlinked.
+        """
+        pool = cls(name, generation, prefault=prefault)
+        try:
+            ctl_seg = shm.Segment.attach(pool._seg("ctl"))
+        except (FileNotFoundError, PermissionError) as exc:
+            raise meta.MetaError(f"cannot map the control segment: {exc}") from exc
+        seq, doc = meta.read(ctl_seg.mmap)
+        if doc.get("cache") != name or doc.get("generation") != generation:
+            raise meta.MetaError(f"metadata names cache {doc.get('cache')!r} generation {doc.get('generation')!r}, "
+                                 f"expected {name!r} {generation!r}")
+        layout = protocol.Layout(int(doc["num_blocks"]), int(doc["block_size"]), {})
+        pool.layout = layout
+        pool.ctl_seg = ctl_seg
+        pool.ctl = ctl_seg.tensor(torch.int64, (protocol.CTL_WORDS,)).numpy()
+        pool.meta_seq = seq
+        pool.max_epoch = int(doc["epoch"])
+        pool.key_specs = {k: protocol.KeySpec(v[0], int(v[1])) for k, v in doc["key_specs"].items()}
+        n = pool.num_slots
+
+        def attach(what: str, size: int) -> shm.Segment:
+            try:
+                seg = shm.Segment.attach(pool._seg(what))
+            except (FileNotFoundError, PermissionError) as exc:
+                raise meta.MetaError(f"segment {pool._seg(what)}: {exc}") from exc
+            if seg.size != max(size, 1):
+                raise meta.MetaError(f"segment {seg.name} has {seg.size} bytes, the layout needs {max(size, 1)}")
+            return seg
+
+        for key, index, dtype, width in doc["keys"]:
+            if dtype not in DTYPES:
+                raise meta.MetaError(f"key {key!r} has unknown dtype {dtype!r}")
+            tdtype = DTYPES[dtype]
+            row_bytes = int(width) * torch.empty((), dtype=tdtype).element_size()
+            pool_seg = attach(f"pool.k{index}", n * row_bytes)
+            claim_seg = attach(f"claim.k{index}", n * 8)
+            commit_seg = attach(f"commit.k{index}", n * 8)
+            pool.keys[key] = KeyState(
+                index=int(index), name=key, dtype_name=dtype, dtype=tdtype, width=int(width), pool_seg=pool_seg,
+                claim_seg=claim_seg, commit_seg=commit_seg, pool=pool_seg.tensor(tdtype, (n, int(width))),
+                claim=claim_seg.tensor(torch.int64, (n,)).numpy(), commit=commit_seg.tensor(torch.int64, (n,)).numpy(),
+                row_bytes=row_bytes)
+        for cid, info in doc["writers"].items():
+            rows = int(info["rows"])
+            try:
+                for state in pool.keys.values():
+                    seg = attach(cls._staging_what(cid, state.index), rows * state.row_bytes)
+                    state.staging[cid] = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
+            except meta.MetaError as exc:
+                logger.warning("cache %s: not adopting writer %s: %s", name, cid, exc)
+                for state in pool.keys.values():
+                    state.staging.pop(cid, None)
+                continue
+            pool.writer_epochs[cid] = int(info["epoch"])
+        keep = set(pool.segment_names())
+        for stray in shm.list_segments(name):
+            if shm.parse_segment_name(stray)[1] == generation and stray not in keep:  # type: ignore[index]
+                shm.unlink_segment(stray)
+                logger.info("cache %s: unlinked %s (created but never recorded before the crash)", name, stray)
+        pool.ctl[protocol.CTL_COMMITTER_PID] = os.getpid()
+        pool.adopted = True
+        if prefault:
+            for state in pool.keys.values():
+                pool.prefault_seconds += state.pool_seg.prefault()
+        pool.save_meta()
+        return pool
 
     # ------------------------------------------------------------ writes
 
@@ -372,8 +507,13 @@ class CachePool:
             # are src_rows[i] + 0..counts[i]-1, i.e. arange(total) shifted by src_rows[i] - offset[i].
             offset = np.cumsum(counts)
             offset -= counts
-            row_src = np.repeat(src_rows - offset, counts)
-            row_src += np.arange(total, dtype=np.int64)
+            shift = src_rows - offset
+            if len(states) == 1 and int(_min(shift)) == int(_max(shift)):
+                # Staged in entry order (what the manager sends): the rows are one range, no per-row array.
+                row_src = np.arange(int(shift[0]), int(shift[0]) + total, dtype=np.int64)
+            else:
+                row_src = np.repeat(shift, counts)
+                row_src += np.arange(total, dtype=np.int64)
             row_cv = np.repeat(cvs, counts)
             row_key = np.repeat(key_idx, counts) if len(states) > 1 else None
             for j, state in enumerate(states):

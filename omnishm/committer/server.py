@@ -8,7 +8,16 @@ unlinks every segment it made.
 
 Bad input never kills the loop: a frame that does not decode, has the wrong
 shape, or trips an unexpected error gets an ``Error`` reply, a log line and a
-count, and the loop goes on serving everyone else.
+count, and the loop goes on serving everyone else. Log lines about bad input
+are rate-limited per reason (``LogLimiter``) so a flood cannot fill the disk;
+the counters in ``status`` count every message. Frames above
+``protocol.MAX_MESSAGE_BYTES`` never reach us: libzmq drops them and the peer's
+connection (ZMQ_MAXMSGSIZE).
+
+Restart: ``main`` adopts the segments of a cache whose clients are still
+attached (``committer/meta.py``) instead of sweeping them; clients resume their
+sessions with ``Hello(resume=True)`` and re-send what was never acknowledged.
+See docs/FAULTS.md.
 """
 
 from __future__ import annotations
@@ -24,13 +33,16 @@ import time
 import uuid
 
 import msgspec
+import numpy as np
 import zmq
 
 from omnishm import protocol, shm
+from omnishm.committer import meta
 from omnishm.committer.config import CommitterConfig, build_parser, config_from_args, setup_logging
 from omnishm.committer.metrics import Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
+from omnishm.versions import MAX_EPOCH
 
 logger = logging.getLogger("omnishm.committer")
 
@@ -38,19 +50,72 @@ _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 EXIT_OK = 0
 EXIT_REFUSED = 2
 RECV_BATCH = 1024
+MAX_COUNTERS = 256
+"""Heartbeat counters kept per session (more are dropped and counted)."""
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr of a client-supplied value, cut to ``limit`` characters (bad input can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
+class LogLimiter:
+    """At most ``burst`` log lines per reason per ``window_s``; then one summary of what was suppressed.
+
+    Single-threaded (the server loop).
+    """
+
+    def __init__(self, log: logging.Logger, burst: int = 5, window_s: float = 10.0):
+        self.log = log
+        self.burst = burst
+        self.window_s = window_s
+        self._state: dict[str, list[float]] = {}  # reason -> [window start, lines, suppressed]
+        self.suppressed = 0
+
+    def __call__(self, level: int, reason: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        st = self._state.get(reason)
+        if st is None or now - st[0] >= self.window_s:
+            if st is not None and st[2]:
+                self.log.warning("%d more %r message(s) suppressed in the last %.0fs", int(st[2]), reason,
+                                 now - st[0])
+            st = self._state[reason] = [now, 0, 0]
+        if st[1] < self.burst:
+            st[1] += 1
+            self.log.log(level, msg, *args, exc_info=exc_info)
+        else:
+            st[2] += 1
+            self.suppressed += 1
 
 
 class Committer:
-    """One cache's committer. ``run`` serves until a signal (or idle exit) and returns the exit code."""
+    """One cache's committer. ``run`` serves until a signal (or idle exit) and returns the exit code.
 
-    def __init__(self, cfg: CommitterConfig, generation: str):
+    ``pool``: a ``CachePool`` adopted from a dead committer (``CachePool.adopt``);
+    its generation stays the cache's, ``generation`` then only names this process.
+    """
+
+    def __init__(self, cfg: CommitterConfig, generation: str, pool: CachePool | None = None):
         self.cfg = cfg
         self.name = cfg.name
-        self.generation = generation
-        self.pool = CachePool(cfg.name, generation, prefault=cfg.prefault)
+        self.instance = generation
+        self.pool = pool if pool is not None else CachePool(cfg.name, generation, prefault=cfg.prefault)
+        self.generation = self.pool.generation
         self.sessions = SessionTable()
         self.started = time.monotonic()
-        self.epoch = 0
+        self.epoch = self.pool.max_epoch
+        self.ratelog = LogLimiter(logger)
+        self.tids_failed_reaped = 0
+        if self.pool.adopted:
+            # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
+            for client_id, epoch in self.pool.writer_epochs.items():
+                rows = next((st.staging[client_id].rows for st in self.pool.keys.values()
+                             if client_id in st.staging), 0)
+                self.sessions.add(Session(identity=b"adopted:" + client_id.encode(), client_id=client_id,
+                                          role=protocol.ROLE_WRITER, pid=0, uid=os.geteuid(),
+                                          attached_at=self.started, last_seen=self.started, staging_rows=rows,
+                                          epoch=epoch, adopted=True))
         self.stopping = False
         self.stop_reason = ""
         self.queue_depth = 0
@@ -149,19 +214,22 @@ class Committer:
                     msg = protocol.request_decoder.decode(frames[1])
                 except msgspec.ValidationError as exc:
                     self.decode_errors["schema"] += 1
-                    reply = protocol.Error(rid=-1, code="decode", message=f"message does not match the protocol: {exc}")
+                    reply = protocol.Error(rid=-1, code="decode",
+                                           message=f"message does not match the protocol: {str(exc)[:200]}")
                 except msgspec.DecodeError as exc:
                     self.decode_errors["msgpack"] += 1
-                    reply = protocol.Error(rid=-1, code="decode", message=f"undecodable payload: {exc}")
+                    reply = protocol.Error(rid=-1, code="decode", message=f"undecodable payload: {str(exc)[:200]}")
                 else:
                     rid = msg.rid
                     reply = self.dispatch(identity, msg)
         except Exception as exc:  # the loop never dies on one message; log, count, answer
-            logger.exception("committer %s: error handling a message", self.name)
+            self.ratelog(logging.ERROR, "internal", "committer %s: error handling a message", self.name,
+                         exc_info=True)
             self.rejected["internal"] += 1
-            reply = protocol.Error(rid=rid, code="internal", message=f"{type(exc).__name__}: {exc}")
-        if isinstance(reply, protocol.Error) and reply.code == "decode":
-            logger.warning("committer %s: %s", self.name, reply.message)
+            reply = protocol.Error(rid=rid, code="internal", message=f"{type(exc).__name__}: {exc}"[:1000])
+        if isinstance(reply, protocol.Error):
+            self.ratelog(logging.WARNING, reply.code, "committer %s: %s: %s", self.name, reply.code,
+                         reply.message[:300])
         self.send(identity, reply)
 
     def send(self, identity: bytes, reply: msgspec.Struct) -> None:
@@ -177,6 +245,16 @@ class Committer:
         if isinstance(msg, protocol.Hello):
             return self.on_hello(identity, msg)
         session = self.sessions.touch(identity, time.monotonic())
+        if session is None and isinstance(msg, protocol.StepWrite) and identity in self.sessions.reaped_identities:
+            # A write of a reaped writer: its staging is gone, so fail every tid, loudly and counted.
+            tids = np.unique(np.frombuffer(msg.tids[: len(msg.tids) // 8 * 8], dtype="<i8"))
+            self.tids_failed_reaped += len(tids)
+            self.rejected["reaped_write"] += 1
+            why = self.sessions.reaped_ids.get(self.sessions.reaped_identities[identity], "reaped")
+            return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=b"",
+                                     failed_tids=tids.astype("<i8").tobytes(),
+                                     reason=f"cache {self.name}: this writer's session was {why}; its staging "
+                                            f"segments are unlinked and step {msg.step} cannot be applied")
         if session is None:
             self.rejected["no_session"] += 1
             return protocol.Error(rid=msg.rid, code="no_session",
@@ -185,7 +263,11 @@ class Committer:
         if isinstance(msg, protocol.StepWrite):
             return self.on_step_write(session, msg)
         if isinstance(msg, protocol.Heartbeat):
-            session.counters = dict(msg.counters)
+            if len(msg.counters) > MAX_COUNTERS:
+                self.rejected["too_many_counters"] += 1
+                session.counters = dict(list(msg.counters.items())[:MAX_COUNTERS])
+            else:
+                session.counters = dict(msg.counters)
             self.obs.heartbeat(session)
             return protocol.HeartbeatAck(rid=msg.rid, readers=self.sessions.readers(),
                                          writer=self.sessions.writer is not None)
@@ -201,8 +283,8 @@ class Committer:
 
     def refuse(self, msg: protocol.Hello, reason: str, counter: str) -> protocol.Refused:
         self.rejected[f"hello_{counter}"] += 1
-        logger.warning("committer %s: refused %s client %s (pid %d): %s", self.name, msg.role, msg.client_id,
-                       msg.pid, reason)
+        self.ratelog(logging.WARNING, f"hello_{counter}", "committer %s: refused %s client %s (pid %s): %s",
+                     self.name, _short(msg.role, 20), _short(msg.client_id, 70), msg.pid, reason)
         return protocol.Refused(rid=msg.rid, reason=reason)
 
     def on_hello(self, identity: bytes, msg: protocol.Hello) -> msgspec.Struct:
@@ -210,19 +292,27 @@ class Committer:
             return self.refuse(msg, f"protocol version mismatch: client speaks {msg.protocol}, committer of cache "
                                     f"{self.name} speaks {protocol.PROTOCOL_VERSION}", "protocol")
         if msg.cache != self.name:
-            return self.refuse(msg, f"this committer serves cache {self.name!r}, not {msg.cache!r}", "cache")
+            return self.refuse(msg, f"this committer serves cache {self.name!r}, not {_short(msg.cache)}", "cache")
         if msg.role not in protocol.ROLES:
-            return self.refuse(msg, f"unknown role {msg.role!r} (use one of {', '.join(protocol.ROLES)})", "role")
+            return self.refuse(msg, f"unknown role {_short(msg.role)} (use one of {', '.join(protocol.ROLES)})",
+                               "role")
         if not _CLIENT_ID_RE.match(msg.client_id):
-            return self.refuse(msg, f"client_id {msg.client_id!r} must be 1-64 letters, digits, '_' or '-'",
+            return self.refuse(msg, f"client_id {_short(msg.client_id)} must be 1-64 letters, digits, '_' or '-'",
                                "client_id")
         if msg.uid != os.geteuid():
             return self.refuse(msg, f"client uid {msg.uid} differs from committer uid {os.geteuid()}; "
                                     f"segments are 0600", "uid")
         if msg.staging_rows < 0:
             return self.refuse(msg, f"staging_rows must be >= 0, got {msg.staging_rows}", "staging")
+        if msg.resume:
+            return self.on_resume(identity, msg)
         previous = self.sessions.get(identity)
-        if previous is not None:  # same socket says Hello again: start over
+        if previous is not None and (previous.client_id, previous.role) == (msg.client_id, msg.role) \
+                and msg.role != protocol.ROLE_ADMIN:
+            # A retried Hello of the same client (its first reply was slow): keep its staging, answer again.
+            previous.last_seen = time.monotonic()
+            return self.welcome(msg.rid, previous)
+        if previous is not None:  # same socket says Hello again as someone else: start over
             self.detach(previous, "re-hello")
         if msg.role == protocol.ROLE_WRITER and self.sessions.writer is not None:
             w = self.sessions.writer
@@ -243,28 +333,95 @@ class Committer:
         now = time.monotonic()
         session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
                           attached_at=now, last_seen=now, staging_rows=msg.staging_rows)
+        if msg.role != protocol.ROLE_ADMIN and self.sessions.by_client(msg.client_id) is not None:
+            return self.refuse(msg, f"client_id {msg.client_id} is already attached on another socket "
+                                    f"(resume with Hello(resume=True) to move it)", "duplicate_client")
         if msg.role == protocol.ROLE_WRITER:
             try:
                 for state in self.pool.keys.values():
                     self.pool.ensure_staging(msg.client_id, state, msg.staging_rows)
-            except OSError as exc:
+            except PoolError as exc:
+                self.pool.drop_client(msg.client_id)
+                return self.refuse(msg, exc.message, exc.code)
+            except (OSError, ValueError, OverflowError) as exc:
                 self.pool.drop_client(msg.client_id)
                 return self.refuse(msg, f"cannot create staging segments: {exc}", "no_space")
+            if self.epoch >= MAX_EPOCH:
+                self.pool.drop_client(msg.client_id)
+                return self.refuse(msg, f"cache {self.name} used all {MAX_EPOCH} writer epochs; recreate it",
+                                   "epochs")
             self.epoch += 1
             session.epoch = self.epoch
-            self.pool.set_writer_epoch(self.epoch)
+            self.pool.set_writer_epoch(self.epoch, msg.client_id)
         self.sessions.add(session)
-        staging_of = msg.client_id if msg.role == protocol.ROLE_WRITER else None
-        # Admin sessions (status, ping, liveness probes) come every few seconds: not lifecycle, DEBUG only.
         logger.log(logging.DEBUG if msg.role == protocol.ROLE_ADMIN else logging.INFO,
                    "committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
                    f", epoch {session.epoch}" if session.epoch else "")
+        return self.welcome(msg.rid, session)
+
+    def welcome(self, rid: int, session: Session, resumed: bool = False) -> protocol.Welcome:
+        staging_of = session.client_id if session.role == protocol.ROLE_WRITER else None
         return protocol.Welcome(
-            rid=msg.rid, client_id=msg.client_id, generation=self.generation, epoch=session.epoch,
+            rid=rid, client_id=session.client_id, generation=self.generation, epoch=session.epoch,
             control=self.pool.ctl_seg.name if self.pool.ctl_seg else "", layout=self.pool.current_layout(),
             keys=[self.pool.key_segments(s, staging_of) for s in self.pool.keys.values()],
             heartbeat_s=self.cfg.heartbeat_s, heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
-            committer_pid=os.getpid())
+            committer_pid=os.getpid(), resumed=resumed, instance=self.instance)
+
+    def on_resume(self, identity: bytes, msg: protocol.Hello) -> msgspec.Struct:
+        """A client that lost its committer re-attaches: same client_id, generation, epoch and staging.
+
+        The session (live on an old socket, or a placeholder of an adopted
+        writer) moves to this socket. Refused, with the reason, when this
+        committer does not hold the client's cache generation (the restart
+        could not adopt it), the layout differs, or a writer's session or
+        staging is gone (reaped).
+        """
+        if msg.resume_generation != self.generation:
+            return self.refuse(msg, f"cannot resume: this committer of cache {self.name} holds generation "
+                                    f"{self.generation}, the client was attached to generation "
+                                    f"{_short(msg.resume_generation, 20)}; the restarted committer did not adopt it "
+                                    f"(its clients had all gone, or its metadata was unusable: see the committer "
+                                    f"log), so every unacknowledged write is lost", "resume_generation")
+        if msg.layout is not None:
+            mismatch = self.pool.layout_mismatch(msg.layout)
+            if mismatch is not None:
+                return self.refuse(msg, f"cannot resume: layout mismatch: {mismatch}", "layout")
+        now = time.monotonic()
+        session = self.sessions.by_client(msg.client_id)
+        if session is not None and session.role != msg.role:
+            return self.refuse(msg, f"cannot resume: client {msg.client_id} was a {session.role}, not a "
+                                    f"{_short(msg.role, 20)}", "resume_role")
+        if msg.role == protocol.ROLE_WRITER:
+            if session is None:
+                why = self.sessions.reaped_ids.get(msg.client_id, "unknown to this committer")
+                return self.refuse(msg, f"cannot resume writer {msg.client_id}: its session was {why}; its staging "
+                                        f"segments are gone", "resume_unknown")
+            if msg.resume_epoch != session.epoch:
+                return self.refuse(msg, f"cannot resume writer {msg.client_id}: epoch {msg.resume_epoch} != "
+                                        f"{session.epoch}", "resume_epoch")
+            have = self.pool.staging_names(msg.client_id)
+            # The client may lack a name it never got (the committer died before the KeyOpened reply).
+            if not set(msg.resume_staging) <= set(have):
+                return self.refuse(msg, f"cannot resume writer {msg.client_id}: staging "
+                                        f"{_short(sorted(msg.resume_staging), 200)} != {sorted(have)}",
+                                   "resume_staging")
+        previous = self.sessions.get(identity)
+        if previous is not None and previous is not session:
+            self.detach(previous, "re-hello")
+        if session is None:  # a reader or admin: no state to recover, attach afresh
+            session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
+                              attached_at=now, last_seen=now)
+            self.sessions.add(session)
+            self.sessions.resumed += 1
+        else:
+            self.sessions.rekey(session, identity, now)
+            session.pid = msg.pid
+        if session.role == protocol.ROLE_WRITER:
+            self.pool.set_writer_epoch(session.epoch, session.client_id)
+        logger.info("committer %s: %s client %s resumed (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
+                    f", epoch {session.epoch}" if session.epoch else "")
+        return self.welcome(msg.rid, session, resumed=True)
 
     def on_open_key(self, session: Session, msg: protocol.OpenKey) -> msgspec.Struct:
         if session.role == protocol.ROLE_ADMIN:
@@ -303,8 +460,8 @@ class Committer:
         self.obs.step_applied(time.perf_counter() - t0)
         if reply.reason:
             self.rejected["step_invalid"] += 1
-            logger.warning("committer %s: step %d of client %s rejected: %s", self.name, msg.step,
-                           session.client_id, reply.reason)
+            self.ratelog(logging.WARNING, "step_invalid", "committer %s: step %d of client %s rejected: %s",
+                         self.name, msg.step, session.client_id, reply.reason[:300])
         return reply
 
     # ------------------------------------------------------------ liveness
@@ -318,9 +475,12 @@ class Committer:
                    f", {len(removed)} staging segment(s) unlinked" if removed else "")
 
     def reap(self, now: float) -> None:
+        """Detach sessions silent beyond the heartbeat timeout: staging unlinked, later writes failed and counted."""
         for session in self.sessions.expired(now, self.cfg.heartbeat_timeout_s):
-            self.sessions.reaped += 1
-            self.detach(session, f"reaped after {now - session.last_seen:.1f}s of silence")
+            why = (f"reaped after {now - session.last_seen:.1f}s of silence"
+                   + (" (adopted at restart, never resumed)" if session.adopted else ""))
+            self.sessions.mark_reaped(session, why)
+            self.detach(session, why)
 
     # ------------------------------------------------------------ status and stop
 
@@ -330,6 +490,8 @@ class Committer:
         keys = self.pool.describe_keys()
         return {
             "name": self.name, "generation": self.generation, "pid": os.getpid(),
+            "instance": self.instance, "adopted": self.pool.adopted, "clients_resumed": self.sessions.resumed,
+            "tids_failed_reaped": self.tids_failed_reaped, "log_lines_suppressed": self.ratelog.suppressed,
             "endpoint": self.cfg.endpoint, "uptime_s": round(now - self.started, 3),
             "layout": None if layout is None else {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
                                                    "num_slots": self.pool.num_slots},
@@ -371,6 +533,29 @@ def _lock_holder(runtime_dir, name: str) -> str:
         return "unknown pid"
 
 
+def adopt_live_cache(cfg: CommitterConfig) -> CachePool | None:
+    """The pool of a previous committer of this cache whose clients are still attached, or None.
+
+    Called with the cache lock held, before the orphan sweep. A generation
+    with attached clients (``meta.clients_attached``) is adopted when its
+    metadata and segments check out; otherwise it is logged and left to the
+    sweep, and its clients' resumes are refused with the reason.
+    """
+    live = meta.live_generations(cfg.name)
+    for gen in live:
+        try:
+            pool = CachePool.adopt(cfg.name, gen, prefault=cfg.prefault)
+        except (meta.MetaError, KeyError, TypeError, ValueError) as exc:
+            logger.error("committer %s: clients are still attached to generation %s but it cannot be adopted: %s; "
+                         "sweeping it (those clients will fail with a clear error)", cfg.name, gen, exc)
+            continue
+        logger.info("committer %s: adopted live generation %s (%d key(s), %d writer(s) expected to resume, "
+                    "writer epoch %d)%s", cfg.name, gen, len(pool.keys), len(pool.writer_epochs), pool.max_epoch,
+                    f"; other live generations {[g for g in live if g != gen]} are swept" if len(live) > 1 else "")
+        return pool
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a committer in the foreground. Returns 0 on a clean stop, 2 when it refuses to start."""
     args = build_parser().parse_args(argv)
@@ -391,15 +576,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     committer: Committer | None = None
     try:
-        swept = shm.sweep(runtime_dir, cfg.name, keep_generation=generation, assume_dead=True)
+        import torch
+
+        torch.set_num_threads(1)
+        adopted = adopt_live_cache(cfg)
+        keep = adopted.generation if adopted is not None else generation
+        swept = shm.sweep(runtime_dir, cfg.name, keep_generation=keep, assume_dead=True)
         if swept:
             logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
         if cfg.ipc_path is not None and cfg.ipc_path.exists():
             cfg.ipc_path.unlink()  # stale: we hold the lock, so no live committer is bound there (trap 4)
-        import torch
-
-        torch.set_num_threads(1)
-        committer = Committer(cfg, generation)
+        committer = Committer(cfg, generation, pool=adopted)
         committer.bind()
         try:
             committer.obs.start_http()

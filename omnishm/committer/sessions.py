@@ -2,13 +2,19 @@
 
 Single-threaded: only the committer's server loop touches a ``SessionTable``.
 A session is keyed by the ROUTER identity of the client's DEALER socket; any
-message from that identity refreshes its liveness.
+message from that identity refreshes its liveness. Its ``client_id`` (a uuid
+the client chose) survives the socket: a client that lost its committer
+resumes on a new socket, and the session moves to the new identity
+(``rekey``). A committer that adopted a live cache holds a placeholder
+session (``adopted``) for each writer it found, so a writer that never comes
+back is reaped like a silent one.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from omnishm import protocol
@@ -28,6 +34,9 @@ class Session:
     staging_rows: int = 0
     epoch: int = 0
     counters: dict[str, float] = field(default_factory=dict)
+    adopted: bool = False
+    """Placeholder of a writer found by an adopting restart; no socket until it resumes."""
+    resumes: int = 0
 
     @property
     def is_data_client(self) -> bool:
@@ -43,6 +52,11 @@ class SessionTable:
         self.writer: Session | None = None
         self.ever_had_data_client = False
         self.reaped = 0
+        self.resumed = 0
+        self.reaped_ids: OrderedDict[str, str] = OrderedDict()
+        """client_id -> why it was reaped (bounded): a late resume is refused with the reason."""
+        self.reaped_identities: OrderedDict[bytes, str] = OrderedDict()
+        """ROUTER identity -> client_id of reaped sessions (bounded): late writes are failed and counted."""
 
     def __len__(self) -> int:
         return len(self._by_identity)
@@ -66,6 +80,31 @@ class SessionTable:
         if session is not None and self.writer is session:
             self.writer = None
         return session
+
+    def by_client(self, client_id: str) -> Session | None:
+        for s in self._by_identity.values():
+            if s.client_id == client_id:
+                return s
+        return None
+
+    def rekey(self, session: Session, identity: bytes, now: float) -> None:
+        """Move ``session`` to the socket ``identity`` (a resume); it is live again from ``now``."""
+        self._by_identity.pop(session.identity, None)
+        session.identity = identity
+        session.adopted = False
+        session.last_seen = now
+        session.resumes += 1
+        self.resumed += 1
+        self._by_identity[identity] = session
+
+    def mark_reaped(self, session: Session, why: str, keep: int = 4096) -> None:
+        self.reaped += 1
+        self.reaped_ids[session.client_id] = why
+        self.reaped_identities[session.identity] = session.client_id
+        while len(self.reaped_ids) > keep:
+            self.reaped_ids.popitem(last=False)
+        while len(self.reaped_identities) > keep:
+            self.reaped_identities.popitem(last=False)
 
     def touch(self, identity: bytes, now: float) -> Session | None:
         session = self._by_identity.get(identity)
@@ -96,6 +135,10 @@ class SessionTable:
             if s.role == protocol.ROLE_WRITER:
                 entry["epoch"] = s.epoch
                 entry["staging_rows"] = s.staging_rows
+            if s.adopted:
+                entry["adopted"] = True
+            if s.resumes:
+                entry["resumes"] = s.resumes
             entry.update(proc_memory(s.pid))
             if s.counters:
                 entry["counters"] = dict(s.counters)

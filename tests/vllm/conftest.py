@@ -63,7 +63,9 @@ def no_vllm_tier_leaks():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny random-weight Llama + WordLevel tokenizer, built once per session (no download)."""
-    pytest.importorskip("vllm")
+    from vllm_tier import skip_without_vllm
+
+    skip_without_vllm()
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

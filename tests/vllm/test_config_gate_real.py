@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+from vllm_tier import skip_without_vllm  # noqa: E402
+
+skip_without_vllm()
 
 import torch  # noqa: E402
 

@@ -6,10 +6,11 @@ prefill chunks straddle block boundaries and hits start mid-chunk. A request
 aborted mid-prefill leaves full blocks in vLLM's prefix cache that a later
 request hits: omnishm must serve the aborted request's rows.
 
-Prompt lengths are chosen so that no prompt token is computed as a lone
-1-token chunk at a context over 128 in one run but inside a longer chunk in the
-other: vLLM's CPU kernels give such a row a different last bit (measured
-|diff| ~1e-6 on the last row of a 133-token prompt), whatever omnishm does.
+Known vLLM numerics (not omnishm): when the hit run and the no-hit ground
+truth run split a prompt into differently composed chunks, vLLM's CPU
+kernels can give the prompt's LAST row a different last bit (measured: 1 row,
+|diff| 5.7e-7..9.5e-7, for 133- and 135-token prompts). The runs here are
+deterministic and the lengths are ones where both schedules give equal rows.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm")
+from vllm_tier import skip_without_vllm  # noqa: E402
+
+skip_without_vllm()
 
 from vllm_harness import BLOCK, Harness, close_llm, make_llm, rand_tokens  # noqa: E402
 from vllm_tier import unique_cache_name  # noqa: E402
@@ -56,13 +59,13 @@ def test_chunked_prefill_with_hits(h):
     donor = rand_tokens(rng, 100)
     h.generate([donor], max_tokens=2)
     a = donor[:96] + rand_tokens(rng, 2)  # whole remaining prompt fits the budget...
-    b = donor + rand_tokens(rng, 35)  # ...so b starts its chunked prefill in the same step
+    b = donor + rand_tokens(rng, 34)  # ...so b starts its chunked prefill in the same step
     c = b[:128] + rand_tokens(rng, 6)  # then hits the block b computed chunk by chunk
     outs = h.generate([a, b], max_tokens=3)
     outs += h.generate([c], max_tokens=2)
     stats = h.rpc("omnishm_stats")
     assert stats["max_hit_requests_per_step"] >= 2, stats
-    assert stats["saves"] > (100 + 39 + 6) // BUDGET, stats  # really chunked
+    assert stats["saves"] > (100 + 38 + 6) // BUDGET, stats  # really chunked
     h.check(expect_hit=[o.request_id for o in outs],
             expect_cached={outs[0].request_id: 96, outs[1].request_id: 96, outs[2].request_id: 128})
 

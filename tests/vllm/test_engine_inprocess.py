@@ -11,7 +11,9 @@ import random
 
 import pytest
 
-pytest.importorskip("vllm")
+from vllm_tier import skip_without_vllm  # noqa: E402
+
+skip_without_vllm()
 
 from vllm_harness import BLOCK, Harness, close_llm, make_llm, rand_tokens  # noqa: E402
 from vllm_tier import unique_cache_name  # noqa: E402

@@ -18,7 +18,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm")
+from vllm_tier import skip_without_vllm  # noqa: E402
+
+skip_without_vllm()
 
 import torch  # noqa: E402
 

@@ -1,0 +1,361 @@
+"""Shared pieces of ``omnishm bench``: statistics, results, committers (process and thread), references.
+
+Everything here runs on the benchmark's main thread unless said otherwise.
+Every committer a figure starts is registered with a ``Cleanup`` so its
+segments, socket and lock file are removed even when the figure fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import zmq
+
+from omnishm import protocol as P
+from omnishm import shm
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 20.0
+
+
+# ---------------------------------------------------------------- statistics and results
+
+
+@dataclass
+class Stats:
+    """Median and spread of repeated samples (same unit as the samples)."""
+
+    median: float
+    min: float
+    max: float
+    q1: float
+    q3: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: list[float] | np.ndarray) -> "Stats":
+        a = np.asarray(samples, dtype=np.float64)
+        if a.size == 0:
+            raise ValueError("no samples")
+        q1, med, q3 = np.percentile(a, [25, 50, 75])
+        return cls(float(med), float(a.min()), float(a.max()), float(q1), float(q3), int(a.size))
+
+    def scaled(self, k: float) -> "Stats":
+        """Samples were times: ``k / t`` turns them into rates (min and max swap)."""
+        return Stats(k / self.median, k / self.max, k / self.min, k / self.q3, k / self.q1, self.n)
+
+
+@dataclass
+class Row:
+    """One line of the results table: a measured value next to its reference and their ratio."""
+
+    figure: str
+    name: str
+    unit: str
+    value: Stats
+    reference_name: str
+    reference: Stats
+    ratio: float
+    goal: str
+    met: bool | None
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["value"] = asdict(self.value)
+        d["reference"] = asdict(self.reference)
+        return d
+
+
+def rate_rows_ratio(value: Stats, reference: Stats) -> float:
+    return value.median / reference.median if reference.median else float("nan")
+
+
+# ---------------------------------------------------------------- cleanup and committers
+
+
+class Cleanup:
+    """Runtime dir and every cache name the run created; ``close`` sweeps them (idempotent)."""
+
+    def __init__(self) -> None:
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="omnishm-bench-"))  # 0700
+        self.caches: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self._run = uuid.uuid4().hex[:6]
+
+    def cache_name(self, tag: str) -> str:
+        name = f"bench{self._run}-{tag}"
+        self.caches.append(name)
+        return name
+
+    def close(self) -> list[str]:
+        removed: list[str] = []
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for name in self.caches:
+            for seg in shm.list_segments(name):
+                if shm.unlink_segment(seg):
+                    removed.append(seg)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        return removed
+
+
+class ProcessCommitter:
+    """A real committer subprocess (``python -m omnishm.committer --prefault``)."""
+
+    def __init__(self, cleanup: Cleanup, tag: str):
+        self.cleanup = cleanup
+        self.name = cleanup.cache_name(tag)
+        self.runtime_dir = cleanup.runtime_dir
+        self.endpoint = f"ipc://{shm.socket_path(self.runtime_dir, self.name)}"
+        self.log_path = self.runtime_dir / f"{self.name}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "omnishm.committer", "--name", self.name, "--runtime-dir",
+                 str(self.runtime_dir), "--prefault", "--heartbeat-timeout-s", "120", "--log-level", "WARNING"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        cleanup.procs.append(self.proc)
+        self._wait_ready()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _wait_ready(self) -> None:
+        from omnishm.cli import CommitterUnavailable, admin_request
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"committer {self.name} exited {self.proc.returncode}: "
+                                   f"{self.log_path.read_text(errors='replace')[-2000:]}")
+            try:
+                admin_request(self.name, self.endpoint, None, 1.0)
+                return
+            except CommitterUnavailable:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"committer {self.name} did not answer within {START_TIMEOUT_S}s") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shm.sweep(self.runtime_dir, self.name)
+
+    def __enter__(self) -> "ProcessCommitter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class ThreadCommitter:
+    """The in-process baseline: the same ``Committer`` code served by a thread of this process.
+
+    ``Committer.run`` installs signal handlers (main thread only), so the thread
+    runs the same receive/dispatch/reap steps itself. The socket is created,
+    bound, used and closed by that thread only.
+    """
+
+    def __init__(self, cleanup: Cleanup, tag: str):
+        from omnishm.committer.config import CommitterConfig
+        from omnishm.committer.server import Committer
+
+        self.name = cleanup.cache_name(tag)
+        self.runtime_dir = cleanup.runtime_dir
+        self.endpoint = f"ipc://{shm.socket_path(self.runtime_dir, self.name)}"
+        generation = uuid.uuid4().hex[:8]
+        self.lock = shm.CacheLock.acquire(self.runtime_dir, self.name, generation)
+        if self.lock is None:
+            raise RuntimeError(f"cache {self.name} is already locked")
+        cfg = CommitterConfig(name=self.name, runtime_dir=self.runtime_dir, endpoint=self.endpoint, heartbeat_s=1.0,
+                              heartbeat_timeout_s=120.0, exit_when_idle=False, prefault=True, log_level="WARNING")
+        self.committer = Committer(cfg, generation)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"omnishm-bench-committer-{tag}", daemon=True)
+        self.thread.start()
+        if not self._ready.wait(START_TIMEOUT_S) or self._error is not None:
+            self.stop()
+            raise RuntimeError(f"in-process committer {self.name} did not start: {self._error}")
+
+    def _run(self) -> None:
+        c = self.committer
+        try:
+            c.bind()
+            poller = zmq.Poller()
+            poller.register(c.sock, zmq.POLLIN)
+            self._ready.set()
+            while not self._stop.is_set():
+                if poller.poll(20):
+                    c.serve_pending()
+                c.reap(time.monotonic())
+        except BaseException as exc:  # reported by start/stop; the thread must not die silently
+            self._error = exc
+            self._ready.set()
+        finally:
+            c.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(STOP_TIMEOUT_S)
+        if self.lock is not None:
+            self.lock.release(remove=True)
+            self.lock = None
+        shm.sweep(self.runtime_dir, self.name)
+
+    def __enter__(self) -> "ThreadCommitter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------- a raw writer (protocol by hand)
+
+
+class RawWriter:
+    """One DEALER speaking the protocol synchronously: the writer side without the manager.
+
+    Maps each key's claim table (writable: the writer owns it) and staging rows.
+    """
+
+    def __init__(self, endpoint: str, cache: str, layout: P.Layout, staging_rows: int):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.cache = cache
+        self.num_slots = layout.num_blocks * layout.block_size
+        self.rid = 0
+        self.client_id = uuid.uuid4().hex
+        welcome = self.call(P.Hello(rid=self.next_rid(), protocol=P.PROTOCOL_VERSION, client_id=self.client_id,
+                                    pid=os.getpid(), uid=os.geteuid(), role=P.ROLE_WRITER, cache=cache, layout=layout,
+                                    staging_rows=staging_rows))
+        if not isinstance(welcome, P.Welcome):
+            raise RuntimeError(f"writer refused: {welcome}")
+        self.epoch = welcome.epoch
+        self.keys: dict[str, dict[str, Any]] = {}
+        self._segs: list[shm.Segment] = []
+
+    def next_rid(self) -> int:
+        self.rid += 1
+        return self.rid
+
+    def send(self, data: bytes) -> None:
+        self.sock.send(data, copy=False)
+
+    def recv(self, timeout_s: float = 30.0):
+        if not self.sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no reply from committer of {self.cache} within {timeout_s}s")
+        return P.reply_decoder.decode(self.sock.recv())
+
+    def call(self, msg, timeout_s: float = 30.0):
+        self.send(P.encode(msg))
+        return self.recv(timeout_s)
+
+    def status(self) -> dict:
+        reply = self.call(P.StatusRequest(rid=self.next_rid()))
+        assert isinstance(reply, P.StatusReply), reply
+        return reply.status
+
+    def open_key(self, key: str, dtype: torch.dtype, width: int) -> dict[str, Any]:
+        from omnishm.client.segments import dtype_name
+
+        reply = self.call(P.OpenKey(rid=self.next_rid(), key=key, dtype=dtype_name(dtype), width=width))
+        if not isinstance(reply, P.KeyOpened):
+            raise RuntimeError(f"OpenKey {key} failed: {reply}")
+        ks = reply.segments
+        claim_seg = shm.Segment.attach(ks.claim)
+        stage_seg = shm.Segment.attach(ks.staging)
+        pool_seg = shm.Segment.attach(ks.pool, readonly=True)
+        self._segs += [claim_seg, stage_seg, pool_seg]
+        view = {"index": ks.index,
+                "claim": claim_seg.tensor(torch.int64, (self.num_slots,)).numpy(),
+                "staging": stage_seg.tensor(dtype, (ks.staging_rows, width)),
+                "pool": pool_seg.tensor(dtype, (self.num_slots, width))}
+        self.keys[key] = view
+        return view
+
+    def close(self) -> None:
+        try:
+            self.call(P.Goodbye(rid=self.next_rid()), timeout_s=5.0)
+        except TimeoutError:
+            pass
+        self.sock.close()
+
+
+def step_write(rid: int, step: int, keys: list[str], key_idx, tids, cvs, src_rows, counts, slots) -> P.StepWrite:
+    def pack(v) -> bytes:
+        return np.ascontiguousarray(v, dtype="<i8").tobytes()
+
+    return P.StepWrite(rid=rid, step=step, keys=keys, key_idx=pack(key_idx), tids=pack(tids), cvs=pack(cvs),
+                       src_rows=pack(src_rows), counts=pack(counts), slots=pack(slots))
+
+
+# ---------------------------------------------------------------- references
+
+
+def prefaulted(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype)
+    if t.numel():
+        t.view(torch.uint8).fill_(1)  # touch every page now, so timed copies never fault
+    return t
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class Memcpy:
+    """The physical reference: single-thread torch ``copy_`` between preallocated, pre-faulted buffers."""
+
+    def __init__(self, rows: int, width: int, dtype: torch.dtype):
+        self.src = prefaulted((rows, width), dtype)
+        self.dst = prefaulted((rows, width), dtype)
+        self.row_bytes = width * self.src.element_size()
+
+    def time(self, rows: int) -> float:
+        src, dst = self.src[:rows], self.dst[:rows]
+        return timed(lambda: dst.copy_(src))
+
+
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    """Bytes from /proc/PID/smaps_rollup (Rss, Pss, Pss_Shmem, Shared_*, Private_*)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"

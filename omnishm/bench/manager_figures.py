@@ -1,0 +1,322 @@
+"""Figures 2 (hit read bandwidth), 3 (engine-thread cost per step) and 6 (0%-hit overhead).
+
+All three drive ``OmniPrefixCacheManager`` on this (the engine) thread, the
+way a model runner does: ``new_step_starts``, ``save_outputs``,
+``materialize``. Main thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnishm.bench.common import Cleanup, Memcpy, ProcessCommitter, Row, Stats, ThreadCommitter, prefaulted, timed
+from omnishm.client import OmniPrefixCacheManager, PrefixCacheConfig
+from omnishm.client.adapter import PrefixCacheEventKind as K
+from omnishm.client.adapter import PrefixCacheRequestEvent as E
+from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
+
+BS = 16
+
+
+def _slots(blocks: list[int], first: int, count: int) -> torch.Tensor:
+    pos = torch.arange(first, first + count, dtype=torch.int64)
+    b = torch.as_tensor(blocks, dtype=torch.int64)
+    return b[pos // BS] * BS + pos % BS
+
+
+def _save(m: OmniPrefixCacheManager, parts: list[tuple[str, list[int], int, int]], hidden: torch.Tensor,
+          mm: dict[str, torch.Tensor] | None = None) -> int:
+    """parts: (req, blocks, first position, count), rows in batch order."""
+    writes, slots, start = [], [], 0
+    for req, blocks, first, count in parts:
+        writes.append(PrefixCacheWrite(req, start, count))
+        slots.append(_slots(blocks, first, count))
+        start += count
+    layout = PrefixCacheWriteLayout(tuple(writes), torch.cat(slots))
+    return m.save_outputs(hidden[:start], {k: v[:start] for k, v in (mm or {}).items()}, num_tokens_unpadded=start,
+                          num_tokens_padded=start, write_layout=layout)
+
+
+def _fill(m: OmniPrefixCacheManager, req: str, blocks: list[int], tokens: int, chunk: int, rows: torch.Tensor,
+          mm: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``tokens`` rows of ``req`` (and of each ``mm`` key) in chunks, then finish it (rows land)."""
+    for first in range(0, tokens, chunk):
+        count = min(chunk, tokens - first)
+        ev = E(K.STARTED, req, 0, tuple(blocks)) if first == 0 else E(K.EXTENDED, req, first, ())
+        m.new_step_starts([ev])
+        part_mm = {k: v[first:first + count] for k, v in (mm or {}).items()}
+        m.discard_step(_save(m, [(req, blocks, first, count)], rows[first:first + count], part_mm))
+    m.new_step_starts([E(K.FINISHED, req)])
+    m.wait_idle()
+
+
+# ---------------------------------------------------------------- figure 2
+
+
+@dataclass
+class ReadSize:
+    hit_tokens: int
+    width: int
+    chunk: int
+    reps: int
+
+
+def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
+    """Figure 2: materialize of a long hit vs memcpy of its bytes; plus the copy strategies it could use."""
+    h, width = size.hit_tokens, size.width
+    nb = h // BS
+    cfg = PrefixCacheConfig(num_blocks=nb + 4, block_size=BS, staging_capacity_tokens=size.chunk, staging_depth=2,
+                            commit_timeout_s=60.0, staging_claim_timeout_s=60.0)
+    rows_truth = torch.randn(h, width).to(torch.bfloat16)
+    ref = Memcpy(h, width, torch.bfloat16)
+    out_rows: list[Row] = []
+    with ProcessCommitter(cleanup, "read") as com:
+        m = OmniPrefixCacheManager(cfg, cache=com.name, endpoint=com.endpoint, autostart=False,
+                                   runtime_dir=com.runtime_dir)
+        try:
+            blocks = list(range(nb))
+            _fill(m, "prefix", blocks, h, size.chunk, rows_truth)
+            tail = torch.randn(BS, width).to(torch.bfloat16)
+            kv = m._keys["__hidden_states__"]
+            hit_slots = _slots(blocks, 0, h)
+            pre_out = prefaulted((h, width), torch.bfloat16)
+            run_starts = list(range(0, h, BS))
+            t_mat, t_ref, t_pre, t_runs = [], [], [], []
+            for i in range(size.reps + 1):
+                req = f"hit{i}"
+                m.new_step_starts([E(K.STARTED, req, h, tuple(blocks) + (nb,))])
+                sid = _save(m, [(req, blocks + [nb], h, BS)], tail)
+                t0 = time.perf_counter()
+                out = m.materialize(sid, [req])
+                dt = time.perf_counter() - t0
+                m.new_step_starts([E(K.FINISHED, req)])
+                got = out.hidden_states[req]
+                if i == 0:  # warm-up, and the rows are the ones written, bit for bit
+                    if not torch.equal(got[:h].view(torch.int16), rows_truth.view(torch.int16)):
+                        raise RuntimeError("figure 2: materialized hit differs from the rows written")
+                    continue
+                del out, got
+                t_mat.append(dt)
+                t_ref.append(ref.time(h))
+                t_pre.append(timed(lambda: torch.index_select(kv.pool, 0, hit_slots, out=pre_out)))
+
+                def runs() -> None:
+                    for a in run_starts:  # one slice copy per block (what a block-run read does)
+                        s0 = blocks[a // BS] * BS
+                        pre_out[a:a + BS].copy_(kv.pool[s0:s0 + BS])
+                t_runs.append(timed(runs))
+            nbytes = h * width * 2
+            rf = Stats.of(t_ref).scaled(nbytes / 1e9)
+            for name, ts, goal in (
+                    (f"materialize of a {h}-token hit ({nbytes >> 20} MiB)", t_mat, ">= 0.7"),
+                    ("  variant: index_select into a preallocated output", t_pre, "-"),
+                    (f"  variant: one slice copy_ per block of {BS} rows, preallocated", t_runs, "-")):
+                v = Stats.of(ts).scaled(nbytes / 1e9)
+                out_rows.append(Row("2", name, "GB/s", v, "memcpy (torch copy_, 1 thread)", rf, v.median / rf.median,
+                                    goal, (v.median / rf.median >= 0.7) if goal != "-" else None,
+                                    note="calling thread, whole materialize()" if goal != "-" else
+                                    "same pool view, measured for the proposal"))
+        finally:
+            m.shutdown()
+    return out_rows
+
+
+# ---------------------------------------------------------------- figure 3
+
+
+@dataclass
+class EngineSize:
+    prefill_tokens: int
+    hit_tokens: int
+    decodes: int
+    width: int
+    steps: int
+    forward_ms: float
+
+
+def _forward(reps: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    for _ in range(reps):
+        torch.mm(a, b)
+
+
+def calibrate_forward(target_ms: float) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A matmul loop that takes about ``target_ms`` on this thread (the simulated forward)."""
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    _forward(3, a, b)
+    per = min(timed(lambda: _forward(5, a, b)) / 5 for _ in range(3))
+    return max(1, int(round(target_ms / 1e3 / per))), a, b
+
+
+class _EngineArm:
+    """One manager and the bookkeeping of a repeated mixed step (prefill chunk + hit + decodes)."""
+
+    def __init__(self, cleanup: Cleanup, size: EngineSize, in_process: bool):
+        self.size = size
+        self.com: Any = ThreadCommitter(cleanup, "inproc") if in_process else ProcessCommitter(cleanup, "engine")
+        step_tokens = size.prefill_tokens + BS + size.decodes
+        self.prefix_blocks = list(range(size.hit_tokens // BS))
+        self.ring0 = len(self.prefix_blocks)
+        self.ring_len = 3 * (-(-step_tokens // BS) + size.decodes + 2)
+        cfg = PrefixCacheConfig(num_blocks=self.ring0 + self.ring_len, block_size=BS,
+                                staging_capacity_tokens=step_tokens, staging_depth=2, commit_timeout_s=60.0,
+                                staging_claim_timeout_s=60.0)
+        try:
+            self.m = OmniPrefixCacheManager(cfg, cache=self.com.name, endpoint=self.com.endpoint, autostart=False,
+                                            runtime_dir=self.com.runtime_dir)
+        except BaseException:
+            self.com.stop()
+            raise
+        self.next_block = 0
+        self.hidden = torch.randn(step_tokens, size.width).to(torch.bfloat16)
+        self.mm = {"mm_feat": torch.randn(step_tokens, 64)}
+        self.prev: list[str] = []
+        self.i = 0
+
+    def blocks(self, n: int) -> list[int]:
+        out = [self.ring0 + (self.next_block + j) % self.ring_len for j in range(n)]
+        self.next_block = (self.next_block + n) % self.ring_len
+        return out
+
+    def prepare(self) -> None:
+        if self.size.hit_tokens:
+            k = -(-self.size.hit_tokens // len(self.hidden))
+            _fill(self.m, "prefix", self.prefix_blocks, self.size.hit_tokens, len(self.hidden),
+                  self.hidden.repeat(k, 1), {key: v.repeat(k, 1) for key, v in self.mm.items()})
+
+    def step(self) -> float:
+        """One engine step; returns the seconds spent inside save_outputs + materialize."""
+        s, self.i = self.size, self.i + 1
+        events = [E(K.FINISHED, r) for r in self.prev]
+        parts = []
+        pf = f"p{self.i}"
+        pf_blocks = self.blocks(-(-s.prefill_tokens // BS))
+        events.append(E(K.STARTED, pf, 0, tuple(pf_blocks)))
+        parts.append((pf, pf_blocks, 0, s.prefill_tokens))
+        if s.hit_tokens:
+            hit = f"h{self.i}"
+            hb = self.prefix_blocks + self.blocks(1)
+            events.append(E(K.STARTED, hit, s.hit_tokens, tuple(hb)))
+            parts.append((hit, hb, s.hit_tokens, BS))
+        for j in range(s.decodes):
+            d = f"d{self.i}.{j}"
+            db = self.blocks(1)
+            events.append(E(K.STARTED, d, 0, tuple(db)))
+            parts.append((d, db, 0, 1))
+        self.m.new_step_starts(events)
+        self.prev = [p[0] for p in parts]
+        t0 = time.perf_counter()
+        sid = _save(self.m, parts, self.hidden, self.mm)
+        self.m.materialize(sid, self.prev)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.m.shutdown()
+        finally:
+            self.com.stop()
+
+
+def figure_engine(cleanup: Cleanup, size: EngineSize) -> list[Row]:
+    """Figure 3: calling-thread time of save+materialize, committer process vs committer thread."""
+    reps, a, b = calibrate_forward(size.forward_ms)
+    arms: list[_EngineArm] = []
+    try:
+        arms.append(_EngineArm(cleanup, size, in_process=False))
+        arms.append(_EngineArm(cleanup, size, in_process=True))
+        for arm in arms:
+            arm.prepare()
+        times: list[list[float]] = [[], []]
+        for i in range(size.steps + 2):
+            for k, arm in enumerate(arms):  # interleaved: both arms see the same machine noise
+                _forward(reps, a, b)
+                dt = arm.step()
+                if i >= 2:
+                    times[k].append(dt)
+    finally:
+        for arm in arms:
+            arm.close()
+    v, rf = Stats.of(np.array(times[0]) * 1e3), Stats.of(np.array(times[1]) * 1e3)
+    tokens = size.prefill_tokens + (BS if size.hit_tokens else 0) + size.decodes
+    return [Row("3", f"engine thread per step: save+materialize, {tokens} tok x {size.width} bf16 "
+                     f"(prefill {size.prefill_tokens}, hit {size.hit_tokens}+{BS}, {size.decodes} decodes)", "ms", v,
+                "same manager, committer as a thread of this process", rf, v.median / rf.median, "<= 0.5",
+                v.median / rf.median <= 0.5, note=f"forward between steps: ~{size.forward_ms:.0f} ms matmul")]
+
+
+# ---------------------------------------------------------------- figure 6
+
+
+@dataclass
+class OverheadSize:
+    steps: int
+    width: int
+    max_batched_tokens: int
+    forward_ms: float
+
+
+def figure_overhead(cleanup: Cleanup, size: OverheadSize) -> list[Row]:
+    """Figure 6: sim engine step loop, cache on with 0% hits vs cache off, same work, interleaved."""
+    from omnishm.sim import SimEngine
+
+    class NoHitEngine(SimEngine):
+        """No shared prefixes: no system prompt, no conversation turns, a vocabulary too big to collide."""
+
+        def _finish(self, req, aborted: bool) -> None:
+            super()._finish(req, aborted)
+            self.histories.clear()
+
+    def engine() -> SimEngine:
+        return NoHitEngine(num_blocks=512, block_size=BS, max_batched_tokens=size.max_batched_tokens,
+                           width=size.width, mm_key="mm_feat", mm_width=16, seed=7, system_prompts=1, system_len=0,
+                           vocab=1_000_003, abort_rate=0.0)
+
+    reps, a, b = calibrate_forward(size.forward_ms)
+    on, off = engine(), engine()
+    cfg = PrefixCacheConfig(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
+                            staging_depth=2, commit_timeout_s=60.0, staging_claim_timeout_s=60.0)
+    t_on, t_off, t_mgr = [], [], []
+    hits = 0
+    with ProcessCommitter(cleanup, "overhead") as com:
+        m = OmniPrefixCacheManager(cfg, cache=com.name, endpoint=com.endpoint, autostart=False,
+                                   runtime_dir=com.runtime_dir)
+        try:
+            for i in range(size.steps + 3):
+                for eng in (on, off) if i % 2 else (off, on):  # alternate order: neither arm always goes first
+                    t0 = time.perf_counter()
+                    while len(eng.waiting) + len(eng.running) < 8:
+                        eng.add_request()
+                    st = eng.schedule()
+                    _forward(reps, a, b)
+                    mgr = 0.0
+                    if eng is on:
+                        t1 = time.perf_counter()
+                        m.new_step_starts(st.step)
+                        sid = m.save_outputs(st.hidden, st.mm, num_tokens_unpadded=st.num_tokens,
+                                             num_tokens_padded=st.num_tokens, write_layout=st.layout)
+                        out = m.materialize(sid, [w.req_id for w in st.layout.writes])
+                        mgr = time.perf_counter() - t1
+                        hits += sum(out.num_hit_tokens.values())
+                    else:
+                        for w in st.layout.writes:  # the engine's own per-request split of the outputs
+                            st.hidden[w.token_start:w.token_start + w.num_tokens]
+                    eng.advance(st)
+                    dt = time.perf_counter() - t0
+                    if i >= 3:
+                        (t_on if eng is on else t_off).append(dt)
+                        if eng is on:
+                            t_mgr.append(mgr)
+        finally:
+            m.shutdown()
+    if hits:
+        raise RuntimeError(f"figure 6: {hits} hit tokens in a 0%-hit run")
+    v, rf = Stats.of(np.array(t_on) * 1e3), Stats.of(np.array(t_off) * 1e3)
+    mgr_ms = float(np.median(t_mgr)) * 1e3
+    return [Row("6", f"sim step loop, cache on, 0% hits (<= {size.max_batched_tokens} tok x {size.width} f32)", "ms",
+                v, "same loop, cache off", rf, v.median / rf.median, "<= 1.02", v.median / rf.median <= 1.02,
+                note=f"manager calls {mgr_ms:.2f} ms/step median = {100 * mgr_ms / rf.median:.1f}% of a step",
+                extra={"manager_ms_per_step": mgr_ms, "manager_share": mgr_ms / rf.median})]

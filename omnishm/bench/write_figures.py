@@ -1,0 +1,250 @@
+"""Figures 1 (pool write bandwidth) and 4 (control plane), against a real committer subprocess.
+
+Both drive the committer with a ``RawWriter`` (the protocol by hand, as the
+manager would send it), so what is timed is the committer, not the client.
+Main thread only.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omnishm import protocol as P
+import zmq
+
+from omnishm.bench.common import Cleanup, Memcpy, ProcessCommitter, RawWriter, Row, Stats, step_write
+from omnishm.versions import make_cv
+
+BS = 16
+
+
+@dataclass
+class WriteSize:
+    step_tokens: int
+    width: int
+    reps: int
+    decode_sizes: tuple[int, ...]
+    decode_reps: int
+
+
+def _claim(writer: RawWriter, key: str, slots: np.ndarray, cvs: np.ndarray) -> None:
+    writer.keys[key]["claim"][slots] = cvs
+
+
+def _apply_and_time(writer: RawWriter, msg: P.StepWrite) -> tuple[float, float, P.StepDone]:
+    """(committer apply seconds from its status, round trip seconds, reply) of one StepWrite."""
+    before = writer.status()["apply_seconds"]
+    t0 = time.perf_counter()
+    reply = writer.call(msg)
+    rt = time.perf_counter() - t0
+    after = writer.status()["apply_seconds"]
+    if not isinstance(reply, P.StepDone) or reply.failed_tids:
+        raise RuntimeError(f"step write failed: {reply}")
+    return after - before, rt, reply
+
+
+def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) -> list[Row]:
+    """Figure 1: committer applying realistic steps vs a single-thread memcpy of the same bytes."""
+    n, width = size.step_tokens, size.width
+    num_blocks = 2 * n // BS
+    layout = P.Layout(num_blocks=num_blocks, block_size=BS)
+    ref = Memcpy(n, width, torch.bfloat16)
+    rows: list[Row] = []
+    with ProcessCommitter(cleanup, "write") as com:
+        w = RawWriter(com.endpoint, com.name, layout, staging_rows=n)
+        try:
+            kv = w.open_key("hidden", torch.bfloat16, width)
+            kv["staging"].copy_(torch.randn(n, width).to(torch.bfloat16))
+            step = 0
+
+            def large_step() -> P.StepWrite:
+                nonlocal step
+                step += 1
+                # 4 prefill requests of n/4 tokens, each in randomly placed blocks (runs of BS rows).
+                blocks = rng.permutation(num_blocks)[: n // BS]
+                slots = (blocks[:, None] * BS + np.arange(BS)).reshape(-1)
+                reqs = 4
+                per = n // reqs
+                cvs = np.array([make_cv(w.epoch, step, i + 1) for i in range(reqs)], dtype=np.int64)
+                _claim(w, "hidden", slots, np.repeat(cvs, per))
+                return step_write(w.next_rid(), step, ["hidden"], [0] * reqs, range(1, reqs + 1), cvs,
+                                  np.arange(reqs) * per, [per] * reqs, slots)
+
+            _apply_and_time(w, large_step())  # warm-up
+            apply_t, rt_t, ref_t = [], [], []
+            for _ in range(size.reps):
+                a, r, _ = _apply_and_time(w, large_step())
+                apply_t.append(a)
+                rt_t.append(r)
+                ref_t.append(ref.time(n))
+            nbytes = n * width * 2
+            v, rf = Stats.of(apply_t).scaled(nbytes / 1e9), Stats.of(ref_t).scaled(nbytes / 1e9)
+            rt = Stats.of(rt_t).scaled(nbytes / 1e9)
+            rows.append(Row("1", f"pool write, {n} tok x {width} bf16 ({nbytes >> 20} MiB), blocks of {BS}",
+                            "GB/s", v, "memcpy (torch copy_, 1 thread)", rf, v.median / rf.median, ">= 0.8",
+                            v.median / rf.median >= 0.8,
+                            note="committer's own apply time (status apply_seconds)",
+                            extra={"round_trip_GBps": rt.median, "round_trip_ratio": rt.median / rf.median}))
+            for k in size.decode_sizes:
+                apply_t, ref_t = [], []
+                for _ in range(size.decode_reps):
+                    step += 1
+                    slots = rng.choice(num_blocks * BS, size=k, replace=False)
+                    cvs = np.array([make_cv(w.epoch, step, i + 1) for i in range(k)], dtype=np.int64)
+                    _claim(w, "hidden", slots, cvs)
+                    msg = step_write(w.next_rid(), step, ["hidden"], [0] * k, range(1, k + 1), cvs,
+                                     rng.choice(n, size=k, replace=False), [1] * k, slots)
+                    a, _, _ = _apply_and_time(w, msg)
+                    apply_t.append(a)
+                    ref_t.append(ref.time(k))
+                nbytes = k * width * 2
+                v, rf = Stats.of(apply_t).scaled(nbytes / 1e9), Stats.of(ref_t).scaled(nbytes / 1e9)
+                rows.append(Row("1", f"pool write, decode {k} tok at random slots", "GB/s", v,
+                                "memcpy (torch copy_, 1 thread)", rf, v.median / rf.median, "-", None,
+                                note=f"{Stats.of(apply_t).median * 1e6:.0f} us per step inside apply"))
+            if size.decode_sizes:  # the last decode step's first row landed bit for bit
+                got = kv["pool"][int(slots[0])]
+                if not torch.equal(got.view(torch.int16), kv["staging"][msg_src(msg)].view(torch.int16)):
+                    raise RuntimeError("figure 1: pool row differs from its staged row")
+        finally:
+            w.close()
+    return rows
+
+
+def msg_src(msg: P.StepWrite) -> int:
+    return int(np.frombuffer(msg.src_rows, dtype="<i8")[0])
+
+
+# ---------------------------------------------------------------- figure 4
+
+
+@dataclass
+class ControlSize:
+    descriptors: int
+    reps: int
+    latency_samples: int
+    window: int = 256
+
+
+def _throughput(w_send, w_recv, msgs: list[bytes], count: int, window: int) -> float:
+    """Seconds to push ``count`` messages (cycling ``msgs``) with at most ``window`` in flight."""
+    sent = got = 0
+    t0 = time.perf_counter()
+    while got < count:
+        while sent < count and sent - got < window:
+            w_send(msgs[sent % len(msgs)])
+            sent += 1
+        w_recv()
+        got += 1
+    return time.perf_counter() - t0
+
+
+def _latency(w_send, w_recv, msg: bytes, samples: int) -> np.ndarray:
+    out = np.empty(samples)
+    for i in range(samples):
+        t0 = time.perf_counter()
+        w_send(msg)
+        w_recv()
+        out[i] = time.perf_counter() - t0
+    return out
+
+
+def figure_control(cleanup: Cleanup, size: ControlSize, rng: np.random.Generator, width: int) -> list[Row]:
+    """Figure 4: descriptors/s and tasks/s with 64 tiny tasks each; round trip p50/p99 of a decode step."""
+    tasks, per_task = 64, 2
+    ring = 64  # distinct descriptors, disjoint slots, claimed once
+    num_slots = ring * tasks * per_task * 2
+    layout = P.Layout(num_blocks=num_slots // BS, block_size=BS)
+    rows: list[Row] = []
+    with ProcessCommitter(cleanup, "control") as com:
+        w = RawWriter(com.endpoint, com.name, layout, staging_rows=tasks * per_task)
+        echo_ep = f"ipc://{cleanup.runtime_dir / (com.name + '-echo.sock')}"
+        echo = subprocess.Popen([sys.executable, "-m", "omnishm.bench.echo", echo_ep], stdin=subprocess.DEVNULL)
+        cleanup.procs.append(echo)
+        e = None
+        try:
+            w.open_key("tiny", torch.float32, 4)
+            w.open_key("hidden", torch.bfloat16, width)
+            slots = rng.permutation(num_slots)[: ring * tasks * per_task].reshape(ring, tasks * per_task)
+            msgs = []
+            for i in range(ring):
+                cvs = np.array([make_cv(w.epoch, i + 1, t + 1) for t in range(tasks)], dtype=np.int64)
+                w.keys["tiny"]["claim"][slots[i]] = np.repeat(cvs, per_task)
+                msgs.append(P.encode(step_write(i + 1, i + 1, ["tiny"], [0] * tasks, range(1, tasks + 1), cvs,
+                                                np.arange(tasks) * per_task, [per_task] * tasks, slots[i])))
+            # Decode step for the latency: 64 requests x 1 token of the wide key at random slots.
+            dslots = rng.choice(num_slots, size=tasks, replace=False)
+            dcvs = np.array([make_cv(w.epoch, ring + 1, t + 1) for t in range(tasks)], dtype=np.int64)
+            w.keys["hidden"]["claim"][dslots] = dcvs
+            decode = P.encode(step_write(1, ring + 1, ["hidden"], [0] * tasks, range(1, tasks + 1), dcvs,
+                                         np.arange(tasks), [1] * tasks, dslots))
+
+            def recv_ok() -> None:
+                reply = w.recv()
+                if not isinstance(reply, P.StepDone) or reply.failed_tids or reply.rows_skipped:
+                    raise RuntimeError(f"figure 4: unexpected reply {reply}")
+
+            e = zmq.Context.instance().socket(zmq.DEALER)
+            e.setsockopt(zmq.LINGER, 0)
+            e.connect(echo_ep)
+
+            def e_recv() -> None:
+                if not e.poll(30000):
+                    raise TimeoutError("echo reference did not answer")
+                P.reply_decoder.decode(e.recv())
+
+            _throughput(w.send, recv_ok, msgs, min(size.descriptors, 2000), size.window)  # warm-up
+            _throughput(e.send, e_recv, msgs, min(size.descriptors, 2000), size.window)
+            com_t, echo_t, apply_us = [], [], []
+            for _ in range(size.reps):
+                before = w.status()
+                com_t.append(_throughput(w.send, recv_ok, msgs, size.descriptors, size.window))
+                after = w.status()
+                apply_us.append((after["apply_seconds"] - before["apply_seconds"]) /
+                                (after["steps_applied"] - before["steps_applied"]) * 1e6)
+                echo_t.append(_throughput(e.send, e_recv, msgs, size.descriptors, size.window))
+            d, de = Stats.of(com_t).scaled(size.descriptors), Stats.of(echo_t).scaled(size.descriptors)
+            apply_med = float(np.median(apply_us))
+            rows.append(Row("4", f"descriptors/s ({tasks} tasks x {per_task} rows of 16 B each)", "desc/s", d,
+                            "echo ROUTER (decode + reply, no apply)", de, d.median / de.median, ">= 20000/s",
+                            d.median >= 20000,
+                            note=f"{apply_med:.1f} us inside apply_step per descriptor",
+                            extra={"apply_us_per_descriptor": apply_med}))
+            t, te = Stats.of(com_t).scaled(size.descriptors * tasks), Stats.of(echo_t).scaled(size.descriptors * tasks)
+            rows.append(Row("4", "write tasks/s (same run)", "tasks/s", t, "echo ROUTER (decode + reply, no apply)",
+                            te, t.median / te.median, ">= 1000000/s", t.median >= 1e6))
+            _latency(w.send, recv_ok, decode, 50)
+            _latency(e.send, e_recv, decode, 50)
+            lat_c, lat_e = [], []
+            for _ in range(size.latency_samples // 100):  # interleaved blocks share the machine's noise
+                lat_c.append(_latency(w.send, recv_ok, decode, 100))
+                lat_e.append(_latency(e.send, e_recv, decode, 100))
+            lc, le = np.concatenate(lat_c) * 1e6, np.concatenate(lat_e) * 1e6
+            for q in (50, 99):
+                vc, ve = float(np.percentile(lc, q)), float(np.percentile(le, q))
+                rows.append(Row("4", f"round trip p{q}, decode step {tasks} tok x {width} bf16", "us",
+                                Stats(vc, float(lc.min()), float(lc.max()), float(np.percentile(lc, 25)),
+                                      float(np.percentile(lc, 75)), len(lc)),
+                                "echo ROUTER round trip, same bytes",
+                                Stats(ve, float(le.min()), float(le.max()), float(np.percentile(le, 25)),
+                                      float(np.percentile(le, 75)), len(le)),
+                                vc / ve, "< 1000 us" if q == 99 else "-", (vc < 1000) if q == 99 else None,
+                                note="DEALER send to StepDone received, one in flight"))
+        finally:
+            if e is not None:
+                e.send(P.encode(P.Goodbye(rid=0)))
+                e.poll(5000)
+                e.close()
+            try:
+                echo.wait(5)
+            except subprocess.TimeoutExpired:
+                echo.kill()
+                echo.wait()
+            w.close()
+    return rows

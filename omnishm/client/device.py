@@ -1,0 +1,257 @@
+"""Device copies of the writer: freeze, device-to-host staging, events, pinning.
+
+The seed's rule: the engine thread never waits a device-to-host copy of the
+current step, and every copy is fenced against the compute that produced it
+(and against CUDA-graph buffers that will be overwritten). So on CUDA:
+
+1. ``freeze``: clone the step's rows on the device (the live buffers may be
+   reused by the next graph replay) and record a *freeze event* on the
+   compute stream.
+2. ``to_host``: on a dedicated copy stream that waits the freeze event, copy
+   each key's whole step into its pinned staging page, then record a
+   *completion event*.
+3. The ``StepSender`` thread waits that event and only then sends the step's
+   descriptor: the committer (which never touches CUDA) may read the page
+   only once the copy landed.
+
+``CpuOps`` runs the same sequence on CPU tensors: freeze is a no-op (the
+staging copy is the snapshot), copies are synchronous, and events are
+already complete. ``CudaOps`` is the real thing. Tests substitute recording
+fakes to check the order of waits, copies and sends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+REGISTER_CHUNK_BYTES = 64 << 30
+"""cudaHostRegister is called in row-aligned chunks of at most this size."""
+
+
+class Event(Protocol):
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+
+class DoneEvent:
+    """An event that has already happened (CPU copies are synchronous)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+DONE = DoneEvent()
+
+
+class DeviceOps(Protocol):
+    """What the manager needs from a device; see the module docstring."""
+
+    is_cuda: bool
+
+    def freeze(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def record_freeze(self) -> Event: ...
+
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Event) -> Event: ...
+
+    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]: ...
+
+
+class CpuOps:
+    """CPU build: same calls, synchronous copies, completed events."""
+
+    is_cuda = False
+
+    def freeze(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows  # the staging copy that follows is the snapshot
+
+    def record_freeze(self) -> Event:
+        return DONE
+
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Event) -> Event:
+        after.synchronize()
+        for dst, src in pairs:
+            dst.copy_(src.reshape(dst.shape))
+        return DONE
+
+    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        return rows.index_select(0, index) if index is not None else rows.clone()
+
+    def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]:
+        return value.clone(), DONE
+
+
+class CudaOps:
+    """Real CUDA streams and events. Constructed only when rows live on a CUDA device."""
+
+    is_cuda = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self.read_stream = torch.cuda.Stream(device=device)
+
+    def freeze(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.clone()
+
+    def record_freeze(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Event) -> Event:
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(after)  # type: ignore[arg-type]
+            for dst, src in pairs:
+                dst.copy_(src.reshape(dst.shape), non_blocking=True)
+                # The clone must outlive the copy although the engine drops it.
+                src.record_stream(self.copy_stream)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return done
+
+    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        if not rows.is_cuda:
+            return rows.index_select(0, index) if index is not None else rows.clone()
+        with torch.cuda.stream(self.read_stream):
+            self.read_stream.wait_stream(self.copy_stream)
+            src = rows.index_select(0, index.to(rows.device)) if index is not None else rows
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            out.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.read_stream)
+        done.synchronize()  # a read of in-flight rows: only the materializing thread waits
+        return out
+
+    def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]:
+        if not value.is_cuda:
+            return value.clone(), DONE
+        out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        out.copy_(value, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return out, event
+
+
+def ops_for(tensors: list[torch.Tensor]) -> DeviceOps:
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return CudaOps(t.device)
+    return CpuOps()
+
+
+# ---------------------------------------------------------------------------- sender
+
+
+class StepSender:
+    """The client sender thread (``omnishm-sender``): wait a step's copy event, then send.
+
+    Order is kept (one FIFO). ``submit`` returns at once with a Future that
+    completes with the committer's reply; the engine thread never waits here.
+    """
+
+    def __init__(self, send: Callable[[Callable[[int], Any]], Future]):
+        self._send = send
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="omnishm-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, event: Event, make: Callable[[int], Any]) -> Future:
+        outer: Future = Future()
+        self._queue.put((event, make, outer))
+        return outer
+
+    def stop(self, timeout_s: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, make, outer = item
+            try:
+                event.synchronize()
+                inner = self._send(make)
+            except BaseException as exc:  # handed to whoever waits the step's write
+                outer.set_exception(exc)
+                continue
+            inner.add_done_callback(lambda f, outer=outer: _chain(f, outer))
+
+
+def _chain(inner: Future, outer: Future) -> None:
+    exc = inner.exception()
+    if exc is not None:
+        outer.set_exception(exc)
+    else:
+        outer.set_result(inner.result())
+
+
+# ---------------------------------------------------------------------------- pinning
+
+
+class HostRegistration:
+    """``cudaHostRegister`` of a shared-memory view, in row-aligned chunks of <= 64 GiB.
+
+    Registration is per process and per CUDA context, so every CUDA process
+    that copies into or out of a segment registers it itself; the committer
+    never does (it never initialises CUDA). On failure the sticky CUDA error is
+    cleared, one loud warning is logged and the fallback is counted: copies then
+    run unpinned (slower, still correct). ``unregister`` must run before the
+    mapping goes away.
+    """
+
+    fallbacks = 0
+    _warned = False
+
+    def __init__(self, view: torch.Tensor, *, read_only: bool = False):
+        self.ptrs: list[int] = []
+        if view.numel() == 0 or not torch.cuda.is_available():
+            return
+        cudart = torch.cuda.cudart()
+        row_bytes = view[0].numel() * view.element_size() if view.dim() > 1 else view.element_size()
+        chunk = max(REGISTER_CHUNK_BYTES // row_bytes, 1) * row_bytes
+        base, total = view.data_ptr(), view.numel() * view.element_size()
+        flags = 0x08 if read_only else 0  # cudaHostRegisterReadOnly for read-only maps
+        for off in range(0, total, chunk):
+            size = min(chunk, total - off)
+            rc = cudart.cudaHostRegister(base + off, size, flags)
+            if int(rc) != 0:
+                cudart.cudaGetLastError()  # clear the sticky error before anyone else trips on it
+                type(self).fallbacks += 1
+                if not type(self)._warned:
+                    type(self)._warned = True
+                    logger.warning("cudaHostRegister of %d bytes failed (error %s): staging copies fall back to "
+                                   "unpinned memory, which is slower. Check RLIMIT_MEMLOCK and the driver.",
+                                   size, int(rc))
+                self.unregister()
+                return
+            self.ptrs.append(base + off)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.ptrs)
+
+    def unregister(self) -> None:
+        if not self.ptrs:
+            return
+        cudart = torch.cuda.cudart()
+        for ptr in self.ptrs:
+            cudart.cudaHostUnregister(ctypes.c_void_p(ptr).value)
+        self.ptrs = []

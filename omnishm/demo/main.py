@@ -1,0 +1,134 @@
+"""``omnishm demo``: TP ranks of a simulated engine sharing one embedded committer.
+
+Rank 0 writes, the other ranks read; every rank checks every row it
+materializes against ground truth. Ends with a table and exits non-zero on any
+mismatch, failed rank, or shared memory left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from omnishm import shm
+from omnishm.demo.launch import RankGroup
+from omnishm.demo.rank import RankOptions, RankResult
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=2, help="runner processes (rank 0 writes, others read)")
+    parser.add_argument("--steps", type=int, default=300, help="engine steps per rank")
+    parser.add_argument("--duration-s", type=float, default=None,
+                        help="run for this long instead of --steps (ranks then drift apart: no lockstep)")
+    parser.add_argument("--name", default="demo", help="cache (and embedded committer) name")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-blocks", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-batched-tokens", type=int, default=256)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--mm-width", type=int, default=16)
+    parser.add_argument("--lag", type=int, default=0, help="steps between save and materialize")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--json", action="store_true", help="print the final table as JSON")
+
+
+def _bar(done: int, total: int, width: int = 30) -> str:
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n < (1 << 30) else f"{n / (1 << 30):.2f} GiB"
+
+
+def summarize(opts: RankOptions, results: list[RankResult], leaked: list[str], seconds: float) -> dict:
+    writer = results[0]
+    mirror = max((r.mirror_bytes for r in results), default=0)
+    return {
+        "tp": opts.tp, "steps": writer.steps, "requests": writer.requests,
+        "hit_tokens": sum(r.hit_tokens for r in results),
+        "rows_served": sum(r.rows_served for r in results),
+        "rows_checked": sum(r.rows_checked for r in results),
+        "mismatches": sum(r.mismatches for r in results),
+        "errors": {f"rank{r.rank}": r.errors for r in results if r.errors},
+        "failures": {f"rank{r.rank}": r.failure for r in results if r.failure},
+        "mirror_bytes": mirror,
+        "per_rank_mirror_bytes": mirror * opts.tp,
+        "leaked_segments": leaked,
+        "seconds": round(seconds, 2),
+    }
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    opts = RankOptions(cache=shm.check_cache_name(args.name), tp=args.tp, seed=args.seed, steps=args.steps,
+                       duration_s=args.duration_s, num_blocks=args.num_blocks, block_size=args.block_size,
+                       max_batched_tokens=args.max_batched_tokens, width=args.hidden_size,
+                       mm_width=args.mm_width, lag=args.lag, lockstep=args.duration_s is None)
+    if opts.tp < 1:
+        print("omnishm demo: --tp must be >= 1", file=sys.stderr)
+        return 2
+    progress: dict[int, int] = {}
+    shown: list[str] = []
+    t0 = time.perf_counter()
+    total = opts.steps if opts.duration_s is None else None
+    tty = sys.stderr.isatty()
+
+    def on_progress(rank: int, steps: int, _mismatches: int) -> None:
+        progress[rank] = steps
+        if args.json:
+            return
+        slowest = min(progress.get(r, 0) for r in range(opts.tp))
+        if total:
+            line = f"omnishm demo {_bar(slowest, total)} {slowest}/{total} steps (tp={opts.tp})"
+            key = line if tty else str(10 * slowest // max(total, 1))
+        else:
+            line = f"omnishm demo {time.perf_counter() - t0:6.1f}s, {slowest} steps (tp={opts.tp})"
+            key = line if tty else str(int(time.perf_counter() - t0) // 10)
+        if shown and shown[-1] == key:
+            return
+        shown.append(key)
+        sys.stderr.write(("\r" + line) if tty else (line + "\n"))
+        sys.stderr.flush()
+
+    results = RankGroup(opts).start().wait(args.timeout_s, on_progress)
+    if not args.json and tty:
+        sys.stderr.write("\n")
+    leaked = _wait_for_cleanup(opts)
+    summary = summarize(opts, results, leaked, time.perf_counter() - t0)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_table(summary))
+    ok = summary["mismatches"] == 0 and not summary["failures"] and not leaked
+    if not ok:
+        print("omnishm demo: FAILED (mismatches, a failed rank, or leaked shared memory)", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _wait_for_cleanup(opts: RankOptions, timeout_s: float = 20.0) -> list[str]:
+    """The embedded committer exits once the last rank said goodbye; then nothing may remain."""
+    runtime_dir = shm.default_runtime_dir()
+    deadline = time.monotonic() + timeout_s
+    while shm.cache_is_live(runtime_dir, opts.cache) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return shm.list_segments(opts.cache)
+
+
+def format_table(s: dict) -> str:
+    rows = [
+        ("TP ranks", s["tp"]), ("steps", s["steps"]), ("requests finished", s["requests"]),
+        ("hit tokens (all ranks)", s["hit_tokens"]), ("rows served", s["rows_served"]),
+        ("rows checked", s["rows_checked"]), ("mismatches", s["mismatches"]),
+        ("errors raised", s["errors"] or 0), ("failed ranks", s["failures"] or 0),
+        ("bytes in the shared mirror", _mib(s["mirror_bytes"])),
+        ("a mirror per rank would need", _mib(s["per_rank_mirror_bytes"])),
+        ("leaked segments", len(s["leaked_segments"])), ("seconds", s["seconds"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * 24 + "+"
+    out = [line]
+    out += [f"| {k:<{width}} | {str(v):>22} |" for k, v in rows]
+    out.append(line)
+    return "\n".join(out)

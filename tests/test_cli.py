@@ -1,0 +1,100 @@
+"""``omnishm status`` (human and --json) and ``omnishm ping`` exit codes against a real committer."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import unique_cache_name
+from manager_helpers import Part, save, started
+from omnishm import cli
+from omnishm.client import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheConfig
+
+BS = 4
+NUM_BLOCKS = 16
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_status_human_and_json_show_clients_memory_keys_and_throughput(committer_factory, capsys):
+    handle = committer_factory("--heartbeat-s", "0.1")
+    cfg = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BS, staging_capacity_tokens=32, staging_depth=3,
+                            staging_claim_timeout_s=2.0, commit_timeout_s=5.0)
+    writer = OmniPrefixCacheManager(cfg, cache=handle.name, autostart=False)
+    reader = OmniPrefixCacheManager(cfg, cache=handle.name, role="reader", autostart=False)
+    try:
+        writer.new_step_starts([started("a", [0, 1, 2])])
+        writer.discard_step(save(writer, [Part("a", 1, [0, 1, 2], 0, 10)], BS))
+        writer.wait_idle()
+        code, out, err = run(capsys, "status", "--name", handle.name, "--json")
+        assert code == 0, err
+        st = json.loads(out)
+        roles = {c["client_id"]: c for c in st["clients"]}
+        w, r = roles[writer._link.client_id], roles[reader._link.client_id]
+        assert (w["role"], r["role"]) == ("writer", "reader")
+        for c in (w, r):  # per-process resident and shared bytes from /proc/PID/statm
+            assert c["rss_bytes"] > 0 and 0 < c["shared_bytes"] <= c["rss_bytes"]
+        assert st["committer_memory"]["rss_bytes"] > 0
+        keys = {k["name"]: k for k in st["keys"]}
+        assert keys[HIDDEN_KEY]["pool_bytes"] == NUM_BLOCKS * BS * 8 * 4  # float32[8] mirror
+        assert keys[HIDDEN_KEY]["committed_rows"] == 10
+        assert keys["feat"]["committed_share"] == pytest.approx(10 / (NUM_BLOCKS * BS))
+        assert st["rows_written"] == 20 and st["throughput"]["rows_per_s"] > 0
+        assert st["throughput"]["window_s"] > 0 and st["metrics_endpoint"] is None
+
+        code, out, err = run(capsys, "status", "--name", handle.name)
+        assert code == 0, err
+        assert f"cache {handle.name}" in out and "rows/s" in out and "MB/s" in out
+        assert re.search(r"committer rss \d+\.\d\d MiB", out)
+        assert re.search(rf"{HIDDEN_KEY}\s+float32\s+8\s+0\.00 MiB\s+10\s+15\.6%", out)
+        writer_line = next(line for line in out.splitlines() if line.startswith(writer._link.client_id))
+        assert re.search(r"writer\s+\d+\s+[\d.]+s\s+[\d.]+ MiB\s+[\d.]+ MiB$", writer_line), writer_line
+    finally:
+        reader.shutdown()
+        writer.shutdown()
+
+
+def test_format_status_uses_gib_for_large_sizes():
+    assert cli._mib(3 * 2**30) == "3.00 GiB" and cli._mib(5 * 2**20) == "5.00 MiB"
+
+
+def test_ping_exit_codes(committer_factory, capsys, monkeypatch):
+    handle = committer_factory()
+    code, out, _ = run(capsys, "ping", "--name", handle.name, "--timeout-s", "5")
+    assert code == 0 and f"cache {handle.name}: committer pid {handle.proc.pid}" in out
+    monkeypatch.setenv("OMNISHM_NAME", handle.name)  # the target resolves through the knobs: env works too
+    assert run(capsys, "ping")[0] == 0
+    monkeypatch.delenv("OMNISHM_NAME")
+
+    absent = unique_cache_name("absent")
+    code, _, err = run(capsys, "ping", "--name", absent)
+    assert code == 1 and f"no committer for cache {absent!r}" in err
+    t0 = time.monotonic()  # something that accepts nothing: bounded by --timeout-s
+    code, _, err = run(capsys, "ping", "--name", absent, "--endpoint", "tcp://127.0.0.1:9", "--timeout-s", "0.3")
+    assert code == 1 and "within 0.3s" in err and time.monotonic() - t0 < 10
+
+    code, _, err = run(capsys, "ping", "--name", absent, "--endpoint", "tcp://10.1.2.3:5555")
+    assert code == 2 and "only on loopback" in err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["ping", "--timeout-s", "-1"])
+    assert exc.value.code == 2 and "must be > 0" in capsys.readouterr().err
+
+
+def test_ping_entry_point_exit_status(committer_factory):
+    handle = committer_factory()
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "ping", "--name", handle.name], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    handle.stop()
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "ping", "--name", handle.name, "--timeout-s", "1"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and "no committer" in proc.stderr

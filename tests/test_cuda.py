@@ -1,0 +1,58 @@
+"""The real CUDA path (skipped cleanly without a CUDA device; run by scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manager_helpers import Part, build, expect, finished, rows, started
+from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
+from omnishm.client.device import CudaOps, HostRegistration
+from omnishm.shm import Segment
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+BS = 4
+
+
+def cuda_save(m, parts, extra=None):
+    h, mm, layout, n, pad = build(parts, BS)
+    mm = {k: v.cuda() for k, v in mm.items()}
+    mm.update(extra or {})
+    return m.save_outputs(h.cuda(), mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
+
+
+def test_cuda_save_materialize_exact_with_pinned_staging(committer):
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as m:
+        m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+        m.new_step_starts([started("a", [0, 1])])
+        live = torch.arange(6.0, device="cuda")
+        sid = cuda_save(m, [Part("a", 1, [0, 1], 0, 8)], extra={"pooled": live})
+        live.fill_(-1)  # a graph replay overwriting the live buffer changes nothing
+        out = m.materialize(sid, ["a"])
+        assert isinstance(m._ops, CudaOps)
+        assert all(r.pinned for r in m._registrations) and m._registrations
+        assert torch.equal(out.hidden_states["a"], rows(1, range(8)))
+        assert torch.equal(out.mm_outputs["a"]["pooled"].cpu(), torch.arange(6.0))
+        assert not out.mm_outputs["a"]["pooled"].is_pinned()
+        m.new_step_starts([finished("a"), started("b", [0, 2], hit=4)])
+        sid = cuda_save(m, [Part("b", 1, [0, 2], 4, 2)])
+        out = m.materialize(sid, ["b"])
+        assert torch.equal(out.hidden_states["b"], expect(1, 4, 1, 4, 2))
+        assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 2, mm=True))
+
+
+def test_host_register_chunks_and_unregister():
+    seg = Segment.create(f"/omnishm.cudatest.g.{torch.randint(1 << 30, ()).item()}", 8 << 20)
+    try:
+        view = seg.tensor(torch.float32, (2048, 1024))
+        reg = HostRegistration(view)
+        assert reg.pinned
+        dev = torch.randn(2048, 1024, device="cuda")
+        view.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(view, dev.cpu())
+        reg.unregister()
+        assert not reg.pinned
+    finally:
+        seg.unlink()

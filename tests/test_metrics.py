@@ -1,0 +1,182 @@
+"""The committer's Prometheus endpoint during a real workload (real committer, real manager, real HTTP)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import RawClient
+from manager_helpers import Part, save, started
+from omnishm import protocol
+from omnishm.client import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheConfig
+from omnishm.committer.metrics import ClientCounterTotals, ThroughputRing
+
+BS = 4
+NUM_BLOCKS = 16
+POLL_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of one /metrics scrape."""
+    code, text = get(f"http://127.0.0.1:{port}/metrics")
+    assert code == 200, text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(m: dict, name: str, **labels) -> float | None:
+    return m.get((name, tuple(sorted(labels.items()))))
+
+
+def wait_for(port: int, what: str, cond) -> dict:
+    """Scrape until ``cond(metrics)`` holds (bounded; the loop publishes a snapshot every tick)."""
+    deadline = time.monotonic() + POLL_TIMEOUT_S
+    while True:
+        m = scrape(port)
+        if cond(m):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"metrics never showed {what}; last scrape: "
+                                 f"{ {k: v for k, v in m.items() if k[0].startswith('omnishm_')} }")
+        time.sleep(0.05)  # poll interval of a bounded wait, not a stand-in for the condition
+
+
+def config() -> PrefixCacheConfig:
+    return PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BS, staging_capacity_tokens=32, staging_depth=3,
+                             staging_claim_timeout_s=2.0, commit_timeout_s=5.0)
+
+
+def test_counters_move_by_the_workload(committer_factory):
+    port = free_port()
+    handle = committer_factory("--metrics-port", str(port), "--heartbeat-s", "0.1")
+    code, text = get(f"http://127.0.0.1:{port}/health")
+    assert code == 200 and handle.name in text
+    assert get(f"http://127.0.0.1:{port}/nope")[0] == 404
+    m0 = wait_for(port, "an idle committer", lambda m: value(m, "omnishm_clients", role="writer") == 0)
+    assert value(m0, "omnishm_capacity_rows") == 0 and value(m0, "omnishm_rejected_messages_total") is None
+
+    writer = OmniPrefixCacheManager(config(), cache=handle.name, autostart=False)
+    reader = OmniPrefixCacheManager(config(), cache=handle.name, role="reader", autostart=False)
+    try:
+        writer.new_step_starts([started("a", [0, 1, 2])])
+        writer.discard_step(save(writer, [Part("a", 1, [0, 1, 2], 0, 10)], BS))
+        writer.new_step_starts([started("b", [0, 1, 5], hit=8)])  # shares a's first two blocks
+        sid = save(writer, [Part("b", 1, [0, 1, 5], 8, 3)], BS, padded=16)
+        assert writer.materialize(sid, ["b"]).num_hit_tokens["b"] == 8
+        writer.wait_idle()
+
+        raw = RawClient(handle.endpoint, handle.name)  # a message without Hello: rejected, reason no_session
+        try:
+            assert isinstance(raw.call(protocol.Heartbeat(rid=1)), protocol.Error)
+        finally:
+            raw.close()
+
+        rows = 10 + 3
+        m = wait_for(port, "13 rows per key and the writer's heartbeat counters", lambda m: (
+            value(m, "omnishm_rows_written_total", tensor=HIDDEN_KEY) == rows
+            and value(m, "omnishm_rows_written_total", tensor="feat") == rows
+            and value(m, "omnishm_client_steps_saved_total", role="writer") == 2
+            and value(m, "omnishm_client_hit_tokens_total", role="writer") == 8
+            and value(m, "omnishm_rejected_messages_total", reason="no_session") == 1))
+        assert value(m, "omnishm_bytes_written_total", tensor=HIDDEN_KEY) == rows * 8 * 4  # float32[8]
+        assert value(m, "omnishm_bytes_written_total", tensor="feat") == rows * 3 * 4  # float32[3]
+        assert value(m, "omnishm_client_hit_rows_served_total", role="writer") == 8 * 2  # 8 tokens x 2 tensors
+        assert value(m, "omnishm_client_rows_served_total", role="writer") == (8 + 3) * 2
+        assert value(m, "omnishm_clients", role="writer") == 1 and value(m, "omnishm_clients", role="reader") == 1
+        assert value(m, "omnishm_capacity_rows") == NUM_BLOCKS * BS
+        assert value(m, "omnishm_mirror_bytes", tensor=HIDDEN_KEY) == NUM_BLOCKS * BS * 8 * 4
+        assert value(m, "omnishm_committed_rows", tensor=HIDDEN_KEY) == rows  # 13 distinct slots
+        assert value(m, "omnishm_committed_ratio", tensor="feat") == pytest.approx(rows / (NUM_BLOCKS * BS))
+        assert value(m, "omnishm_failed_steps_total") == 0 and value(m, "omnishm_clients_reaped_total") == 0
+        assert value(m, "omnishm_process_resident_bytes", role="writer") > 0
+        applied = value(m, "omnishm_steps_applied_total")
+        assert applied >= 2 and value(m, "omnishm_write_apply_seconds_count") == applied
+        assert value(m, "omnishm_write_apply_seconds_sum") > 0
+        assert value(m, "omnishm_loop_tick_age_seconds") < 5
+    finally:
+        reader.shutdown()
+        writer.shutdown()
+    # Departed clients: gauges drop, their counters are retained (never backwards).
+    m = wait_for(port, "both clients gone", lambda m: value(m, "omnishm_clients", role="writer") == 0
+                 and value(m, "omnishm_clients", role="reader") == 0)
+    assert value(m, "omnishm_client_steps_saved_total", role="writer") == 2
+    assert value(m, "omnishm_client_hit_tokens_total", role="writer") == 8
+    assert value(m, "omnishm_rows_written_total", tensor=HIDDEN_KEY) == rows
+
+
+def test_metrics_off_by_default_and_port_in_use_refuses_start(committer_factory):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        handle = committer_factory("--metrics-port", str(port), wait=False)
+        assert handle.proc.wait(30) == 2
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in handle.log()
+
+
+def test_client_counter_totals_survive_departures_and_rehello():
+    t = ClientCounterTotals()
+    t.heartbeat("w1", "writer", {"steps_saved": 3, "staging_pages_in_use": 2, "not_a_counter": 9})
+    t.heartbeat("r1", "reader", {"steps_saved": 3})
+    assert t.totals() == {"writer": {"steps_saved": 3.0}, "reader": {"steps_saved": 3.0}}
+    assert t.gauges() == {"writer": {"staging_pages_in_use": 2.0}}
+    t.departed("w1")
+    t.heartbeat("w2", "writer", {"steps_saved": 1})
+    assert t.totals()["writer"] == {"steps_saved": 4.0} and t.gauges() == {}
+    t.heartbeat("w1", "writer", {"steps_saved": 5})  # same client back (re-hello): superseded, not doubled
+    assert t.totals()["writer"] == {"steps_saved": 6.0}
+
+
+def test_throughput_ring_reports_recent_rates():
+    ring = ThroughputRing(sample_s=1.0, window_s=10.0)
+    for i in range(30):
+        ring.maybe_sample(float(i), i * 100, i * 1000)
+    rates = ring.rates(30.0, 3000, 30000)
+    assert rates["rows_per_s"] == pytest.approx(100.0) and rates["bytes_per_s"] == pytest.approx(1000.0)
+    assert 10.0 <= rates["window_s"] <= 11.0
+    assert ThroughputRing().rates(5.0, 0, 0)["rows_per_s"] == 0.0
+
+
+def test_metrics_host_must_be_loopback(committer_factory):
+    handle = committer_factory("--metrics-port", "1", "--metrics-host", "0.0.0.0", wait=False)
+    assert handle.proc.wait(30) == 2
+    assert "loopback only" in handle.log()
+    assert not os.path.exists(handle.endpoint[len("ipc://"):])
+
+
+def test_health_is_503_when_the_loop_stops_ticking_or_stops():
+    from types import SimpleNamespace
+
+    from omnishm.committer.metrics import Observability
+
+    stub = SimpleNamespace(cfg=SimpleNamespace(name="stub"), stopping=False, stop_reason="",
+                           pool=SimpleNamespace(keys={}))
+    obs = Observability(stub, tick_s=1.0)
+    obs.tick(time.monotonic())
+    assert obs.healthy()[0]
+    obs.last_tick -= obs.health_timeout_s + 1  # the loop went silent
+    ok, why = obs.healthy()
+    assert not ok and "silent" in why
+    obs.tick(time.monotonic())
+    stub.stopping, stub.stop_reason = True, "SIGTERM"
+    assert obs.healthy() == (False, "stopping (SIGTERM)")
