@@ -21,6 +21,7 @@ from typing import Callable
 # and optionally ``add_arguments(parser)``. E.g. "demo": ("omnishm.demo", "run the demo").
 EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("omnishm.demo.main", "simulated TP engine sharing one embedded committer; checks every row"),
+    "bench": ("omnishm.bench", "benchmarks: each figure next to its reference measured in the same run"),
 }
 
 

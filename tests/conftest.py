@@ -48,6 +48,17 @@ def _ours(cache: str) -> bool:
     return cache.startswith(SESSION_PREFIX)
 
 
+def pytest_ignore_collect(collection_path, config):
+    """The real-vLLM tier runs on its own (tests/vllm_tier/run_tier.sh sets OMNISHM_VLLM_TIER=1).
+
+    Its conftest sets process-wide environment (its own runtime dir) at import,
+    which must not leak into the main suite's committers.
+    """
+    if collection_path.name == "vllm_tier" and os.environ.get("OMNISHM_VLLM_TIER") != "1":
+        return True
+    return None
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
 

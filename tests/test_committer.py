@@ -18,7 +18,7 @@ from omnishm import protocol, shm
 from omnishm.committer.config import check_endpoint
 
 from conftest import RUNTIME_DIR, unique_cache_name
-from helpers import RawClient, Writer, bits, pack, random_rows, unpack
+from helpers import Writer, bits, pack, random_rows, unpack
 
 LAYOUT = protocol.Layout(num_blocks=16, block_size=4)  # the shared committer's layout: 64 slots
 NUM_SLOTS = 64

@@ -409,3 +409,21 @@ def test_role_is_writer_without_vllm_and_follows_tp_pp_rank_with_it(monkeypatch)
     assert r._prefix_cache_role() == "reader"
     r.prefix_cache_role = "writer"  # explicit knob wins
     assert r._prefix_cache_role() == "writer"
+
+
+def test_a_timed_out_save_does_not_burn_a_step_id(runner):
+    r = runner()
+    r.prefix_cache_config_overrides = {**OVERRIDES, "staging_depth": 1, "staging_claim_timeout_s": 0.1}
+    r.tags["a"] = 1
+    _, s0 = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 2}))
+    so = sched(cached=[("a", 2, [])], counts={"a": 1})
+    r.prefix_cache_step_begin(so)
+    r._update_states(so)
+    h, mm, n, pad = r._forward(so, 0)
+    from omnishm.client import OmniPrefixCacheStagingTimeoutError
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError):
+        r.prefix_cache_save(h, mm, n, pad, so)  # s0 holds the only page
+    r.prefix_cache_discard(s0)
+    s1 = r.prefix_cache_save(h, mm, n, pad, so)
+    r.prefix_cache_discard(s1)
+    assert s1 == s0 + 1  # a reader replaying the same saves numbers this step s0 + 1

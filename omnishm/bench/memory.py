@@ -5,7 +5,7 @@ and drives them with JSON lines on stdin. A worker either attaches the cache
 the way a rank does (rank 0 as the writer, others as readers; each maps the
 pool and reads every row of it, as hits over the whole pool would), or
 allocates and fills a private pool-sized mirror (the in-process design, one
-per rank). Bytes are the sum of ``Pss_Anon + Pss_Shmem`` growth (``/proc/PID/smaps_rollup``)
+per rank). Bytes are the sum of ``Pss_Shmem`` plus ``Pss_Anon`` growth (``/proc/PID/smaps_rollup``)
 over every process involved, the committer included: shared pages count once.
 """
 
@@ -62,10 +62,15 @@ class Worker:
                 self.proc.wait()
 
 
-def host_bytes(pid: int | str = "self") -> int:
-    """Anonymous + shared-memory Pss: what a process adds to the host (library pages left out)."""
+def host_bytes(pid: int | str = "self") -> dict[str, int]:
+    """Anonymous and shared-memory Pss of a process (library pages left out)."""
     r = smaps_rollup(pid)
-    return r.get("Pss_Anon", 0) + r.get("Pss_Shmem", 0)
+    return {"anon": r.get("Pss_Anon", 0), "shmem": r.get("Pss_Shmem", 0)}
+
+
+def _growth(before: dict[str, int], after: dict[str, int]) -> int:
+    """What the cache added: all shared-memory Pss (only omnishm segments are shm here) + anon growth."""
+    return after["shmem"] + after["anon"] - before["anon"]
 
 
 def figure_memory(cleanup: Cleanup, size: MemorySize) -> list[Row]:
@@ -80,18 +85,18 @@ def figure_memory(cleanup: Cleanup, size: MemorySize) -> list[Row]:
             for tp in size.tps:
                 ranks = workers[:tp]
                 # One private mirror per rank (the in-process design).
-                before = [w.call(op="pss")["pss"] for w in ranks]
-                after = [w.call(op="mirror", bytes=pool_bytes)["pss"] for w in ranks]
-                mirror = sum(a - b for a, b in zip(after, before))
+                before = [w.call(op="pss") for w in ranks]
+                after = [w.call(op="mirror", bytes=pool_bytes) for w in ranks]
+                mirror = sum(_growth(b, a) for a, b in zip(after, before))
                 for w in ranks:
                     w.call(op="release")
                 # omnishm: one committer-owned pool, rank 0 writes, every rank maps and reads it.
-                before = [w.call(op="pss")["pss"] for w in ranks]
+                before = [w.call(op="pss") for w in ranks]
                 for i, w in enumerate(ranks):
                     w.call(op="attach", endpoint=com.endpoint, cache=com.name, runtime_dir=str(com.runtime_dir),
                            num_blocks=size.num_blocks, width=size.width, writer=i == 0)
-                after = [w.call(op="pss")["pss"] for w in ranks]  # every rank mapped: shares settled
-                ours = sum(a - b for a, b in zip(after, before)) + host_bytes(com.pid) - c_base
+                after = [w.call(op="pss") for w in ranks]  # every rank mapped: shares settled
+                ours = sum(_growth(b, a) for a, b in zip(after, before)) + _growth(c_base, host_bytes(com.pid))
                 for w in ranks:
                     w.call(op="release")
                 rows.append(Row("5", f"host bytes, TP={tp}, pool {fmt_bytes(pool_bytes)} (writer + {tp - 1} "
@@ -115,7 +120,7 @@ def _worker() -> int:
     torch.set_num_threads(1)
     held: dict[str, Any] = {}
 
-    def pss() -> int:
+    def pss() -> dict[str, int]:
         gc.collect()
         return host_bytes()
 
@@ -131,6 +136,7 @@ def _worker() -> int:
                 import omnishm.client.segments  # noqa: F401
             elif op == "mirror":
                 # Its own mapping (not the malloc heap, which keeps freed chunks): released means returned.
+                # (Python anonymous mmaps are MAP_SHARED, so they show as Pss_Shmem: counted by _growth.)
                 buf = mmap.mmap(-1, req["bytes"])
                 t = torch.frombuffer(buf, dtype=torch.uint8)
                 t.fill_(1)
@@ -165,7 +171,7 @@ def _worker() -> int:
                     buf.close()
                 if link is not None:
                     link.close()
-            print(json.dumps({"pss": pss()}), flush=True)
+            print(json.dumps(pss()), flush=True)
         except Exception as exc:  # reported to the benchmark, which fails the figure
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
     return 0

@@ -339,9 +339,11 @@ class CommitterLink:
         with self._plock:
             pending, self._pending = self._pending, {}
             self._outbox.clear()
+        if not reason.startswith(f"cache {self.cache}:"):
+            reason = f"cache {self.cache}: {reason}"
         for entry in pending.values():
             if not entry.fut.done():
-                entry.fut.set_exception(OmniPrefixCacheCommitterError(f"cache {self.cache}: {reason}"))
+                entry.fut.set_exception(OmniPrefixCacheCommitterError(reason))
 
     def _go_dead(self, reason: str) -> None:
         with self._plock:

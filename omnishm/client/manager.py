@@ -89,7 +89,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self.counters: dict[str, float] = {k: 0.0 for k in (
             "steps_saved", "hit_tokens", "hit_rows_served", "rows_served", "cow_rescues", "unmatch_errors",
             "save_seconds", "materialize_seconds", "staging_waits", "deferred_flushes", "budget_flushes",
-            "prefetch_used", "prefetch_dropped")}
+            "prefetch_used", "prefetch_dropped", "staging_pages_in_use")}
         cap = config.staging_capacity_tokens
         staging_rows = config.staging_depth * cap + cap if self.is_writer else 0
         self._link = CommitterLink(
@@ -113,7 +113,9 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             self._prefetcher: Prefetcher | None = None
             self._sender: StepSender | None = StepSender(self._link.submit)
         else:
-            self._pages = None
+            # Readers stage nothing, but the same depth bounds their unconsumed step ids (and the
+            # step rows they keep for them).
+            self._pages = StagingPages(config.staging_depth, cap)
             self._flusher = None
             self._prefetcher = Prefetcher(self._prefetch)
             self._sender = None
@@ -232,10 +234,14 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                       leftover=leftover, leftover_events=leftover_events, freeze_event=freeze_event,
                       row_shapes={k: tuple(v.shape[1:]) for k, v in itertools.chain(immediate.items(),
                                                                                      deferred.items())})
+        assert self._pages is not None
+        ctx.page = self._pages.claim(step_id, self.config.staging_claim_timeout_s,
+                                     holds=("ctx", "write") if self.is_writer else ("ctx",))
+        # Only now is the id issued: a timed-out save burns no step id, so all ranks keep counting alike.
         self._next_step += 1
+        self.counters["staging_waits"] = float(self._pages.waits)
+        self.counters["staging_pages_in_use"] = float(self._pages.in_use())
         if self.is_writer:
-            assert self._pages is not None
-            ctx.page = self._pages.claim(step_id, self.config.staging_claim_timeout_s)
             rows = self._pages.rows(ctx.page)
             pairs = []
             for key, data in immediate.items():

@@ -66,10 +66,8 @@ def wait_clean(timeout_s: float = CLEAN_TIMEOUT_S) -> tuple[list[str], list[str]
 def skip_without_vllm() -> None:
     """Skip the calling test module unless the real vllm is installed.
 
-    ``pytest.importorskip("vllm")`` alone is not enough: the root conftest puts
-    ``tests/`` on ``sys.path``, where this directory (``tests/vllm``, no
-    ``__init__.py``) imports as an empty namespace package named ``vllm``. A
-    real install (a regular package) always wins over it.
+    Checks for a real install (a regular package), not just any importable
+    name ``vllm``: a stray namespace directory of that name must not count.
     """
     import importlib.util
 
@@ -77,5 +75,5 @@ def skip_without_vllm() -> None:
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin in (None, "namespace") or spec.origin.startswith(str(Path(__file__).parent)):
-        pytest.skip("vllm is not installed (optional tier: tests/vllm/run_tier.sh)", allow_module_level=True)
+        pytest.skip("vllm is not installed (optional tier: tests/vllm_tier/run_tier.sh)", allow_module_level=True)
     pytest.importorskip("vllm")

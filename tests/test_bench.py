@@ -1,0 +1,38 @@
+"""``omnishm bench --quick --json``: every figure present with its reference and ratio, exit 0, nothing left."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import REPO
+from omnishm import shm
+
+EXPECTED_FIGURES = {"1", "2", "3", "4", "5", "6"}
+
+
+def test_bench_quick_json_reports_every_figure_with_reference_and_ratio():
+    before = set(shm.list_segments())
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "bench", "--quick", "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    doc = json.loads(proc.stdout)
+    assert doc["mode"] == "quick" and doc["errors"] == {}
+    assert doc["date"] and doc["machine"]["cores"]
+    rows = doc["figures"]
+    assert {r["figure"] for r in rows} == EXPECTED_FIGURES
+    for r in rows:
+        for side in ("value", "reference"):
+            stats = r[side]
+            assert stats["n"] >= 1 and stats["min"] <= stats["median"] <= stats["max"], r
+            assert math.isfinite(stats["median"]) and stats["median"] > 0, r
+        assert r["reference_name"] and r["unit"] and r["goal"], r
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+        assert r["met"] in (True, False, None), r
+    # Every goal of the issue has a row that states whether it is met.
+    goals = {(r["figure"], r["goal"]) for r in rows if r["met"] is not None}
+    assert {f for f, _ in goals} >= {"1", "2", "3", "4", "6"}
+    bench_segments = [s for s in set(shm.list_segments()) - before if shm.parse_segment_name(s)[0].startswith("bench")]
+    assert bench_segments == []

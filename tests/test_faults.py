@@ -1,0 +1,253 @@
+"""Faults: reaping, bounded failure without a committer, restart with adoption, cleanup after SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from omnishm import protocol, shm
+from omnishm.client.link import CommitterLink
+from omnishm.interface import OmniPrefixCacheCommitterError
+from omnishm.versions import make_cv
+
+from conftest import REPO, RUNTIME_DIR, wait_ready
+from helpers import RawClient, Writer, bits, map_key, pack, random_rows, unpack
+
+LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
+NUM_SLOTS = 32
+FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
+
+
+def _until(cond, timeout_s: float, what: str, pace=None):
+    """Poll ``cond`` (bounded); ``pace`` waits on something real between polls."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        (pace or (lambda: time.sleep(0.02)))()
+
+
+def _status(handle) -> dict:
+    admin = handle.client()
+    try:
+        assert isinstance(admin.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+        return admin.status()
+    finally:
+        admin.goodbye()
+        admin.close()
+
+
+def _step_write(rid: int, step: int, key: str, tid: int, cv: int, src: int, slots: list[int]) -> protocol.StepWrite:
+    return protocol.StepWrite(rid=rid, step=step, keys=[key], key_idx=pack([0]), tids=pack([tid]), cvs=pack([cv]),
+                              src_rows=pack([src]), counts=pack([len(slots)]), slots=pack(slots))
+
+
+def test_silent_writer_is_reaped_and_its_late_writes_fail_counted(committer_factory):
+    handle = committer_factory(*FAST)
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    view = writer.open_key("k", "float32", 4)
+    stage = view.segments.staging
+    assert stage in shm.list_segments(handle.name)
+    # The writer says nothing: reaped after the timeout, staging unlinked.
+    _until(lambda: _status(handle)["clients_reaped"] == 1, 15, "the silent writer to be reaped")
+    assert stage not in shm.list_segments(handle.name)
+    # Its in-flight write arrives late: failed (every tid), with the reason, and counted.
+    done = writer.step_write(1, [("k", 11, writer.new_cv(1), 0, [0, 1]), ("k", 12, writer.new_cv(1), 2, [2])])
+    assert isinstance(done, protocol.StepDone), done
+    assert unpack(done.done_tids) == [] and sorted(unpack(done.failed_tids)) == [11, 12]
+    assert "reaped after" in done.reason and "staging" in done.reason
+    status = _status(handle)
+    assert status["tids_failed_reaped"] == 2 and status["rejected"]["reaped_write"] == 1
+    assert "reaped after" in handle.log()
+    writer.raw.close()
+
+
+def test_link_fails_within_bound_when_committer_is_gone(committer_factory):
+    handle = committer_factory(*FAST)
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         reconnect_timeout_s=1.0)
+    try:
+        assert isinstance(link.request(lambda rid: protocol.StatusRequest(rid=rid)), protocol.StatusReply)
+        handle.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(OmniPrefixCacheCommitterError, match="within reconnect_timeout_s=1.0s"):
+            link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=30)
+        elapsed = time.monotonic() - t0
+        # Lost (process gone: seen at the next heartbeat) + 1 s of resume attempts; never the 30 s request timeout.
+        assert elapsed < 1.0 + 1.0 + 2.0, elapsed
+        assert link.dead is not None and link.stats["committer_lost"] == 1
+        with pytest.raises(OmniPrefixCacheCommitterError):
+            link.submit(lambda rid: protocol.StatusRequest(rid=rid))
+    finally:
+        link.close()
+    assert shm.sweep(RUNTIME_DIR, handle.name)  # the SIGKILLed committer's segments, now that nobody holds them
+    assert shm.list_segments(handle.name) == []
+
+
+def test_manager_write_fails_sticky_within_bound_when_committer_is_gone(committer_factory, monkeypatch):
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig
+    from omnishm.sim import SimEngine
+
+    monkeypatch.setenv("OMNISHM_RECONNECT_TIMEOUT_S", "1.0")
+    handle = committer_factory(*FAST)
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=4, staging_capacity_tokens=64, staging_depth=3,
+                            commit_timeout_s=20.0, staging_claim_timeout_s=20.0)
+    eng = SimEngine(num_blocks=16, block_size=4, max_batched_tokens=64, width=8, mm_key=None, seed=3)
+    m = OmniPrefixCacheManager(cfg, cache=handle.name, endpoint=handle.endpoint, autostart=False)
+    try:
+        for _ in range(3):
+            while len(eng.waiting) < 2:
+                eng.add_request()
+            st = eng.schedule()
+            m.new_step_starts(st.step)
+            m.discard_step(m.save_outputs(st.hidden, {}, num_tokens_unpadded=st.num_tokens,
+                                          num_tokens_padded=st.num_tokens, write_layout=st.layout))
+            eng.advance(st)
+        m.wait_idle()
+        handle.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(OmniPrefixCacheUnmatchError) as err:
+            while time.monotonic() - t0 < 30:  # the next save joins the previous step's write: it fails, sticky
+                while len(eng.waiting) < 2:
+                    eng.add_request()
+                st = eng.schedule()
+                m.new_step_starts(st.step)
+                m.discard_step(m.save_outputs(st.hidden, {}, num_tokens_unpadded=st.num_tokens,
+                                              num_tokens_padded=st.num_tokens, write_layout=st.layout))
+                eng.advance(st)
+        assert time.monotonic() - t0 < 10, "failure was not bounded by heartbeat + reconnect timeouts"
+        assert "reconnect_timeout_s" in str(err.value) or "committer" in str(err.value)
+        with pytest.raises(OmniPrefixCacheUnmatchError):
+            m.new_step_starts(eng.schedule().step)
+    finally:
+        m.shutdown()
+    shm.sweep(RUNTIME_DIR, handle.name)
+    assert shm.list_segments(handle.name) == []
+
+
+def test_restart_adopts_live_cache_keeps_acked_rows_and_lands_resent_writes(committer_factory):
+    first = committer_factory(*FAST)
+    name = first.name
+    writer = CommitterLink(cache=name, role=protocol.ROLE_WRITER, endpoint=first.endpoint, layout=LAYOUT,
+                           staging_rows=16, reconnect_timeout_s=30.0)
+    reader = CommitterLink(cache=name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
+                           reconnect_timeout_s=30.0)
+    second = None
+    try:
+        opened = writer.request(lambda rid: protocol.OpenKey(rid=rid, key="h", dtype="bfloat16", width=8))
+        view = map_key(opened.segments, NUM_SLOTS)
+        staged = random_rows(torch.bfloat16, (16, 8), torch.Generator().manual_seed(5))
+        view.staging.copy_(staged)
+        epoch = writer.welcome.epoch
+        cv1, cv2 = make_cv(epoch, 1, 1), make_cv(epoch, 2, 1)
+        view.claim[0:8] = cv1
+        done = writer.request(lambda rid: _step_write(rid, 1, "h", 1, cv1, 0, list(range(8))))
+        assert done.rows_written == 8  # acknowledged before the kill
+        # The committer freezes, takes a write it never answers, and dies.
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        view.claim[8:16] = cv2
+        pending = writer.submit(lambda rid: _step_write(rid, 2, "h", 2, cv2, 8, list(range(8, 16))))
+        first.stop(signal.SIGKILL)
+        assert not pending.done()
+        segs = shm.list_segments(name)
+        second = committer_factory(*FAST, name=name)
+        reply = pending.result(timeout=20)
+        assert isinstance(reply, protocol.StepDone) and unpack(reply.done_tids) == [2] and reply.rows_written == 8
+        assert writer.stats["reconnects"] == 1 and writer.stats["resent"] >= 1
+        assert torch.equal(bits(view.pool[:16]), bits(staged)), "acked or re-sent rows differ after the restart"
+        assert view.commit[:8].eq(cv1).all() and view.commit[8:16].eq(cv2).all()
+        assert shm.list_segments(name) == segs, "the restart must adopt the segments, not recreate them"
+        status = _status(second)
+        assert status["adopted"] and status["generation"] == writer.welcome.generation
+        assert status["writer_epoch"] == epoch and "adopted live generation" in second.log()
+        _until(lambda: reader.stats["reconnects"] == 1, 15, "the reader to resume")
+        assert reader.request(lambda rid: protocol.OpenKey(rid=rid, key="h", dtype="bfloat16", width=8))
+        # A resume that does not fit is refused, with the reason.
+        raw = RawClient(second.endpoint, name)
+        try:
+            bad = raw.call(protocol.Hello(rid=1, protocol=protocol.PROTOCOL_VERSION, client_id=raw.client_id,
+                                          pid=os.getpid(), uid=os.geteuid(), role=protocol.ROLE_READER, cache=name,
+                                          layout=protocol.Layout(num_blocks=9, block_size=4), resume=True,
+                                          resume_generation=writer.welcome.generation))
+            assert isinstance(bad, protocol.Refused) and "layout mismatch" in bad.reason
+            bad = raw.call(protocol.Hello(rid=2, protocol=protocol.PROTOCOL_VERSION, client_id=raw.client_id,
+                                          pid=os.getpid(), uid=os.geteuid(), role=protocol.ROLE_WRITER, cache=name,
+                                          layout=LAYOUT, resume=True, resume_generation="deadbeef"))
+            assert isinstance(bad, protocol.Refused) and "did not adopt" in bad.reason
+        finally:
+            raw.close()
+    finally:
+        if second is None:
+            os.kill(first.proc.pid, signal.SIGCONT) if first.proc.poll() is None else None
+        writer.close()
+        reader.close()
+
+
+def _client_script(name: str, endpoint: str) -> str:
+    return textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from omnishm import protocol
+        from omnishm.client.link import CommitterLink
+        link = CommitterLink(cache={name!r}, role="writer", endpoint={endpoint!r},
+                             layout=protocol.Layout(num_blocks=8, block_size=4), staging_rows=4)
+        link.request(lambda rid: protocol.OpenKey(rid=rid, key="k", dtype="float32", width=4))
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+
+
+@pytest.mark.parametrize("how", ["restart", "cleanup"])
+def test_sigkill_of_every_process_then_one_start_or_cleanup_leaves_nothing(committer_factory, how):
+    handle = committer_factory(*FAST)
+    client = subprocess.Popen([sys.executable, "-c", _client_script(handle.name, handle.endpoint)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "ready"
+        assert len(shm.list_segments(handle.name)) == 5  # ctl (+metadata), pool, claim, commit, staging
+    finally:
+        client.kill()
+        client.wait()
+        handle.stop(signal.SIGKILL)
+    assert len(shm.list_segments(handle.name)) == 5
+    if how == "restart":
+        again = committer_factory(*FAST, name=handle.name)
+        assert shm.list_segments(handle.name) == [], "nobody was attached: the new start must sweep, not adopt"
+        assert "removed 5 segment(s)" in again.log() and "adopted" not in again.log()
+        again.stop(signal.SIGTERM)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "omnishm", "cleanup", "--name", handle.name],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+    assert shm.list_segments(handle.name) == []
+    left = [f for f in os.listdir(RUNTIME_DIR) if f.startswith(handle.name + ".")]
+    assert left == [], left
+
+
+def test_restart_with_unusable_metadata_sweeps_and_clients_fail_clearly(committer_factory):
+    first = committer_factory(*FAST)
+    link = CommitterLink(cache=first.name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
+                         reconnect_timeout_s=20.0)
+    try:
+        ctl = shm.Segment.attach(link.welcome.control)
+        first.stop(signal.SIGKILL)
+        from omnishm.committer import meta
+
+        ctl.mmap[meta.META_OFFSET:meta.META_OFFSET + 2 * meta.SLOT_BYTES] = bytes(2 * meta.SLOT_BYTES)  # both slots
+        second = committer_factory(*FAST, name=first.name)
+        assert "cannot be adopted" in second.log()
+        _until(lambda: link.dead, 20, "the link to give up")
+        assert "did not adopt" in link.dead
+        wait_ready(second)
+    finally:
+        link.close()
