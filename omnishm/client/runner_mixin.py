@@ -59,6 +59,28 @@ def _total_scheduled(scheduler_output: Any) -> int:
     return int(total)
 
 
+def vllm_runner_role() -> str:
+    """``"writer"`` iff this process is TP rank 0 of the last PP stage, else ``"reader"``.
+
+    Read from vLLM's parallel state at call time (vllm imported here, never at
+    module scope). Falls back to writer when vllm is absent or its parallel
+    groups are not initialised (single-process tests, offline tools).
+    """
+    try:
+        from vllm.distributed import parallel_state as ps
+    except ImportError:
+        return "writer"
+    try:
+        if not ps.model_parallel_is_initialized():
+            return "writer"
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        last_pp = bool(ps.get_pp_group().is_last_rank)
+    except (AssertionError, AttributeError, RuntimeError) as exc:
+        logger.warning("omni prefix cache: cannot read TP/PP rank (%s); acting as writer", exc)
+        return "writer"
+    return "writer" if tp_rank == 0 and last_pp else "reader"
+
+
 class PrefixCacheRunnerMixin:
     """Omni prefix cache hooks for a GPUModelRunner-like object. See the module docstring.
 
@@ -103,19 +125,7 @@ class PrefixCacheRunnerMixin:
         """
         if self.prefix_cache_role is not None:
             return self.prefix_cache_role
-        try:
-            from vllm.distributed import parallel_state as ps
-        except ImportError:
-            return "writer"
-        try:
-            if not ps.model_parallel_is_initialized():
-                return "writer"
-            tp_rank = ps.get_tensor_model_parallel_rank()
-            last_pp = bool(ps.get_pp_group().is_last_rank)
-        except (AssertionError, AttributeError, RuntimeError) as exc:
-            logger.warning("omni prefix cache: cannot read TP/PP rank (%s); acting as writer", exc)
-            return "writer"
-        return "writer" if tp_rank == 0 and last_pp else "reader"
+        return vllm_runner_role()
 
     def _prefix_cache_load_policy(self, model: Any = None) -> ModelCachePolicy:
         """Snapshot ``ModelCachePolicy.from_model(model)`` at model load.

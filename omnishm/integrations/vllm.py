@@ -57,6 +57,7 @@ import torch
 from omnishm.client.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 from omnishm.client.group_view import get_prefix_cache_group_view, stage_prefix_cache_config
 from omnishm.client.manager import OmniPrefixCacheManager
+from omnishm.client.runner_mixin import vllm_runner_role
 from omnishm.interface import ModelCachePolicy, ReqId
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class OmniPrefixCacheRunnerHooks:
             self.disabled = True
             return None
         self._block_size = cfg.block_size
-        manager = OmniPrefixCacheManager(cfg, cache=self.cache, autostart=True)
+        manager = OmniPrefixCacheManager(cfg, cache=self.cache, role=vllm_runner_role(), autostart=True)
         try:
             model = r.get_model() if hasattr(r, "get_model") else getattr(r, "model", None)
             manager.register_policy(ModelCachePolicy.from_model(model))
