@@ -87,7 +87,7 @@ def figure_memory(cleanup: Cleanup, size: MemorySize) -> list[Row]:
                 # One private mirror per rank (the in-process design).
                 before = [w.call(op="pss") for w in ranks]
                 after = [w.call(op="mirror", bytes=pool_bytes) for w in ranks]
-                mirror = sum(_growth(b, a) for a, b in zip(after, before))
+                mirror = sum(a["anon"] + a["shmem"] - b["anon"] - b["shmem"] for a, b in zip(after, before))
                 for w in ranks:
                     w.call(op="release")
                 # omnishm: one committer-owned pool, rank 0 writes, every rank maps and reads it.

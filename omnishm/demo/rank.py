@@ -41,6 +41,11 @@ class RankOptions:
     gpu_staging_bytes: int = 1 << 20
     lockstep: bool = True
     """Ranks meet at a barrier every step, as TP ranks meet at their collectives."""
+    step_delay_s: float = 0.0
+    """Sleep this long after each step (stretches a run so faults land mid-run; the chaos test)."""
+    verify_pool: bool = False
+    """Writer only: at the end, after every write was acknowledged, check each claimed pool row of the
+    immediate key against ground truth (``lost_writes``: rows claimed, acknowledged and not there)."""
 
 
 @dataclass
@@ -60,6 +65,10 @@ class RankResult:
     shared_bytes: int = 0
     seconds: float = 0.0
     failure: str | None = None
+    lost_writes: int = 0
+    pool_rows_verified: int = 0
+    link: dict[str, int] = field(default_factory=dict)
+    """The client link's fault counters: committer_lost, reconnects, resent, resume_attempts."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +105,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
                     seed=opts.seed)
     errors: Counter = Counter()
     pending: deque = deque()
+    last_hash: dict[int, int] = {}  # slot -> prefix hash of the row last written there (verify_pool)
     t0 = time.perf_counter()
 
     def consume(m: Any, sid: int, st: Any) -> None:
@@ -140,24 +150,58 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
                 sid = m.save_outputs(st.hidden, st.mm, num_tokens_unpadded=st.num_tokens,
                                      num_tokens_padded=st.num_tokens, write_layout=st.layout)
                 pending.append((sid, st))
+                if opts.verify_pool and role == "writer":
+                    for w in st.layout.writes:
+                        _, first, count = st.positions[w.req_id]
+                        hs = st.hashes[w.req_id][first:first + count]
+                        for slot, h in zip(st.layout.slots[w.token_start:w.token_start + count].tolist(), hs):
+                            last_hash[slot] = h
                 eng.advance(st)
                 while len(pending) > opts.lag:
                     consume(m, *pending.popleft())
                 result.steps += 1
                 if progress is not None and result.steps % 5 == 0:
                     progress.put((rank, result.steps, result.mismatches))
+                if opts.step_delay_s:
+                    time.sleep(opts.step_delay_s)
             while pending:
                 consume(m, *pending.popleft())
+            if opts.verify_pool and role == "writer":
+                m.wait_idle()
+                result.lost_writes, result.pool_rows_verified = _verify_pool(m, last_hash, opts.width)
             result.mirror_bytes = sum(int(kv.pool.numel() * kv.pool.element_size()) for kv in m._keys.values())
             result.rss_bytes, result.shared_bytes = _statm()
     except Exception as exc:  # reported, so the demo can print it and exit non-zero
         result.failure = f"{type(exc).__name__}: {exc}"
+    link = getattr(locals().get("m"), "_link", None)
+    if link is not None:
+        result.link = {k: int(v) for k, v in link.stats.items()}
     result.requests = eng.requests_done
     result.errors = dict(errors)
     result.seconds = time.perf_counter() - t0
     if progress is not None:
         progress.put((rank, result.steps, result.mismatches))
     return result
+
+
+def _verify_pool(m: Any, last_hash: dict[int, int], width: int) -> tuple[int, int]:
+    """(rows lost or wrong, rows verified) of the immediate (hidden) key, once every write was acknowledged.
+
+    A claimed slot must hold commit == claim (its write was acknowledged, so it landed) and the
+    ground-truth row of the last token written there.
+    """
+    from omnishm.interface import HIDDEN_KEY
+    from omnishm.sim import truth_rows
+
+    kv = m._keys.get(HIDDEN_KEY)
+    if kv is None or not last_hash:
+        return 0, 0
+    slots = torch.tensor(sorted(last_hash), dtype=torch.int64)
+    claim, commit = kv.claim[slots], kv.commit[slots]
+    landed = (claim != 0) & (commit == claim)
+    want = truth_rows([last_hash[s] for s in slots.tolist()], width).to(kv.dtype)
+    wrong = ~(kv.pool.index_select(0, slots) == want).all(dim=1)
+    return int((~landed | wrong).sum()), len(slots)
 
 
 def _error_kind(exc: Exception) -> str:

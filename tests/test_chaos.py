@@ -1,0 +1,143 @@
+"""Chaos: a writer and two readers run the demo workload while the committer is SIGKILLed and restarted
+several times and a reader is SIGKILLed and restarted.
+
+Every row a rank serves is checked against ground truth (``omnishm.demo.rank``); the writer finally checks
+that every claimed pool row landed and holds its ground truth (no acknowledged write lost). The run must end
+with zero mismatches, zero lost acknowledged writes and zero leaked segments, and prints its counts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import signal
+import time
+from collections import Counter
+from dataclasses import replace
+
+from omnishm import shm
+from omnishm.demo.launch import _rank_main
+from omnishm.demo.rank import RankOptions, RankResult
+
+from conftest import RUNTIME_DIR, unique_cache_name
+
+COMMITTER_ARGS = ("--heartbeat-s", "0.2", "--heartbeat-timeout-s", "3")
+COMMITTER_KILLS = 3
+DURATION_S = 24.0
+
+
+class Ranks:
+    """Rank processes (spawned) with a shared progress queue; ranks can be killed and started again."""
+
+    def __init__(self, opts: RankOptions):
+        self.opts = opts
+        self.ctx = mp.get_context("spawn")
+        self.progress = self.ctx.Queue()
+        self.results = self.ctx.Queue()
+        self.procs: dict[int, list] = {}
+        self.steps: dict[int, int] = Counter()
+
+    def start(self, rank: int, opts: RankOptions | None = None) -> None:
+        p = self.ctx.Process(target=_rank_main, args=(rank, opts or self.opts, self.progress, self.results, None),
+                             name=f"chaos-rank{rank}", daemon=True)
+        p.start()
+        self.procs.setdefault(rank, []).append(p)
+        self.steps[rank] = 0
+
+    def pump(self, timeout_s: float = 0.1) -> None:
+        try:
+            rank, steps, _ = self.progress.get(timeout=timeout_s)
+            self.steps[rank] = max(self.steps[rank], steps)
+        except queue.Empty:
+            pass
+
+    def wait_steps(self, rank: int, target: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.steps[rank] < target:
+            assert time.monotonic() < deadline, f"rank {rank} stuck at step {self.steps[rank]} (wanted {target})"
+            assert self.procs[rank][-1].exitcode in (None, 0), f"rank {rank} died: {self.procs[rank][-1].exitcode}"
+            self.pump()
+
+    def kill(self, rank: int) -> None:
+        p = self.procs[rank][-1]
+        p.kill()
+        p.join()
+
+    def collect(self, timeout_s: float) -> list[RankResult]:
+        live = [p for ps in self.procs.values() for p in ps if p.exitcode != -signal.SIGKILL]
+        out: list[RankResult] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < len(live) and time.monotonic() < deadline:
+            self.pump(0.01)
+            try:
+                out.append(RankResult(**self.results.get(timeout=0.1)))
+            except queue.Empty:
+                pass
+        for p in live:
+            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert len(out) == len(live), f"only {len(out)} of {len(live)} ranks reported"
+        return out
+
+
+def test_chaos_committer_and_reader_kills(committer_factory, monkeypatch):
+    monkeypatch.setenv("OMNISHM_RECONNECT_TIMEOUT_S", "25")  # inherited by the spawned ranks
+    name = unique_cache_name("chaos")
+    handle = committer_factory(*COMMITTER_ARGS, name=name)
+    opts = RankOptions(cache=name, tp=3, seed=11, steps=10**9, duration_s=DURATION_S, num_blocks=64, block_size=8,
+                       max_batched_tokens=64, width=32, mm_width=8, lag=1, autostart=False,
+                       endpoint=handle.endpoint, runtime_dir=str(RUNTIME_DIR), commit_timeout_s=30.0,
+                       lockstep=False, step_delay_s=0.01, verify_pool=True)
+    ranks = Ranks(opts)
+    t0 = time.monotonic()
+    for r in range(3):
+        ranks.start(r)
+    kills = restarts = reader_kills = 0
+    try:
+        ranks.wait_steps(0, 20, 60)
+        for i in range(COMMITTER_KILLS):
+            handle.stop(signal.SIGKILL)
+            kills += 1
+            handle = committer_factory(*COMMITTER_ARGS, name=name)
+            restarts += 1
+            assert "adopted live generation" in handle.log(), handle.log()
+            if i == 0:  # a reader dies too, and a new one joins (it replays the engine from step 0)
+                ranks.kill(2)
+                reader_kills += 1
+                ranks.start(2, replace(opts, duration_s=max(DURATION_S - (time.monotonic() - t0), 4.0)))
+            ranks.wait_steps(0, ranks.steps[0] + 20, 60)
+        results = ranks.collect(DURATION_S + 60)
+    finally:
+        for ps in ranks.procs.values():
+            for p in ps:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    status_log = handle.log()
+    assert handle.stop(signal.SIGTERM) == 0, status_log
+    leaked = shm.list_segments(name)
+    writer = next(r for r in results if r.rank == 0)
+    errors: Counter = Counter()
+    for r in results:
+        errors.update(r.errors)
+        if r.failure:
+            errors[f"failure: {r.failure[:80]}"] += 1
+    link: Counter = Counter()
+    for r in results:
+        link.update(r.link)
+    rows_checked = sum(r.rows_checked for r in results)
+    mismatches = sum(r.mismatches for r in results)
+    print(f"\n[omnishm chaos] {time.monotonic() - t0:.1f}s: committer kills {kills}, restarts {restarts} (each "
+          f"adopted the live cache), reader kills {reader_kills} (+{reader_kills} restarts); writer steps "
+          f"{writer.steps}; rows checked {rows_checked}, mismatches {mismatches}; pool rows verified "
+          f"{writer.pool_rows_verified}, lost acknowledged writes {writer.lost_writes}; committer losses seen "
+          f"{link['committer_lost']}, resumes {link['reconnects']}, re-sent requests {link['resent']}; "
+          f"errors raised by kind {dict(errors) or '{}'}; leaked segments {len(leaked)}")
+    assert all(r.failure is None for r in results), [r.failure for r in results]
+    assert mismatches == 0
+    assert writer.lost_writes == 0 and writer.pool_rows_verified > 0
+    assert rows_checked > 0 and all(r.rows_checked > 0 for r in results)
+    assert link["reconnects"] >= kills  # the writer alone resumes after every kill
+    assert leaked == []
