@@ -321,3 +321,21 @@ def test_failed_write_is_fatal_and_sticky(committer_factory):
         # The killed committer's segments are ours to sweep.
         from omnishm import shm
         shm.sweep(handle.runtime_dir, handle.name)
+
+
+def test_materialize_fills_preallocated_outputs(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1, 2])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1, 2], 0, 10)], BS))
+    m.new_step_starts([started("b", [0, 1, 5], hit=8)])
+    sid = save(m, [Part("b", 1, [0, 1, 5], 8, 3)], BS)
+    bufs = {"b": {HIDDEN_KEY: torch.empty((11, 8)), "feat": torch.empty((11, 3))}}
+    out = m.materialize(sid, ["b"], out=bufs)
+    assert out.hidden_states["b"].data_ptr() == bufs["b"][HIDDEN_KEY].data_ptr()
+    assert torch.equal(bufs["b"][HIDDEN_KEY], expect(1, 8, 1, 8, 3))
+    assert torch.equal(bufs["b"]["feat"], expect(1, 8, 1, 8, 3, mm=True))
+    m.new_step_starts([extended("b", 11)])
+    sid = save(m, [Part("b", 1, [0, 1, 5], 11, 1)], BS)
+    with pytest.raises(ValueError, match="must be a contiguous CPU tensor"):
+        m.materialize(sid, ["b"], out={"b": {HIDDEN_KEY: torch.empty((2, 8))}})
+    m.discard_step(sid)

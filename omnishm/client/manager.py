@@ -289,7 +289,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self.counters["save_seconds"] += time.perf_counter() - t0
         return step_id
 
-    def materialize(self, step_id: StepId, req_ids: Iterable[ReqId]) -> StageCacheOutputs:
+    def materialize(self, step_id: StepId, req_ids: Iterable[ReqId], *,
+                    out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]] | None = None) -> StageCacheOutputs:
         """Per-request merged outputs (cached prefix rows + this step's rows).
 
         Any thread; consumes ``step_id`` exactly once (an unknown or already
@@ -297,6 +298,12 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         requests. A hit span that resolves to absent or reused rows raises
         ``OmniPrefixCacheUnmatchError`` (never a silent miss); the step's
         staging page is released either way.
+
+        ``out`` optionally supplies preallocated buffers (``out[req][key]``,
+        ``HIDDEN_KEY`` for hidden states) of exactly the merged shape and
+        dtype; they are filled and returned instead of fresh tensors. A fresh
+        allocation pays first-touch page faults on every call, which costs more
+        than the copy for large hits (see benchmarks/README.md).
         """
         t0 = time.perf_counter()
         self._check_usable()
@@ -308,6 +315,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             if outside:  # a caller bug caught before any work: the step id stays unconsumed
                 raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
                                     f"batch {list(peek.req_ids)} (reading the live batch?)", step_id=step_id)
+            if out is not None:
+                self._check_out_buffers(peek, req_ids, out)
         ctx = self._take_ctx(step_id, "materialize")
         try:
             if not self.is_writer:
@@ -316,6 +325,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             mm: dict[ReqId, dict[TensorName, Any]] = {}
             hits: dict[ReqId, int] = {}
             self._wait_step_events(ctx)
+            # One allocation per key for the whole call; each request gets a view of it.
+            arena = {} if out is not None else self._arena(ctx, req_ids)
             for req in req_ids:
                 start, count = ctx.spans[req]
                 span = ctx.hits.get(req)
@@ -323,16 +334,24 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                 hits[req] = h
                 merged: dict[TensorName, Any] = {}
                 for key, step_rows in ctx.step_rows.items():
-                    out = torch.empty((h + count, step_rows.shape[1]), dtype=step_rows.dtype)
+                    shape = (h + count, *ctx.row_shapes[key])
+                    given = out.get(req, {}).get(key) if out is not None else None
+                    if given is not None:
+                        dst = given.view(h + count, -1)
+                    elif arena:
+                        buf, off = arena[key]
+                        dst = buf[off[req]:off[req] + h + count]
+                    else:
+                        dst = torch.empty((h + count, step_rows.shape[1]), dtype=step_rows.dtype)
                     if h:
                         pre = self._take_prefetched(ctx, req, key)
                         if pre is not None:
-                            out[:h].copy_(pre)
+                            dst[:h].copy_(pre)
                         else:
-                            self._read_hit(ctx, span, key, out[:h], req)
+                            self._read_hit(ctx, span, key, dst[:h], req)
                     own = step_rows[start:start + count]
-                    out[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
-                    merged[key] = out.view((h + count, *ctx.row_shapes[key]))
+                    dst[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
+                    merged[key] = dst.view(shape)
                 if span is not None:
                     self.counters["hit_tokens"] += h
                     self.counters["hit_rows_served"] += h * len(ctx.step_rows)
@@ -450,6 +469,34 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         return immediate, deferred, leftover
 
     # ------------------------------------------------------------------ internals: step ids
+
+    @staticmethod
+    def _arena(ctx: StepCtx, req_ids: list[ReqId]) -> dict[TensorName, tuple[torch.Tensor, dict[ReqId, int]]]:
+        off: dict[ReqId, int] = {}
+        total = 0
+        for req in req_ids:
+            off[req] = total
+            span = ctx.hits.get(req)
+            total += (len(span.slots) if span is not None else 0) + ctx.spans[req][1]
+        return {key: (torch.empty((total, rows.shape[1]), dtype=rows.dtype), off)
+                for key, rows in ctx.step_rows.items()}
+
+    @staticmethod
+    def _check_out_buffers(ctx: StepCtx, req_ids: list[ReqId],
+                           out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]]) -> None:
+        """Refuse a wrong ``out`` buffer before the step id is consumed."""
+        for req in req_ids:
+            span = ctx.hits.get(req)
+            rows = (len(span.slots) if span is not None else 0) + ctx.spans[req][1]
+            for key, given in out.get(req, {}).items():
+                step_rows = ctx.step_rows.get(key)
+                if step_rows is None:
+                    raise ValueError(f"materialize out[{req!r}] names {key!r}, which this step did not save")
+                shape = (rows, *ctx.row_shapes[key])
+                if tuple(given.shape) != shape or given.dtype != step_rows.dtype or not given.is_contiguous() \
+                        or given.is_cuda:
+                    raise ValueError(f"materialize out[{req!r}][{key!r}] must be a contiguous CPU tensor "
+                                     f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype}")
 
     def _flush_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
         """Flusher thread: one piece of a deferred write into the flush region (waits its copy)."""
