@@ -186,7 +186,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from omnishm import shm
 
-    removed = shm.sweep(_runtime_dir(args.runtime_dir), args.name)
+    removed = shm.sweep(_runtime_dir(args.runtime_dir), args.name, force=args.force)
     for name in removed:
         print(f"removed {name}")
     print(f"{len(removed)} orphaned object(s) removed" + (f" for cache {args.name}" if args.name else ""))
@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cleanup", help="remove segments and files no live committer owns")
     p.add_argument("--name", default=None, help="only this cache (default: all)")
     p.add_argument("--runtime-dir", default=None)
+    p.add_argument("--force", action="store_true",
+                   help="also remove segments that clients of a dead committer still map (they then cannot resume)")
     p.set_defaults(func=cmd_cleanup)
     for name, (_module, help_text) in EXTERNAL_COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)  # listed in --help; parsed by run_external

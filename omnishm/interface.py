@@ -85,6 +85,8 @@ class PrefixCacheConfig:
     gpu_staging_bytes: int = 1 << 30
     copy_chunk_bytes: int = 64 << 20
     commit_timeout_s: float = 30.0
+    reconnect_timeout_s: float = 30.0
+    """How long a client tries to resume with a restarted committer before every call fails."""
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_capacity_tokens", "staging_depth",
@@ -92,7 +94,7 @@ class PrefixCacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PrefixCacheConfig.{name} must be a positive int, got {value!r}")
-        for name in ("staging_claim_timeout_s", "commit_timeout_s"):
+        for name in ("staging_claim_timeout_s", "commit_timeout_s", "reconnect_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"PrefixCacheConfig.{name} must be a positive number, got {value!r}")

@@ -318,17 +318,45 @@ def cache_is_live(runtime_dir: Path, cache: str) -> bool:
     return False
 
 
+def clients_attached(ctl_name: str) -> bool:
+    """True when some client holds its shared lock on the control segment ``ctl_name``.
+
+    False when nobody does or the segment is gone. Probes with a non-blocking
+    exclusive lock that it drops at once.
+    """
+    try:
+        seg = posix_ipc.SharedMemory(ctl_name, 0)
+    except posix_ipc.ExistentialError:
+        return False
+    try:
+        try:
+            fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+            raise
+        return False
+    finally:
+        os.close(seg.fd)
+
+
 def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
-          keep_generation: str | None = None, assume_dead: bool = False) -> list[str]:
+          keep_generation: str | None = None, assume_dead: bool = False, force: bool = False) -> list[str]:
     """Unlink segments (and stale sockets/locks) of caches no live committer owns.
 
     ``assume_dead`` is for a committer that holds the lock itself: every
     segment of ``cache`` other than ``keep_generation`` is then an orphan.
+    Without ``force``, a generation whose control segment is still locked by
+    attached clients is kept even when its committer is dead: those clients
+    are waiting to resume with a restarted committer, which adopts it.
     Returns what was removed.
     """
     runtime_dir = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
     removed: list[str] = []
     live: dict[str, bool] = {}
+    attached: dict[tuple[str, str], bool] = {}
     for name in list_segments(cache):
         seg_cache, generation, _ = parse_segment_name(name)  # type: ignore[misc]
         if keep_generation is not None and generation == keep_generation:
@@ -337,6 +365,12 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
             live[seg_cache] = False if (assume_dead and seg_cache == cache) else cache_is_live(runtime_dir, seg_cache)
         if live[seg_cache]:
             continue
+        if not force and not assume_dead:
+            key = (seg_cache, generation)
+            if key not in attached:
+                attached[key] = clients_attached(segment_name(seg_cache, generation, "ctl"))
+            if attached[key]:
+                continue
         if unlink_segment(name):
             removed.append(name)
     if runtime_dir.is_dir():

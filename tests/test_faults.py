@@ -98,10 +98,9 @@ def test_manager_write_fails_sticky_within_bound_when_committer_is_gone(committe
     from omnishm.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig
     from omnishm.sim import SimEngine
 
-    monkeypatch.setenv("OMNISHM_RECONNECT_TIMEOUT_S", "1.0")
     handle = committer_factory(*FAST)
     cfg = PrefixCacheConfig(num_blocks=16, block_size=4, staging_capacity_tokens=64, staging_depth=3,
-                            commit_timeout_s=20.0, staging_claim_timeout_s=20.0)
+                            commit_timeout_s=20.0, staging_claim_timeout_s=20.0, reconnect_timeout_s=1.0)
     eng = SimEngine(num_blocks=16, block_size=4, max_batched_tokens=64, width=8, mm_key=None, seed=3)
     m = OmniPrefixCacheManager(cfg, cache=handle.name, endpoint=handle.endpoint, autostart=False)
     try:

@@ -95,6 +95,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self._link = CommitterLink(
             cache=cache, role=role, endpoint=endpoint, autostart=autostart, connect_timeout_s=connect_timeout_s,
             request_timeout_s=config.commit_timeout_s, runtime_dir=Path(runtime_dir) if runtime_dir else None,
+            reconnect_timeout_s=config.reconnect_timeout_s,
             layout=P.Layout(num_blocks=config.num_blocks, block_size=config.block_size),
             staging_rows=staging_rows)
         self._link.counters = self.counters

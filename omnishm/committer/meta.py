@@ -26,16 +26,12 @@ calls into this module.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
-import os
 import struct
 import zlib
 from typing import Any
 
-import posix_ipc
 
 from omnishm import protocol, shm
 
@@ -104,34 +100,10 @@ def read(mm) -> tuple[int, dict[str, Any]]:
     return best
 
 
-def clients_attached(ctl_name: str) -> bool:
-    """True when some client holds its shared lock on the control segment ``ctl_name``.
-
-    False when nobody does or the segment is gone. Probes with a non-blocking
-    exclusive lock that it drops at once.
-    """
-    try:
-        seg = posix_ipc.SharedMemory(ctl_name, 0)
-    except posix_ipc.ExistentialError:
-        return False
-    try:
-        try:
-            fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return True
-            raise
-        return False
-    finally:
-        os.close(seg.fd)
-
-
 def live_generations(cache: str) -> list[str]:
     """Generations of ``cache`` in /dev/shm whose control segment has an attached client."""
     gens = sorted({shm.parse_segment_name(n)[1] for n in shm.list_segments(cache)})  # type: ignore[index]
-    return [g for g in gens if clients_attached(shm.segment_name(cache, g, "ctl"))]
+    return [g for g in gens if shm.clients_attached(shm.segment_name(cache, g, "ctl"))]
 
 
 def empty_doc(cache: str, generation: str, layout: protocol.Layout) -> dict[str, Any]:
