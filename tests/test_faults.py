@@ -250,3 +250,23 @@ def test_restart_with_unusable_metadata_sweeps_and_clients_fail_clearly(committe
         wait_ready(second)
     finally:
         link.close()
+
+
+def test_cleanup_keeps_what_attached_clients_map_unless_forced(committer_factory):
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.interface import PrefixCacheConfig
+
+    handle = committer_factory(*FAST)
+    cfg = PrefixCacheConfig(num_blocks=8, block_size=4, staging_capacity_tokens=16, staging_depth=2,
+                            reconnect_timeout_s=1.0, commit_timeout_s=5.0)
+    m = OmniPrefixCacheManager(cfg, cache=handle.name, endpoint=handle.endpoint, autostart=False)
+    try:
+        handle.stop(signal.SIGKILL)
+        segs = shm.list_segments(handle.name)
+        assert segs
+        shm.sweep(RUNTIME_DIR, handle.name)  # the client still maps them and may resume: kept
+        assert shm.list_segments(handle.name) == segs
+    finally:
+        m.shutdown()
+    shm.sweep(RUNTIME_DIR, handle.name)  # nobody maps them any more: gone
+    assert shm.list_segments(handle.name) == []
