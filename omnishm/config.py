@@ -22,9 +22,10 @@ import argparse
 import difflib
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from omnishm.interface import PrefixCacheConfig
@@ -157,10 +158,13 @@ KNOBS: tuple[Knob, ...] = (
          scope="client", min=1),
     Knob("commit_timeout_s", "float", _pcc_default("commit_timeout_s"),
          "how long a client waits for a committer reply", scope="client", min=0, min_exclusive=True),
+    Knob("reconnect_timeout_s", "float", _pcc_default("reconnect_timeout_s"),
+         "how long a client tries to resume with a restarted committer", scope="client", min=0,
+         min_exclusive=True),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 PREFIX_CACHE_KNOBS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
-                      "copy_chunk_bytes", "commit_timeout_s")
+                      "copy_chunk_bytes", "commit_timeout_s", "reconnect_timeout_s")
 
 
 def knobs(scope: str) -> list[Knob]:
@@ -231,10 +235,10 @@ def _typed(knob: Knob, raw: Any) -> Any:
 def load_file(path: str | os.PathLike) -> dict[str, Any]:
     """Top-level keys of a TOML file. Raises ConfigError (unreadable, bad TOML, unknown key, no parser)."""
     try:
-        import tomllib  # noqa: PLC0415 (3.11+)
+        import tomllib
     except ModuleNotFoundError:  # Python 3.10
         try:
-            import tomli as tomllib  # noqa: PLC0415
+            import tomli as tomllib
         except ModuleNotFoundError:
             raise ConfigError(f"config file {path}: reading TOML needs Python >= 3.11 or `pip install tomli`") \
                 from None

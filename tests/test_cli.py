@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import unique_cache_name
 from manager_helpers import Part, save, started
+
 from omnishm import cli
 from omnishm.client import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheConfig
 

@@ -102,13 +102,14 @@ def test_missing_config_file_and_unknown_override():
         knobs.load_prefix_cache_config(4, 4, env={}, heartbeat_s=1.0)
 
 
-def test_committer_refuses_bad_value_with_exit_2_before_importing_torch(tmp_path):
+def test_committer_refuses_bad_value_with_exit_2_before_creating_anything(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", "cfgbad", "--runtime-dir",
                            str(tmp_path), "--metrics-host", "0.0.0.0"],
                           capture_output=True, text=True, timeout=30, cwd=REPO,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2
     assert "bad metrics_host = '0.0.0.0' (from flag --metrics-host)" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no lock, socket or segment made
 
 
 def test_every_knob_is_in_the_operations_table():

@@ -9,10 +9,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from helpers import RawClient
 from manager_helpers import Part, save, started
+from prometheus_client.parser import text_string_to_metric_families
+
 from omnishm import protocol
 from omnishm.client import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheConfig
 from omnishm.committer.metrics import ClientCounterTotals, ThroughputRing

@@ -407,8 +407,13 @@ def stage_prefix_cache_config(*, kv_cache_config: object, cache_config: object, 
         raise PrefixCacheConfigError(
             f"omni prefix cache: kv_cache_config.num_blocks is {num_blocks!r}; run the gate after "
             f"KV-cache init {_DISABLE_HINT}")
-    return PrefixCacheConfig.from_vllm_config(num_blocks=num_blocks, block_size=block_size,
-                                              scheduler_config=scheduler_config, model_config=model_config)
+    sized = PrefixCacheConfig.from_vllm_config(num_blocks=num_blocks, block_size=block_size,
+                                               scheduler_config=scheduler_config, model_config=model_config)
+    # OMNISHM_* variables and the TOML file beat what we derived from vLLM (omnishm.config).
+    from omnishm.config import load_prefix_cache_config
+
+    return load_prefix_cache_config(num_blocks, block_size,
+                                    derived={"staging_capacity_tokens": sized.staging_capacity_tokens})
 
 
 def get_prefix_cache_group_view(input_batch: "InputBatch | Any", block_size: int,

@@ -79,9 +79,13 @@ def start_committer(cache: str, runtime_dir: Path, *, exit_when_idle: bool = Tru
     cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir)]
     if exit_when_idle:
         cmd.append("--exit-when-idle")
-    log = open(Path(runtime_dir) / f"{cache}.autostart.log", "ab")
+    log_path = Path(runtime_dir) / f"{cache}.autostart.log"
+    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    # The committer removes this log when it stops cleanly; a failed start keeps it, with the reason.
+    env = {**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)}
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                env=env)
     finally:
         log.close()
     # Reap it when it exits so it never lingers as a zombie of the runner.

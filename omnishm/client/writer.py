@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from omnishm import protocol as P
-from omnishm.client.device import HostRegistration
+from omnishm.client.device import DONE, HostRegistration
 from omnishm.client.segments import KeyViews, dtype_name, row_width
 from omnishm.client.steps import StepCtx
 from omnishm.client.writes import Chunk, RowSource, TaskState, WriteTask, build_step_write
@@ -112,9 +112,14 @@ class WriterSide:
         # Entries list each key's writes in batch order, so their slots are the step's slots per key.
         all_slots = slots.repeat(len(keys))
         page = ctx.page
-        # The sender thread waits the step's copy event; only then may the committer read the page.
-        fut = self._sender.submit(ctx.d2h_event, lambda rid: build_step_write(
-            rid, ctx.step_id, keys, key_idx, tids, e_cvs, src, counts, all_slots))
+        def make(rid: int) -> P.StepWrite:
+            return build_step_write(rid, ctx.step_id, keys, key_idx, tids, e_cvs, src, counts, all_slots)
+
+        if ctx.d2h_event is DONE:
+            fut = self._link.submit(make)  # the copy already landed (CPU): no thread hop needed
+        else:
+            # The sender thread waits the step's copy event; only then may the committer read the page.
+            fut = self._sender.submit(ctx.d2h_event, make)
 
         def done(f: Future) -> None:
             self._drop_sources(ctx)

@@ -91,7 +91,7 @@ def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterCo
     """
     endpoint = check_endpoint(args.endpoint or default_endpoint(runtime_dir, args.name))
     if args.metrics_port:
-        from omnishm.committer.metrics import require_prometheus  # noqa: PLC0415
+        from omnishm.committer.metrics import require_prometheus
 
         require_prometheus()
     return CommitterConfig(name=args.name, runtime_dir=runtime_dir, endpoint=endpoint,

@@ -23,9 +23,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from omnishm import protocol
 
@@ -61,7 +62,7 @@ RETAIN_DEPARTED_IDS = 1024
 def require_prometheus() -> None:
     """Raise ValueError with the fix when ``prometheus_client`` is not importable."""
     try:
-        import prometheus_client  # noqa: F401, PLC0415
+        import prometheus_client  # noqa: F401
     except ModuleNotFoundError:
         raise ValueError("--metrics-port needs the prometheus_client package: "
                          "`pip install prometheus_client` (or `pip install omnishm[metrics]`), "
@@ -158,7 +159,7 @@ class ClientCounterTotals:
 class Observability:
     """The committer's operator view. Every method but the HTTP side runs on the loop thread."""
 
-    def __init__(self, committer: "Committer", *, tick_s: float):
+    def __init__(self, committer: Committer, *, tick_s: float):
         self.committer = committer
         self.cfg = committer.cfg
         self.ring = ThroughputRing()
@@ -194,15 +195,15 @@ class Observability:
         if self._exporter is not None:
             self._exporter.write_seconds.observe(seconds)
 
-    def heartbeat(self, session: "Session") -> None:
+    def heartbeat(self, session: Session) -> None:
         self.clients.heartbeat(session.client_id, session.role, session.counters)
 
-    def departed(self, session: "Session") -> None:
+    def departed(self, session: Session) -> None:
         self.clients.departed(session.client_id)
 
     def status_extras(self, now: float) -> dict[str, Any]:
         """Throughput, the committer's own memory and the client counter totals, for ``status()``."""
-        from omnishm.committer.sessions import proc_memory  # noqa: PLC0415
+        from omnishm.committer.sessions import proc_memory
 
         rows, nbytes = self._written()
         return {"throughput": self.ring.rates(now, rows, nbytes),
@@ -255,7 +256,7 @@ class _SnapshotCollector:
         self.obs = obs
 
     def collect(self) -> Iterable[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         obs = self.obs
         st = obs.snapshot
@@ -344,7 +345,7 @@ class MetricsExporter:
     """Private registry + loopback HTTP server on a daemon thread (``/metrics``, ``/health``)."""
 
     def __init__(self, obs: Observability, host: str, port: int):
-        from prometheus_client import CollectorRegistry, Histogram  # noqa: PLC0415
+        from prometheus_client import CollectorRegistry, Histogram
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.write_seconds = Histogram("omnishm_write_apply_seconds",
@@ -375,10 +376,10 @@ class _HTTPServer6(_HTTPServer):
 
 
 def _handler(obs: Observability, registry) -> type[BaseHTTPRequestHandler]:
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: PLC0415
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
@@ -395,7 +396,7 @@ def _handler(obs: Observability, registry) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server API)
+        def log_message(self, format: str, *args) -> None:
             logger.debug("metrics %s: " + format, self.client_address[0], *args)
 
     return Handler

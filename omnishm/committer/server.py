@@ -31,6 +31,7 @@ import socket
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -605,4 +606,16 @@ def main(argv: list[str] | None = None) -> int:
     if committer is not None:
         logger.info("committer %s stopped (%s): %d segment(s) unlinked", cfg.name,
                     committer.stop_reason or "error", len(removed))
+    _drop_autostart_log(runtime_dir, cfg.name, code)
     return code
+
+
+def _drop_autostart_log(runtime_dir: Path, name: str, code: int) -> None:
+    """An embedded committer's log is kept only when it did not stop cleanly (it says why)."""
+    path = os.environ.get("OMNISHM_AUTOSTART_LOG")
+    if code != 0 or not path or Path(path) != Path(runtime_dir) / f"{name}.autostart.log":
+        return
+    try:
+        Path(path).unlink()
+    except FileNotFoundError:
+        pass

@@ -113,7 +113,8 @@ def _wait_for_cleanup(opts: RankOptions, timeout_s: float = 20.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while shm.cache_is_live(runtime_dir, opts.cache) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return shm.list_segments(opts.cache)
+    files = sorted(str(p) for p in runtime_dir.glob(f"{opts.cache}.*")) if runtime_dir.is_dir() else []
+    return shm.list_segments(opts.cache) + files
 
 
 def format_table(s: dict) -> str:
