@@ -74,10 +74,14 @@ class Staging:
     rows: int
     data: np.ndarray | None = None
     """uint8[rows, row_bytes] view of ``tensor`` (the copy engine's source)."""
+    rows_v: np.ndarray | None = None
+    """The same rows as one opaque item each (``_void_rows``)."""
 
     def __post_init__(self) -> None:
         if self.data is None:
             self.data = _byte_rows(self.tensor)
+        if self.rows_v is None:
+            self.rows_v = _void_rows(self.data)
 
 
 @dataclass
@@ -104,9 +108,14 @@ class KeyState:
     min_run: int = 2
     """Shortest run (rows) copied by its own slice assignment: RUN_BYTES worth, at least 2."""
 
+    rows_v: np.ndarray | None = None
+    """The same rows as one opaque item each (``_void_rows``)."""
+
     def __post_init__(self) -> None:
         if self.data is None:
             self.data = _byte_rows(self.pool)
+        if self.rows_v is None:
+            self.rows_v = _void_rows(self.data)
         self.min_run = int(max(2, -(-RUN_BYTES // max(self.row_bytes, 1))))
 
     def gather_buffer(self, rows: int) -> np.ndarray:
@@ -128,6 +137,15 @@ def _byte_rows(t: torch.Tensor) -> np.ndarray:
     rows = t.shape[0]
     flat = t.reshape(rows, -1)
     return flat.view(torch.uint8).numpy().reshape(rows, -1) if flat.numel() else np.empty((rows, 0), np.uint8)
+
+
+def _void_rows(rows: np.ndarray) -> np.ndarray:
+    """1-D view of a C-contiguous uint8[rows, row_bytes] array, one ``V{row_bytes}`` item per row.
+
+    A fancy-indexed row scatter on it is one item copy per row: ~0.4 us for 128 rows of
+    16 B against ~2 us for the same scatter on the 2-D uint8 view (measured here).
+    """
+    return rows.view(np.dtype((np.void, rows.shape[1]))).reshape(rows.shape[0])
 
 
 _max = np.maximum.reduce  # the ufunc itself: ndarray.max() adds two Python frames per call
@@ -592,7 +610,7 @@ class CachePool:
             n_ok = int(np.count_nonzero(ok))
             if n_ok == total:
                 if total < state.min_run:  # no run long enough for its own slice: one scatter
-                    state.data[slots] = staging.data[r0:r1]
+                    state.rows_v[slots] = staging.rows_v[r0:r1]
                 else:
                     _copy_rows(state, staging, slots, np.arange(r0, r1, dtype=np.int64))
                 state.commit[slots] = row_cv  # after the rows: a reader seeing commit == claim sees the row
