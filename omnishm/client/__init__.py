@@ -4,8 +4,15 @@ Imports without vllm installed (the import invariant).
 """
 
 from omnishm.client.manager import OmniPrefixCacheManager
-from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheStagingTimeoutError,
-                               OmniPrefixCacheUnmatchError, PrefixCacheConfig, StageCacheOutputs, WriteSchedule)
+from omnishm.interface import (
+                               HIDDEN_KEY,
+                               ModelCachePolicy,
+                               OmniPrefixCacheStagingTimeoutError,
+                               OmniPrefixCacheUnmatchError,
+                               PrefixCacheConfig,
+                               StageCacheOutputs,
+                               WriteSchedule,
+)
 
 __all__ = ["OmniPrefixCacheManager", "HIDDEN_KEY", "ModelCachePolicy", "OmniPrefixCacheStagingTimeoutError",
            "OmniPrefixCacheUnmatchError", "PrefixCacheConfig", "StageCacheOutputs", "WriteSchedule"]

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import queue
-import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
 import torch
+
+from omnishm.client.serial import SerialThread
 
 logger = logging.getLogger(__name__)
 
@@ -167,32 +167,26 @@ class StepSender:
 
     def __init__(self, send: Callable[[Callable[[int], Any]], Future]):
         self._send = send
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="omnishm-sender", daemon=True)
-        self._thread.start()
+        self._thread: SerialThread[tuple[Event, Callable[[int], Any], Future]] = SerialThread(
+            "omnishm-sender", self._send_after)
 
     def submit(self, event: Event, make: Callable[[int], Any]) -> Future:
         outer: Future = Future()
-        self._queue.put((event, make, outer))
+        self._thread.put((event, make, outer))
         return outer
 
     def stop(self, timeout_s: float) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=timeout_s)
+        self._thread.stop(timeout_s)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            event, make, outer = item
-            try:
-                event.synchronize()
-                inner = self._send(make)
-            except BaseException as exc:  # handed to whoever waits the step's write
-                outer.set_exception(exc)
-                continue
-            inner.add_done_callback(lambda f, outer=outer: _chain(f, outer))
+    def _send_after(self, item: tuple[Event, Callable[[int], Any], Future]) -> None:
+        event, make, outer = item
+        try:
+            event.synchronize()
+            inner = self._send(make)
+        except BaseException as exc:  # handed to whoever waits the step's write
+            outer.set_exception(exc)
+            return
+        inner.add_done_callback(lambda f, outer=outer: _chain(f, outer))
 
 
 def _chain(inner: Future, outer: Future) -> None:

@@ -32,14 +32,24 @@ import torch
 from omnishm import protocol as P
 from omnishm.client.device import DONE, DeviceOps, HostRegistration, StepSender, ops_for
 from omnishm.client.link import CommitterLink
+from omnishm.client.reads import ReadSide
 from omnishm.client.segments import KeyViews, StagingPages
-from omnishm.client.reads import Prefetcher, ReadSide
+from omnishm.client.serial import SerialThread
 from omnishm.client.steps import HitSpan, StepCtx
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
-from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheCommitterError,
-                               OmniPrefixCacheUnmatchError, PrefixCacheConfig, ReqId, StageCacheOutputs, StepId,
-                               TensorName, unmatch)
+from omnishm.interface import (
+    HIDDEN_KEY,
+    ModelCachePolicy,
+    OmniPrefixCacheCommitterError,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    ReqId,
+    StageCacheOutputs,
+    StepId,
+    TensorName,
+    unmatch,
+)
 from omnishm.shm import Segment
 from omnishm.versions import make_cv
 
@@ -111,14 +121,14 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                 to_host=self._flush_copy, chunk_bytes=config.copy_chunk_bytes,
                 key_index=lambda key: self._keys[key].index, send=self._link.submit,
                 on_task_done=self._on_task_done, timeout_s=config.commit_timeout_s)
-            self._prefetcher: Prefetcher | None = None
+            self._prefetcher: SerialThread[StepCtx] | None = None
             self._sender: StepSender | None = StepSender(self._link.submit)
         else:
             # Readers stage nothing, but the same depth bounds their unconsumed step ids (and the
             # step rows they keep for them).
             self._pages = StagingPages(config.staging_depth, cap)
             self._flusher = None
-            self._prefetcher = Prefetcher(self._prefetch)
+            self._prefetcher = SerialThread("omnishm-prefetch", self._prefetch)
             self._sender = None
             for seg in welcome.keys:
                 self._keys[seg.key] = KeyViews.map(seg, config.num_slots, readonly=True)

@@ -163,29 +163,3 @@ class ReadSide:
             assert ctx.prefetch_done is not None
             ctx.prefetch_done.set()
 
-
-class Prefetcher:
-    """One daemon thread (``omnishm-prefetch``) running ``work(ctx)`` in order."""
-
-    def __init__(self, work) -> None:
-        import queue
-        import threading
-
-        self._work = work
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="omnishm-prefetch", daemon=True)
-        self._thread.start()
-
-    def put(self, ctx: StepCtx) -> None:
-        self._queue.put(ctx)
-
-    def stop(self, timeout_s: float) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            ctx = self._queue.get()
-            if ctx is None:
-                return
-            self._work(ctx)

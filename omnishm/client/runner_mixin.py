@@ -38,9 +38,18 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
-from omnishm.client.group_view import (FullAttentionGroupView, check_prefix_cache_token_accounting,
-                                       stage_prefix_cache_config)
-from omnishm.interface import ModelCachePolicy, ReqId, StageCacheOutputs, StepId, unmatch
+from omnishm.client.group_view import (
+    FullAttentionGroupView,
+    check_prefix_cache_token_accounting,
+    stage_prefix_cache_config,
+)
+from omnishm.interface import (
+    ModelCachePolicy,
+    ReqId,
+    StageCacheOutputs,
+    StepId,
+    unmatch,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

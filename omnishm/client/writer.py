@@ -16,8 +16,19 @@ from omnishm import protocol as P
 from omnishm.client.device import DONE, HostRegistration
 from omnishm.client.segments import KeyViews, dtype_name, row_width
 from omnishm.client.steps import StepCtx
-from omnishm.client.writes import Chunk, RowSource, TaskState, WriteTask, build_step_write
-from omnishm.interface import OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError, ReqId, TensorName
+from omnishm.client.writes import (
+    Chunk,
+    RowSource,
+    TaskState,
+    WriteTask,
+    build_step_write,
+)
+from omnishm.interface import (
+    OmniPrefixCacheCommitterError,
+    OmniPrefixCacheUnmatchError,
+    ReqId,
+    TensorName,
+)
 
 
 class WriterSide:

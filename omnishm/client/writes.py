@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import queue
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 
 from omnishm import protocol as P
+from omnishm.client.serial import SerialThread
 from omnishm.interface import ReqId, StepId, TensorName, Tid
 
 logger = logging.getLogger(__name__)
@@ -132,30 +131,23 @@ class Flusher:
         self._send = send
         self._on_task_done = on_task_done
         self._timeout_s = timeout_s
-        self._queue: queue.Queue[WriteTask | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="omnishm-flusher", daemon=True)
-        self._thread.start()
+        self._thread: SerialThread[WriteTask] = SerialThread("omnishm-flusher", self._run_task)
 
     def put(self, task: WriteTask) -> None:
-        self._queue.put(task)
+        self._thread.put(task)
 
     def pending(self) -> int:
-        return self._queue.qsize()
+        return self._thread.pending()
 
     def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=self._timeout_s)
+        self._thread.stop(self._timeout_s)
 
-    def _run(self) -> None:
-        while True:
-            task = self._queue.get()
-            if task is None:
-                return
-            try:
-                result: P.StepDone | BaseException = self._flush(task)
-            except BaseException as exc:  # reported to the manager, which makes it sticky
-                result = exc
-            self._on_task_done(task, result)
+    def _run_task(self, task: WriteTask) -> None:
+        try:
+            result: P.StepDone | BaseException = self._flush(task)
+        except BaseException as exc:  # reported to the manager, which makes it sticky
+            result = exc
+        self._on_task_done(task, result)
 
     def _flush(self, task: WriteTask) -> P.StepDone:
         region = self._region(task.key)

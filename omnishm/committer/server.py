@@ -51,6 +51,14 @@ _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 EXIT_OK = 0
 EXIT_REFUSED = 2
 RECV_BATCH = 1024
+REPLY_BURST = 32
+"""Replies wait in ``Committer.replies`` until this many are ready or the receive batch is handled.
+
+Sent back to back, only the first of a burst wakes libzmq's I/O thread (a syscall and, on
+a 2-core machine, a context switch); one send per message cost ~15 us of the committer's
+~50 us per small step (py-spy). A reply waits at most REPLY_BURST messages of work."""
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 MAX_COUNTERS = 256
 """Heartbeat counters kept per session (more are dropped and counted)."""
 
@@ -120,6 +128,8 @@ class Committer:
         self.stopping = False
         self.stop_reason = ""
         self.queue_depth = 0
+        self.replies: list[tuple[bytes, bytes]] = []
+        """Encoded replies not sent yet (``send`` queues, ``flush_replies`` sends)."""
         self.messages = 0
         self.decode_errors: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -195,9 +205,13 @@ class Committer:
             if not batch:
                 return
             received_at = time.monotonic()
+            replies = self.replies
             for i, frames in enumerate(batch):
                 self.queue_depth = len(batch) - i - 1
                 self.handle_frames(frames)
+                if len(replies) >= REPLY_BURST:
+                    self.flush_replies()
+            self.flush_replies()
             self.queue_depth = 0
             self.obs.batch_done(len(batch), received_at, time.monotonic())
 
@@ -234,11 +248,20 @@ class Committer:
         self.send(identity, reply)
 
     def send(self, identity: bytes, reply: msgspec.Struct) -> None:
+        """Encode ``reply`` now and queue it for ``identity``; ``flush_replies`` sends it."""
+        self.replies.append((identity, protocol.encode(reply)))
+
+    def flush_replies(self) -> None:
+        """Send every queued reply, in order, without blocking (loop thread)."""
         assert self.sock is not None
-        try:
-            self.sock.send_multipart([identity, protocol.encode(reply)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: it learns by timing out
-            logger.warning("committer %s: reply to a client dropped: %s", self.name, exc)
+        send = self.sock.send
+        for identity, payload in self.replies:
+            try:
+                send(identity, _SNDMORE_NOBLOCK)
+                send(payload, _NOBLOCK)
+            except zmq.ZMQError as exc:  # peer gone or its queue full: it learns by timing out
+                logger.warning("committer %s: reply to a client dropped: %s", self.name, exc)
+        self.replies.clear()
 
     # ------------------------------------------------------------ dispatch
 

@@ -1,0 +1,40 @@
+"""One daemon thread that handles queued items in order (the client's helper threads).
+
+Used by the flusher (deferred writes), the sender (wait a copy event, then
+send) and the reader's prefetcher. ``stop`` lets the items already queued
+finish, bounded by its timeout.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+_STOP = object()
+
+
+class SerialThread(Generic[T]):
+    def __init__(self, name: str, handle: Callable[[T], None]):
+        self._handle = handle
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item: T) -> None:
+        self._queue.put(item)
+
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def stop(self, timeout_s: float) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            self._handle(item)
