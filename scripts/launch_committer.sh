@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Run an omnishm committer in the foreground (for a supervisor: systemd, supervisord, k8s).
 #
-# Usage: scripts/launch_committer.sh --name NAME [--runtime-dir DIR] [--endpoint ipc://...|tcp://127.0.0.1:PORT]
+# Usage: scripts/launch_committer.sh --name NAME [--config FILE] [--runtime-dir DIR]
+#                                    [--endpoint ipc://...|tcp://127.0.0.1:PORT]
 #                                    [--heartbeat-s S] [--heartbeat-timeout-s S] [--exit-when-idle]
-#                                    [--prefault] [--log-level LEVEL]
+#                                    [--prefault] [--metrics-port PORT] [--log-level LEVEL]
+# Every option is also an OMNISHM_<OPTION> variable or a TOML key (see README, Configuration);
+# `scripts/launch_committer.sh --help` lists them with their defaults.
 #
 # SIGTERM/SIGINT stop it cleanly (every segment unlinked, exit 0). Exit 2: another committer
 # already holds that cache name. PYTHON overrides the interpreter (default python3).
