@@ -493,17 +493,18 @@ class CachePool:
                                f"slot {int(slots[r])} out of range 0..{num_slots - 1}")
         if len(states) == 1:
             limit = states[0].staging[client_id].rows
-            ok = int(_min(src_rows)) >= 0 and int(_max(src_rows + counts)) <= limit
+            # src_rows > limit - counts, not src_rows + counts > limit: the sum can wrap around int64.
+            ok = int(_min(src_rows)) >= 0 and not bool((src_rows > limit - counts).any())
             limits: np.ndarray | int = limit
         else:
             limits = np.array([s.staging[client_id].rows for s in states], dtype=np.int64)[key_idx]
-            ok = not bool(((src_rows < 0) | (src_rows + counts > limits)).any())
+            ok = not bool(((src_rows < 0) | (src_rows > limits - counts)).any())
         if not ok:
             limits = np.broadcast_to(np.asarray(limits, dtype=np.int64), (n,))
-            bad = (src_rows < 0) | (src_rows + counts > limits)
+            bad = (src_rows < 0) | (src_rows > limits - counts)
             e = int(np.flatnonzero(bad)[0])
             raise StepRejected(f"step {step}: key {states[int(key_idx[e])].name!r} entry {e} (tid {int(tids[e])}) "
-                               f"staging rows {int(src_rows[e])}..{int(src_rows[e] + counts[e])} "
+                               f"staging rows {int(src_rows[e])}..{int(src_rows[e]) + int(counts[e])} "
                                f"outside 0..{int(limits[e])}")
         return tids, key_idx, cvs, src_rows, counts, slots, states
 
