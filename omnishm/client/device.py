@@ -116,7 +116,10 @@ class CudaOps:
 
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Event) -> Event:
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(after)  # type: ignore[arg-type]
+            if isinstance(after, torch.cuda.Event):
+                self.copy_stream.wait_event(after)
+            else:
+                after.synchronize()
             for dst, src in pairs:
                 dst.copy_(src.reshape(dst.shape), non_blocking=True)
                 # The clone must outlive the copy although the engine drops it.
@@ -227,7 +230,7 @@ class HostRegistration:
             size = min(chunk, total - off)
             rc = cudart.cudaHostRegister(base + off, size, flags)
             if int(rc) != 0:
-                cudart.cudaGetLastError()  # clear the sticky error before anyone else trips on it
+                _clear_last_cuda_error()  # before torch's next launch check trips on it
                 type(self).fallbacks += 1
                 if not type(self)._warned:
                     type(self)._warned = True
@@ -249,3 +252,20 @@ class HostRegistration:
         for ptr in self.ptrs:
             cudart.cudaHostUnregister(ctypes.c_void_p(ptr).value)
         self.ptrs = []
+
+
+def _clear_last_cuda_error() -> None:
+    """``cudaGetLastError()`` from the libcudart this process loaded (torch's binding has none)."""
+    path = None
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart" in line), None)
+    except OSError:
+        pass
+    for name in ([path] if path else []) + ["libcudart.so", "libcudart.so.12", "libcudart.so.13"]:
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+    logger.warning("could not clear the CUDA error left by a failed cudaHostRegister (libcudart not found)")
