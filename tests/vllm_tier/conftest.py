@@ -69,3 +69,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def h(engine, request):
+    """The module's engine harness, scoped to one test (each module defines ``engine``).
+
+    The first test of a module that asks for it (``engine["first"]``) runs on
+    the hooks the extension installed by itself at engine start.
+    """
+    harness = engine["harness"]
+    harness.begin(request.node.name[:8], keep_current=engine.get("first", False))
+    engine["first"] = False
+    try:
+        yield harness
+    finally:
+        harness.end()

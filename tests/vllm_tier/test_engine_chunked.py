@@ -44,15 +44,6 @@ def engine(tiny_model_dir):
         close_llm(llm)
 
 
-@pytest.fixture
-def h(engine, request):
-    harness: Harness = engine["harness"]
-    harness.begin(request.node.name[:8])
-    try:
-        yield harness
-    finally:
-        harness.end()
-
 
 def test_chunked_prefill_with_hits(h):
     rng = random.Random(11)

@@ -34,17 +34,6 @@ def engine(tiny_model_dir):
         close_llm(llm)
 
 
-@pytest.fixture
-def h(engine, request):
-    harness: Harness = engine["harness"]
-    # The first test runs on the hooks the extension installed by itself at engine start.
-    harness.begin(request.node.name[:8], keep_current=engine["first"])
-    engine["first"] = False
-    try:
-        yield harness
-    finally:
-        harness.end()
-
 
 def test_prefix_hits_full_partial_and_batched(h):
     rng = random.Random(1)

@@ -33,16 +33,6 @@ def engine(tiny_model_dir):
         close_llm(llm)
 
 
-@pytest.fixture
-def h(engine, request):
-    harness: Harness = engine["harness"]
-    harness.begin(request.node.name[:8], keep_current=engine["first"])
-    engine["first"] = False
-    try:
-        yield harness
-    finally:
-        harness.end()
-
 
 def test_worker_process_hits_and_abort(h):
     rng = random.Random(21)
