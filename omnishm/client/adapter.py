@@ -304,17 +304,23 @@ class PrefixCacheSchedulerAdapter:
         else:
             events = list(step_or_events)
             counts = num_scheduled_tokens if num_scheduled_tokens is not None else {}
-        for ev in events:
+        for ev in events:  # every item is checked before any duplicate is looked for
             if not isinstance(ev, PrefixCacheRequestEvent):
                 raise ValueError(f"not a PrefixCacheRequestEvent: {ev!r}")
             if not isinstance(ev.kind, PrefixCacheEventKind):
                 raise ValueError(f"unknown prefix-cache event kind {ev.kind!r}")
-            if ev.num_computed_tokens < 0 or any(b < 0 for b in ev.block_ids):
+            if ev.num_computed_tokens < 0 or (ev.block_ids and min(ev.block_ids) < 0):
                 raise ValueError(f"negative count in {ev!r}")
         ended: set[ReqId] = set()
         active: set[ReqId] = set()
+        ordered = True
+        last = 0
         for ev in events:
-            bucket = ended if ev.kind in _END_KINDS else active
+            rank = _ORDER[ev.kind]
+            if rank < last:
+                ordered = False
+            last = rank
+            bucket = ended if rank == 0 else active
             if ev.req_id in bucket:
                 raise ValueError(f"two {'finish' if bucket is ended else 'schedule'} events for {ev.req_id}")
             bucket.add(ev.req_id)
@@ -322,8 +328,10 @@ class PrefixCacheSchedulerAdapter:
         for rid, n in counts.items():
             if not isinstance(rid, str):
                 raise ValueError(f"num_scheduled_tokens key must be a str, got {rid!r}")
-            clean[rid] = _nonneg_int(n, f"num_scheduled_tokens[{rid}]")
-        events.sort(key=lambda ev: _ORDER[ev.kind])
+            # A plain non-negative int is the usual case; anything else gets the full check.
+            clean[rid] = n if type(n) is int and n >= 0 else _nonneg_int(n, f"num_scheduled_tokens[{rid}]")
+        if not ordered:  # (already canonical is the usual case)
+            events.sort(key=lambda ev: _ORDER[ev.kind])
         return PrefixCacheStep(tuple(events), clean)
 
     @staticmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -27,9 +28,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+import numpy as np
 import torch
 
 from omnishm import protocol as P
+from omnishm.client.adapter import PrefixCacheEventKind as EventKind
+from omnishm.client.adapter import PrefixCacheSchedulerAdapter
 from omnishm.client.device import DONE, DeviceOps, HostRegistration, StepSender, ops_for
 from omnishm.client.link import CommitterLink
 from omnishm.client.reads import ReadSide
@@ -56,9 +60,14 @@ from omnishm.versions import make_cv
 if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
 
+_HIT_KINDS = (EventKind.STARTED, EventKind.RESUMED)
+_END_KINDS = (EventKind.FINISHED, EventKind.ABORTED)
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.0005
+_SMALL_STEP = 256
+"""Steps of at most this many tokens do their slot bookkeeping in plain Python (see save_outputs)."""
 
 class OmniPrefixCacheManager(WriterSide, ReadSide):
     """The runner-side cache. Use as a context manager or call ``shutdown``."""
@@ -85,7 +94,9 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, torch.Tensor] = {}
         self._keys: dict[TensorName, KeyViews] = {}
-        self._sources: dict[tuple[TensorName, int], RowSource] = {}
+        self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
+        self._step_sources: dict[tuple[TensorName, StepId], RowSource] = {}  # immediate keys, by (key, step)
+        self._translator = PrefixCacheSchedulerAdapter()  # translate_step only: it keeps no state
         self._open: dict[tuple[ReqId, TensorName], WriteTask] = {}
         self._open_by_cv: dict[tuple[TensorName, int], WriteTask] = {}
         self._deferred_order: OrderedDict[int, WriteTask] = OrderedDict()
@@ -114,7 +125,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self._ctl_seg = Segment.attach(welcome.control, readonly=not self.is_writer)
         self._ctl = self._ctl_seg.tensor(torch.int64, (P.CTL_WORDS,))
         if self.is_writer:
-            self._ctl[P.CTL_PUBLISHED_STEP] = -1
+            self._ctl_np = self._ctl.numpy()  # the same words: a plain store per step, no torch dispatch
+            self._ctl_np[P.CTL_PUBLISHED_STEP] = -1
             self._pages: StagingPages | None = StagingPages(config.staging_depth, cap)
             self._flusher: Flusher | None = Flusher(
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
@@ -155,16 +167,13 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         deferred writes of finished or aborted requests (aborts still land) and
         of hit rows, handing them to the flusher after the lock is released.
         """
-        from omnishm.client.adapter import PrefixCacheEventKind as K
-        from omnishm.client.adapter import PrefixCacheSchedulerAdapter
-
         self._check_usable()
-        step = PrefixCacheSchedulerAdapter().translate_step(events, num_scheduled_tokens)
+        step = self._translator.translate_step(events, num_scheduled_tokens)
         bs = self.config.block_size
         planned: dict[ReqId, torch.Tensor | None] = {}
         for ev in step.events:
-            if ev.kind in (K.STARTED, K.RESUMED) and ev.num_computed_tokens > 0 and \
-                    not (ev.kind == K.STARTED and ev.req_id in self._live):
+            if ev.num_computed_tokens > 0 and ev.kind in _HIT_KINDS and \
+                    not (ev.kind == EventKind.STARTED and ev.req_id in self._live):
                 hit = ev.num_computed_tokens
                 if hit % bs:
                     raise self._unmatch(f"prefix hit of {hit} tokens is not a multiple of block_size {bs} "
@@ -178,12 +187,13 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         to_flush: list[WriteTask] = []
         with self._lock:
             for ev in step.events:
-                if ev.kind in (K.FINISHED, K.ABORTED):
+                if ev.kind in _END_KINDS:
                     self._live.discard(ev.req_id)
                     self._pending_hits.pop(ev.req_id, None)
                     to_flush.extend(self._close_request_locked(ev.req_id))
-                elif ev.kind in (K.STARTED, K.RESUMED, K.REPLACED):
-                    replaced = ev.kind == K.REPLACED or (ev.kind == K.STARTED and ev.req_id in self._live)
+                elif ev.kind in (EventKind.STARTED, EventKind.RESUMED, EventKind.REPLACED):
+                    replaced = ev.kind == EventKind.REPLACED or (
+                        ev.kind == EventKind.STARTED and ev.req_id in self._live)
                     self._live.add(ev.req_id)
                     slots = None if replaced else planned.get(ev.req_id)
                     if slots is not None:
@@ -216,10 +226,30 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         if int(num_tokens_padded) < n or write_layout.num_tokens != n:
             raise self._unmatch(f"token accounting: unpadded={n}, padded={num_tokens_padded}, "
                                 f"layout rows={write_layout.num_tokens}", step_id=step_id)
-        layout_slots = write_layout.slots
-        if n and (int(layout_slots.min()) < 0 or int(layout_slots.max()) >= self.config.num_slots):
-            raise self._unmatch(f"write layout has slots outside [0, {self.config.num_slots}) "
-                                f"(min {int(layout_slots.min())}, max {int(layout_slots.max())})", step_id=step_id)
+        slots = write_layout.slots
+        if slots.dtype is not torch.int64:  # torch dtypes are singletons
+            slots = slots.to(torch.int64)
+        if slots.is_cuda:
+            slots = slots.cpu()
+        # Slot bookkeeping of a small step runs in plain Python (a list, a memoryview of the claim
+        # table, struct packing): right after a forward every numpy or torch call on tiny arrays
+        # costs tens of microseconds of cold code. A large step uses numpy (vectorised).
+        slot_list: list[int] | None = slots.tolist() if n <= _SMALL_STEP else None
+        slots_np = slots.numpy() if slot_list is None else None
+        if n:
+            if slot_list is not None:
+                lo, hi = min(slot_list), max(slot_list)
+            else:
+                lo, hi = int(slots_np.min()), int(slots_np.max())
+            if lo < 0 or hi >= self.config.num_slots:
+                raise self._unmatch(f"write layout has slots outside [0, {self.config.num_slots}) "
+                                    f"(min {lo}, max {hi})", step_id=step_id)
+        writes = [w for w in write_layout.writes if w.num_tokens > 0]
+        starts = [w.token_start for w in writes]
+        counts = [w.num_tokens for w in writes]
+        if self.is_writer and writes and sum(counts) != n:
+            raise self._unmatch(f"write layout: writes cover {sum(counts)} rows, slots {n} "
+                                "(writes must be contiguous from row 0)", step_id=step_id)
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         if self._ops is None:
             self._ops = ops_for(list(immediate.values()) + list(deferred.values()) +
@@ -227,7 +257,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         ops = self._ops
         # Freeze first: the live (graph) buffers may be overwritten once this call returns.
         immediate = {k: ops.freeze(v) for k, v in immediate.items()}
-        deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone()) for k, v in deferred.items()}
+        if deferred:
+            deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone()) for k, v in deferred.items()}
         leftover_events = []
         for k, v in list(leftover.items()):
             if isinstance(v, torch.Tensor):
@@ -238,13 +269,11 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             for key, rows in itertools.chain(immediate.items(), deferred.items()):
                 self._ensure_key(key, rows)
         self._join_previous_write()
-        writes = [w for w in write_layout.writes if w.num_tokens > 0]
-        slots = write_layout.slots.to(torch.int64)
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
                       spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
-                      leftover=leftover, leftover_events=leftover_events, freeze_event=freeze_event,
-                      row_shapes={k: tuple(v.shape[1:]) for k, v in itertools.chain(immediate.items(),
-                                                                                     deferred.items())})
+                      leftover=leftover, leftover_events=leftover_events, freeze_event=freeze_event)
+        for key, v in itertools.chain(immediate.items(), deferred.items()):
+            ctx.row_shapes[key] = tuple(v.shape[1:])
         assert self._pages is not None
         ctx.page = self._pages.claim(step_id, self.config.staging_claim_timeout_s,
                                      holds=("ctx", "write") if self.is_writer else ("ctx",))
@@ -253,10 +282,10 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self.counters["staging_waits"] = float(self._pages.waits)
         self.counters["staging_pages_in_use"] = float(self._pages.in_use())
         if self.is_writer:
-            rows = self._pages.rows(ctx.page)
+            base = self._pages.capacity * ctx.page
             pairs = []
             for key, data in immediate.items():
-                view = self._keys[key].staging[rows][:n]
+                view = self._keys[key].staging[base:base + n]
                 pairs.append((view, data))
                 ctx.step_rows[key] = view
             # One whole-step device-to-host copy per key, fenced by the freeze event.
@@ -266,34 +295,47 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                 ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, -1))
         for key, data in deferred.items():
             ctx.step_rows[key] = data.reshape(n, -1)
-        counts = torch.as_tensor([w.num_tokens for w in writes], dtype=torch.int64)
-        cvs = [make_cv(self._epoch, step_id, seq + 1) for seq in range(len(writes))] if self.is_writer else []
-        row_cv = torch.repeat_interleave(torch.as_tensor(cvs, dtype=torch.int64), counts) if cvs else None
         to_flush: list[WriteTask] = []
-        if self.is_writer and row_cv is not None:
-            self._rescue_before_claim(slots, row_cv)
-            for key in itertools.chain(immediate, deferred):
-                self._keys[key].claim[slots] = row_cv
+        cvs: list[int] = []
+        if self.is_writer and writes:
+            # Claim versions of seq 1..len(writes) in this step; make_cv checks the largest one.
+            last = make_cv(self._epoch, step_id, len(writes))
+            cvs = list(range(last - len(writes) + 1, last + 1))
+            self._rescue_before_claim(slots)
+            if slot_list is not None:
+                row_cv = [cv for cv, count in zip(cvs, counts) for _ in range(count)]
+                for key in itertools.chain(immediate, deferred):
+                    claim = self._keys[key].claim_mv
+                    for slot, cv in zip(slot_list, row_cv):
+                        claim[slot] = cv
+            else:
+                row_np = np.repeat(np.asarray(cvs, dtype=np.int64), counts)
+                for key in itertools.chain(immediate, deferred):
+                    self._keys[key].claim_np[slots_np] = row_np
             to_flush = self._register_writes(ctx, writes, cvs, slots, immediate, deferred)
         with self._lock:
-            for w in writes:
-                hit = self._pending_hits.pop(w.req_id, None)
-                if hit is None:
-                    continue
-                span = HitSpan(slots=hit, cvs={key: kv.claim[hit].clone() for key, kv in self._keys.items()})
-                ctx.hits[w.req_id] = span
-                self._pin_count[hit] += 1
-                if self.is_writer:
-                    to_flush.extend(self._close_hit_writes_locked(hit))
+            if self._pending_hits:
+                for w in writes:
+                    hit = self._pending_hits.pop(w.req_id, None)
+                    if hit is None:
+                        continue
+                    span = HitSpan(slots=hit, cvs={key: kv.claim[hit].clone() for key, kv in self._keys.items()})
+                    ctx.hits[w.req_id] = span
+                    self._pin_count[hit] += 1
+                    if self.is_writer:
+                        to_flush.extend(self._close_hit_writes_locked(hit))
             self._ctxs[step_id] = ctx
-            self._pinned[step_id] = ctx
+            if ctx.hits:  # only steps with hits pin slots (copy-on-write checks them)
+                self._pinned[step_id] = ctx
         self._flush(to_flush)
         if self._prefetcher is not None and ctx.hits:
             ctx.prefetch_done = threading.Event()
             self._prefetcher.put(ctx)
         if self.is_writer:
-            self._ctl[P.CTL_PUBLISHED_STEP] = step_id
-            self._send_step(ctx, writes, cvs, slots, immediate)
+            self._ctl_np[P.CTL_PUBLISHED_STEP] = step_id
+            slot_bytes = (struct.pack(f"<{n}q", *slot_list) if slot_list is not None
+                          else slots_np.astype("<i8", copy=False).tobytes())
+            self._send_step(ctx, cvs, starts, counts, slot_bytes, immediate)
             if self.eager:
                 self._join_previous_write()
         self.counters["steps_saved"] += 1
@@ -329,6 +371,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             if out is not None:
                 self._check_out_buffers(peek, req_ids, out)
         ctx = self._take_ctx(step_id, "materialize")
+        served = [0, 0]  # hit tokens, rows served
+        nkeys = len(ctx.step_rows)
         try:
             if not self.is_writer:
                 self._wait_published(step_id)
@@ -336,37 +380,38 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             mm: dict[ReqId, dict[TensorName, Any]] = {}
             hits: dict[ReqId, int] = {}
             self._wait_step_events(ctx)
-            # One allocation per key for the whole call; each request gets a view of it.
-            arena = {} if out is not None else self._arena(ctx, req_ids)
+            # One allocation per key for the whole call; each request gets a view of it, and the
+            # step rows of requests without a hit are already in place (see _arena).
+            views = self._arena(ctx, req_ids) if out is None else None
             for req in req_ids:
                 start, count = ctx.spans[req]
                 span = ctx.hits.get(req)
                 h = len(span.slots) if span is not None else 0
                 hits[req] = h
-                merged: dict[TensorName, Any] = {}
-                for key, step_rows in ctx.step_rows.items():
-                    shape = (h + count, *ctx.row_shapes[key])
-                    given = out.get(req, {}).get(key) if out is not None else None
-                    if given is not None:
-                        dst = given.view(h + count, -1)
-                    elif arena:
-                        buf, off = arena[key]
-                        dst = buf[off[req]:off[req] + h + count]
-                    else:
-                        dst = torch.empty((h + count, step_rows.shape[1]), dtype=step_rows.dtype)
-                    if h:
-                        pre = self._take_prefetched(ctx, req, key)
-                        if pre is not None:
-                            dst[:h].copy_(pre)
+                if views is not None and not h:
+                    merged: dict[TensorName, Any] = {key: v[req] for key, v in views.items()}
+                else:
+                    merged = {}
+                    for key, step_rows in ctx.step_rows.items():
+                        width = step_rows.shape[1]
+                        given = out.get(req, {}).get(key) if out is not None else None
+                        if given is not None:
+                            dst = given.view(h + count, -1)
+                        elif views is not None:
+                            dst = views[key][req].view(h + count, width)
                         else:
-                            self._read_hit(ctx, span, key, dst[:h], req)
-                    own = step_rows[start:start + count]
-                    dst[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
-                    merged[key] = dst.view(shape)
-                if span is not None:
-                    self.counters["hit_tokens"] += h
-                    self.counters["hit_rows_served"] += h * len(ctx.step_rows)
-                self.counters["rows_served"] += (h + count) * len(ctx.step_rows)
+                            dst = torch.empty((h + count, width), dtype=step_rows.dtype)
+                        if h:
+                            pre = self._take_prefetched(ctx, req, key)
+                            if pre is not None:
+                                dst[:h].copy_(pre)
+                            else:
+                                self._read_hit(ctx, span, key, dst[:h], req)
+                        own = step_rows[start:start + count]
+                        dst[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
+                        merged[key] = dst.view((h + count, *ctx.row_shapes[key]))
+                served[0] += h
+                served[1] += (h + count) * nkeys
                 hidden[req] = merged.pop(HIDDEN_KEY, None)
                 for key, value in ctx.leftover.items():
                     # Cloned out, so the caller never holds pinned pages or a shared snapshot.
@@ -378,6 +423,10 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             raise
         finally:
             self._release_ctx(ctx)
+            if served[1]:  # counted per served request, also when a later one raised
+                self.counters["hit_tokens"] += served[0]
+                self.counters["hit_rows_served"] += served[0] * nkeys
+                self.counters["rows_served"] += served[1]
             self.counters["materialize_seconds"] += time.perf_counter() - t0
 
     def discard_step(self, step_id: StepId) -> None:
@@ -464,12 +513,12 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             if hidden.dim() < 1 or hidden.shape[0] not in (n, padded):
                 raise self._unmatch(f"hidden_states has {tuple(hidden.shape)} rows; expected {n} or {padded}",
                                     key=HIDDEN_KEY, step_id=self._next_step)
-            immediate[HIDDEN_KEY] = hidden[:n]
+            immediate[HIDDEN_KEY] = hidden if hidden.shape[0] == n else hidden[:n]
         for key, value in (mm or {}).items():
             if key == HIDDEN_KEY:
                 raise ValueError(f"mm_outputs may not use the reserved key {HIDDEN_KEY!r}")
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, padded) and n > 0:
-                rows = value[:n]
+                rows = value if value.shape[0] == n else value[:n]
                 if self._policy.skip_immediate_mm(key):
                     deferred[key] = rows
                 else:
@@ -480,34 +529,6 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         return immediate, deferred, leftover
 
     # ------------------------------------------------------------------ internals: step ids
-
-    @staticmethod
-    def _arena(ctx: StepCtx, req_ids: list[ReqId]) -> dict[TensorName, tuple[torch.Tensor, dict[ReqId, int]]]:
-        off: dict[ReqId, int] = {}
-        total = 0
-        for req in req_ids:
-            off[req] = total
-            span = ctx.hits.get(req)
-            total += (len(span.slots) if span is not None else 0) + ctx.spans[req][1]
-        return {key: (torch.empty((total, rows.shape[1]), dtype=rows.dtype), off)
-                for key, rows in ctx.step_rows.items()}
-
-    @staticmethod
-    def _check_out_buffers(ctx: StepCtx, req_ids: list[ReqId],
-                           out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]]) -> None:
-        """Refuse a wrong ``out`` buffer before the step id is consumed."""
-        for req in req_ids:
-            span = ctx.hits.get(req)
-            rows = (len(span.slots) if span is not None else 0) + ctx.spans[req][1]
-            for key, given in out.get(req, {}).items():
-                step_rows = ctx.step_rows.get(key)
-                if step_rows is None:
-                    raise ValueError(f"materialize out[{req!r}] names {key!r}, which this step did not save")
-                shape = (rows, *ctx.row_shapes[key])
-                if tuple(given.shape) != shape or given.dtype != step_rows.dtype or not given.is_contiguous() \
-                        or given.is_cuda:
-                    raise ValueError(f"materialize out[{req!r}][{key!r}] must be a contiguous CPU tensor "
-                                     f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype}")
 
     def _flush_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
         """Flusher thread: one piece of a deferred write into the flush region (waits its copy)."""

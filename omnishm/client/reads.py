@@ -4,12 +4,14 @@
 The writer resolves a hit slot through its own knowledge (pool row, a live row
 source, or a copy-on-write rescue); a reader waits until the writer published
 the step and the rows are committed, then copies and re-checks the claim
-versions (a seqlock): it raises rather than serve a reused slot.
+versions (a seqlock): it raises rather than serve a reused slot. It also
+lays out materialize's result tensors (``_arena``) and checks ``out=`` buffers.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -17,12 +19,93 @@ from omnishm import protocol as P
 from omnishm.client.segments import KeyViews, dtype_name
 from omnishm.client.steps import HitSpan, StepCtx
 from omnishm.interface import OmniPrefixCacheCommitterError, ReqId, StepId, TensorName
+from omnishm.versions import cv_step
 
 _POLL_S = 0.0005
 
 
 class ReadSide:
     """Hit-row reads (mixin; all state lives in the manager)."""
+
+    def _arena(self, ctx: StepCtx, req_ids: list[ReqId]) -> dict[TensorName, dict[ReqId, torch.Tensor]]:
+        """Result tensors ``(hit + step rows, *row_shape)`` of every requested request and key.
+
+        One allocation per key. When the requests without a hit are, in
+        ``req_ids`` order, adjacent in the step (the usual whole batch), their
+        step rows come first and are copied with ONE copy per key; otherwise
+        each gets its own region and copy. Each hit request gets its own region
+        after those, which the caller fills (hit rows, then its step rows).
+        """
+        plain: list[ReqId] = []
+        sizes: list[int] = []
+        hit_reqs: list[ReqId] = []
+        hit_sizes: list[int] = []
+        adjacent = True
+        lo = end = -1
+        for req in req_ids:
+            start, count = ctx.spans[req]
+            span = ctx.hits.get(req)
+            if span is None:
+                if not plain:
+                    lo = start
+                elif start != end:
+                    adjacent = False
+                end = start + count
+                plain.append(req)
+                sizes.append(count)
+            else:
+                hit_reqs.append(req)
+                hit_sizes.append(len(span.slots) + count)
+        total = sum(sizes) + sum(hit_sizes)
+        arena: dict[TensorName, dict[ReqId, torch.Tensor]] = {}
+        for key, rows in ctx.step_rows.items():
+            shape = ctx.row_shapes[key]
+            if adjacent and plain and not hit_reqs and not rows.is_cuda:
+                # The usual step: no hits, the whole batch. One clone is the arena.
+                buf = rows[lo:end].clone(memory_format=torch.contiguous_format)
+                if shape != (rows.shape[1],):
+                    buf = buf.view((total, *shape))
+                arena[key] = dict(zip(plain, buf.split_with_sizes(sizes)))
+                continue
+            buf = torch.empty((total, *shape), dtype=rows.dtype)
+            flat = buf.view(total, rows.shape[1])
+            if adjacent:
+                if plain:
+                    self._copy_step_rows(flat[:end - lo], rows[lo:end])
+                arena[key] = dict(zip(plain + hit_reqs, buf.split_with_sizes(sizes + hit_sizes)))
+            else:
+                views: dict[ReqId, torch.Tensor] = {}
+                off = 0
+                for req, size in zip(plain, sizes):
+                    start = ctx.spans[req][0]
+                    self._copy_step_rows(flat[off:off + size], rows[start:start + size])
+                    views[req] = buf[off:off + size]
+                    off += size
+                for req, size in zip(hit_reqs, hit_sizes):
+                    views[req] = buf[off:off + size]
+                    off += size
+                arena[key] = views
+        return arena
+
+    def _copy_step_rows(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
+        dst.copy_(rows if not rows.is_cuda else self._ops.read_rows(rows))
+
+    @staticmethod
+    def _check_out_buffers(ctx: StepCtx, req_ids: list[ReqId],
+                           out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]]) -> None:
+        """Refuse a wrong ``out`` buffer before the step id is consumed."""
+        for req in req_ids:
+            span = ctx.hits.get(req)
+            rows = (len(span.slots) if span is not None else 0) + ctx.spans[req][1]
+            for key, given in out.get(req, {}).items():
+                step_rows = ctx.step_rows.get(key)
+                if step_rows is None:
+                    raise ValueError(f"materialize out[{req!r}] names {key!r}, which this step did not save")
+                shape = (rows, *ctx.row_shapes[key])
+                if tuple(given.shape) != shape or given.dtype != step_rows.dtype or not given.is_contiguous() \
+                        or given.is_cuda:
+                    raise ValueError(f"materialize out[{req!r}][{key!r}] must be a contiguous CPU tensor "
+                                     f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype}")
 
     def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId) -> None:
         if self.is_writer:
@@ -79,7 +162,10 @@ class ReadSide:
             want = slots[sel]
             while True:
                 with self._lock:
+                    # A deferred write's per-request source, else the step source of an immediate key.
                     src = self._sources.get((key, cv))
+                    if src is None:
+                        src = self._step_sources.get((key, cv_step(cv)))
                     rescue = ctx.rescue.get(key) if ctx is not None else None
                 if src is not None:
                     rows = src.take(want, self._read_device_rows)

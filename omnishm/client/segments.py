@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from omnishm import protocol as P
@@ -47,6 +48,10 @@ class KeyViews:
     commit: torch.Tensor
     staging: torch.Tensor | None
     segments: list[Segment] = field(default_factory=list, repr=False)
+    claim_np: np.ndarray | None = field(default=None, repr=False)
+    """Writer: ``claim`` as a numpy array (same memory) for the per-step claim writes; None on readers."""
+    claim_mv: memoryview | None = field(default=None, repr=False)
+    """Writer: the same words as a memoryview (plain Python stores for small steps); None on readers."""
 
     @classmethod
     def map(cls, seg: P.KeySegments, num_slots: int, *, readonly: bool,
@@ -61,13 +66,14 @@ class KeyViews:
             stage_seg = Segment.attach(seg.staging, readonly=False)
             segments.append(stage_seg)
             staging = stage_seg.tensor(dtype, (seg.staging_rows, seg.width))
+        claim = claim_seg.tensor(torch.int64, (num_slots,))
         return cls(
             key=seg.key, index=seg.index, dtype=dtype, width=seg.width,
             row_shape=row_shape if row_shape is not None else (seg.width,),
             pool=pool_seg.tensor(dtype, (num_slots, seg.width)),
-            claim=claim_seg.tensor(torch.int64, (num_slots,)),
-            commit=commit_seg.tensor(torch.int64, (num_slots,)),
-            staging=staging, segments=segments)
+            claim=claim, commit=commit_seg.tensor(torch.int64, (num_slots,)),
+            staging=staging, segments=segments, claim_np=None if readonly else claim.numpy(),
+            claim_mv=None if readonly else memoryview(claim.numpy()))
 
     def rows_out(self, n: int) -> torch.Tensor:
         return torch.empty((n, self.width), dtype=self.dtype)

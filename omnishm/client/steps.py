@@ -35,9 +35,10 @@ class StepCtx:
     step_rows: dict[TensorName, torch.Tensor] = field(default_factory=dict)
     row_shapes: dict[TensorName, tuple[int, ...]] = field(default_factory=dict)
     hits: dict[ReqId, HitSpan] = field(default_factory=dict)
+    """Hit requests; a step with hits is in the manager's ``_pinned`` until consumed."""
     rescue: dict[TensorName, dict[int, torch.Tensor]] = field(default_factory=dict)
     sources: dict[TensorName, RowSource] = field(default_factory=dict)
-    source_keys: list[tuple[TensorName, int]] = field(default_factory=list)
+    """Writer: the step source of each immediate key (also in the manager's ``_step_sources``)."""
     page: int | None = None
     freeze_event: Any = None
     d2h_event: Any = None

@@ -7,6 +7,8 @@ state of its own. Claim-table writes happen only on the engine thread.
 
 from __future__ import annotations
 
+import itertools
+import struct
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,7 +23,6 @@ from omnishm.client.writes import (
     RowSource,
     TaskState,
     WriteTask,
-    build_step_write,
 )
 from omnishm.interface import (
     OmniPrefixCacheCommitterError,
@@ -29,6 +30,8 @@ from omnishm.interface import (
     ReqId,
     TensorName,
 )
+
+_ONE_I64 = struct.Struct("<q")
 
 
 class WriterSide:
@@ -74,27 +77,36 @@ class WriterSide:
 
     def _register_writes(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
                          immediate: dict, deferred: dict) -> list[WriteTask]:
-        """Row sources for this step's claims, and its deferred chunks. Engine thread."""
+        """Row sources for this step's claims, and its deferred chunks. Engine thread.
+
+        An immediate key gets ONE row source per step (all the step's slots and
+        staged rows), registered under ``(key, step)``: a claim version finds it
+        through ``cv_step`` (``ReadSide._fix_rows``). A deferred key gets one
+        source per request under ``(key, cv)``: its rows live in the request's
+        write task, whose chunks collect step after step.
+        """
         to_flush: list[WriteTask] = []
         with self._lock:
-            for w, cv in zip(writes, cvs):
-                req_slots = slots[w.token_start:w.token_start + w.num_tokens]
-                for key in immediate:
-                    self._sources[(key, cv)] = ctx.sources.setdefault(
-                        key, RowSource(cv=0, slots=slots, rows=ctx.step_rows[key]))
-                    ctx.source_keys.append((key, cv))
-                for key in deferred:
-                    rows = ctx.step_rows[key][w.token_start:w.token_start + w.num_tokens]
-                    task = self._open.get((w.req_id, key))
-                    if task is None:
-                        task = WriteTask(tid=next(self._tids), req_id=w.req_id, key=key, opened_step=ctx.step_id)
-                        self._open[(w.req_id, key)] = task
-                        self._deferred_order[task.tid] = task
-                    task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
-                                             freeze=ctx.freeze_event))
-                    self._open_by_cv[(key, cv)] = task
-                    self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows)
-                    self._pending_bytes += rows.numel() * rows.element_size()
+            for key in immediate:
+                src = RowSource(cv=0, slots=slots, rows=ctx.step_rows[key])
+                ctx.sources[key] = src
+                self._step_sources[(key, ctx.step_id)] = src
+            if deferred:
+                for w, cv in zip(writes, cvs):
+                    req_slots = slots[w.token_start:w.token_start + w.num_tokens]
+                    for key in deferred:
+                        rows = ctx.step_rows[key][w.token_start:w.token_start + w.num_tokens]
+                        task = self._open.get((w.req_id, key))
+                        if task is None:
+                            task = WriteTask(tid=next(self._tids), req_id=w.req_id, key=key,
+                                             opened_step=ctx.step_id)
+                            self._open[(w.req_id, key)] = task
+                            self._deferred_order[task.tid] = task
+                        task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
+                                                 freeze=ctx.freeze_event))
+                        self._open_by_cv[(key, cv)] = task
+                        self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows)
+                        self._pending_bytes += rows.numel() * rows.element_size()
             while self._pending_bytes > self.config.gpu_staging_bytes and self._deferred_order:
                 oldest = next(iter(self._deferred_order.values()))
                 self._close_task_locked(oldest)
@@ -102,29 +114,36 @@ class WriterSide:
                 to_flush.append(oldest)
         return to_flush
 
-    def _send_step(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
-                   immediate: dict) -> None:
+    def _send_step(self, ctx: StepCtx, cvs: list[int], starts: list[int], counts: list[int],
+                   slots: bytes, immediate: dict) -> None:
+        """Send the step's one ``StepWrite`` (all immediate keys). Engine thread.
+
+        Entries list each key's writes in batch order, so every packed field is
+        the step's per-write values once per key (and ``slots``, the step's
+        packed slots, once per key): each is packed once and repeated as bytes,
+        with no per-entry Python objects.
+        """
         keys = list(immediate)
         assert self._pages is not None and ctx.page is not None
         row0 = ctx.page * self._pages.capacity
-        if not keys or not writes:
+        nw = len(cvs)
+        if not keys or not nw:
             self._pages.release(ctx.page, "write")
             self._drop_sources(ctx)
             return
-        key_idx, tids, e_cvs, src, counts = [], [], [], [], []
-        step_tids = [next(self._tids) for _ in writes]
-        for ki, _key in enumerate(keys):
-            for w, cv, tid in zip(writes, cvs, step_tids):
-                key_idx.append(ki)
-                tids.append(tid)
-                e_cvs.append(cv)
-                src.append(row0 + w.token_start)
-                counts.append(w.num_tokens)
-        # Entries list each key's writes in batch order, so their slots are the step's slots per key.
-        all_slots = slots.repeat(len(keys))
+        nk = len(keys)
+        per_write = struct.Struct(f"<{nw}q")
+        key_idx = b"".join(_ONE_I64.pack(ki) * nw for ki in range(nk))
+        tids = per_write.pack(*itertools.islice(self._tids, nw)) * nk
+        e_cvs = per_write.pack(*cvs) * nk
+        src = per_write.pack(*[row0 + s for s in starts]) * nk
+        e_counts = per_write.pack(*counts) * nk
+        all_slots = slots * nk
+        step_id = ctx.step_id
         page = ctx.page
         def make(rid: int) -> P.StepWrite:
-            return build_step_write(rid, ctx.step_id, keys, key_idx, tids, e_cvs, src, counts, all_slots)
+            return P.StepWrite(rid=rid, step=step_id, keys=keys, key_idx=key_idx, tids=tids, cvs=e_cvs,
+                               src_rows=src, counts=e_counts, slots=all_slots)
 
         if ctx.d2h_event is DONE:
             fut = self._link.submit(make)  # the copy already landed (CPU): no thread hop needed
@@ -146,14 +165,16 @@ class WriterSide:
 
     def _drop_sources(self, ctx: StepCtx) -> None:
         with self._lock:
-            for src in ctx.sources.values():
+            for key, src in ctx.sources.items():
                 src.alive = False
-            for k in ctx.source_keys:
-                self._sources.pop(k, None)
-            ctx.source_keys.clear()
+                self._step_sources.pop((key, ctx.step_id), None)
 
-    def _rescue_before_claim(self, slots: torch.Tensor, row_cv: torch.Tensor) -> None:
-        """Copy-on-write: keep rows a pending read planned before their slots change tenant."""
+    def _rescue_before_claim(self, slots: torch.Tensor) -> None:
+        """Copy-on-write: keep rows a pending read planned before their slots change tenant.
+
+        ``_pinned`` holds only unconsumed steps with hits, so a step with no
+        pending hit read returns at once.
+        """
         if not self._pinned or not bool((self._pin_count[slots] > 0).any()):
             return
         with self._lock:

@@ -103,11 +103,14 @@ def pack(values: list[int] | np.ndarray) -> bytes:
     return np.asarray(values, dtype="<i8").tobytes()
 
 
-def build_step_write(rid: int, step: StepId, keys: list[str], key_idx: list[int], tids: list[int],
-                     cvs: list[int], src_rows: list[int], counts: list[int], slots: torch.Tensor) -> P.StepWrite:
+def build_step_write(rid: int, step: StepId, keys: list[str], key_idx: list[int] | np.ndarray,
+                     tids: list[int] | np.ndarray, cvs: list[int] | np.ndarray, src_rows: list[int] | np.ndarray,
+                     counts: list[int] | np.ndarray, slots: torch.Tensor | np.ndarray) -> P.StepWrite:
+    """One ``StepWrite`` of packed little-endian int64 entries (lists or int64 arrays)."""
+    if isinstance(slots, torch.Tensor):
+        slots = slots.to(torch.int64).contiguous().numpy()
     return P.StepWrite(rid=rid, step=step, keys=keys, key_idx=pack(key_idx), tids=pack(tids), cvs=pack(cvs),
-                       src_rows=pack(src_rows), counts=pack(counts),
-                       slots=slots.to(torch.int64).contiguous().numpy().astype("<i8", copy=False).tobytes())
+                       src_rows=pack(src_rows), counts=pack(counts), slots=pack(slots))
 
 
 class Flusher:
