@@ -10,11 +10,22 @@ from dataclasses import dataclass
 
 import torch
 
-from omnishm.client.adapter import (PrefixCacheEventKind as K, PrefixCacheRequestEvent as E, PrefixCacheWrite,
-                                    PrefixCacheWriteLayout)
+from omnishm.client.adapter import PrefixCacheEventKind as K
+from omnishm.client.adapter import PrefixCacheRequestEvent as E
+from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
+from omnishm.interface import PrefixCacheConfig
 
 WIDTH = 8
 MM_WIDTH = 3
+BS = 4
+
+
+def small_config(**kw) -> PrefixCacheConfig:
+    """The small geometry of the hand-built tests (16 blocks of 4 slots, 3 staging pages of 32 rows)."""
+    base = dict(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3,
+                staging_claim_timeout_s=2.0, commit_timeout_s=5.0)
+    base.update(kw)
+    return PrefixCacheConfig(**base)
 
 
 def rows(tag: int, positions, width: int = WIDTH, dtype=torch.float32) -> torch.Tensor:

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from manager_helpers import Part, build, extended, finished, rows, save, started
+from manager_helpers import small_config, Part, build, extended, finished, rows, save, started
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
 from omnishm.interface import HIDDEN_KEY
 
@@ -76,11 +76,8 @@ class FakeOps:
         return value.clone(), self._event("leftover")
 
 
-def config(**kw):
-    base = dict(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3,
-                staging_claim_timeout_s=2.0, commit_timeout_s=5.0)
-    base.update(kw)
-    return PrefixCacheConfig(**base)
+def config(**kw) -> PrefixCacheConfig:
+    return small_config(**kw)
 
 
 def test_no_descriptor_is_sent_before_its_copy_event_and_save_does_not_wait_it(committer):

@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from manager_helpers import Part, aborted, expect, extended, finished, rows, save, started
+from manager_helpers import small_config, Part, aborted, expect, extended, finished, rows, save, started
 from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
                             OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError, PrefixCacheConfig)
 from omnishm.client.adapter import PrefixCacheEventKind as K, PrefixCacheRequestEvent as E
@@ -16,10 +16,7 @@ BS = 4
 
 
 def config(**kw) -> PrefixCacheConfig:
-    base = dict(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3,
-                staging_claim_timeout_s=0.5, commit_timeout_s=5.0)
-    base.update(kw)
-    return PrefixCacheConfig(**base)
+    return small_config(**{"staging_claim_timeout_s": 0.5, **kw})
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from manager_helpers import Part, aborted, expect, finished, rows, save, started
+from manager_helpers import small_config, Part, aborted, expect, finished, rows, save, started
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omnishm.demo.launch import RankGroup
 from omnishm.demo.rank import RankOptions
@@ -18,10 +18,7 @@ BS = 4
 
 
 def cfg(**kw) -> PrefixCacheConfig:
-    base = dict(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3,
-                staging_claim_timeout_s=2.0, commit_timeout_s=3.0)
-    base.update(kw)
-    return PrefixCacheConfig(**base)
+    return small_config(**{"commit_timeout_s": 3.0, **kw})
 
 
 def rank_opts(cache: str, **kw) -> RankOptions:
