@@ -188,7 +188,12 @@ class OmniPrefixCacheRunnerHooks:
             self.disabled = True
             return None
         self._block_size = cfg.block_size
-        manager = OmniPrefixCacheManager(cfg, cache=self.cache, role=vllm_runner_role(), autostart=True)
+        # Endpoint, autostart, runtime dir and connect timeout come from OMNISHM_* / the TOML file.
+        from omnishm.config import client_settings
+
+        kwargs = client_settings().manager_kwargs()
+        kwargs["cache"] = self.cache
+        manager = OmniPrefixCacheManager(cfg, role=vllm_runner_role(), **kwargs)
         try:
             model = r.get_model() if hasattr(r, "get_model") else getattr(r, "model", None)
             manager.register_policy(ModelCachePolicy.from_model(model))
