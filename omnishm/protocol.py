@@ -119,6 +119,8 @@ class StatusRequest(msgspec.Struct, tag="status"):
 
 class Goodbye(msgspec.Struct, tag="goodbye"):
     rid: int
+    counters: dict[str, float] = {}
+    """The client's final counters, so nothing counted after its last heartbeat is lost."""
 
 
 Request = Union[Hello, OpenKey, StepWrite, Heartbeat, StatusRequest, Goodbye]

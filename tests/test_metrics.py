@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 from helpers import RawClient
-from manager_helpers import Part, save, started
+from manager_helpers import Part, extended, save, started
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnishm import protocol
@@ -180,3 +180,20 @@ def test_health_is_503_when_the_loop_stops_ticking_or_stops():
     obs.tick(time.monotonic())
     stub.stopping, stub.stop_reason = True, "SIGTERM"
     assert obs.healthy() == (False, "stopping (SIGTERM)")
+
+
+def test_counters_made_after_the_last_heartbeat_arrive_with_the_goodbye(committer_factory):
+    port = free_port()
+    # Heartbeats every 60 s: within this test the only counters the committer gets are the goodbye's.
+    handle = committer_factory("--metrics-port", str(port), "--heartbeat-s", "60", "--heartbeat-timeout-s", "120")
+    writer = OmniPrefixCacheManager(config(), cache=handle.name, autostart=False)
+    try:
+        for step in range(3):
+            writer.new_step_starts([started("a", [0, 1, 2])] if step == 0 else [extended("a", 4 * step)])
+            writer.discard_step(save(writer, [Part("a", 1, [0, 1, 2], 4 * step, 4)], BS))
+        assert value(scrape(port), "omnishm_client_steps_saved_total", role="writer") is None
+    finally:
+        writer.shutdown()
+    m = wait_for(port, "the goodbye's counters", lambda m: value(m, "omnishm_clients", role="writer") == 0
+                 and value(m, "omnishm_client_steps_saved_total", role="writer") == 3)
+    assert value(m, "omnishm_rows_written_total", tensor=HIDDEN_KEY) == 12

@@ -233,7 +233,7 @@ class CommitterLink:
             return
         if self._dead is None and self._state == CONNECTED:
             try:
-                self.request(lambda rid: P.Goodbye(rid=rid), timeout_s=timeout_s)
+                self.request(lambda rid: P.Goodbye(rid=rid, counters=dict(self.counters)), timeout_s=timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 logger.warning("cache %s: goodbye not acknowledged: %s", self.cache, exc)
         elif self._dead is None:

@@ -135,7 +135,8 @@ class Committer:
         self.rejected: collections.Counter[str] = collections.Counter()
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
-        self.tick_s = max(0.01, min(cfg.heartbeat_s, cfg.heartbeat_timeout_s / 4))
+        # At least once a second, so metrics snapshots and /health stay fresh on an idle cache.
+        self.tick_s = max(0.01, min(1.0, cfg.heartbeat_s, cfg.heartbeat_timeout_s / 4))
         self.obs = Observability(self, tick_s=self.tick_s)
 
     # ------------------------------------------------------------ loop
@@ -287,12 +288,7 @@ class Committer:
         if isinstance(msg, protocol.StepWrite):
             return self.on_step_write(session, msg)
         if isinstance(msg, protocol.Heartbeat):
-            if len(msg.counters) > MAX_COUNTERS:
-                self.rejected["too_many_counters"] += 1
-                session.counters = dict(list(msg.counters.items())[:MAX_COUNTERS])
-            else:
-                session.counters = dict(msg.counters)
-            self.obs.heartbeat(session)
+            self._take_counters(session, msg.counters)
             return protocol.HeartbeatAck(rid=msg.rid, readers=self.sessions.readers(),
                                          writer=self.sessions.writer is not None)
         if isinstance(msg, protocol.OpenKey):
@@ -300,10 +296,21 @@ class Committer:
         if isinstance(msg, protocol.StatusRequest):
             return protocol.StatusReply(rid=msg.rid, status=self.status())
         if isinstance(msg, protocol.Goodbye):
+            if msg.counters:
+                self._take_counters(session, msg.counters)
             self.detach(session, "goodbye")
             return protocol.Bye(rid=msg.rid)
         self.rejected["unexpected"] += 1
         return protocol.Error(rid=msg.rid, code="unexpected", message=f"unexpected message {type(msg).__name__}")
+
+    def _take_counters(self, session: Session, counters: dict[str, float]) -> None:
+        """A client's cumulative counters (heartbeat or goodbye); capped in number."""
+        if len(counters) > MAX_COUNTERS:
+            self.rejected["too_many_counters"] += 1
+            session.counters = dict(list(counters.items())[:MAX_COUNTERS])
+        else:
+            session.counters = dict(counters)
+        self.obs.heartbeat(session)
 
     def refuse(self, msg: protocol.Hello, reason: str, counter: str) -> protocol.Refused:
         self.rejected[f"hello_{counter}"] += 1
