@@ -19,7 +19,8 @@ TensorName = str
 ReqId = str
 """vLLM request id as the runner sees it."""
 Tid = int
-"""Write id. Never reused within a cache; see ``omnishm.versions``."""
+"""Write id, unique within one writer session; names writes in the committer's replies.
+The version of a slot's row is its claim version (``omnishm.versions``), not the tid."""
 StepId = int
 """Id of one saved step; consumed exactly once by materialize or discard_step."""
 
