@@ -18,11 +18,15 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
+
+if TYPE_CHECKING:
+    from omnishm.client.manager import OmniPrefixCacheManager
 
 _MASK = (1 << 61) - 1
 
@@ -136,6 +140,12 @@ class SimStep:
     def num_tokens(self) -> int:
         return self.layout.num_tokens
 
+    def run(self, manager: "OmniPrefixCacheManager", *, with_mm: bool = True) -> int:
+        """``new_step_starts`` then ``save_outputs`` of this step, as a runner calls them; the step id."""
+        manager.new_step_starts(self.step)
+        return manager.save_outputs(self.hidden, self.mm if with_mm else {}, num_tokens_unpadded=self.num_tokens,
+                                    num_tokens_padded=self.num_tokens, write_layout=self.layout)
+
 
 class SimEngine:
     """Deterministic for a given seed; every TP rank running it sees the same steps."""
@@ -164,6 +174,11 @@ class SimEngine:
         self.max_prompt = max(block_size * 2, max_batched_tokens * 3)
 
     # ---------------------------------------------------------------- workload
+
+    def top_up(self, waiting: int) -> None:
+        """Add requests until ``waiting`` are queued."""
+        while len(self.waiting) < waiting:
+            self.add_request()
 
     def add_request(self) -> SimRequest:
         r = self.rng.random()

@@ -103,27 +103,22 @@ def test_manager_write_fails_sticky_within_bound_when_committer_is_gone(committe
                             commit_timeout_s=20.0, staging_claim_timeout_s=20.0, reconnect_timeout_s=1.0)
     eng = SimEngine(num_blocks=16, block_size=4, max_batched_tokens=64, width=8, mm_key=None, seed=3)
     m = OmniPrefixCacheManager(cfg, cache=handle.name, endpoint=handle.endpoint, autostart=False)
+
+    def one_step() -> None:
+        eng.top_up(2)
+        st = eng.schedule()
+        m.discard_step(st.run(m, with_mm=False))
+        eng.advance(st)
+
     try:
         for _ in range(3):
-            while len(eng.waiting) < 2:
-                eng.add_request()
-            st = eng.schedule()
-            m.new_step_starts(st.step)
-            m.discard_step(m.save_outputs(st.hidden, {}, num_tokens_unpadded=st.num_tokens,
-                                          num_tokens_padded=st.num_tokens, write_layout=st.layout))
-            eng.advance(st)
+            one_step()
         m.wait_idle()
         handle.stop(signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(OmniPrefixCacheUnmatchError) as err:
             while time.monotonic() - t0 < 30:  # the next save joins the previous step's write: it fails, sticky
-                while len(eng.waiting) < 2:
-                    eng.add_request()
-                st = eng.schedule()
-                m.new_step_starts(st.step)
-                m.discard_step(m.save_outputs(st.hidden, {}, num_tokens_unpadded=st.num_tokens,
-                                              num_tokens_padded=st.num_tokens, write_layout=st.layout))
-                eng.advance(st)
+                one_step()
         assert time.monotonic() - t0 < 10, "failure was not bounded by heartbeat + reconnect timeouts"
         assert "reconnect_timeout_s" in str(err.value) or "committer" in str(err.value)
         with pytest.raises(OmniPrefixCacheUnmatchError):

@@ -58,12 +58,9 @@ def test_random_workload_every_row_exact(committer, seed, deferred):
                 stats["hit_tokens"] += out.num_hit_tokens[r]
 
         for _ in range(STEPS):
-            while len(eng.waiting) < 3:
-                eng.add_request()
+            eng.top_up(3)
             st = eng.schedule()
-            m.new_step_starts(st.step)
-            sid = m.save_outputs(st.hidden, st.mm, num_tokens_unpadded=st.num_tokens,
-                                 num_tokens_padded=st.num_tokens, write_layout=st.layout)
+            sid = st.run(m)
             pending.append((sid, st))
             eng.advance(st)
             # Consume 0-2 old steps, in random order, keeping at most 3 unconsumed.

@@ -141,14 +141,11 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
                         break
                 elif result.steps >= opts.steps:
                     break
-                while len(eng.waiting) < 4:
-                    eng.add_request()
+                eng.top_up(4)
                 if barrier is not None:
                     barrier.wait(timeout=opts.commit_timeout_s)
                 st = eng.schedule()
-                m.new_step_starts(st.step)
-                sid = m.save_outputs(st.hidden, st.mm, num_tokens_unpadded=st.num_tokens,
-                                     num_tokens_padded=st.num_tokens, write_layout=st.layout)
+                sid = st.run(m)
                 pending.append((sid, st))
                 if opts.verify_pool and role == "writer":
                     for w in st.layout.writes:
