@@ -78,12 +78,6 @@ class KeyViews:
     def rows_out(self, n: int) -> torch.Tensor:
         return torch.empty((n, self.width), dtype=self.dtype)
 
-    def shape_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Flat ``(n, width)`` rows back to the model's ``(n, *row_shape)``."""
-        if self.row_shape == (self.width,):
-            return rows
-        return rows.view((rows.shape[0], *self.row_shape))
-
 
 def row_width(shape: tuple[int, ...]) -> int:
     return int(math.prod(shape)) if shape else 1
