@@ -140,11 +140,23 @@ class SimStep:
     def num_tokens(self) -> int:
         return self.layout.num_tokens
 
-    def run(self, manager: "OmniPrefixCacheManager", *, with_mm: bool = True) -> int:
-        """``new_step_starts`` then ``save_outputs`` of this step, as a runner calls them; the step id."""
+    def run(self, manager: "OmniPrefixCacheManager", *, with_mm: bool = True, device: str | None = None) -> int:
+        """``new_step_starts`` then ``save_outputs`` of this step, as a runner calls them; the step id.
+
+        With a ``device`` (``"cuda"``) the outputs are saved from device buffers, and those buffers are
+        overwritten with NaN right after the save returns, as the next CUDA-graph replay overwrites a
+        runner's live output buffers: a cache that read them late would serve NaN rows.
+        """
         manager.new_step_starts(self.step)
-        return manager.save_outputs(self.hidden, self.mm if with_mm else {}, num_tokens_unpadded=self.num_tokens,
-                                    num_tokens_padded=self.num_tokens, write_layout=self.layout)
+        hidden, mm = self.hidden, (self.mm if with_mm else {})
+        if device is not None and device != "cpu":
+            hidden, mm = hidden.to(device), {k: v.to(device) for k, v in mm.items()}
+        sid = manager.save_outputs(hidden, mm, num_tokens_unpadded=self.num_tokens,
+                                   num_tokens_padded=self.num_tokens, write_layout=self.layout)
+        if hidden is not self.hidden:
+            for live in (hidden, *mm.values()):
+                live.fill_(float("nan"))
+        return sid
 
 
 class SimEngine:

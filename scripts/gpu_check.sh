@@ -1,12 +1,43 @@
 #!/usr/bin/env bash
-# One prepared GPU check (about 2 minutes): the CUDA tests, then a device benchmark that prints the
-# device-to-host GB/s of a whole-step staging copy into a registered shared-memory page next to a
-# plain pinned copy_ of the same bytes. Run on a machine with a CUDA device:
-#   bash scripts/gpu_check.sh
-set -euo pipefail
+# The prepared GPU check (about 4 minutes on one GPU): everything that needs a CUDA device, in one run.
+#   1. the CUDA tests: pinned shared staging, cudaHostRegister, device-order fakes, and the randomized
+#      contract test with the outputs on the device (live buffers clobbered after every save);
+#   2. scripts/gpu_bench.py: device-to-host GB/s of the whole-step staging copy into registered shared
+#      memory next to a plain pinned copy_ of the same bytes;
+#   3. `omnishm demo --tp 2 --device cuda`: a writer and a reader process saving from the device;
+#   4. `omnishm bench --only 3` with the outputs on the device, then on the CPU, on the same machine.
+# Usage: bash scripts/gpu_check.sh [OUTDIR]   (OUTDIR gets the logs and the bench JSON)
+# Needs torch with CUDA, pyzmq, msgspec, posix_ipc and pytest; omnishm is taken from this checkout.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+OUTDIR="${1:-${OUT:-/tmp/omnishm-gpu-check}}"
+mkdir -p "$OUTDIR"
 PY="${PYTHON:-python3}"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
-"$PY" -m pip install -q --no-deps -e . 2>/dev/null || true
-"$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_device_order.py
-"$PY" scripts/gpu_bench.py
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+failed=()
+step() {  # step NAME CMD...: run, log to OUTDIR/NAME.log, remember a failure and go on
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$OUTDIR/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: rc=$rc in $((SECONDS - t0))s"
+    [ "$rc" -eq 0 ] || failed+=("$name")
+}
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
+print('torch', torch.__version__, torch.cuda.get_device_name(), 'cuda', torch.version.cuda)" || exit 2
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || true
+step tests "$PY" -m pytest -q -p no:cacheprovider -s tests/test_cuda.py tests/test_device_order.py \
+    tests/test_manager_random.py
+step staging "$PY" scripts/gpu_bench.py
+step demo "$PY" -m omnishm demo --tp 2 --steps 200 --device cuda --name gpucheck
+step bench_cuda "$PY" -m omnishm bench --only 3 --device cuda
+step bench_cpu "$PY" -m omnishm bench --only 3
+leftover=$(ls /dev/shm | grep -c '^omnishm' || true)
+echo "omnishm segments left in /dev/shm: $leftover"
+[ "$leftover" -eq 0 ] || failed+=(leaks)
+if [ ${#failed[@]} -ne 0 ]; then
+    echo "GPU CHECK FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "GPU CHECK OK"

@@ -21,8 +21,15 @@ from omnishm.sim import SimEngine
 STEPS = 250
 
 
-@pytest.mark.parametrize("seed,deferred", [(1, False), (2, True), (3, True)])
-def test_random_workload_every_row_exact(committer, seed, deferred):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
+
+
+@pytest.mark.parametrize("seed,deferred,device", [
+    (1, False, "cpu"), (2, True, "cpu"), (3, True, "cpu"),
+    # The CUDA path: device clones, copy stream, budget flushes from the device, live buffers clobbered.
+    pytest.param(4, False, "cuda", marks=CUDA), pytest.param(5, True, "cuda", marks=CUDA),
+])
+def test_random_workload_every_row_exact(committer, seed, deferred, device):
     rng = random.Random(seed)
     bs, blocks, cap = 16, 40, 96
     cfg = PrefixCacheConfig(num_blocks=blocks, block_size=bs, staging_capacity_tokens=cap, staging_depth=4,
@@ -52,6 +59,7 @@ def test_random_workload_every_row_exact(committer, seed, deferred):
                 return
             for r in subset:
                 got = out.hidden_states[r]
+                assert got.device.type == "cpu"
                 assert torch.equal(got, eng.expected(st, r)), (sid, r, st.positions[r])
                 assert torch.equal(out.mm_outputs[r]["mm_feat"], eng.expected(st, r, salt=0x5A5A, width=4))
                 stats["rows"] += got.shape[0] * 2
@@ -60,7 +68,7 @@ def test_random_workload_every_row_exact(committer, seed, deferred):
         for _ in range(STEPS):
             eng.top_up(3)
             st = eng.schedule()
-            sid = st.run(m)
+            sid = st.run(m, device=device)
             pending.append((sid, st))
             eng.advance(st)
             # Consume 0-2 old steps, in random order, keeping at most 3 unconsumed.
@@ -68,7 +76,7 @@ def test_random_workload_every_row_exact(committer, seed, deferred):
                 consume(pending.pop(rng.randrange(len(pending))))
         while pending:
             consume(pending.pop())
-    print(f"\nseed={seed} deferred={deferred}: rows checked {stats['rows']}, hit tokens {stats['hit_tokens']}, "
+    print(f"\nseed={seed} deferred={deferred} device={device}: rows checked {stats['rows']}, hit tokens {stats['hit_tokens']}, "
           f"discarded {stats['discarded']}, unmatch {stats['unmatch']}, block reuses {eng.alloc.reuses}, "
           f"requests finished {eng.requests_done}, cow rescues {m.counters['cow_rescues']:.0f}, "
           f"budget flushes {m.counters['budget_flushes']:.0f}")

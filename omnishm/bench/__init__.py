@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     parser.add_argument("--only", default=",".join(FIGURES), help="comma-separated figures to run (default: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where figure 3 keeps the step's outputs (cuda: the engine thread only launches copies)")
 
 
 def _machine() -> dict[str, Any]:
@@ -49,7 +51,7 @@ def _machine() -> dict[str, Any]:
             "kernel": platform.release()}
 
 
-def run(quick: bool, only: set[str], seed: int) -> tuple[list[Any], dict[str, str]]:
+def run(quick: bool, only: set[str], seed: int, device: str = "cpu") -> tuple[list[Any], dict[str, str]]:
     import numpy as np
     import torch
 
@@ -63,7 +65,7 @@ def run(quick: bool, only: set[str], seed: int) -> tuple[list[Any], dict[str, st
         plan = {
             "1": lambda c: wf.figure_write(c, wf.WriteSize(1024, 1024, 3, (1, 64, 256), 3), rng),
             "2": lambda c: mf.figure_read(c, mf.ReadSize(2048, 512, 1024, 3)),
-            "3": lambda c: mf.figure_engine(c, mf.EngineSize(512, 256, 8, 512, 4, 3)),
+            "3": lambda c: mf.figure_engine(c, mf.EngineSize(512, 256, 8, 512, 4, 3), device),
             "4": lambda c: wf.figure_control(c, wf.ControlSize(2000, 2, 200), rng, 1024),
             "5": lambda c: memory.figure_memory(c, memory.MemorySize(64, 1024, (1, 2))),
             "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(8, 256, 128, 3)),
@@ -72,7 +74,7 @@ def run(quick: bool, only: set[str], seed: int) -> tuple[list[Any], dict[str, st
         plan = {
             "1": lambda c: wf.figure_write(c, wf.WriteSize(8192, 4096, 15, (1, 16, 64, 256), 30), rng),
             "2": lambda c: mf.figure_read(c, mf.ReadSize(32768, 4096, 8192, 8)),
-            "3": lambda c: mf.figure_engine(c, mf.EngineSize(4096, 2048, 64, 4096, 20, 20)),
+            "3": lambda c: mf.figure_engine(c, mf.EngineSize(4096, 2048, 64, 4096, 20, 20), device),
             "4": lambda c: wf.figure_control(c, wf.ControlSize(40000, 5, 2000), rng, 4096),
             "5": lambda c: memory.figure_memory(c, memory.MemorySize(4096, 4096, (1, 2, 4))),
             "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(60, 1024, 256, 20)),
@@ -125,10 +127,17 @@ def cli_main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"omnishm bench: unknown figure(s) {sorted(unknown)}; known: {', '.join(FIGURES)}", file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("omnishm bench: --device cuda needs a CUDA device, and torch sees none", file=sys.stderr)
+            return 2
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
-    rows, errors = run(args.quick, only, args.seed)
+    rows, errors = run(args.quick, only, args.seed, args.device)
     doc = {"date": started.isoformat(timespec="seconds"), "mode": "quick" if args.quick else "normal",
+           "device": args.device,
            "seconds": round(time.monotonic() - t0, 1), "machine": _machine(),
            "figures": [r.to_json() for r in rows], "errors": errors}
     if args.json:

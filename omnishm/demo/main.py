@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--mm-width", type=int, default=16)
     parser.add_argument("--lag", type=int, default=0, help="steps between save and materialize")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="save the outputs from this device (cuda: copy stream, events, pinned staging)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--json", action="store_true", help="print the final table as JSON")
 
@@ -65,10 +67,17 @@ def cli_main(args: argparse.Namespace) -> int:
     opts = RankOptions(cache=shm.check_cache_name(args.name), tp=args.tp, seed=args.seed, steps=args.steps,
                        duration_s=args.duration_s, num_blocks=args.num_blocks, block_size=args.block_size,
                        max_batched_tokens=args.max_batched_tokens, width=args.hidden_size,
-                       mm_width=args.mm_width, lag=args.lag, lockstep=args.duration_s is None)
+                       mm_width=args.mm_width, lag=args.lag, lockstep=args.duration_s is None,
+                       device=args.device)
     if opts.tp < 1:
         print("omnishm demo: --tp must be >= 1", file=sys.stderr)
         return 2
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("omnishm demo: --device cuda needs a CUDA device, and torch sees none", file=sys.stderr)
+            return 2
     progress: dict[int, int] = {}
     shown: list[str] = []
     t0 = time.perf_counter()

@@ -43,6 +43,9 @@ class RankOptions:
     """Ranks meet at a barrier every step, as TP ranks meet at their collectives."""
     step_delay_s: float = 0.0
     """Sleep this long after each step (stretches a run so faults land mid-run; the chaos test)."""
+    device: str = "cpu"
+    """Where the rank's outputs live when saved (``cuda``: the CUDA path; the buffers are clobbered after
+    each save, as a graph replay does)."""
     verify_pool: bool = False
     """Writer only: at the end, after every write was acknowledged, check each claimed pool row of the
     immediate key against ground truth (``lost_writes``: rows claimed, acknowledged and not there)."""
@@ -145,7 +148,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
                 if barrier is not None:
                     barrier.wait(timeout=opts.commit_timeout_s)
                 st = eng.schedule()
-                sid = st.run(m)
+                sid = st.run(m, device=opts.device)
                 pending.append((sid, st))
                 if opts.verify_pool and role == "writer":
                     for w in st.layout.writes:
