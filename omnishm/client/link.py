@@ -1,9 +1,19 @@
 """The client's connection to its committer: one DEALER socket, one I/O thread.
 
-ZeroMQ sockets are not thread-safe, so exactly one thread (``omnishm-link``)
-touches the socket. Other threads hand it messages through a deque and a wake
-pipe, and get a ``Future`` that the I/O thread completes with the reply whose
-``rid`` matches.
+ZeroMQ sockets are not thread-safe; every use of the socket (send, receive,
+``EVENTS``, replacement, close) happens under the socket lock ``_slock``, a
+full memory barrier, as ZeroMQ requires of a socket shared by threads. The
+calling thread sends its own message under that lock (``submit``): the
+engine thread never hands a step's descriptor to another Python thread, so
+sending costs it no GIL hand-off, only a non-blocking ``zmq_send`` that
+libzmq's own (GIL-free) I/O thread writes out. The I/O thread
+(``omnishm-link``) receives: it waits on the socket's ``ZMQ_FD`` (a plain
+file descriptor, so waiting touches no socket state) and on a wake pipe,
+completes the ``Future`` whose ``rid`` matches each reply, sends heartbeats,
+and sends what a caller could not send at once (``_outbox``: the socket was
+full or the link was resuming). ``ZMQ_FD`` is edge-triggered: whoever
+operates on the socket reads ``EVENTS`` afterwards and wakes the I/O thread
+when a reply is already waiting.
 
 Liveness, both ways. The I/O thread sends a ``Heartbeat`` (carrying the
 client's counters) every ``heartbeat_s`` the committer asked for; the
@@ -152,7 +162,8 @@ class CommitterLink:
         self._staging_rows = staging_rows
         self._autostart = autostart
         self._rids = itertools.count(1)
-        self._plock = threading.Lock()  # guards _pending, _outbox and _dead
+        self._slock = threading.Lock()  # guards _sock (every call on it), _outbox and _state changes
+        self._plock = threading.Lock()  # guards _pending and _dead; taken inside _slock, never around it
         self._pending: dict[int, _Pending] = {}
         self._outbox: collections.deque[int] = collections.deque()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -178,6 +189,7 @@ class CommitterLink:
         self._poller = zmq.Poller()
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._sock: zmq.Socket | None = None
+        self._sock_fd = -1
         self._new_socket()
         self._thread = threading.Thread(target=self._run, name=f"omnishm-link-{cache}", daemon=True)
         self._thread.start()
@@ -195,18 +207,39 @@ class CommitterLink:
     # ------------------------------------------------------------ public
 
     def submit(self, make: Callable[[int], msgspec.Struct]) -> Future:
-        """Queue ``make(rid)`` for sending; the future gets its reply (or an error). Raises when dead."""
+        """Send ``make(rid)``; the future gets its reply (or an error). Any thread; raises when dead.
+
+        Sends on the calling thread under ``_slock`` (non-blocking). While the
+        link resumes, or when the socket is full, the message waits in the
+        outbox (or, resuming, in ``_pending``, which a resume re-sends) and the
+        I/O thread sends it.
+        """
         rid = next(self._rids)
         msg = make(rid)
         data = P.encode(msg)
         fut: Future = Future()
         fut.rid = rid  # type: ignore[attr-defined]
-        with self._plock:
-            if self._dead is not None:
-                raise OmniPrefixCacheCommitterError(self._dead)
-            self._pending[rid] = _Pending(fut, time.monotonic(), data, not isinstance(msg, P.Heartbeat))
-            self._outbox.append(rid)
-        self._wake()
+        wake = False
+        with self._slock:
+            with self._plock:
+                if self._dead is not None:
+                    raise OmniPrefixCacheCommitterError(self._dead)
+                self._pending[rid] = _Pending(fut, time.monotonic(), data, not isinstance(msg, P.Heartbeat))
+            if self._state == CONNECTED:
+                sock = self._sock
+                sent = False
+                if sock is not None and not self._outbox:  # never overtake a queued message
+                    try:
+                        sock.send(data, zmq.NOBLOCK)
+                        sent = True
+                        wake = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                    except zmq.ZMQError:
+                        pass  # full (EAGAIN) or closing: the I/O thread sends it or fails it
+                if not sent:
+                    self._outbox.append(rid)
+                    wake = True
+        if wake:
+            self._wake()
         return fut
 
     def request(self, make: Callable[[int], msgspec.Struct], timeout_s: float | None = None) -> msgspec.Struct:
@@ -317,16 +350,22 @@ class CommitterLink:
             pass  # a wake byte is already pending, or we are closing
 
     def _new_socket(self) -> None:
-        """A fresh DEALER (new identity, nothing queued): the only way to drop what a dead peer never read."""
-        if self._sock is not None:
-            self._poller.unregister(self._sock)
-            self._sock.close(linger=0)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
-        sock.connect(self.endpoint)
-        self._poller.register(sock, zmq.POLLIN)
-        self._sock = sock
+        """A fresh DEALER (new identity, nothing queued): the only way to drop what a dead peer never read.
+
+        The I/O thread waits on the socket's ``ZMQ_FD``, never on the socket itself: a poll of the
+        socket would be a socket call outside ``_slock``.
+        """
+        with self._slock:
+            if self._sock is not None:
+                self._poller.unregister(self._sock_fd)
+                self._sock.close(linger=0)
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+            sock.connect(self.endpoint)
+            self._sock_fd = sock.getsockopt(zmq.FD)
+            self._poller.register(self._sock_fd, zmq.POLLIN)
+            self._sock = sock
 
     def _shutdown_thread(self) -> None:
         self._closed = True
@@ -340,9 +379,10 @@ class CommitterLink:
             self._live_fd = -1
 
     def _fail_all(self, reason: str) -> None:
-        with self._plock:
-            pending, self._pending = self._pending, {}
+        with self._slock:
             self._outbox.clear()
+            with self._plock:
+                pending, self._pending = self._pending, {}
         if not reason.startswith(f"cache {self.cache}:"):
             reason = f"cache {self.cache}: {reason}"
         for entry in pending.values():
@@ -350,18 +390,21 @@ class CommitterLink:
                 entry.fut.set_exception(OmniPrefixCacheCommitterError(reason))
 
     def _go_dead(self, reason: str) -> None:
-        with self._plock:
-            self._dead = reason
-        self._state = DEAD
+        with self._slock:
+            with self._plock:
+                self._dead = reason
+            self._state = DEAD
         logger.error("%s", reason)
         self._fail_all(reason)
 
     def _run(self) -> None:
-        """I/O thread: the only code that touches the socket."""
+        """I/O thread: receives, heartbeats, the outbox, losing and resuming the committer."""
         next_beat = time.monotonic() + self._heartbeat_s
         try:
             while not self._closed:
                 tick = 20 if self._state == RECONNECTING else max(1, int(self._heartbeat_s * 250))
+                if self._readable():
+                    tick = 0  # ZMQ_FD only signals edges: a reply already queued would not wake the poll
                 events = dict(self._poller.poll(timeout=tick))
                 if self._wake_r.fileno() in events:
                     try:
@@ -400,26 +443,38 @@ class CommitterLink:
                         self._lost(f"no answer for {now - self._last_heard:.1f}s (heartbeat timeout "
                                    f"{self._heartbeat_timeout_s:.1f}s)")
         finally:
-            if self._sock is not None:
-                self._sock.close(linger=0)
+            with self._slock:
+                if self._sock is not None:
+                    self._poller.unregister(self._sock_fd)
+                    self._sock.close(linger=0)
+                    self._sock = None
+
+    def _readable(self) -> bool:
+        with self._slock:
+            return self._sock is not None and bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _flush_outbox(self) -> None:
-        assert self._sock is not None
-        while True:
-            with self._plock:
-                if not self._outbox:
-                    return
-                entry = self._pending.get(self._outbox.popleft())
-            if entry is not None:
-                self._sock.send(entry.data, copy=False)
+        """I/O thread: send what callers queued, in order; a full socket keeps the rest for the next tick."""
+        with self._slock:
+            assert self._sock is not None
+            while self._outbox:
+                with self._plock:
+                    entry = self._pending.get(self._outbox[0])
+                if entry is not None:
+                    try:
+                        self._sock.send(entry.data, zmq.NOBLOCK)
+                    except zmq.Again:
+                        return
+                self._outbox.popleft()
 
     def _drain(self) -> None:
-        assert self._sock is not None
         while True:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+            with self._slock:
+                assert self._sock is not None
+                try:
+                    frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
             self._last_heard = time.monotonic()
             try:
                 reply = P.reply_decoder.decode(frame.buffer)
@@ -460,7 +515,8 @@ class CommitterLink:
             return
         now = time.monotonic()
         self.stats["committer_lost"] += 1
-        self._state = RECONNECTING
+        with self._slock:
+            self._state = RECONNECTING
         self._lost_reason = reason
         self._reconnect_deadline = now + self.reconnect_timeout_s
         self._attempt_deadline = 0.0
@@ -487,8 +543,9 @@ class CommitterLink:
         self._new_socket()
         self.stats["resume_attempts"] += 1
         self._hello_rid = next(self._rids)
-        assert self._sock is not None
-        self._sock.send(P.encode(self._hello_msg(self._hello_rid, resume=True)))
+        with self._slock:
+            assert self._sock is not None
+            self._sock.send(P.encode(self._hello_msg(self._hello_rid, resume=True)))
         self._attempt_deadline = min(now + max(1.0, 2 * self._heartbeat_s), self._reconnect_deadline)
 
     def _on_resume_reply(self, reply: msgspec.Struct) -> None:
@@ -499,17 +556,20 @@ class CommitterLink:
             return
         self.welcome = reply
         self._adopt_welcome(reply)
-        self._state = CONNECTED
-        with self._plock:
-            self._outbox.clear()
-            entries = [self._pending[rid] for rid in sorted(self._pending)]
-        assert self._sock is not None
         resent = 0
-        for entry in entries:
-            if entry.resend:
-                entry.sent_at = time.monotonic()
-                self._sock.send(entry.data, copy=False)
-                resent += 1
+        # Under _slock: a caller's submit either landed in _pending before this snapshot (and is
+        # re-sent here) or sees CONNECTED afterwards and sends it itself, never both.
+        with self._slock:
+            self._state = CONNECTED
+            self._outbox.clear()
+            with self._plock:
+                entries = [self._pending[rid] for rid in sorted(self._pending)]
+            assert self._sock is not None
+            for entry in entries:
+                if entry.resend:
+                    entry.sent_at = time.monotonic()
+                    self._sock.send(entry.data)
+                    resent += 1
         self.stats["reconnects"] += 1
         self.stats["resent"] += resent
         logger.warning("cache %s: session resumed with committer pid %d (generation %s); re-sent %d unacknowledged "
