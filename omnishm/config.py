@@ -161,10 +161,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob("reconnect_timeout_s", "float", _pcc_default("reconnect_timeout_s"),
          "how long a client tries to resume with a restarted committer", scope="client", min=0,
          min_exclusive=True),
+    Knob("result_pool_bytes", "int", _pcc_default("result_pool_bytes"),
+         "free pre-faulted host memory kept for materialize's results (0: fresh pages every call)",
+         scope="client", min=0),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 PREFIX_CACHE_KNOBS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
-                      "copy_chunk_bytes", "commit_timeout_s", "reconnect_timeout_s")
+                      "copy_chunk_bytes", "commit_timeout_s", "reconnect_timeout_s", "result_pool_bytes")
 
 
 def knobs(scope: str) -> list[Knob]:

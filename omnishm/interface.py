@@ -88,6 +88,8 @@ class PrefixCacheConfig:
     commit_timeout_s: float = 30.0
     reconnect_timeout_s: float = 30.0
     """How long a client tries to resume with a restarted committer before every call fails."""
+    result_pool_bytes: int = 1 << 30
+    """Free, pre-faulted host memory kept for materialize's results (0: allocate fresh each call)."""
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_capacity_tokens", "staging_depth",
@@ -95,6 +97,9 @@ class PrefixCacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PrefixCacheConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.result_pool_bytes, int) or isinstance(self.result_pool_bytes, bool) \
+                or self.result_pool_bytes < 0:
+            raise ValueError(f"PrefixCacheConfig.result_pool_bytes must be an int >= 0, got {self.result_pool_bytes!r}")
         for name in ("staging_claim_timeout_s", "commit_timeout_s", "reconnect_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:

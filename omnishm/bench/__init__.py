@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=",".join(FIGURES), help="comma-separated figures to run (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="where figure 3 keeps the step's outputs (cuda: the engine thread only launches copies)")
+                        help="where figures 3 and 6 keep the step's outputs (cuda: the engine thread only launches copies)")
 
 
 def _machine() -> dict[str, Any]:
@@ -68,7 +68,7 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu") -> tuple[li
             "3": lambda c: mf.figure_engine(c, mf.EngineSize(512, 256, 8, 512, 4, 3), device),
             "4": lambda c: wf.figure_control(c, wf.ControlSize(2000, 2, 200), rng, 1024),
             "5": lambda c: memory.figure_memory(c, memory.MemorySize(64, 1024, (1, 2))),
-            "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(8, 256, 128, 3)),
+            "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(8, 256, 128, 3), device),
         }
     else:
         plan = {
@@ -77,7 +77,7 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu") -> tuple[li
             "3": lambda c: mf.figure_engine(c, mf.EngineSize(4096, 2048, 64, 4096, 20, 20), device),
             "4": lambda c: wf.figure_control(c, wf.ControlSize(40000, 5, 2000), rng, 4096),
             "5": lambda c: memory.figure_memory(c, memory.MemorySize(4096, 4096, (1, 2, 4))),
-            "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(60, 1024, 256, 20)),
+            "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(60, 1024, 256, 20), device),
         }
     rows: list[Any] = []
     errors: dict[str, str] = {}

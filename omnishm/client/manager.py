@@ -37,6 +37,7 @@ from omnishm.client.adapter import PrefixCacheSchedulerAdapter
 from omnishm.client.device import DONE, DeviceOps, HostRegistration, StepSender, ops_for
 from omnishm.client.link import CommitterLink
 from omnishm.client.reads import ReadSide
+from omnishm.client.result_pool import ResultPool
 from omnishm.client.segments import KeyViews, StagingPages
 from omnishm.client.serial import SerialThread
 from omnishm.client.steps import HitSpan, StepCtx
@@ -110,7 +111,9 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self.counters: dict[str, float] = {k: 0.0 for k in (
             "steps_saved", "hit_tokens", "hit_rows_served", "rows_served", "cow_rescues", "unmatch_errors",
             "save_seconds", "materialize_seconds", "staging_waits", "deferred_flushes", "budget_flushes",
-            "prefetch_used", "prefetch_dropped", "staging_pages_in_use")}
+            "prefetch_used", "prefetch_dropped", "staging_pages_in_use", "result_blocks_reused",
+            "result_blocks_faulted")}
+        self.result_pool = ResultPool(config.result_pool_bytes)
         cap = config.staging_capacity_tokens
         staging_rows = config.staging_depth * cap + cap if self.is_writer else 0
         self._link = CommitterLink(
@@ -400,7 +403,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                         elif views is not None:
                             dst = views[key][req].view(h + count, width)
                         else:
-                            dst = torch.empty((h + count, width), dtype=step_rows.dtype)
+                            dst = self.result_pool.empty((h + count, width), step_rows.dtype)
                         if h:
                             pre = self._take_prefetched(ctx, req, key)
                             if pre is not None:
@@ -423,6 +426,9 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             raise
         finally:
             self._release_ctx(ctx)
+            pool = self.result_pool.stats
+            self.counters["result_blocks_reused"] = float(pool["reused"])
+            self.counters["result_blocks_faulted"] = float(pool["faulted"])
             if served[1]:  # counted per served request, also when a later one raised
                 self.counters["hit_tokens"] += served[0]
                 self.counters["hit_rows_served"] += served[0] * nkeys

@@ -51,6 +51,8 @@ CLIENT_COUNTERS: dict[str, str] = {
     "budget_flushes": "deferred writes forced out by the gpu_staging_bytes budget",
     "prefetch_used": "prefetched hit rows that were used",
     "prefetch_dropped": "prefetched hit rows that were dropped unused",
+    "result_blocks_reused": "materialize results placed in recycled, pre-faulted host memory",
+    "result_blocks_faulted": "materialize results that needed a new host block (first-touch page faults)",
 }
 """Cumulative client counters exported as ``omnishm_client_<name>_total{role}`` (others are ignored)."""
 CLIENT_GAUGES: dict[str, str] = {

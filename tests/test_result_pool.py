@@ -1,0 +1,88 @@
+"""Recycled result memory: a block is reused only once no tensor of it is alive."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import torch
+
+from manager_helpers import Part, expect, finished, rows, save, started
+from omnishm.client import OmniPrefixCacheManager, PrefixCacheConfig
+from omnishm.client.result_pool import GRAIN, ResultPool
+
+MIB = 1 << 20
+
+
+def test_block_comes_back_only_after_every_view_is_gone():
+    pool = ResultPool(64 * MIB, min_bytes=0)
+    t = pool.empty((512, 1024), torch.float32)  # 2 MiB: one grain
+    assert t.shape == (512, 1024) and t.is_contiguous() and t.dtype == torch.float32
+    a, b = t.split_with_sizes([500, 12])
+    del t
+    gc.collect()
+    assert pool.free_bytes == 0  # views still hold the block
+    b.fill_(7.0)
+    c = pool.empty((512, 1024), torch.float32)  # must be another block
+    c.fill_(-1.0)
+    assert torch.all(b == 7.0)
+    assert pool.stats["faulted"] == 2 and pool.stats["reused"] == 0
+    del a, b
+    assert pool.free_bytes == GRAIN
+    d = pool.empty((1024, 400), torch.float32)  # fits the free block with less than 25% to spare
+    assert pool.stats["reused"] == 1
+    e = pool.empty((256, 1024), torch.bfloat16)  # too small for a spare 2 MiB block? no: 0.5 MiB + grain fits
+    del c, d, e
+    assert pool.free_bytes == 3 * GRAIN
+
+
+def test_best_fit_cap_small_allocations_and_disabled_pool():
+    pool = ResultPool(4 * GRAIN, min_bytes=MIB)
+    small = pool.empty((10, 10), torch.bfloat16)
+    assert pool.stats["unpooled"] == 1 and small.dtype == torch.bfloat16
+    big = pool.empty((4 * GRAIN,), torch.uint8)
+    mid = pool.empty((2 * GRAIN,), torch.uint8)
+    del big, mid
+    assert pool.free_bytes == 2 * GRAIN and pool.stats["dropped"] == 1  # the oldest was evicted for the newest
+    huge = pool.empty((5 * GRAIN,), torch.uint8)
+    del huge
+    assert pool.free_bytes == 2 * GRAIN and pool.stats["dropped"] == 2  # larger than the cap: never kept
+    again = pool.empty((2 * GRAIN - 100,), torch.uint8)
+    assert pool.stats["reused"] == 1 and pool.free_bytes == 0
+    del again
+    assert pool.free_bytes == 2 * GRAIN
+    off = ResultPool(0)
+    off.empty((64, MIB // 256), torch.float32)
+    assert off.stats["unpooled"] == 1 and off.free_bytes == 0
+
+
+def test_blocks_released_from_other_threads():
+    pool = ResultPool(256 * MIB, min_bytes=0)
+    held = [pool.empty((GRAIN // 4,), torch.float32) for _ in range(16)]
+    threads = [threading.Thread(target=held.pop) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not held and pool.free_bytes == 16 * GRAIN
+
+
+def test_materialize_results_never_alias_while_held(committer):
+    """Results kept by the caller stay exact while later steps reuse recycled memory."""
+    bs = 4
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=bs, staging_capacity_tokens=32, staging_depth=2)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as m:
+        m.result_pool = ResultPool(64 * MIB, min_bytes=0)  # pool every result, however small
+        m.new_step_starts([started("a", [0, 1])])
+        kept = m.materialize(save(m, [Part("a", 1, [0, 1], 0, 8)], bs), ["a"])
+        for step in range(2, 8):
+            req = f"r{step}"
+            m.new_step_starts([finished("a" if step == 2 else f"r{step - 1}"), started(req, [2, 3])])
+            out = m.materialize(save(m, [Part(req, step, [2, 3], 0, 8)], bs), [req])
+            assert torch.equal(out.hidden_states[req], rows(step, range(8)))
+            out.hidden_states[req].fill_(float("nan"))  # the caller scribbles on its own result
+            del out
+        assert torch.equal(kept.hidden_states["a"], rows(1, range(8)))
+        assert torch.equal(kept.mm_outputs["a"]["feat"], expect(1, 0, 1, 0, 8, mm=True))
+        assert m.result_pool.stats["reused"] > 0
+        assert m.counters["result_blocks_reused"] > 0
