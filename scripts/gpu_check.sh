@@ -5,7 +5,8 @@
 #   2. scripts/gpu_bench.py: device-to-host GB/s of the whole-step staging copy into registered shared
 #      memory next to a plain pinned copy_ of the same bytes;
 #   3. `omnishm demo --tp 2 --device cuda`: a writer and a reader process saving from the device;
-#   4. `omnishm bench --only 3` with the outputs on the device, then on the CPU, on the same machine.
+#   4. `omnishm bench --only 2,3,6` with the outputs on the device, then figures 3 and 6 on the CPU, on the
+#      same machine (JSON beside the logs).
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (OUTDIR gets the logs and the bench JSON)
 # Needs torch with CUDA, pyzmq, msgspec, posix_ipc and pytest; omnishm is taken from this checkout.
 set -uo pipefail
@@ -28,11 +29,13 @@ step() {  # step NAME CMD...: run, log to OUTDIR/NAME.log, remember a failure an
 print('torch', torch.__version__, torch.cuda.get_device_name(), 'cuda', torch.version.cuda)" || exit 2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || true
 step tests "$PY" -m pytest -q -p no:cacheprovider -s tests/test_cuda.py tests/test_device_order.py \
-    tests/test_manager_random.py
+    tests/test_result_pool.py tests/test_manager_random.py
 step staging "$PY" scripts/gpu_bench.py
 step demo "$PY" -m omnishm demo --tp 2 --steps 200 --device cuda --name gpucheck
-step bench_cuda "$PY" -m omnishm bench --only 3 --device cuda
-step bench_cpu "$PY" -m omnishm bench --only 3
+step bench_cuda sh -c "'$PY' -m omnishm bench --only 2,3,6 --device cuda --json > '$OUTDIR/bench_cuda.json'; \
+rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/bench_cuda.json'; exit \$rc"
+step bench_cpu sh -c "'$PY' -m omnishm bench --only 3,6 --json > '$OUTDIR/bench_cpu.json'; \
+rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/bench_cpu.json'; exit \$rc"
 leftover=$(ls /dev/shm | grep -c '^omnishm' || true)
 echo "omnishm segments left in /dev/shm: $leftover"
 [ "$leftover" -eq 0 ] || failed+=(leaks)
