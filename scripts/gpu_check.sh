@@ -6,7 +6,7 @@
 #      memory next to a plain pinned copy_ of the same bytes;
 #   3. `omnishm demo --tp 2 --device cuda`: a writer and a reader process saving from the device;
 #   4. `omnishm bench --only 2,3,6` with the outputs on the device, then figures 3 and 6 on the CPU, on the
-#      same machine (JSON beside the logs).
+#      same machine (JSON beside the logs), and a cProfile of figure 3's engine step on the device.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (OUTDIR gets the logs and the bench JSON)
 # Needs torch with CUDA, pyzmq, msgspec, posix_ipc and pytest; omnishm is taken from this checkout.
 set -uo pipefail
@@ -34,6 +34,7 @@ step staging "$PY" scripts/gpu_bench.py
 step demo "$PY" -m omnishm demo --tp 2 --steps 200 --device cuda --name gpucheck
 step bench_cuda sh -c "'$PY' -m omnishm bench --only 2,3,6 --device cuda --json > '$OUTDIR/bench_cuda.json'; \
 rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/bench_cuda.json'; exit \$rc"
+step profile "$PY" scripts/profile_engine.py --device cuda --steps 20 --top 30
 step bench_cpu sh -c "'$PY' -m omnishm bench --only 3,6 --json > '$OUTDIR/bench_cpu.json'; \
 rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/bench_cpu.json'; exit \$rc"
 leftover=$(ls /dev/shm | grep -c '^omnishm' || true)

@@ -30,60 +30,42 @@ class ReadSide:
     def _arena(self, ctx: StepCtx, req_ids: list[ReqId]) -> dict[TensorName, dict[ReqId, torch.Tensor]]:
         """Result tensors ``(hit + step rows, *row_shape)`` of every requested request and key.
 
-        One allocation per key. When the requests without a hit are, in
-        ``req_ids`` order, adjacent in the step (the usual whole batch), their
-        step rows come first and are copied with ONE copy per key; otherwise
-        each gets its own region and copy. Each hit request gets its own region
-        after those, which the caller fills (hit rows, then its step rows).
+        One allocation per key (``result_pool``). The requests without a hit
+        come first, in ``req_ids`` order, with their step rows already in
+        place: each run of them that is adjacent in the step is ONE copy per key
+        (the whole batch without hits is one copy). Each hit request gets its
+        own region after those, which the caller fills (hit rows, then its step
+        rows).
         """
         plain: list[ReqId] = []
         sizes: list[int] = []
+        runs: list[list[int]] = []  # [step row, result row, rows] of each adjacent run
         hit_reqs: list[ReqId] = []
         hit_sizes: list[int] = []
-        adjacent = True
-        lo = end = -1
+        off = 0
         for req in req_ids:
             start, count = ctx.spans[req]
             span = ctx.hits.get(req)
             if span is None:
-                if not plain:
-                    lo = start
-                elif start != end:
-                    adjacent = False
-                end = start + count
+                if runs and runs[-1][0] + runs[-1][2] == start:
+                    runs[-1][2] += count
+                else:
+                    runs.append([start, off, count])
                 plain.append(req)
                 sizes.append(count)
+                off += count
             else:
                 hit_reqs.append(req)
                 hit_sizes.append(len(span.slots) + count)
-        total = sum(sizes) + sum(hit_sizes)
+        total = off + sum(hit_sizes)
         arena: dict[TensorName, dict[ReqId, torch.Tensor]] = {}
         for key, rows in ctx.step_rows.items():
-            shape = ctx.row_shapes[key]
             # Recycled, pre-faulted memory: a fresh allocation would pay a page fault per 4 KiB.
-            buf = self.result_pool.empty((total, *shape), rows.dtype)
+            buf = self.result_pool.empty((total, *ctx.row_shapes[key]), rows.dtype)
             flat = buf.view(total, rows.shape[1])
-            if adjacent and plain and not hit_reqs and not rows.is_cuda:
-                # The usual step: no hits, the whole batch. One copy fills the arena.
-                flat.copy_(rows[lo:end])
-                arena[key] = dict(zip(plain, buf.split_with_sizes(sizes)))
-                continue
-            if adjacent:
-                if plain:
-                    self._copy_step_rows(flat[:end - lo], rows[lo:end])
-                arena[key] = dict(zip(plain + hit_reqs, buf.split_with_sizes(sizes + hit_sizes)))
-            else:
-                views: dict[ReqId, torch.Tensor] = {}
-                off = 0
-                for req, size in zip(plain, sizes):
-                    start = ctx.spans[req][0]
-                    self._copy_step_rows(flat[off:off + size], rows[start:start + size])
-                    views[req] = buf[off:off + size]
-                    off += size
-                for req, size in zip(hit_reqs, hit_sizes):
-                    views[req] = buf[off:off + size]
-                    off += size
-                arena[key] = views
+            for start, at, count in runs:
+                self._copy_step_rows(flat[at:at + count], rows[start:start + count])
+            arena[key] = dict(zip(plain + hit_reqs, buf.split_with_sizes(sizes + hit_sizes)))
         return arena
 
     def _copy_step_rows(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
