@@ -117,6 +117,37 @@ def test_no_descriptor_is_sent_before_its_copy_event_and_save_does_not_wait_it(c
         assert threading.current_thread().name in d2h.waiters
 
 
+def test_materialize_sends_its_step_once_and_the_sender_thread_sends_the_rest(committer):
+    """The thread that materializes waited the copy event anyway: it sends the step itself (no GIL
+    fight with the sender thread); a step nobody materializes in time goes out from the sender thread.
+    Each exactly once."""
+    ops = FakeOps()
+    with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, device_ops=ops) as m:
+        senders: list[tuple[int, str]] = []
+        real_submit = m._link.submit
+
+        def submit(make):
+            msg = make(0)
+            if type(msg).__name__ == "StepWrite":
+                senders.append((msg.step, threading.current_thread().name))
+            return real_submit(make)
+
+        m._link.submit = submit
+        m._sender._send = submit
+        m._sender.grace_s = 0.3
+        ops.auto = True  # copies complete at once: the race between the two threads is what is tested
+        m.new_step_starts([started("a", [0, 1])])
+        sid = save(m, [Part("a", 1, [0, 1], 0, 6)], BS)
+        out = m.materialize(sid, ["a"])
+        assert torch.equal(out.hidden_states["a"], rows(1, range(6)))
+        m.new_step_starts([extended("a", 6)])
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 6, 2)], BS))
+        m.wait_idle()
+        assert senders == [(0, "MainThread"), (1, "omnishm-sender")]
+        kv = m._keys[HIDDEN_KEY]
+        assert torch.equal(kv.pool[torch.arange(8)], rows(1, range(8)))
+
+
 def test_engine_thread_never_waits_the_current_steps_copy(committer):
     ops = FakeOps()
     with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, device_ops=ops) as m:

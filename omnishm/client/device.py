@@ -10,9 +10,16 @@ current step, and every copy is fenced against the compute that produced it
 2. ``to_host``: on a dedicated copy stream that waits the freeze event, copy
    each key's whole step into its pinned staging page, then record a
    *completion event*.
-3. The ``StepSender`` thread waits that event and only then sends the step's
-   descriptor: the committer (which never touches CUDA) may read the page
-   only once the copy landed.
+3. The step's descriptor is sent only once that event completed: the
+   committer (which never touches CUDA) may read the page only once the copy
+   landed. ``materialize`` waits that event anyway (it reads the step's
+   rows), so the thread that materializes sends it (``StepSender.send_now``);
+   the ``StepSender`` thread is the backstop for a step that is materialized
+   late or discarded: it waits the event, gives the materializing thread
+   ``SEND_GRACE_S``, and sends what is still unsent. Whoever takes a step
+   first sends it, exactly once. Without the grace both threads woke on the
+   same event and fought for the GIL: 0.35 ms more per step inside
+   ``materialize`` on an H200 machine.
 
 ``CpuOps`` runs the same sequence on CPU tensors: freeze is a no-op (the
 staging copy is the snapshot), copies are synchronous, and events are
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
@@ -35,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 REGISTER_CHUNK_BYTES = 64 << 30
 """cudaHostRegister is called in row-aligned chunks of at most this size."""
+SEND_GRACE_S = 0.001
+"""How long the sender thread leaves a completed step to the materializing thread before sending it."""
 
 
 class Event(Protocol):
@@ -161,35 +172,67 @@ def ops_for(tensors: list[torch.Tensor]) -> DeviceOps:
 # ---------------------------------------------------------------------------- sender
 
 
-class StepSender:
-    """The client sender thread (``omnishm-sender``): wait a step's copy event, then send.
+class PendingSend:
+    """One step's descriptor, waiting for its copy event; sent exactly once, by whoever takes it first."""
 
-    Order is kept (one FIFO). ``submit`` returns at once with a Future that
-    completes with the committer's reply; the engine thread never waits here.
+    __slots__ = ("event", "make", "outer", "_taken")
+
+    def __init__(self, event: Event, make: Callable[[int], Any]):
+        self.event = event
+        self.make = make
+        self.outer: Future = Future()
+        self._taken = threading.Lock()
+
+    def take(self) -> bool:
+        return self._taken.acquire(blocking=False)
+
+
+class StepSender:
+    """Sends step descriptors once their copy event completed (see the module docstring).
+
+    ``submit`` returns at once; the engine thread never waits here. The
+    ``omnishm-sender`` thread keeps the order it was given, waits each event,
+    then ``grace_s``, and sends the step unless ``send_now`` already did.
+    ``send_now`` is for a thread that already waited the step's event.
     """
 
-    def __init__(self, send: Callable[[Callable[[int], Any]], Future]):
+    def __init__(self, send: Callable[[Callable[[int], Any]], Future], *, grace_s: float = SEND_GRACE_S):
         self._send = send
-        self._thread: SerialThread[tuple[Event, Callable[[int], Any], Future]] = SerialThread(
-            "omnishm-sender", self._send_after)
+        self.grace_s = grace_s
+        self._thread: SerialThread[PendingSend] = SerialThread("omnishm-sender", self._send_after)
 
-    def submit(self, event: Event, make: Callable[[int], Any]) -> Future:
-        outer: Future = Future()
-        self._thread.put((event, make, outer))
-        return outer
+    def submit(self, event: Event, make: Callable[[int], Any]) -> PendingSend:
+        item = PendingSend(event, make)
+        self._thread.put(item)
+        return item
+
+    def send_now(self, item: PendingSend) -> None:
+        """Send ``item`` from this thread unless it was sent; its event must have completed."""
+        if item.take():
+            self._deliver(item)
 
     def stop(self, timeout_s: float) -> None:
         self._thread.stop(timeout_s)
 
-    def _send_after(self, item: tuple[Event, Callable[[int], Any], Future]) -> None:
-        event, make, outer = item
+    def _send_after(self, item: PendingSend) -> None:
         try:
-            event.synchronize()
-            inner = self._send(make)
+            item.event.synchronize()
         except BaseException as exc:  # handed to whoever waits the step's write
-            outer.set_exception(exc)
+            if item.take():
+                item.outer.set_exception(exc)
             return
-        inner.add_done_callback(lambda f, outer=outer: _chain(f, outer))
+        if self.grace_s > 0:
+            time.sleep(self.grace_s)  # the materializing thread usually takes it now
+        if item.take():
+            self._deliver(item)
+
+    def _deliver(self, item: PendingSend) -> None:
+        try:
+            inner = self._send(item.make)
+        except BaseException as exc:  # handed to whoever waits the step's write
+            item.outer.set_exception(exc)
+            return
+        inner.add_done_callback(lambda f, outer=item.outer: _chain(f, outer))
 
 
 def _chain(inner: Future, outer: Future) -> None:

@@ -546,11 +546,12 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             return rows.index_select(0, index)
         return self._ops.read_rows(rows, index)
 
-    @staticmethod
-    def _wait_step_events(ctx: StepCtx) -> None:
-        """materialize waits only the events of the step it reads."""
+    def _wait_step_events(self, ctx: StepCtx) -> None:
+        """materialize waits only the events of the step it reads, then sends the step if still unsent."""
         if ctx.d2h_event is not None:
             ctx.d2h_event.synchronize()
+            if ctx.pending_send is not None and self._sender is not None:
+                self._sender.send_now(ctx.pending_send)
         for event in ctx.leftover_events:
             event.synchronize()
 

@@ -42,6 +42,8 @@ class StepCtx:
     page: int | None = None
     freeze_event: Any = None
     d2h_event: Any = None
+    pending_send: Any = None
+    """CUDA writer: the step's ``PendingSend`` (``client/device.py``); materialize sends it if still unsent."""
     leftover_events: list[Any] = field(default_factory=list)
     prefetched: dict[tuple[ReqId, TensorName], torch.Tensor] = field(default_factory=dict)
     prefetch_done: threading.Event | None = None

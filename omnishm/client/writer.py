@@ -148,8 +148,10 @@ class WriterSide:
         if ctx.d2h_event is DONE:
             fut = self._link.submit(make)  # the copy already landed (CPU): no thread hop needed
         else:
-            # The sender thread waits the step's copy event; only then may the committer read the page.
-            fut = self._sender.submit(ctx.d2h_event, make)
+            # Sent once the step's copy event completed (only then may the committer read the page):
+            # by materialize, which waits that event anyway, or else by the sender thread.
+            ctx.pending_send = self._sender.submit(ctx.d2h_event, make)
+            fut = ctx.pending_send.outer
 
         def done(f: Future) -> None:
             self._drop_sources(ctx)
