@@ -357,9 +357,10 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
 
         ``out`` optionally supplies preallocated buffers (``out[req][key]``,
         ``HIDDEN_KEY`` for hidden states) of exactly the merged shape and
-        dtype; they are filled and returned instead of fresh tensors. A fresh
-        allocation pays first-touch page faults on every call, which costs more
-        than the copy for large hits (see benchmarks/README.md).
+        dtype; they are filled and returned instead of new tensors. New result
+        tensors come from ``result_pool`` (recycled, pre-faulted memory that
+        returns once the caller dropped every view of it), so they cost about
+        what ``out=`` costs (benchmarks/README.md, figure 2).
         """
         t0 = time.perf_counter()
         self._check_usable()
