@@ -77,6 +77,10 @@ CONNECTED = "connected"
 RECONNECTING = "reconnecting"
 DEAD = "dead"
 RECONNECT_TIMEOUT_ENV = "OMNISHM_RECONNECT_TIMEOUT_S"
+MAX_IN_FLIGHT = 256
+"""Unanswered requests a link allows at once; a caller past it waits for room. The committer's
+ROUTER drops a reply, silently, once 1000 wait for this client in its socket and 1000 in ours
+(ZeroMQ's high-water marks), and the request would then only time out."""
 
 
 def default_endpoint(cache: str, runtime_dir: Path | None = None) -> str:
@@ -164,6 +168,8 @@ class CommitterLink:
         self._rids = itertools.count(1)
         self._slock = threading.Lock()  # guards _sock (every call on it), _outbox and _state changes
         self._plock = threading.Lock()  # guards _pending and _dead; taken inside _slock, never around it
+        self._room = threading.Condition(self._plock)  # a pending entry left (MAX_IN_FLIGHT)
+        self._room_waiters = 0
         self._pending: dict[int, _Pending] = {}
         self._outbox: collections.deque[int] = collections.deque()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -206,14 +212,18 @@ class CommitterLink:
 
     # ------------------------------------------------------------ public
 
-    def submit(self, make: Callable[[int], msgspec.Struct]) -> Future:
+    def submit(self, make: Callable[[int], msgspec.Struct], *, bounded: bool = True) -> Future:
         """Send ``make(rid)``; the future gets its reply (or an error). Any thread; raises when dead.
 
         Sends on the calling thread under ``_slock`` (non-blocking). While the
         link resumes, or when the socket is full, the message waits in the
         outbox (or, resuming, in ``_pending``, which a resume re-sends) and the
-        I/O thread sends it.
+        I/O thread sends it. With ``MAX_IN_FLIGHT`` requests unanswered, a
+        ``bounded`` caller first waits for room (up to ``request_timeout_s``,
+        then raises); the I/O thread's own heartbeats are not bounded.
         """
+        if bounded and len(self._pending) >= MAX_IN_FLIGHT:
+            self._wait_for_room()
         rid = next(self._rids)
         msg = make(rid)
         data = P.encode(msg)
@@ -242,6 +252,26 @@ class CommitterLink:
             self._wake()
         return fut
 
+    def _wait_for_room(self) -> None:
+        deadline = time.monotonic() + self.request_timeout_s
+        with self._room:
+            self._room_waiters += 1
+            try:
+                while len(self._pending) >= MAX_IN_FLIGHT and self._dead is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise OmniPrefixCacheCommitterError(
+                            f"cache {self.cache}: {len(self._pending)} requests to the committer at {self.endpoint} "
+                            f"still unanswered after {self.request_timeout_s:.1f}s (at most {MAX_IN_FLIGHT} in flight)")
+                    self._room.wait(remaining)
+            finally:
+                self._room_waiters -= 1
+
+    def _made_room(self) -> None:
+        """_plock held: pending entries left; wake callers waiting for room."""
+        if self._room_waiters:
+            self._room.notify_all()
+
     def request(self, make: Callable[[int], msgspec.Struct], timeout_s: float | None = None) -> msgspec.Struct:
         """Round trip; raises OmniPrefixCacheCommitterError on Error replies, timeouts and death."""
         fut = self.submit(make)
@@ -251,6 +281,7 @@ class CommitterLink:
         except TimeoutError as exc:
             with self._plock:
                 self._pending.pop(fut.rid, None)  # type: ignore[attr-defined]
+                self._made_room()
             state = f" (link {self._state}: {self._lost_reason})" if self._state != CONNECTED else ""
             raise OmniPrefixCacheCommitterError(
                 f"cache {self.cache}: committer at {self.endpoint} did not answer within {timeout_s:.1f}s{state}") \
@@ -383,6 +414,7 @@ class CommitterLink:
             self._outbox.clear()
             with self._plock:
                 pending, self._pending = self._pending, {}
+                self._made_room()
         if not reason.startswith(f"cache {self.cache}:"):
             reason = f"cache {self.cache}: {reason}"
         for entry in pending.values():
@@ -428,7 +460,7 @@ class CommitterLink:
                     next_beat = now + self._heartbeat_s
                     counters = {**self.counters, **{f"link_{k}": float(v) for k, v in self.stats.items()}}
                     try:
-                        fut = self.submit(lambda rid: P.Heartbeat(rid=rid, counters=counters))
+                        fut = self.submit(lambda rid: P.Heartbeat(rid=rid, counters=counters), bounded=False)
                     except OmniPrefixCacheCommitterError:
                         continue
                     fut.add_done_callback(self._on_heartbeat)
@@ -491,6 +523,7 @@ class CommitterLink:
                 return
             with self._plock:
                 entry = self._pending.pop(reply.rid, None)
+                self._made_room()
             if entry is None:
                 if isinstance(reply, P.Error):
                     logger.error("cache %s: committer error %s: %s", self.cache, reply.code, reply.message)
@@ -525,6 +558,7 @@ class CommitterLink:
         with self._plock:
             beats = [rid for rid, e in self._pending.items() if not e.resend]
             dropped = [self._pending.pop(rid) for rid in beats]
+            self._made_room()
         for entry in dropped:
             entry.fut.set_exception(OmniPrefixCacheCommitterError(f"cache {self.cache}: heartbeat lost"))
 
