@@ -259,6 +259,11 @@ def socket_path(runtime_dir: Path, cache: str) -> Path:
     return Path(runtime_dir) / f"{cache}.sock"
 
 
+def ipc_endpoint(runtime_dir: Path | None, cache: str) -> str:
+    """The default endpoint of ``cache``: its socket in ``runtime_dir`` (default: ``default_runtime_dir()``)."""
+    return f"ipc://{socket_path(runtime_dir if runtime_dir is not None else default_runtime_dir(), cache)}"
+
+
 @dataclass
 class CacheLock:
     """An exclusive flock held for a committer's whole life; the kernel drops it on death."""

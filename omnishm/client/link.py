@@ -53,8 +53,6 @@ import itertools
 import logging
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -69,6 +67,7 @@ import zmq
 
 from omnishm import protocol as P
 from omnishm import shm
+from omnishm.client.committer_process import proc_identity, start_committer
 from omnishm.interface import OmniPrefixCacheCommitterError
 
 logger = logging.getLogger(__name__)
@@ -81,44 +80,6 @@ MAX_IN_FLIGHT = 256
 """Unanswered requests a link allows at once; a caller past it waits for room. The committer's
 ROUTER drops a reply, silently, once 1000 wait for this client in its socket and 1000 in ours
 (ZeroMQ's high-water marks), and the request would then only time out."""
-
-
-def default_endpoint(cache: str, runtime_dir: Path | None = None) -> str:
-    runtime_dir = Path(runtime_dir) if runtime_dir is not None else shm.default_runtime_dir()
-    return f"ipc://{shm.socket_path(runtime_dir, cache)}"
-
-
-def start_committer(cache: str, runtime_dir: Path, *, exit_when_idle: bool = True) -> subprocess.Popen:
-    """Start an embedded committer for ``cache`` in its own session (it outlives no client)."""
-    cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir)]
-    if exit_when_idle:
-        cmd.append("--exit-when-idle")
-    log_path = Path(runtime_dir) / f"{cache}.autostart.log"
-    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
-    # The committer removes this log when it stops cleanly; a failed start keeps it, with the reason.
-    env = {**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)}
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                env=env)
-    finally:
-        log.close()
-    # Reap it when it exits so it never lingers as a zombie of the runner.
-    threading.Thread(target=proc.wait, name=f"omnishm-reap-{cache}", daemon=True).start()
-    logger.info("cache %s: autostarted committer pid %d", cache, proc.pid)
-    return proc
-
-
-def _proc_identity(pid: int) -> str | None:
-    """Start time of a live (not zombie) process ``pid`` from /proc, or None when it is gone or unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(b")") + 2:].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
-    return fields[19].decode()
 
 
 @dataclass
@@ -150,7 +111,7 @@ class CommitterLink:
         self.role = role
         self.client_id = uuid.uuid4().hex
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else shm.default_runtime_dir()
-        self.endpoint = endpoint or default_endpoint(cache, self.runtime_dir)
+        self.endpoint = endpoint or shm.ipc_endpoint(self.runtime_dir, cache)
         self.request_timeout_s = request_timeout_s
         if reconnect_timeout_s is None:
             env = os.environ.get(RECONNECT_TIMEOUT_ENV)
@@ -355,7 +316,7 @@ class CommitterLink:
     def _adopt_welcome(self, welcome: P.Welcome) -> None:
         self._heartbeat_s = welcome.heartbeat_s
         self._heartbeat_timeout_s = self._heartbeat_timeout_override or welcome.heartbeat_timeout_s
-        self._committer_ident = _proc_identity(welcome.committer_pid)
+        self._committer_ident = proc_identity(welcome.committer_pid)
         self._last_heard = time.monotonic()
         self._staging_names.update(k.staging for k in welcome.keys if k.staging)
 
@@ -465,7 +426,7 @@ class CommitterLink:
                         continue
                     fut.add_done_callback(self._on_heartbeat)
                     if self._committer_ident is not None and \
-                            _proc_identity(self.welcome.committer_pid) != self._committer_ident:
+                            proc_identity(self.welcome.committer_pid) != self._committer_ident:
                         self._lost(f"committer process {self.welcome.committer_pid} is gone")
                         continue
                 if now - self._last_heard > self._heartbeat_timeout_s:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnishm import config as knobs
+from omnishm import shm
 from omnishm.config import LOOPBACK_HOSTS, ConfigError, check_endpoint  # noqa: F401 (re-exported)
 
 SCOPE = "committer"
@@ -79,17 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     return add_arguments(parser)
 
 
-def default_endpoint(runtime_dir: Path, name: str) -> str:
-    return f"ipc://{Path(runtime_dir) / f'{name}.sock'}"
-
-
 def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterConfig:
     """Build the config from a namespace of ``build_parser`` (runtime_dir already ensured). Raises ValueError.
 
     Values were checked when parsed; this fills the endpoint default and checks
     that ``prometheus_client`` is importable when metrics were asked for.
     """
-    endpoint = check_endpoint(args.endpoint or default_endpoint(runtime_dir, args.name))
+    endpoint = check_endpoint(args.endpoint or shm.ipc_endpoint(runtime_dir, args.name))
     if args.metrics_port:
         from omnishm.committer.metrics import require_prometheus
 

@@ -1,0 +1,51 @@
+"""The committer as a process seen from a client: start one (autostart), and tell whether it still lives.
+
+``start_committer`` starts an embedded committer in its own session with its
+log in the runtime dir; the committer removes the log when it stops cleanly,
+so a failed start keeps it with the reason. ``proc_identity`` is how a link
+notices its committer died between two heartbeats (a zombie, or another
+process under the same pid, counts as gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def start_committer(cache: str, runtime_dir: Path, *, exit_when_idle: bool = True) -> subprocess.Popen:
+    """Start an embedded committer for ``cache`` in its own session (it outlives no client)."""
+    cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir)]
+    if exit_when_idle:
+        cmd.append("--exit-when-idle")
+    log_path = Path(runtime_dir) / f"{cache}.autostart.log"
+    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    env = {**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)}
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                env=env)
+    finally:
+        log.close()
+    # Reap it when it exits so it never lingers as a zombie of the runner.
+    threading.Thread(target=proc.wait, name=f"omnishm-reap-{cache}", daemon=True).start()
+    logger.info("cache %s: autostarted committer pid %d", cache, proc.pid)
+    return proc
+
+
+def proc_identity(pid: int) -> str | None:
+    """Start time of a live (not zombie) process ``pid`` from /proc, or None when it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
