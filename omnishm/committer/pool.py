@@ -1,32 +1,15 @@
 """The cache a committer owns: control segment, per-key pool/claim/commit
-segments, per-writer staging segments, and ``apply_step``.
+segments, per-writer staging segments, their metadata and adoption after a
+restart. Applying ``StepWrite``s is ``omnishm.committer.apply`` (a mixin).
 
 Single-threaded: only the committer's server loop calls into a ``CachePool``.
 Every segment here is created (and at ``close`` unlinked) by this process.
-
-Write path (``apply_step``), all vectorised over the packed int64 buffers of a
-``StepWrite``: per-row claim versions and staging rows come from ``np.repeat``;
-a row lands only where the claim table still holds its claim version (a slot
-reclaimed by a newer write is skipped); rows are copied as maximal runs of
-consecutive slots and staging rows with one slice assignment each (memcpy
-speed, LIMITS.md), the scattered leftovers with one fancy-indexed assignment.
-Copies go through numpy byte views of the pool and staging rows: a numpy slice
-assignment costs ~0.3 us against ~5 us for a torch slice ``copy_``, and a
-fancy-indexed row scatter runs at memcpy speed for small batches where
-``index_copy_`` on bf16 rows was 8x slower (measured, ``omnishm bench``).
-The commit table is written after every row of that key has landed, so a
-reader that sees ``commit == claim`` sees the row.
-
-Validation is a fast pass of one reduction per rule (negative int64s are huge
-as uint64, so one ``max`` checks both bounds); only when it trips does the
-detailed pass run, to name the first offending entry in the error.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +17,7 @@ import torch
 
 from omnishm import protocol, shm
 from omnishm.committer import meta
+from omnishm.committer.apply import RUN_BYTES, StepApply
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +30,7 @@ MAX_WIDTH = 1 << 24
 MAX_SLOTS = 1 << 34
 """Upper bound on ``num_blocks * block_size`` (bad input gets a clear error, never an overflow)."""
 MAX_STAGING_ROWS = 1 << 26
-RUN_BYTES = 64 << 10
-"""A run of consecutive rows of at least this many bytes (and 2 rows) goes by one slice assignment.
 
-Measured (2 vCPU, 8 KiB rows): a numpy fancy-indexed row scatter runs at 0.8-0.9 of
-memcpy, a slice assignment at memcpy speed plus ~1 us of Python per run, so runs
-below ~64 KiB are cheaper inside the single scatter."""
 
 
 class PoolError(Exception):
@@ -61,10 +40,6 @@ class PoolError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-class StepRejected(Exception):
-    """A StepWrite that failed validation; nothing was applied."""
 
 
 @dataclass
@@ -125,13 +100,6 @@ class KeyState:
         return self.scratch[:rows]
 
 
-@dataclass
-class StepResult:
-    done_tids: bytes
-    rows_written: int
-    rows_skipped: int
-
-
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
     """uint8[rows, row_bytes] numpy view sharing ``t``'s memory (numpy has no bf16, trap 8)."""
     rows = t.shape[0]
@@ -148,18 +116,7 @@ def _void_rows(rows: np.ndarray) -> np.ndarray:
     return rows.view(np.dtype((np.void, rows.shape[1]))).reshape(rows.shape[0])
 
 
-_max = np.maximum.reduce  # the ufunc itself: ndarray.max() adds two Python frames per call
-_min = np.minimum.reduce
-_and = np.logical_and.reduce
-
-
-def _ints(buf: bytes, what: str, step: int) -> np.ndarray:
-    if len(buf) % 8:
-        raise StepRejected(f"step {step}: {what} buffer has {len(buf)} bytes, not a multiple of 8")
-    return np.frombuffer(buf, dtype="<i8")
-
-
-class CachePool:
+class CachePool(StepApply):
     """Segments and write pipeline of one named cache (one generation)."""
 
     def __init__(self, name: str, generation: str, *, prefault: bool = False):
@@ -442,199 +399,6 @@ class CachePool:
         pool.save_meta()
         return pool
 
-    # ------------------------------------------------------------ writes
-
-    def validate_step(self, client_id: str, msg: protocol.StepWrite):
-        """Decode and bounds-check every buffer of ``msg``; raises StepRejected naming the bad value."""
-        step = msg.step
-        tids = _ints(msg.tids, "tids", step)
-        key_idx = _ints(msg.key_idx, "key_idx", step)
-        cvs = _ints(msg.cvs, "cvs", step)
-        src_rows = _ints(msg.src_rows, "src_rows", step)
-        counts = _ints(msg.counts, "counts", step)
-        slots = _ints(msg.slots, "slots", step)
-        n = len(tids)
-        if not len(key_idx) == len(cvs) == len(src_rows) == len(counts) == n:
-            for what, arr in (("key_idx", key_idx), ("cvs", cvs), ("src_rows", src_rows), ("counts", counts)):
-                if len(arr) != n:
-                    raise StepRejected(f"step {step}: {what} has {len(arr)} entries, tids has {n}")
-        states: list[KeyState] = []
-        for key in msg.keys:
-            state = self.keys.get(key)
-            if state is None:
-                raise StepRejected(f"step {step}: unknown key {key!r} (open it with OpenKey first)")
-            if client_id not in state.staging:
-                raise StepRejected(f"step {step}: key {key!r} has no staging segment for this writer")
-            states.append(state)
-        if n == 0:
-            if len(slots):
-                raise StepRejected(f"step {step}: {len(slots)} slots but no entries")
-            return tids, key_idx, cvs, src_rows, counts, slots, states
-
-        def first_bad(bad: np.ndarray, what: str, values: np.ndarray) -> None:
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise StepRejected(f"step {step}: entry {i} (tid {int(tids[i])}) has {what} {int(values[i])}")
-
-        # Fast pass: one reduction per rule; the detailed pass names the first offender.
-        if int(_max(key_idx.view(np.uint64))) >= len(states) or int(_min(counts)) < 0 or int(_min(cvs)) <= 0:
-            first_bad((key_idx < 0) | (key_idx >= len(states)), f"key_idx out of 0..{len(states) - 1}:", key_idx)
-            first_bad(counts < 0, "negative count", counts)
-            first_bad(cvs <= 0, "claim version <= 0:", cvs)
-        total = int(counts.sum())
-        if total != len(slots):
-            raise StepRejected(f"step {step}: counts sum to {total} rows but {len(slots)} slots were sent")
-        num_slots = self.num_slots
-        if total and int(_max(slots.view(np.uint64))) >= num_slots:
-            bad = (slots < 0) | (slots >= num_slots)
-            r = int(np.flatnonzero(bad)[0])
-            e = int(np.searchsorted(np.cumsum(counts), r, side="right"))
-            raise StepRejected(f"step {step}: key {states[int(key_idx[e])].name!r} entry {e} (tid {int(tids[e])}) "
-                               f"slot {int(slots[r])} out of range 0..{num_slots - 1}")
-        if len(states) == 1:
-            limit = states[0].staging[client_id].rows
-            # src_rows > limit - counts, not src_rows + counts > limit: the sum can wrap around int64.
-            ok = int(_min(src_rows)) >= 0 and not bool((src_rows > limit - counts).any())
-            limits: np.ndarray | int = limit
-        else:
-            limits = np.array([s.staging[client_id].rows for s in states], dtype=np.int64)[key_idx]
-            ok = not bool(((src_rows < 0) | (src_rows > limits - counts)).any())
-        if not ok:
-            limits = np.broadcast_to(np.asarray(limits, dtype=np.int64), (n,))
-            bad = (src_rows < 0) | (src_rows > limits - counts)
-            e = int(np.flatnonzero(bad)[0])
-            raise StepRejected(f"step {step}: key {states[int(key_idx[e])].name!r} entry {e} (tid {int(tids[e])}) "
-                               f"staging rows {int(src_rows[e])}..{int(src_rows[e]) + int(counts[e])} "
-                               f"outside 0..{int(limits[e])}")
-        return tids, key_idx, cvs, src_rows, counts, slots, states
-
-    def apply_step(self, client_id: str, msg: protocol.StepWrite) -> protocol.StepDone:
-        """Validate, then apply ``msg`` from the writer ``client_id``; never raises on bad input."""
-        t0 = time.perf_counter()
-        if len(msg.keys) == 1:
-            done = self._apply_one_key(client_id, msg, t0)
-            if done is not None:
-                return done
-        try:
-            tids, key_idx, cvs, src_rows, counts, slots, states = self.validate_step(client_id, msg)
-        except StepRejected as exc:
-            self.steps_failed += 1
-            tids = np.frombuffer(msg.tids[: len(msg.tids) // 8 * 8], dtype="<i8")
-            failed = np.unique(tids)
-            self.tids_failed += len(failed)
-            return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=b"",
-                                     failed_tids=failed.astype("<i8").tobytes(), reason=str(exc))
-        written = skipped = 0
-        total = len(slots)
-        if total:
-            # Per-row staging row and claim version, without per-entry Python: entry i's rows
-            # are src_rows[i] + 0..counts[i]-1, i.e. arange(total) shifted by src_rows[i] - offset[i].
-            offset = np.cumsum(counts)
-            offset -= counts
-            shift = src_rows - offset
-            if len(states) == 1 and int(_min(shift)) == int(_max(shift)):
-                # Staged in entry order (what the manager sends): the rows are one range, no per-row array.
-                row_src = np.arange(int(shift[0]), int(shift[0]) + total, dtype=np.int64)
-            else:
-                row_src = np.repeat(shift, counts)
-                row_src += np.arange(total, dtype=np.int64)
-            row_cv = np.repeat(cvs, counts)
-            row_key = np.repeat(key_idx, counts) if len(states) > 1 else None
-            for j, state in enumerate(states):
-                if row_key is None:
-                    s, r, cv = slots, row_src, row_cv
-                else:
-                    sel = row_key == j
-                    if not sel.any():
-                        continue
-                    s, r, cv = slots[sel], row_src[sel], row_cv[sel]
-                ok = state.claim[s] == cv
-                n_ok = int(np.count_nonzero(ok))
-                if n_ok != len(s):
-                    state.rows_skipped += len(s) - n_ok
-                    skipped += len(s) - n_ok
-                    s, r, cv = s[ok], r[ok], cv[ok]
-                if not n_ok:
-                    continue
-                _copy_rows(state, state.staging[client_id], s, r)
-                state.commit[s] = cv  # after the rows: a reader seeing commit == claim sees the row
-                state.rows_written += n_ok
-                state.bytes_written += n_ok * state.row_bytes
-                written += n_ok
-        self.steps_applied += 1
-        self.rows_skipped += skipped
-        self.apply_seconds += time.perf_counter() - t0
-        return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=_unique_tids(tids, len(states)),
-                                 rows_written=written, rows_skipped=skipped)
-
-    def _apply_one_key(self, client_id: str, msg: protocol.StepWrite, t0: float) -> protocol.StepDone | None:
-        """The per-step fast path: one key, rows staged in entry order (what the manager sends).
-
-        Accepts only steps that ``validate_step`` accepts too, and applies them
-        exactly as the general path does; anything else (bad input included)
-        returns None and takes the general path, which names the offender.
-        Every check is a bytes comparison or one reduction over a whole buffer:
-        ~10 numpy calls per step whatever the number of entries.
-        """
-        state = self.keys.get(msg.keys[0])
-        if state is None:
-            return None
-        staging = state.staging.get(client_id)
-        nb = len(msg.tids)
-        if (staging is None or nb == 0 or nb & 7 or len(msg.cvs) != nb or len(msg.src_rows) != nb
-                or len(msg.counts) != nb or len(msg.key_idx) != nb or len(msg.slots) & 7
-                or msg.key_idx.count(0) != nb):  # every key_idx is 0: all its bytes are zero
-            return None
-        cvs = np.frombuffer(msg.cvs, dtype="<i8")
-        counts = np.frombuffer(msg.counts, dtype="<i8")
-        src_rows = np.frombuffer(msg.src_rows, dtype="<i8")
-        slots = np.frombuffer(msg.slots, dtype="<i8")
-        total = len(slots)
-        rows = staging.rows
-        r0 = int(src_rows[0])
-        # 0 <= counts <= total (negative counts are huge as uint64) also rules out int64 overflow below.
-        if int(_max(counts.view(np.uint64))) > total or int(_min(cvs)) <= 0 or not 0 <= r0 <= rows:
-            return None
-        ends = src_rows + counts
-        r1 = int(ends[-1])
-        # Staged in entry order: entry i+1 starts where entry i ends, so the step's rows are r0..r1
-        # (which bounds every entry's rows) and the counts sum to r1 - r0.
-        if r1 > rows or r1 - r0 != total or (nb > 8 and not bool(_and(src_rows[1:] == ends[:-1]))):
-            return None
-        if total and int(_max(slots.view(np.uint64))) >= self.num_slots:
-            return None
-        tids = np.frombuffer(msg.tids, dtype="<i8")
-        written = skipped = 0
-        if total:
-            row_cv = cvs.repeat(counts)
-            ok = state.claim[slots] == row_cv
-            n_ok = int(np.count_nonzero(ok))
-            if n_ok == total:
-                if total < state.min_run:  # no run long enough for its own slice: one scatter
-                    state.rows_v[slots] = staging.rows_v[r0:r1]
-                else:
-                    _copy_rows(state, staging, slots, np.arange(r0, r1, dtype=np.int64))
-                state.commit[slots] = row_cv  # after the rows: a reader seeing commit == claim sees the row
-            elif n_ok:
-                s = slots[ok]
-                _copy_rows(state, staging, s, np.arange(r0, r1, dtype=np.int64)[ok])
-                state.commit[s] = row_cv[ok]
-            skipped = total - n_ok
-            if skipped:
-                state.rows_skipped += skipped
-                self.rows_skipped += skipped
-            state.rows_written += n_ok
-            state.bytes_written += n_ok * state.row_bytes
-            written = n_ok
-        # Distinct tids: increasing tids (the manager's order) are already their own sorted set.
-        done = msg.tids if nb == 8 or bool(_and(tids[1:] > tids[:-1])) else _unique_tids(tids, 1)
-        self.steps_applied += 1
-        self.apply_seconds += time.perf_counter() - t0
-        return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=done, rows_written=written,
-                                 rows_skipped=skipped)
-
-    # ------------------------------------------------------------ status and teardown
-
     def segment_bytes(self) -> int:
         total = self.ctl_seg.size if self.ctl_seg else 0
         for state in self.keys.values():
@@ -667,64 +431,3 @@ class CachePool:
         for state in self.keys.values():
             state.staging.clear()
         return removed
-
-
-def _unique_tids(tids: np.ndarray, num_keys: int) -> bytes:
-    """Sorted distinct tids as packed int64 (what ``np.unique`` gives, without its ~9 us sort).
-
-    The manager sends each key's entries in batch order with increasing tids, so the
-    packed tids are one increasing run repeated once per key: that is checked, not assumed.
-    """
-    n = len(tids)
-    if n <= 1 or bool((tids[1:] > tids[:-1]).all()):
-        return tids.astype("<i8", copy=False).tobytes()
-    if num_keys > 1 and n % num_keys == 0:
-        per = tids.reshape(num_keys, -1)
-        first = per[0]
-        if bool((per == first).all()) and (len(first) <= 1 or bool((first[1:] > first[:-1]).all())):
-            return first.astype("<i8", copy=False).tobytes()
-    return np.unique(tids).astype("<i8").tobytes()
-
-
-def _copy_rows(state: KeyState, staging: Staging, s: np.ndarray, r: np.ndarray) -> None:
-    """pool[s[i]] = stage[r[i]] for all i: long runs by one slice assignment each, the rest by one scatter.
-
-    Works on the uint8 row views (``KeyState.data``, ``Staging.data``), so each call is a
-    memcpy without torch dispatch. A slot listed twice gets its last row.
-    """
-    dst, src = state.data, staging.data
-    assert dst is not None and src is not None
-    m = len(s)
-    if m == 0:
-        return
-    if m == 1:
-        dst[int(s[0])] = src[int(r[0])]
-        return
-    if m < state.min_run:  # no run can be long enough: straight to the scatter
-        _scatter(state, dst, src, s, r)
-        return
-    brk = np.flatnonzero((s[1:] - s[:-1] != 1) | (r[1:] - r[:-1] != 1))
-    if len(brk) == 0:  # one run: the common case of a contiguous step
-        s0, r0 = int(s[0]), int(r[0])
-        dst[s0:s0 + m] = src[r0:r0 + m]
-        return
-    brk += 1
-    run_start = np.concatenate(([0], brk))
-    lengths = np.diff(np.concatenate((run_start, [m])))
-    long = lengths >= state.min_run
-    # One iteration per long run (RUN_BYTES or more), never per row.
-    for s0, r0, length in zip(s[run_start[long]].tolist(), r[run_start[long]].tolist(), lengths[long].tolist()):
-        dst[s0:s0 + length] = src[r0:r0 + length]
-    if not long.all():
-        short = np.repeat(~long, lengths)
-        _scatter(state, dst, src, s[short], r[short])
-
-
-def _scatter(state: KeyState, dst: np.ndarray, src: np.ndarray, s: np.ndarray, r: np.ndarray) -> None:
-    """dst[s] = src[r] by one fancy-indexed assignment (no gather when ``r`` is one run)."""
-    m = len(r)
-    r0 = int(r[0])
-    if int(r[-1]) - r0 == m - 1 and (m == 1 or bool((r[1:] - r[:-1] == 1).all())):
-        dst[s] = src[r0:r0 + m]  # staged in order (the usual case)
-    else:
-        dst[s] = np.take(src, r, axis=0, out=state.gather_buffer(m))
