@@ -1,8 +1,10 @@
 """The omnishm committer daemon: owns a cache's shared-memory segments and applies step writes.
 
 ``python -m omnishm.committer`` / ``omnishm committer`` / ``scripts/launch_committer.sh``.
-Modules: ``config`` (options, endpoint policy), ``server`` (ROUTER loop, dispatch,
-signals), ``pool`` (segments and ``apply_step``), ``sessions`` (clients, liveness).
+Modules: ``start`` (process start, lock, adoption, exit codes), ``config`` (options,
+endpoint policy), ``server`` (ROUTER loop, dispatch, signals), ``pool`` (segments),
+``apply`` (``apply_step``), ``meta`` (restart metadata), ``sessions`` (clients,
+liveness), ``metrics``.
 Importing this package is cheap; ``main`` imports the server lazily.
 """
 
@@ -10,8 +12,8 @@ from __future__ import annotations
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a committer in the foreground; see ``omnishm.committer.server.main``."""
-    from omnishm.committer.server import main as _main
+    """Run a committer in the foreground; see ``omnishm.committer.start.main``."""
+    from omnishm.committer.start import main as _main
 
     return _main(argv)
 

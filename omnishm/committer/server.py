@@ -14,8 +14,8 @@ the counters in ``status`` count every message. Frames above
 ``protocol.MAX_MESSAGE_BYTES`` never reach us: libzmq drops them and the peer's
 connection (ZMQ_MAXMSGSIZE).
 
-Restart: ``main`` adopts the segments of a cache whose clients are still
-attached (``committer/meta.py``) instead of sweeping them; clients resume their
+Starting the process (the cache lock, adopting a live cache or sweeping an
+orphaned one, exit codes) is ``committer/start.py``; clients resume their
 sessions with ``Hello(resume=True)`` and re-send what was never acknowledged.
 See docs/FAULTS.md.
 """
@@ -28,18 +28,14 @@ import os
 import re
 import signal
 import socket
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import msgspec
 import numpy as np
 import zmq
 
-from omnishm import protocol, shm
-from omnishm.committer import meta
-from omnishm.committer.config import CommitterConfig, build_parser, config_from_args, setup_logging
+from omnishm import protocol
+from omnishm.committer.config import CommitterConfig
 from omnishm.committer.metrics import Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
@@ -554,98 +550,3 @@ class Committer:
             except FileNotFoundError:
                 pass
         return removed
-
-
-def _lock_holder(runtime_dir, name: str) -> str:
-    try:
-        text = shm.lock_path(runtime_dir, name).read_text().split()
-        return f"pid {text[1]}" if len(text) > 1 else "unknown pid"
-    except (OSError, IndexError):
-        return "unknown pid"
-
-
-def adopt_live_cache(cfg: CommitterConfig) -> CachePool | None:
-    """The pool of a previous committer of this cache whose clients are still attached, or None.
-
-    Called with the cache lock held, before the orphan sweep. A generation
-    with attached clients (``meta.clients_attached``) is adopted when its
-    metadata and segments check out; otherwise it is logged and left to the
-    sweep, and its clients' resumes are refused with the reason.
-    """
-    live = meta.live_generations(cfg.name)
-    for gen in live:
-        try:
-            pool = CachePool.adopt(cfg.name, gen, prefault=cfg.prefault)
-        except (meta.MetaError, KeyError, TypeError, ValueError) as exc:
-            logger.error("committer %s: clients are still attached to generation %s but it cannot be adopted: %s; "
-                         "sweeping it (those clients will fail with a clear error)", cfg.name, gen, exc)
-            continue
-        logger.info("committer %s: adopted live generation %s (%d key(s), %d writer(s) expected to resume, "
-                    "writer epoch %d)%s", cfg.name, gen, len(pool.keys), len(pool.writer_epochs), pool.max_epoch,
-                    f"; other live generations {[g for g in live if g != gen]} are swept" if len(live) > 1 else "")
-        return pool
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run a committer in the foreground. Returns 0 on a clean stop, 2 when it refuses to start."""
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
-    try:
-        shm.check_cache_name(args.name)
-        runtime_dir = shm.ensure_runtime_dir(args.runtime_dir)
-        cfg = config_from_args(args, runtime_dir)
-    except (ValueError, PermissionError) as exc:
-        print(f"omnishm committer: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
-    generation = uuid.uuid4().hex[:8]
-    lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
-    if lock is None:
-        print(f"omnishm committer: cache {cfg.name!r} already has a running committer "
-              f"({_lock_holder(runtime_dir, cfg.name)}, lock file {shm.lock_path(runtime_dir, cfg.name)}); "
-              f"refusing to start a second one", file=sys.stderr)
-        return EXIT_REFUSED
-    committer: Committer | None = None
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        adopted = adopt_live_cache(cfg)
-        keep = adopted.generation if adopted is not None else generation
-        swept = shm.sweep(runtime_dir, cfg.name, keep_generation=keep, assume_dead=True)
-        if swept:
-            logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
-        if cfg.ipc_path is not None and cfg.ipc_path.exists():
-            cfg.ipc_path.unlink()  # stale: we hold the lock, so no live committer is bound there (trap 4)
-        committer = Committer(cfg, generation, pool=adopted)
-        committer.bind()
-        try:
-            committer.obs.start_http()
-        except OSError as exc:  # port taken or host not bindable: refuse to start rather than run blind
-            print(f"omnishm committer: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc}",
-                  file=sys.stderr)
-            code = EXIT_REFUSED
-        else:
-            code = committer.run()
-    except zmq.ZMQError as exc:
-        print(f"omnishm committer: cannot bind {cfg.endpoint}: {exc}", file=sys.stderr)
-        code = EXIT_REFUSED
-    finally:
-        removed = committer.close() if committer is not None else []
-        lock.release(remove=True)
-    if committer is not None:
-        logger.info("committer %s stopped (%s): %d segment(s) unlinked", cfg.name,
-                    committer.stop_reason or "error", len(removed))
-    _drop_autostart_log(runtime_dir, cfg.name, code)
-    return code
-
-
-def _drop_autostart_log(runtime_dir: Path, name: str, code: int) -> None:
-    """An embedded committer's log is kept only when it did not stop cleanly (it says why)."""
-    path = os.environ.get("OMNISHM_AUTOSTART_LOG")
-    if code != 0 or not path or Path(path) != Path(runtime_dir) / f"{name}.autostart.log":
-        return
-    try:
-        Path(path).unlink()
-    except FileNotFoundError:
-        pass
