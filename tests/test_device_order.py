@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from manager_helpers import small_config, Part, build, extended, finished, rows, save, started
@@ -209,3 +210,41 @@ def test_hits_on_in_flight_deferred_rows_read_through_the_read_path(committer):
         ops.auto = True
         for e in list(ops.events):
             e.complete()
+
+
+def test_step_sender_sends_each_step_once_and_hands_copy_errors_to_the_waiter():
+    """StepSender alone: a failed copy event fails the step's future (nothing is sent), and a step
+    taken by ``send_now`` is never sent again by the sender thread."""
+    from concurrent.futures import Future
+
+    from omnishm.client.device import DONE, StepSender
+
+    sent: list[int] = []
+
+    def send(make):
+        fut: Future = Future()
+        sent.append(make(0))
+        fut.set_result(f"ack {sent[-1]}")
+        return fut
+
+    class BrokenEvent:
+        def synchronize(self) -> None:
+            raise RuntimeError("device copy failed")
+
+        def query(self) -> bool:
+            return True
+
+    sender = StepSender(send, grace_s=0.2)
+    try:
+        broken = sender.submit(BrokenEvent(), lambda rid: 1)
+        mine = sender.submit(DONE, lambda rid: 2)
+        sender.send_now(mine)  # the materializing thread, which already waited the event
+        later = sender.submit(DONE, lambda rid: 3)
+        assert mine.outer.result(timeout=5) == "ack 2"
+        assert later.outer.result(timeout=5) == "ack 3"
+        with pytest.raises(RuntimeError, match="device copy failed"):
+            broken.outer.result(timeout=5)
+        sender.send_now(later)  # already sent by the sender thread: nothing happens
+    finally:
+        sender.stop(5.0)
+    assert sent == [2, 3]
