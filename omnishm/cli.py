@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from omnishm import paths
+
 # Subcommands that live in other modules: name -> (module, help). The module is
 # imported only when its subcommand runs; it provides ``cli_main(args) -> int``
 # and optionally ``add_arguments(parser)``. E.g. "demo": ("omnishm.demo", "run the demo").
@@ -32,9 +34,7 @@ class CommitterUnavailable(RuntimeError):
 def _runtime_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from omnishm.shm import default_runtime_dir  # noqa: PLC0415 (imports torch only when needed)
-
-    return default_runtime_dir()
+    return paths.default_runtime_dir()
 
 
 TARGET_KNOBS = ("name", "runtime_dir", "endpoint")
@@ -43,7 +43,7 @@ TARGET_KNOBS = ("name", "runtime_dir", "endpoint")
 def resolve_target(args: argparse.Namespace) -> tuple[str, str]:
     """(cache name, endpoint) from flags > ``OMNISHM_*`` > config file > defaults. Raises ConfigError.
 
-    Same runtime-dir rule as ``shm.default_runtime_dir``, without importing torch.
+    Same runtime-dir and socket rules as everywhere (``omnishm.paths``), without importing torch.
     """
     from omnishm import config as knobs
 
@@ -51,8 +51,7 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str]:
     r = knobs.resolve("both", flags, config_file=getattr(args, "config", None), names=TARGET_KNOBS)
     name, endpoint = r["name"], r["endpoint"]
     if not endpoint:
-        rd = r["runtime_dir"] or knobs.default_runtime_dir()
-        endpoint = f"ipc://{Path(rd) / f'{name}.sock'}"
+        endpoint = paths.ipc_endpoint(Path(r["runtime_dir"]) if r["runtime_dir"] else None, name)
     return name, endpoint
 
 

@@ -320,15 +320,6 @@ def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
     return Resolved(values, sources)
 
 
-def default_runtime_dir(env: Mapping[str, str] | None = None) -> Path:
-    """The runtime dir when the knob is unset (same rule as ``shm.default_runtime_dir``, without torch)."""
-    env = os.environ if env is None else env
-    xdg = env.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return Path(xdg) / "omnishm"
-    return Path(f"/tmp/omnishm-{os.geteuid()}")
-
-
 # ---------------------------------------------------------------- argparse
 
 

@@ -36,6 +36,8 @@ from pathlib import Path
 import posix_ipc
 import torch
 
+from omnishm.paths import default_runtime_dir, ipc_endpoint, socket_path  # noqa: F401 (re-exported)
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -218,16 +220,6 @@ class Segment:
 # runtime directory, lock files and the orphan sweep
 
 
-def default_runtime_dir() -> Path:
-    env = os.environ.get("OMNISHM_RUNTIME_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return Path(xdg) / "omnishm"
-    return Path(f"/tmp/omnishm-{os.geteuid()}")
-
-
 def ensure_runtime_dir(path: Path | str | None = None) -> Path:
     """Create (0700) or validate the socket and lock directory.
 
@@ -254,14 +246,6 @@ def ensure_runtime_dir(path: Path | str | None = None) -> Path:
 def lock_path(runtime_dir: Path, cache: str) -> Path:
     return Path(runtime_dir) / f"{cache}.lock"
 
-
-def socket_path(runtime_dir: Path, cache: str) -> Path:
-    return Path(runtime_dir) / f"{cache}.sock"
-
-
-def ipc_endpoint(runtime_dir: Path | None, cache: str) -> str:
-    """The default endpoint of ``cache``: its socket in ``runtime_dir`` (default: ``default_runtime_dir()``)."""
-    return f"ipc://{socket_path(runtime_dir if runtime_dir is not None else default_runtime_dir(), cache)}"
 
 
 @dataclass

@@ -138,7 +138,7 @@ def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: b
         proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name,
                                  "--runtime-dir", str(RUNTIME_DIR), *extra],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    handle = CommitterHandle(name, f"ipc://{RUNTIME_DIR / f'{name}.sock'}", RUNTIME_DIR, proc, log_path)
+    handle = CommitterHandle(name, shm.ipc_endpoint(RUNTIME_DIR, name), RUNTIME_DIR, proc, log_path)
     if wait:
         try:
             wait_ready(handle)

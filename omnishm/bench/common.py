@@ -126,7 +126,7 @@ class ProcessCommitter:
         self.cleanup = cleanup
         self.name = cleanup.cache_name(tag)
         self.runtime_dir = cleanup.runtime_dir
-        self.endpoint = f"ipc://{shm.socket_path(self.runtime_dir, self.name)}"
+        self.endpoint = shm.ipc_endpoint(self.runtime_dir, self.name)
         self.log_path = self.runtime_dir / f"{self.name}.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -187,7 +187,7 @@ class ThreadCommitter:
 
         self.name = cleanup.cache_name(tag)
         self.runtime_dir = cleanup.runtime_dir
-        self.endpoint = f"ipc://{shm.socket_path(self.runtime_dir, self.name)}"
+        self.endpoint = shm.ipc_endpoint(self.runtime_dir, self.name)
         generation = uuid.uuid4().hex[:8]
         self.lock = shm.CacheLock.acquire(self.runtime_dir, self.name, generation)
         if self.lock is None:
