@@ -135,12 +135,15 @@ def test_materialize_sends_its_step_once_and_the_sender_thread_sends_the_rest(co
 
         m._link.submit = submit
         m._sender._send = submit
-        m._sender.grace_s = 0.3
+        # A long grace for step 0: the sender thread leaves it to materialize (and stops waiting as soon
+        # as materialize takes it); none for step 1, which nobody materializes.
+        m._sender.grace_s = 30.0
         ops.auto = True  # copies complete at once: the race between the two threads is what is tested
         m.new_step_starts([started("a", [0, 1])])
         sid = save(m, [Part("a", 1, [0, 1], 0, 6)], BS)
         out = m.materialize(sid, ["a"])
         assert torch.equal(out.hidden_states["a"], rows(1, range(6)))
+        m._sender.grace_s = 0.0
         m.new_step_starts([extended("a", 6)])
         m.discard_step(save(m, [Part("a", 1, [0, 1], 6, 2)], BS))
         m.wait_idle()
@@ -234,11 +237,12 @@ def test_step_sender_sends_each_step_once_and_hands_copy_errors_to_the_waiter():
         def query(self) -> bool:
             return True
 
-    sender = StepSender(send, grace_s=0.2)
+    sender = StepSender(send, grace_s=30.0)  # taken steps end the wait at once; untaken ones would wait it
     try:
         broken = sender.submit(BrokenEvent(), lambda rid: 1)
         mine = sender.submit(DONE, lambda rid: 2)
         sender.send_now(mine)  # the materializing thread, which already waited the event
+        sender.grace_s = 0.0  # nobody takes the next one: the sender thread sends it
         later = sender.submit(DONE, lambda rid: 3)
         assert mine.outer.result(timeout=5) == "ack 2"
         assert later.outer.result(timeout=5) == "ack 3"
