@@ -77,7 +77,7 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu") -> tuple[li
             "3": lambda c: mf.figure_engine(c, mf.EngineSize(4096, 2048, 64, 4096, 20, 20), device),
             "4": lambda c: wf.figure_control(c, wf.ControlSize(40000, 5, 2000), rng, 4096),
             "5": lambda c: memory.figure_memory(c, memory.MemorySize(4096, 4096, (1, 2, 4))),
-            "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(60, 1024, 256, 20), device),
+            "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(120, 1024, 256, 20), device),
         }
     rows: list[Any] = []
     errors: dict[str, str] = {}
