@@ -113,10 +113,14 @@ class Segment:
         """Create a new 0600 segment of ``size`` bytes (fails if the name exists).
 
         Raises OSError(ENOSPC) when /dev/shm cannot hold it; the name is then
-        unlinked again so nothing is left behind.
+        unlinked again so nothing is left behind. Raises FileExistsError when the
+        name exists (left by someone else: never reused).
         """
         size = max(int(size), 1)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        except posix_ipc.ExistentialError as exc:
+            raise FileExistsError(errno.EEXIST, f"shared memory segment {name} already exists") from exc
         try:
             os.fchmod(shm.fd, 0o600)  # mode is filtered by umask; make it exact
             os.posix_fallocate(shm.fd, 0, size)

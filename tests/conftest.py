@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from omnishm import protocol, shm  # noqa: E402
 
 from helpers import RawClient  # noqa: E402
+from manager_helpers import quick_config  # noqa: E402
 
 SESSION_PREFIX = f"t{uuid.uuid4().hex[:6]}"
 _counter = itertools.count()
@@ -186,3 +187,22 @@ def committer(tmp_path_factory):
             assert_clean_stop(handle)
         finally:
             SHARED_CACHES.discard(handle.name)
+
+
+@pytest.fixture
+def mgr(committer):
+    """Writer managers on the module's committer (``quick_config(**kw)``), all shut down at teardown."""
+    from omnishm.client import OmniPrefixCacheManager
+
+    made = []
+
+    def make(policy=None, **kw):
+        m = OmniPrefixCacheManager(quick_config(**kw), cache=committer.name, autostart=False)
+        if policy is not None:
+            m.register_policy(policy)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.shutdown()

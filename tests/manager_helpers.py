@@ -28,6 +28,11 @@ def small_config(**kw) -> PrefixCacheConfig:
     return PrefixCacheConfig(**base)
 
 
+def quick_config(**kw) -> PrefixCacheConfig:
+    """``small_config`` whose full staging fails fast (0.5 s): the manager tests' default."""
+    return small_config(**{"staging_claim_timeout_s": 0.5, **kw})
+
+
 def rows(tag: int, positions, width: int = WIDTH, dtype=torch.float32) -> torch.Tensor:
     pos = torch.as_tensor(list(positions), dtype=torch.int64)
     j = torch.arange(width, dtype=torch.int64)

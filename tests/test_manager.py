@@ -7,32 +7,14 @@ import signal
 import pytest
 import torch
 
-from manager_helpers import small_config, Part, aborted, expect, extended, finished, rows, save, started
+from manager_helpers import Part, aborted, expect, extended, finished, quick_config, rows, save, started
 from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
-                            OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError, PrefixCacheConfig)
+                            OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError)
 from omnishm.client.adapter import PrefixCacheEventKind as K, PrefixCacheRequestEvent as E
 
 BS = 4
 
 
-def config(**kw) -> PrefixCacheConfig:
-    return small_config(**{"staging_claim_timeout_s": 0.5, **kw})
-
-
-@pytest.fixture
-def mgr(committer):
-    made = []
-
-    def make(policy: ModelCachePolicy | None = None, **kw) -> OmniPrefixCacheManager:
-        m = OmniPrefixCacheManager(config(**kw), cache=committer.name, autostart=False)
-        if policy is not None:
-            m.register_policy(policy)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.shutdown()
 
 
 def test_no_hit_returns_exactly_this_steps_rows(mgr):
@@ -299,7 +281,7 @@ def test_dtype_or_width_mismatch_raises_clearly(mgr):
 
 def test_failed_write_is_fatal_and_sticky(committer_factory):
     handle = committer_factory("--heartbeat-s", "0.2", "--heartbeat-timeout-s", "1")
-    m = OmniPrefixCacheManager(config(commit_timeout_s=3.0), cache=handle.name, autostart=False)
+    m = OmniPrefixCacheManager(quick_config(commit_timeout_s=3.0), cache=handle.name, autostart=False)
     try:
         m.new_step_starts([started("a", [0, 1])])
         m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))

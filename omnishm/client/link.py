@@ -363,6 +363,9 @@ class CommitterLink:
         self._closed = True
         self._wake()
         self._thread.join(timeout=5.0)
+        with self._plock:  # a submit after this raises: nothing would ever send or answer it
+            if self._dead is None:
+                self._dead = f"cache {self.cache}: client link closed"
         self._fail_all("client link closed")
         self._wake_r.close()
         self._wake_w.close()

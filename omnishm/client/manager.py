@@ -174,9 +174,12 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         step = self._translator.translate_step(events, num_scheduled_tokens)
         bs = self.config.block_size
         planned: dict[ReqId, torch.Tensor | None] = {}
+        # An id that finishes and is added again in this step (the adapter emits FINISHED first) is a
+        # new request: its STARTED carries a real prefix hit, not a live request re-entering.
+        ended = {ev.req_id for ev in step.events if ev.kind in _END_KINDS}
         for ev in step.events:
             if ev.num_computed_tokens > 0 and ev.kind in _HIT_KINDS and \
-                    not (ev.kind == EventKind.STARTED and ev.req_id in self._live):
+                    not (ev.kind == EventKind.STARTED and ev.req_id in self._live and ev.req_id not in ended):
                 hit = ev.num_computed_tokens
                 if hit % bs:
                     raise self._unmatch(f"prefix hit of {hit} tokens is not a multiple of block_size {bs} "
@@ -185,6 +188,10 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                 if len(ev.block_ids) < nblocks:
                     raise self._unmatch(f"prefix hit of {hit} tokens carries {len(ev.block_ids)} block ids, "
                                         f"needs {nblocks}", req_id=ev.req_id)
+                bad = [b for b in ev.block_ids[:nblocks] if not 0 <= b < self.config.num_blocks]
+                if bad:
+                    raise self._unmatch(f"prefix hit names block id {bad[0]} outside 0..{self.config.num_blocks - 1}",
+                                        req_id=ev.req_id)
                 blocks = torch.as_tensor(list(ev.block_ids[:nblocks]), dtype=torch.int64)
                 planned[ev.req_id] = (blocks[:, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1)
         to_flush: list[WriteTask] = []
@@ -250,9 +257,18 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         writes = [w for w in write_layout.writes if w.num_tokens > 0]
         starts = [w.token_start for w in writes]
         counts = [w.num_tokens for w in writes]
-        if self.is_writer and writes and sum(counts) != n:
-            raise self._unmatch(f"write layout: writes cover {sum(counts)} rows, slots {n} "
-                                "(writes must be contiguous from row 0)", step_id=step_id)
+        if self.is_writer and writes:
+            # Claim versions follow the writes' order and rows their token_start: both must agree.
+            row = 0
+            for w in writes:
+                if w.token_start != row:
+                    raise self._unmatch(f"write layout: request {w.req_id!r} starts at row {w.token_start}, "
+                                        f"expected {row} (writes must be contiguous from row 0, in batch order)",
+                                        req_id=w.req_id, step_id=step_id)
+                row += w.num_tokens
+            if row != n:
+                raise self._unmatch(f"write layout: writes cover {row} rows, slots {n} "
+                                    "(writes must be contiguous from row 0)", step_id=step_id)
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         if self._ops is None:
             self._ops = ops_for(list(immediate.values()) + list(deferred.values()) +
@@ -305,16 +321,24 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             last = make_cv(self._epoch, step_id, len(writes))
             cvs = list(range(last - len(writes) + 1, last + 1))
             self._rescue_before_claim(slots)
+            # A key this step does not write has no row at these slots now: absent (0), so a later hit
+            # raises instead of reading the slots' previous tenant's rows of that key.
+            absent = [kv for key, kv in self._keys.items() if key not in immediate and key not in deferred]
             if slot_list is not None:
                 row_cv = [cv for cv, count in zip(cvs, counts) for _ in range(count)]
                 for key in itertools.chain(immediate, deferred):
                     claim = self._keys[key].claim_mv
                     for slot, cv in zip(slot_list, row_cv):
                         claim[slot] = cv
+                for kv in absent:
+                    for slot in slot_list:
+                        kv.claim_mv[slot] = 0
             else:
                 row_np = np.repeat(np.asarray(cvs, dtype=np.int64), counts)
                 for key in itertools.chain(immediate, deferred):
                     self._keys[key].claim_np[slots_np] = row_np
+                for kv in absent:
+                    kv.claim_np[slots_np] = 0
             to_flush = self._register_writes(ctx, writes, cvs, slots, immediate, deferred)
         with self._lock:
             if self._pending_hits:
@@ -502,8 +526,10 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             closed = [t for t in self._closing.values()]
         for t in closed:
             t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
-        if self._prev_write is not None:
-            self._prev_write.result(timeout=max(deadline - time.monotonic(), 0.001))
+        prev = self._prev_write
+        if prev is not None:
+            # The reply itself: the done callback that records a failure may not have run yet.
+            self._check_reply(prev.result(timeout=max(deadline - time.monotonic(), 0.001)))
         self._check_usable()
 
     def unconsumed_step_ids(self) -> list[StepId]:

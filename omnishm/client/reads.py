@@ -111,7 +111,8 @@ class ReadSide:
                 raise self._unmatch(f"hit on a tensor the writer never wrote or wrote with another layout "
                                     f"({exc})", req_id=req, key=key, step_id=step_id) from exc
             kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
-            self._keys[key] = kv
+            with self._lock:  # a new dict: the engine thread may be iterating the old one
+                self._keys = {**self._keys, key: kv}
         if kv.dtype != out.dtype or kv.width != out.shape[1]:
             raise self._unmatch(f"this rank's rows are {out.dtype} width {out.shape[1]}, the pool holds "
                                 f"{kv.dtype} width {kv.width}", req_id=req, key=key, step_id=step_id)
@@ -124,11 +125,13 @@ class ReadSide:
             # 0: never written; another epoch: written by an earlier writer this engine never saw.
             raise self._unmatch("hit span resolves to absent rows (never written by this writer)",
                                 req_id=req, key=key, step_id=step_id)
-        torch.index_select(kv.pool, 0, slots, out=out)
+        # Seqlock: committed BEFORE the copy (a row still landing may be copied half old, half new, and
+        # be committed by the time a check after the copy runs), and still claimed after it.
         ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
+        torch.index_select(kv.pool, 0, slots, out=out)
         if not bool(ok.all()):
             self._fix_rows(kv, slots, cvs, out, ~ok, ctx, key, req, step_id)
-        # Seqlock: a claim that moved while we copied means the row may be the new tenant's.
+        # A claim that moved while we copied means the row may be the new tenant's.
         moved = ok & (kv.claim[slots] != cvs)
         if bool(moved.any()):
             self._fix_rows(kv, slots, cvs, out, moved, ctx, key, req, step_id, from_pool=False)

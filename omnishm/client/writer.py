@@ -48,11 +48,14 @@ class WriterSide:
                               row_shape=row_shape)
             if rows.is_cuda and kv.staging is not None:
                 self._registrations.append(HostRegistration(kv.staging))
-            self._keys[key] = kv
+            with self._lock:  # a new dict: another thread may be iterating the old one
+                self._keys = {**self._keys, key: kv}
         if kv.dtype != rows.dtype or kv.width != width:
             raise self._unmatch(f"tensor {key!r} is {rows.dtype} width {width}, but the cache holds "
                                 f"{kv.dtype} width {kv.width}", key=key, step_id=self._next_step)
-        kv.row_shape = row_shape
+        if kv.row_shape != row_shape:  # rows saved as one shape are never read back as another
+            raise self._unmatch(f"tensor {key!r} has rows of shape {row_shape}, the cache holds rows of "
+                                f"shape {kv.row_shape}", key=key, step_id=self._next_step)
         return kv
 
     def _join_previous_write(self) -> None:
@@ -145,13 +148,18 @@ class WriterSide:
             return P.StepWrite(rid=rid, step=step_id, keys=keys, key_idx=key_idx, tids=tids, cvs=e_cvs,
                                src_rows=src, counts=e_counts, slots=all_slots)
 
-        if ctx.d2h_event is DONE:
-            fut = self._link.submit(make)  # the copy already landed (CPU): no thread hop needed
-        else:
-            # Sent once the step's copy event completed (only then may the committer read the page):
-            # by materialize, which waits that event anyway, or else by the sender thread.
-            ctx.pending_send = self._sender.submit(ctx.d2h_event, make)
-            fut = ctx.pending_send.outer
+        try:
+            if ctx.d2h_event is DONE:
+                fut = self._link.submit(make)  # the copy already landed (CPU): no thread hop needed
+            else:
+                # Sent once the step's copy event completed (only then may the committer read the page):
+                # by materialize, which waits that event anyway, or else by the sender thread.
+                ctx.pending_send = self._sender.submit(ctx.d2h_event, make)
+                fut = ctx.pending_send.outer
+        except BaseException as exc:  # nothing was sent: the page is free, the step's claims will never land
+            self._drop_sources(ctx)
+            self._pages.release(page, "write")
+            raise self._set_fatal(f"write of step {ctx.step_id} could not be sent: {exc}") from exc
 
         def done(f: Future) -> None:
             self._drop_sources(ctx)
@@ -250,7 +258,7 @@ class WriterSide:
         """Flusher thread: a deferred write landed (or failed)."""
         failed: str | None = None
         if isinstance(result, BaseException):
-            failed = str(result)
+            failed = f"{type(result).__name__}: {result}"  # str() alone is "" for a bare TimeoutError
         elif result.failed_tids:
             failed = result.reason
         with self._lock:

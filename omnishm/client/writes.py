@@ -57,13 +57,15 @@ class RowSource:
         ``read(rows, index)`` gathers on the host, or through the read stream
         when the rows are still on the device clone.
         """
-        order = torch.argsort(self.slots)
-        sorted_slots = self.slots[order]
-        pos = torch.searchsorted(sorted_slots, want)
-        pos = pos.clamp(max=max(len(sorted_slots) - 1, 0))
-        if len(sorted_slots) == 0 or not bool((sorted_slots[pos] == want).all()):
+        if len(self.slots) == 0:
             return None
-        # The last occurrence wins when one write holds a slot twice (last chunk wins).
+        # Stable sort, then the rightmost match: the last occurrence wins when one write holds a
+        # slot twice (the last chunk wins).
+        order = torch.argsort(self.slots, stable=True)
+        sorted_slots = self.slots[order]
+        pos = (torch.searchsorted(sorted_slots, want, right=True) - 1).clamp(min=0)
+        if not bool((sorted_slots[pos] == want).all()):
+            return None
         idx = order[pos]
         return read(self.rows, idx)
 
@@ -119,6 +121,11 @@ class Flusher:
     Runs on its own thread (``omnishm-flusher``), never on the engine thread:
     it waits for each piece's acknowledgement before reusing the region. A
     task's ``done`` future completes (or fails) once all its pieces landed.
+    Once a piece's outcome is unknown (no reply within ``timeout_s``, or the
+    link failed it), the region is never written again: the committer may still
+    apply that piece, late or re-sent after a resume, and would then commit
+    whatever the region holds under the piece's claim versions. Every later
+    task fails instead (the manager's error is sticky anyway).
     """
 
     def __init__(self, *, region: Callable[[TensorName], torch.Tensor], row0: int, rows: int,
@@ -134,6 +141,8 @@ class Flusher:
         self._send = send
         self._on_task_done = on_task_done
         self._timeout_s = timeout_s
+        self._unsettled: str | None = None
+        """Why an earlier piece's outcome is unknown; the region is then never written again."""
         self._thread: SerialThread[WriteTask] = SerialThread("omnishm-flusher", self._run_task)
 
     def put(self, task: WriteTask) -> None:
@@ -153,6 +162,8 @@ class Flusher:
         self._on_task_done(task, result)
 
     def _flush(self, task: WriteTask) -> P.StepDone:
+        if self._unsettled is not None:
+            raise RuntimeError(f"not flushed: {self._unsettled}, so the flush region is not reused")
         region = self._region(task.key)
         written = skipped = 0
         last: P.StepDone | None = None
@@ -178,7 +189,15 @@ class Flusher:
                 rid, batch[0][0].step_id, [task.key], [0] * len(batch), [task.tid] * len(batch),
                 [c.cv for c, _, _, _ in batch], [r0 for _, _, _, r0 in batch], [hi - lo for _, lo, hi, _ in batch],
                 slots)
-            reply = self._send(msg).result(timeout=self._timeout_s)
+            try:
+                reply = self._send(msg).result(timeout=self._timeout_s)
+            except TimeoutError as exc:
+                self._unsettled = (f"a flush piece of request {task.req_id!r} tensor {task.key!r} was not "
+                                   f"acknowledged within commit_timeout_s={self._timeout_s:.1f}s")
+                raise TimeoutError(self._unsettled) from exc
+            except BaseException as exc:
+                self._unsettled = f"a flush piece of request {task.req_id!r} tensor {task.key!r} failed ({exc})"
+                raise
             if not isinstance(reply, P.StepDone):
                 raise RuntimeError(f"unexpected reply to a deferred flush: {reply!r}")
             if reply.failed_tids:

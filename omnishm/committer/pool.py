@@ -26,6 +26,10 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
+MAX_KEY_NAME = 200
+"""Characters in a key name (the names go into the metadata, which must fit one slot)."""
+MAX_KEYS = 64
+"""Key names a cache knows (declared in layouts or opened); a model emits a handful."""
 MAX_WIDTH = 1 << 24
 MAX_SLOTS = 1 << 34
 """Upper bound on ``num_blocks * block_size`` (bad input gets a clear error, never an overflow)."""
@@ -177,6 +181,7 @@ class CachePool(StepApply):
                                           f"exceeds {MAX_SLOTS} slots")
         for key, spec in layout.keys.items():
             self._check_spec(key, spec.dtype, spec.width)
+        self._check_room(len(set(layout.keys) - set(self.key_specs)))
         if self.layout is None:
             self.layout = protocol.Layout(layout.num_blocks, layout.block_size, {})
             # Control words, then the metadata a restarted committer adopts (committer/meta.py).
@@ -196,19 +201,39 @@ class CachePool(StepApply):
             return protocol.Layout(0, 0, {})
         return protocol.Layout(self.layout.num_blocks, self.layout.block_size, dict(self.key_specs))
 
-    def set_writer_epoch(self, epoch: int, client_id: str | None = None) -> None:
-        """Publish the attached writer's epoch (control word) and remember it for a restart."""
+    def set_writer_epoch(self, epoch: int, client_id: str | None = None) -> bool:
+        """Record the attached writer's epoch for a restart, then publish it (control word).
+
+        Returns False, publishing nothing, when the metadata cannot be saved: an
+        epoch a restart does not know could be handed out again, and the same
+        claim versions with it, so the caller must refuse that writer.
+        """
         assert self.ctl is not None
-        self.ctl[protocol.CTL_WRITER_EPOCH] = epoch
+        previous_max = self.max_epoch
         self.max_epoch = max(self.max_epoch, epoch)
         if client_id is not None and self.writer_epochs.get(client_id) != epoch:
+            before = self.writer_epochs.get(client_id)
             self.writer_epochs[client_id] = epoch
-            self.save_meta()
+            if not self.save_meta():
+                self.max_epoch = previous_max
+                if before is None:
+                    self.writer_epochs.pop(client_id, None)
+                else:
+                    self.writer_epochs[client_id] = before
+                return False
+        self.ctl[protocol.CTL_WRITER_EPOCH] = epoch
+        return True
+
+    def _check_room(self, new_keys: int) -> None:
+        if new_keys and len(self.key_specs) + new_keys > MAX_KEYS:
+            raise PoolError("too_many_keys", f"cache {self.name} knows {len(self.key_specs)} key names; "
+                                             f"{new_keys} more would pass the limit of {MAX_KEYS}")
 
     @staticmethod
     def _check_spec(key: str, dtype: str, width: int) -> None:
-        if not isinstance(key, str) or not key:
-            raise PoolError("bad_key", f"key name must be a non-empty string, got {key!r}")
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_NAME:
+            shown = key if not isinstance(key, str) or len(key) <= 60 else f"{key[:60]}... ({len(key)} characters)"
+            raise PoolError("bad_key", f"key name must be a string of 1..{MAX_KEY_NAME} characters, got {shown!r}")
         if dtype not in DTYPES:
             raise PoolError("bad_dtype", f"key {key!r}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
         if not 0 < width <= MAX_WIDTH:
@@ -228,6 +253,7 @@ class CachePool(StepApply):
         if state is not None:
             return state
         self._check_spec(key, dtype, width)
+        self._check_room(0 if key in self.key_specs else 1)
         index = len(self.keys)
         tdtype = DTYPES[dtype]
         row_bytes = width * torch.empty((), dtype=tdtype).element_size()
@@ -262,10 +288,14 @@ class CachePool(StepApply):
     def ensure_staging(self, client_id: str, state: KeyState, rows: int) -> Staging:
         staging = state.staging.get(client_id)
         if staging is None:
-            if not 0 <= rows <= MAX_STAGING_ROWS:
-                raise PoolError("bad_staging", f"staging_rows must be in 0..{MAX_STAGING_ROWS}, got {rows}")
+            if not 1 <= rows <= MAX_STAGING_ROWS:
+                raise PoolError("bad_staging", f"staging_rows must be in 1..{MAX_STAGING_ROWS}, got {rows}")
             seg = self._create(self._staging_what(client_id, state.index), rows * state.row_bytes)
-            staging = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
+            try:
+                staging = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
+            except BaseException:
+                seg.unlink()  # recorded nowhere yet: nothing else would ever unlink it
+                raise
             state.staging[client_id] = staging
             self.save_meta()
         return staging
@@ -315,14 +345,16 @@ class CachePool(StepApply):
         doc["writers"] = writers
         return doc
 
-    def save_meta(self) -> None:
-        """Write the metadata a restarted committer adopts (never on the write path)."""
+    def save_meta(self) -> bool:
+        """Write the metadata a restarted committer adopts (never on the write path); False if it failed."""
         if self.ctl_seg is None or self.layout is None:
-            return
+            return True
         try:
             self.meta_seq = meta.write(self.ctl_seg.mmap, self.meta_doc(), self.meta_seq + 1)
         except meta.MetaError as exc:
             logger.error("cache %s: %s; a restart would adopt an older state", self.name, exc)
+            return False
+        return True
 
     @classmethod
     def adopt(cls, name: str, generation: str, *, prefault: bool = False) -> "CachePool":
@@ -377,10 +409,12 @@ class CachePool(StepApply):
         for cid, info in doc["writers"].items():
             rows = int(info["rows"])
             try:
+                if rows < 1:
+                    raise meta.MetaError(f"staging of {rows} rows")
                 for state in pool.keys.values():
                     seg = attach(cls._staging_what(cid, state.index), rows * state.row_bytes)
                     state.staging[cid] = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
-            except meta.MetaError as exc:
+            except (meta.MetaError, RuntimeError, ValueError) as exc:
                 logger.warning("cache %s: not adopting writer %s: %s", name, cid, exc)
                 for state in pool.keys.values():
                     state.staging.pop(cid, None)

@@ -332,7 +332,9 @@ class Committer:
         if msg.staging_rows < 0:
             return self.refuse(msg, f"staging_rows must be >= 0, got {msg.staging_rows}", "staging")
         if msg.resume:
-            return self.on_resume(identity, msg)
+            return self.on_resume(identity, msg)  # a resumed writer keeps the staging it has
+        if msg.role == protocol.ROLE_WRITER and msg.staging_rows < 1:
+            return self.refuse(msg, f"staging_rows must be >= 1 for a writer, got {msg.staging_rows}", "staging")
         previous = self.sessions.get(identity)
         if previous is not None and (previous.client_id, previous.role) == (msg.client_id, msg.role) \
                 and msg.role != protocol.ROLE_ADMIN:
@@ -360,7 +362,7 @@ class Committer:
         now = time.monotonic()
         session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
                           attached_at=now, last_seen=now, staging_rows=msg.staging_rows)
-        if msg.role != protocol.ROLE_ADMIN and self.sessions.by_client(msg.client_id) is not None:
+        if self.sessions.by_client(msg.client_id) is not None:  # admins too: detach acts on the client_id
             return self.refuse(msg, f"client_id {msg.client_id} is already attached on another socket "
                                     f"(resume with Hello(resume=True) to move it)", "duplicate_client")
         if msg.role == protocol.ROLE_WRITER:
@@ -377,9 +379,12 @@ class Committer:
                 self.pool.drop_client(msg.client_id)
                 return self.refuse(msg, f"cache {self.name} used all {MAX_EPOCH} writer epochs; recreate it",
                                    "epochs")
-            self.epoch += 1
+            self.epoch += 1  # never handed out again, even when refused below
             session.epoch = self.epoch
-            self.pool.set_writer_epoch(self.epoch, msg.client_id)
+            if not self.pool.set_writer_epoch(self.epoch, msg.client_id):
+                self.pool.drop_client(msg.client_id)
+                return self.refuse(msg, f"cache {self.name} cannot record this writer's epoch in its metadata (see "
+                                        f"the committer log); a restart could hand the epoch out again", "meta")
         self.sessions.add(session)
         logger.log(logging.DEBUG if msg.role == protocol.ROLE_ADMIN else logging.INFO,
                    "committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
@@ -495,7 +500,8 @@ class Committer:
 
     def detach(self, session: Session, why: str) -> None:
         self.sessions.remove(session.identity)
-        removed = self.pool.drop_client(session.client_id)
+        # Only a writer owns staging; any other role's client_id must not reach the writer's segments.
+        removed = self.pool.drop_client(session.client_id) if session.role == protocol.ROLE_WRITER else []
         self.obs.departed(session)
         logger.log(logging.DEBUG if session.role == protocol.ROLE_ADMIN else logging.INFO,
                    "committer %s: %s client %s detached (%s)%s", self.name, session.role, session.client_id, why,
@@ -534,10 +540,14 @@ class Committer:
             **self.obs.status_extras(now),
         }
 
-    def close(self) -> list[str]:
-        """Unlink every segment, close the socket, remove the socket file (lock: the caller)."""
+    def close(self, *, unlink: bool = True) -> list[str]:
+        """Unlink every segment (unless ``unlink`` is False), close the socket, remove the socket file.
+
+        The caller holds the cache lock. ``unlink=False`` leaves an adopted cache
+        whose clients wait to resume for the next committer to adopt.
+        """
         self.obs.stop_http()
-        removed = self.pool.close()
+        removed = self.pool.close() if unlink else []
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -47,9 +47,10 @@ def adopt_live_cache(cfg: CommitterConfig) -> CachePool | None:
     for gen in live:
         try:
             pool = CachePool.adopt(cfg.name, gen, prefault=cfg.prefault)
-        except (meta.MetaError, KeyError, TypeError, ValueError) as exc:
+        except Exception as exc:  # whatever is wrong with it, this committer must still start
             logger.error("committer %s: clients are still attached to generation %s but it cannot be adopted: %s; "
-                         "sweeping it (those clients will fail with a clear error)", cfg.name, gen, exc)
+                         "sweeping it (those clients will fail with a clear error)", cfg.name, gen, exc,
+                         exc_info=not isinstance(exc, (meta.MetaError, KeyError, TypeError, ValueError)))
             continue
         logger.info("committer %s: adopted live generation %s (%d key(s), %d writer(s) expected to resume, "
                     "writer epoch %d)%s", cfg.name, gen, len(pool.keys), len(pool.writer_epochs), pool.max_epoch,
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
               f"refusing to start a second one", file=sys.stderr)
         return EXIT_REFUSED
     committer: Committer | None = None
+    adopted: CachePool | None = None
+    served = False
     try:
         import torch
 
@@ -97,12 +100,19 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             code = EXIT_REFUSED
         else:
+            served = True
             code = committer.run()
     except zmq.ZMQError as exc:
         print(f"omnishm committer: cannot bind {cfg.endpoint}: {exc}", file=sys.stderr)
         code = EXIT_REFUSED
     finally:
-        removed = committer.close() if committer is not None else []
+        # An adopted cache this committer never served still has clients waiting to resume: it is
+        # left for the next start to adopt again (an unlink here would lose their unacknowledged writes).
+        keep = adopted is not None and not served
+        removed = committer.close(unlink=not keep) if committer is not None else []
+        if keep:
+            logger.warning("committer %s refused to start; the adopted generation %s is left for the next "
+                           "committer to adopt", cfg.name, adopted.generation)
         lock.release(remove=True)
     if committer is not None:
         logger.info("committer %s stopped (%s): %d segment(s) unlinked", cfg.name,

@@ -1,0 +1,163 @@
+"""One client's bad input, or a refused restart, must not damage another client's cache.
+
+Each test starts real committers and speaks the wire protocol by hand
+(``helpers.RawClient``, ``helpers.Writer``): an admin reusing the writer's
+client_id, key names too long for the metadata, a writer without staging rows,
+a restart that refuses to start after adopting a live cache, and a restart
+that finds a generation it cannot adopt.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import types
+import uuid
+
+import posix_ipc
+import torch
+
+from omnishm import protocol, shm
+from omnishm.committer import meta
+from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, CachePool
+
+from helpers import RawClient, Writer, unpack
+
+LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
+FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5.0")
+SLOW = ("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "60")
+
+
+def _hello(raw: RawClient, role: str, client_id: str, layout: protocol.Layout | None = None,
+           staging_rows: int = 0) -> object:
+    return raw.call(protocol.Hello(rid=raw.next_rid(), protocol=protocol.PROTOCOL_VERSION, client_id=client_id,
+                                   pid=os.getpid(), uid=os.geteuid(), role=role, cache=raw.cache, layout=layout,
+                                   staging_rows=staging_rows))
+
+
+def _hold_attached(control: str) -> int:
+    """A shared flock on the control segment: a client is attached, so a restart must adopt, not sweep."""
+    seg = posix_ipc.SharedMemory(control, 0)
+    fcntl.flock(seg.fd, fcntl.LOCK_SH)
+    return seg.fd
+
+
+def test_admin_cannot_take_the_writers_client_id(committer_factory):
+    """An admin Hello with the writer's client_id is refused, and an admin leaving never touches staging."""
+    handle = committer_factory(*FAST)
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    view = writer.open_key("k", "float32", 4)
+    admin = RawClient(handle.endpoint, handle.name)
+    try:
+        reply = _hello(admin, protocol.ROLE_ADMIN, writer.raw.client_id)
+        assert isinstance(reply, protocol.Refused) and "already attached" in reply.reason, reply
+        assert isinstance(_hello(admin, protocol.ROLE_ADMIN, admin.client_id), protocol.Welcome)
+        assert isinstance(admin.goodbye(), protocol.Bye)
+        assert view.segments.staging in shm.list_segments(handle.name)
+        view.staging[0:2] = torch.arange(8, dtype=torch.float32).view(2, 4)
+        done = writer.step_write(1, [("k", 1, writer.new_cv(1), 0, [0, 1])])
+        assert isinstance(done, protocol.StepDone) and unpack(done.done_tids) == [1] and not done.failed_tids, done
+        assert torch.equal(view.pool[0:2], torch.arange(8, dtype=torch.float32).view(2, 4))
+    finally:
+        admin.close()
+        writer.goodbye()
+
+
+def test_key_names_are_bounded_so_the_metadata_always_fits(committer_factory):
+    """A key name past MAX_KEY_NAME, or more than MAX_KEYS names, is refused with the reason."""
+    handle = committer_factory(*SLOW)
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    reader = RawClient(handle.endpoint, handle.name)
+    try:
+        big = protocol.Layout(8, 4, {"x" * 70_000: protocol.KeySpec("float32", 4)})
+        reply = _hello(reader, protocol.ROLE_READER, reader.client_id, big)
+        assert isinstance(reply, protocol.Refused) and f"1..{MAX_KEY_NAME} characters" in reply.reason, reply
+        many = protocol.Layout(8, 4, {f"key{i}": protocol.KeySpec("float32", 4) for i in range(MAX_KEYS + 1)})
+        reply = _hello(reader, protocol.ROLE_READER, reader.client_id, many)
+        assert isinstance(reply, protocol.Refused) and f"limit of {MAX_KEYS}" in reply.reason, reply
+        opened = writer.raw.call(protocol.OpenKey(rid=writer.raw.next_rid(), key="y" * (MAX_KEY_NAME + 1),
+                                                  dtype="float32", width=4))
+        assert isinstance(opened, protocol.Error) and opened.code == "bad_key", opened
+        # The cache is unharmed: a normal key still opens and its metadata still saves.
+        writer.open_key("k", "float32", 4)
+        assert "does not fit" not in handle.log()
+    finally:
+        reader.close()
+        writer.goodbye()
+
+
+def test_an_epoch_the_metadata_cannot_record_is_never_handed_out(tmp_path, monkeypatch):
+    """set_writer_epoch saves before it publishes; a failed save publishes nothing and says so."""
+    name = f"tsafe{uuid.uuid4().hex[:6]}"
+    pool = CachePool(name, uuid.uuid4().hex[:8])
+    try:
+        pool.set_layout(LAYOUT)
+        assert pool.set_writer_epoch(1, "w1")
+        assert int(pool.ctl[protocol.CTL_WRITER_EPOCH]) == 1
+
+        def fail(*_args, **_kw):
+            raise meta.MetaError("metadata does not fit")
+
+        monkeypatch.setattr(meta, "write", fail)
+        assert not pool.set_writer_epoch(2, "w2")
+        assert int(pool.ctl[protocol.CTL_WRITER_EPOCH]) == 1
+        assert pool.max_epoch == 1 and "w2" not in pool.writer_epochs
+    finally:
+        pool.close()
+    assert shm.list_segments(name) == []
+
+
+def test_a_writer_needs_staging_rows(committer_factory):
+    """staging_rows=0 for a writer is refused at Hello; nothing is created, nothing leaks."""
+    handle = committer_factory(*SLOW)
+    raw = RawClient(handle.endpoint, handle.name)
+    try:
+        reply = _hello(raw, protocol.ROLE_WRITER, raw.client_id, LAYOUT, staging_rows=0)
+        assert isinstance(reply, protocol.Refused) and "staging_rows must be >= 1" in reply.reason, reply
+    finally:
+        raw.close()
+    handle.stop(signal.SIGTERM)
+    assert shm.list_segments(handle.name) == []
+
+
+def test_a_refused_restart_leaves_the_adopted_cache_for_the_next_one(committer_factory):
+    """A restart that adopts a live cache and then cannot serve (metrics port taken) exits 2 and unlinks
+    nothing; the next restart adopts the same generation and the writer resumes its staging."""
+    first = committer_factory(*SLOW)
+    name = first.name
+    writer = Writer(first.endpoint, name, LAYOUT, 8)
+    writer.open_key("k", "float32", 4)
+    fd = _hold_attached(writer.welcome.control)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        first.stop(signal.SIGKILL)
+        before = sorted(shm.list_segments(name))
+        failed = committer_factory(*SLOW, "--metrics-port", str(busy.getsockname()[1]), name=name, wait=False)
+        assert failed.proc.wait(60) == 2
+        assert sorted(shm.list_segments(name)) == before, failed.log()
+        assert "left for the next committer to adopt" in failed.log()
+        second = committer_factory(*SLOW, name=name)
+        assert f"adopted live generation {writer.welcome.generation}" in second.log()
+        assert sorted(shm.list_segments(name)) == before
+    finally:
+        busy.close()
+        os.close(fd)
+        writer.raw.close()
+
+
+def test_a_generation_that_fails_to_adopt_in_any_way_is_logged_and_left_to_the_sweep(monkeypatch, caplog):
+    """adopt_live_cache never lets an adoption error stop the committer from starting."""
+    from omnishm.committer import start
+
+    def broken(cls, name, generation, *, prefault=False):
+        raise RuntimeError("cannot reshape tensor of 0 elements")
+
+    monkeypatch.setattr(start.meta, "live_generations", lambda name: ["0badc0de"])
+    monkeypatch.setattr(start.CachePool, "adopt", classmethod(broken))
+    with caplog.at_level("ERROR", logger="omnishm.committer.start"):
+        assert start.adopt_live_cache(types.SimpleNamespace(name="tsafe", prefault=False)) is None
+    assert "0badc0de" in caplog.text and "cannot be adopted" in caplog.text and "0 elements" in caplog.text

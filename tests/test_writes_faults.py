@@ -1,0 +1,172 @@
+"""Write-side faults: a stalled committer, a failed step write, keys a step does not write, a bad layout.
+
+Real committer processes; a stall is a SIGSTOP of the committer (what a long
+GC pause, swapping or a debugger does), so replies come late, not never.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from manager_helpers import Part, finished, rows, save, small_config, started
+from omnishm import protocol as P
+from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
+from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
+from omnishm.client.writes import TaskState
+
+BS = 4
+
+
+def test_a_flush_piece_acknowledged_late_never_commits_another_requests_rows(committer_factory):
+    """The flusher gives up on a's piece (commit_timeout_s) while the committer is stopped. It must not
+    stage b's rows in the region the late piece will still read: a's slots, once committed at a's
+    claim version, hold a's rows; and the failure is sticky."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    m = OmniPrefixCacheManager(small_config(commit_timeout_s=1.0), cache=handle.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    try:
+        m.new_step_starts([started("a", [0]), started("b", [4])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4), Part("b", 2, [4], 0, 4)], BS))
+        m.wait_idle()
+        feat = m._keys["feat"]
+        a_slots = torch.arange(0, 4)
+        cv_a = feat.claim[a_slots].clone()
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            m.new_step_starts([finished("a"), finished("b")])  # both writes go to the flusher
+            deadline = time.monotonic() + 10
+            while m._fatal is None and time.monotonic() < deadline:  # a's piece times out (1 s)
+                time.sleep(0.05)
+            assert m._fatal is not None and "commit_timeout_s" in str(m._fatal), m._fatal
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not torch.equal(feat.commit[a_slots], cv_a) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the committer applies a's late piece
+        assert torch.equal(feat.commit[a_slots], cv_a) and torch.equal(feat.claim[a_slots], cv_a)
+        assert torch.equal(feat.pool[a_slots], rows(501, range(4), 3)), "a's slots hold rows that are not a's"
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="not reused|commit_timeout_s"):
+            m.wait_idle(timeout_s=2.0)
+    finally:
+        m.shutdown()
+
+
+def test_a_flush_that_times_out_is_a_failed_write(committer_factory):
+    """A bare TimeoutError (no message) is still a failure: the task is FAILED and the error sticky."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    m = OmniPrefixCacheManager(small_config(commit_timeout_s=1.0), cache=handle.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle()
+        task = m._open[("a", "feat")]
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            m.new_step_starts([finished("a")])
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="TimeoutError"):
+                task.done.result(timeout=10)
+            assert task.state is TaskState.FAILED and m._fatal is not None
+            with pytest.raises(OmniPrefixCacheUnmatchError):
+                m.wait_idle(timeout_s=0.5)
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+    finally:
+        m.shutdown()
+
+
+def test_a_key_the_slots_new_tenant_does_not_write_is_absent_not_the_old_tenants(committer):
+    """Block 0 first holds a's hidden and feat rows, then b's hidden only. A hit on b's prefix that
+    needs feat raises (absent rows); it never merges a's feat rows into b's prefix."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.new_step_starts([finished("a")])
+        m.new_step_starts([started("b", [0])])
+        m.discard_step(save(m, [Part("b", 2, [0], 0, 4)], BS, mm_key=None))  # no feat this step
+        m.new_step_starts([finished("b")])
+        m.wait_idle()
+        assert m._keys["feat"].claim[:4].tolist() == [0, 0, 0, 0]
+        m.new_step_starts([started("c", [0, 1], hit=4)])
+        sid = save(m, [Part("c", 3, [0, 1], 4, 2)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows") as err:
+            m.materialize(sid, ["c"])
+        assert "request='c'" in str(err.value) and "tensor='feat'" in str(err.value)
+    finally:
+        m.shutdown()
+
+
+def test_wait_idle_raises_for_a_failed_step_write_whoever_holds_the_state_lock(committer):
+    """wait_idle reads the step's reply itself: a failure raises even before the done callback (which
+    needs the state lock) has recorded it."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle()
+        real_submit = m._link.submit
+        captured: list[tuple[Future, Future]] = []
+
+        def submit(make, **kw):  # the test decides when, and with what, the step's reply arrives
+            inner = real_submit(make, **kw)
+            outer: Future = Future()
+            captured.append((inner, outer))
+            return outer
+
+        m._link.submit = submit
+        m.new_step_starts([started("b", [1])])
+        m.discard_step(save(m, [Part("b", 2, [1], 0, 4)], BS))
+        m._link.submit = real_submit
+        inner, outer = captured[0]
+        inner.result(timeout=5)
+        failed = P.StepDone(rid=1, step=1, done_tids=b"", failed_tids=(7).to_bytes(8, "little"),
+                            reason="reaped after 10 s of silence")
+        result: list[str] = []
+
+        def waiter() -> None:
+            try:
+                m.wait_idle(timeout_s=2.0)
+                result.append("returned")
+            except OmniPrefixCacheUnmatchError as exc:
+                result.append(f"raised: {exc}")
+
+        w = threading.Thread(target=waiter)
+        w.start()
+        time.sleep(0.2)  # wait_idle now waits the step's future
+        m._lock.acquire()  # another thread holds the state lock when the reply arrives
+        try:
+            setter = threading.Thread(target=outer.set_result, args=(failed,))
+            setter.start()
+            w.join(timeout=3)
+        finally:
+            m._lock.release()
+        setter.join()
+        assert len(result) == 1 and result[0].startswith("raised:") and "reaped" in result[0], result
+    finally:
+        m.shutdown()
+
+
+def test_writes_out_of_batch_order_are_refused(committer):
+    """Claim versions follow the writes' order, rows their token_start: a layout where they disagree
+    raises a clear unmatch error naming the request, and nothing is written."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0]), started("b", [1])])
+        slots = torch.tensor([0, 1, 2, 3, 4, 5])
+        hidden = torch.cat([rows(1, range(4)), rows(2, range(2))])
+        layout = PrefixCacheWriteLayout((PrefixCacheWrite("b", 4, 2), PrefixCacheWrite("a", 0, 4)), slots)
+        next_step = m._next_step
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="starts at row 4, expected 0") as err:
+            m.save_outputs(hidden, {}, num_tokens_unpadded=6, num_tokens_padded=6, write_layout=layout)
+        assert "request='b'" in str(err.value)
+        assert m._next_step == next_step and all(kv.claim[:6].eq(0).all() for kv in m._keys.values())
+    finally:
+        m.shutdown()
