@@ -183,9 +183,15 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
+    from omnishm import config as knobs
     from omnishm import shm
 
-    removed = shm.sweep(_runtime_dir(args.runtime_dir), args.name, force=args.force)
+    try:  # the runtime dir by the same rules as the committer's: flag > OMNISHM_* > config file > default
+        r = knobs.resolve("both", {"runtime_dir": args.runtime_dir}, config_file=args.config, names=("runtime_dir",))
+    except knobs.ConfigError as exc:
+        print(f"omnishm cleanup: {exc}", file=sys.stderr)
+        return 2
+    removed = shm.sweep(_runtime_dir(r["runtime_dir"]), args.name, force=args.force)
     for name in removed:
         print(f"removed {name}")
     print(f"{len(removed)} orphaned object(s) removed" + (f" for cache {args.name}" if args.name else ""))
@@ -232,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ping)
     p = sub.add_parser("cleanup", help="remove segments and files no live committer owns")
     p.add_argument("--name", default=None, help="only this cache (default: all)")
-    p.add_argument("--runtime-dir", default=None)
+    p.add_argument("--runtime-dir", default=None, help="env OMNISHM_RUNTIME_DIR")
+    p.add_argument("--config", metavar="FILE", default=None, help="TOML file of knobs (default: $OMNISHM_CONFIG)")
     p.add_argument("--force", action="store_true",
                    help="also remove segments that clients of a dead committer still map (they then cannot resume)")
     p.set_defaults(func=cmd_cleanup)

@@ -68,29 +68,101 @@ def parse_segment_name(name: str) -> tuple[str, str, str] | None:
 
 
 def list_segments(cache: str | None = None) -> list[str]:
-    """Names (with leading ``/``) of omnishm segments in /dev/shm, optionally of one cache."""
+    """Names (with leading ``/``) of this user's omnishm segments in /dev/shm, optionally of one cache.
+
+    Another user's segments (0600, so unreadable anyway) are never listed: another
+    user's cache of the same name is none of ours to adopt, sweep or clean up.
+    """
     out = []
     try:
         entries = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return out
+    uid = os.geteuid()
     for entry in entries:
         parsed = parse_segment_name(entry)
         if parsed is None:
             continue
         if cache is not None and parsed[0] != cache:
             continue
+        try:
+            if os.stat(SHM_DIR / entry).st_uid != uid:
+                continue
+        except FileNotFoundError:
+            continue
         out.append("/" + entry)
     return sorted(out)
 
 
 def unlink_segment(name: str) -> bool:
-    """Unlink by name; False when it was already gone."""
+    """Unlink by name; False when it was already gone (or is not ours to unlink)."""
     try:
         posix_ipc.unlink_shared_memory(name)
         return True
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        return False
+
+
+OWNER = "owner"
+"""The segment a committer holds an exclusive ``flock`` on for as long as it serves its generation."""
+
+
+class GenerationOwner:
+    """A committer's claim on its generation, visible host-wide (whatever its runtime dir).
+
+    The cache lock file lives in one runtime dir, but segment names are host-wide: a
+    committer started with another runtime dir (another ``XDG_RUNTIME_DIR``, another
+    config) must not sweep or adopt a generation a live committer serves. So the
+    committer holds ``flock(LOCK_EX)`` on ``/omnishm.<cache>.<generation>.owner`` for
+    its life, and ``sweep``, adoption and ``omnishm cleanup`` leave every generation
+    whose owner lock is held alone. The kernel drops the lock when the committer dies.
+    """
+
+    def __init__(self, name: str, fd: int):
+        self.name = name
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, cache: str, generation: str) -> "GenerationOwner | None":
+        """Create (or open, for an adopted generation) the owner segment and lock it; None if held."""
+        name = segment_name(cache, generation, OWNER)
+        seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600, size=0)
+        try:
+            os.fchmod(seg.fd, 0o600)
+            fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(seg.fd)
+            return None
+        except BaseException:
+            os.close(seg.fd)
+            raise
+        return cls(name, seg.fd)
+
+    def release(self, *, unlink: bool) -> None:
+        """Drop the claim; ``unlink`` also removes the segment (while still holding the lock)."""
+        if self._fd < 0:
+            return
+        if unlink:
+            unlink_segment(self.name)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def generation_owned(cache: str, generation: str) -> bool:
+    """True when a live committer holds the owner lock of ``generation`` (or it is not ours to probe)."""
+    try:
+        seg = posix_ipc.SharedMemory(segment_name(cache, generation, OWNER), 0)
     except posix_ipc.ExistentialError:
         return False
+    except posix_ipc.PermissionsError:
+        return True
+    try:
+        fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(seg.fd)
+    return False
 
 
 class Segment:
@@ -247,6 +319,31 @@ def ensure_runtime_dir(path: Path | str | None = None) -> Path:
     return path
 
 
+def check_socket_path(path: Path) -> None:
+    """A client's check before it connects to an ipc socket: the directory and socket are ours.
+
+    The directory, if it exists, must be a real directory owned by us that nobody else can write
+    (else another user could have put their own socket there and read our Hello and descriptors);
+    the socket, if it exists, must be ours. Raises PermissionError naming the path.
+    """
+    try:
+        st = path.parent.lstat()
+    except FileNotFoundError:
+        return  # nothing to connect to yet; whoever creates it (autostart) uses ensure_runtime_dir
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"socket directory {path.parent} is not a directory (a symlink?)")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"socket directory {path.parent} is owned by uid {st.st_uid} with mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}; it must be ours (uid {os.geteuid()}) and "
+                              f"writable by nobody else")
+    try:
+        sock_uid = path.lstat().st_uid
+    except FileNotFoundError:
+        return
+    if sock_uid != os.geteuid():
+        raise PermissionError(f"socket {path} belongs to uid {sock_uid}, not to us (uid {os.geteuid()})")
+
+
 def lock_path(runtime_dir: Path, cache: str) -> Path:
     return Path(runtime_dir) / f"{cache}.lock"
 
@@ -268,7 +365,10 @@ class CacheLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                ino = os.fstat(fd).st_ino
                 os.close(fd)
+                if _replaced_soon(path, ino, 0.2):
+                    continue  # a sweeper held it to remove a dead committer's file: take the new one
                 return None
             # A sweeper may have unlinked the file between our open and flock;
             # a lock on an unlinked inode guards nothing, so take it again.
@@ -293,6 +393,20 @@ class CacheLock:
                 pass
         os.close(self.fd)
         self.fd = -1
+
+
+def _replaced_soon(path: Path, ino: int, within_s: float) -> bool:
+    """True when ``path`` stops naming inode ``ino`` within ``within_s`` (a live lock never does)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if os.stat(path).st_ino != ino:
+                return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
 
 
 def cache_is_live(runtime_dir: Path, cache: str) -> bool:
@@ -321,6 +435,8 @@ def clients_attached(ctl_name: str) -> bool:
         seg = posix_ipc.SharedMemory(ctl_name, 0)
     except posix_ipc.ExistentialError:
         return False
+    except posix_ipc.PermissionsError:
+        return True  # not ours: never treat it as free to remove
     try:
         try:
             fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -344,15 +460,21 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
     Without ``force``, a generation whose control segment is still locked by
     attached clients is kept even when its committer is dead: those clients
     are waiting to resume with a restarted committer, which adopts it.
-    Returns what was removed.
+    Whatever the flags, a generation whose owner lock a live committer holds
+    (``GenerationOwner``) is never touched. Returns what was removed.
     """
     runtime_dir = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
     removed: list[str] = []
     live: dict[str, bool] = {}
     attached: dict[tuple[str, str], bool] = {}
+    owned: dict[tuple[str, str], bool] = {}
     for name in list_segments(cache):
         seg_cache, generation, _ = parse_segment_name(name)  # type: ignore[misc]
         if keep_generation is not None and generation == keep_generation:
+            continue
+        if (seg_cache, generation) not in owned:
+            owned[(seg_cache, generation)] = generation_owned(seg_cache, generation)
+        if owned[(seg_cache, generation)]:
             continue
         if seg_cache not in live:
             live[seg_cache] = False if (assume_dead and seg_cache == cache) else cache_is_live(runtime_dir, seg_cache)
@@ -373,14 +495,40 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
         for name in caches:
             if assume_dead and name == cache:
                 continue
-            if cache_is_live(runtime_dir, name):
-                continue
-            for path in (socket_path(runtime_dir, name), lock_path(runtime_dir, name)):
-                try:
-                    path.unlink()
-                    removed.append(str(path))
-                except FileNotFoundError:
-                    pass
+            removed += _remove_dead_runtime_files(runtime_dir, name)
     if removed:
         logger.info("swept %d orphaned omnishm object(s): %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _remove_dead_runtime_files(runtime_dir: Path, cache: str) -> list[str]:
+    """Socket and lock file of a cache whose committer is gone, removed while holding its lock.
+
+    Holding the lock while unlinking means a committer starting meanwhile either
+    waits for it or finds the file replaced (``CacheLock.acquire`` re-checks the
+    inode): it never ends up locking a file that is already gone.
+    """
+    lock = lock_path(runtime_dir, cache)
+    fd = -1
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        pass
+    if fd >= 0:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return []  # live
+    removed = []
+    try:
+        for path in (socket_path(runtime_dir, cache), lock):
+            try:
+                path.unlink()
+                removed.append(str(path))
+            except FileNotFoundError:
+                pass
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return removed

@@ -323,7 +323,7 @@ def test_large_write_throughput_then_sigterm_unlinks_everything(committer_factor
     welcome = reader.hello(protocol.ROLE_READER)
     assert isinstance(welcome, protocol.Welcome) and welcome.layout.num_blocks == 512
     pool_copy = shm.Segment.attach(welcome.keys[0].pool, readonly=True).tensor(torch.float32, (n, width))
-    assert len(shm.list_segments(handle.name)) == 1 + 2 * 3 + 2  # ctl, 2 x (pool, claim, commit), 2 staging
+    assert len(shm.list_segments(handle.name)) == 2 + 2 * 3 + 2  # owner, ctl, 2 x (pool, claim, commit), 2 staging
     rc = handle.stop(signal.SIGTERM)
     assert rc == 0, handle.log()
     assert shm.list_segments(handle.name) == []
@@ -339,7 +339,7 @@ def _kill_with_segments(committer_factory):
     writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
     writer.open_key("k", "float32", 4)
     segs = shm.list_segments(handle.name)
-    assert len(segs) == 5  # ctl, pool, claim, commit, staging
+    assert len(segs) == 6  # owner, ctl, pool, claim, commit, staging
     handle.stop(signal.SIGKILL)
     writer.raw.close()
     assert shm.list_segments(handle.name) == segs  # SIGKILL leaves them (trap 1)
@@ -350,7 +350,7 @@ def test_sigkilled_committer_segments_removed_by_next_start(committer_factory):
     handle, segs = _kill_with_segments(committer_factory)
     again = committer_factory(name=handle.name)
     assert not set(segs) & set(shm.list_segments(handle.name))
-    assert "removed 5 segment(s) of a previous committer" in again.log()
+    assert "removed 6 segment(s) of a previous committer" in again.log()
 
 
 def test_sigkilled_committer_segments_removed_by_cleanup(committer_factory):

@@ -13,10 +13,14 @@ import fcntl
 import os
 import signal
 import socket
+import subprocess
+import sys
+import time
 import types
 import uuid
 
 import posix_ipc
+import pytest
 import torch
 
 from omnishm import protocol, shm
@@ -161,3 +165,97 @@ def test_a_generation_that_fails_to_adopt_in_any_way_is_logged_and_left_to_the_s
     with caplog.at_level("ERROR", logger="omnishm.committer.start"):
         assert start.adopt_live_cache(types.SimpleNamespace(name="tsafe", prefault=False)) is None
     assert "0badc0de" in caplog.text and "cannot be adopted" in caplog.text and "0 elements" in caplog.text
+
+
+def test_a_committer_of_the_same_name_in_another_runtime_dir_leaves_a_live_cache_alone(committer_factory,
+                                                                                       tmp_path):
+    """Segment names are host-wide, lock files per runtime dir: a second committer of the same name started
+    with another runtime dir (another XDG_RUNTIME_DIR, another config) neither adopts nor sweeps a generation
+    a live committer owns, and stopping it leaves that generation alone."""
+    a = committer_factory(*SLOW)
+    writer = Writer(a.endpoint, a.name, LAYOUT, 8)
+    view = writer.open_key("k", "float32", 4)
+    fd = _hold_attached(writer.welcome.control)  # a client attached: what made a restart adopt
+    before = set(shm.list_segments(a.name))
+    log = tmp_path / "second.log"
+    with open(log, "wb") as out:
+        second = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", a.name, "--runtime-dir",
+                                   str(tmp_path / "other-runtime"), *SLOW], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "started" not in log.read_text() and second.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = log.read_text()
+        assert "started" in text, text
+        assert "adopted" not in text and "removed" not in text, text
+        assert before <= set(shm.list_segments(a.name))
+    finally:
+        second.send_signal(signal.SIGTERM)
+        rc = second.wait(60)
+        os.close(fd)
+    assert rc == 0, log.read_text()
+    assert before <= set(shm.list_segments(a.name)), "stopping the second committer removed the live cache"
+    view.staging[0:2] = torch.ones(2, 4)
+    done = writer.step_write(1, [("k", 1, writer.new_cv(1), 0, [0, 1])])
+    assert isinstance(done, protocol.StepDone) and not done.failed_tids, done
+    writer.goodbye()
+
+
+def test_cleanup_never_removes_a_live_committers_segments_whatever_runtime_dir_it_looks_in(committer_factory,
+                                                                                          tmp_path):
+    """`omnishm cleanup` pointed at the wrong runtime dir finds no lock file, but the live committer's owner
+    lock still keeps its generation; with the right dir (here via OMNISHM_CONFIG) the lock file does."""
+    handle = committer_factory(*SLOW)
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    writer.open_key("k", "float32", 4)
+    before = set(shm.list_segments(handle.name))
+    empty = tmp_path / "empty-runtime"
+    empty.mkdir(mode=0o700)
+    config = tmp_path / "omnishm.toml"
+    config.write_text(f'runtime_dir = "{handle.runtime_dir}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNISHM_")}
+    for extra_env, args in (({}, ["--runtime-dir", str(empty)]), ({"OMNISHM_CONFIG": str(config)}, [])):
+        proc = subprocess.run([sys.executable, "-m", "omnishm", "cleanup", "--name", handle.name, *args],
+                              capture_output=True, text=True, timeout=60, env={**env, **extra_env})
+        assert proc.returncode == 0 and "0 orphaned object(s) removed" in proc.stdout, proc.stdout + proc.stderr
+        assert set(shm.list_segments(handle.name)) == before
+    assert (handle.runtime_dir / f"{handle.name}.lock").exists()
+    writer.goodbye()
+
+
+def test_autostart_serves_the_endpoint_the_client_asked_for(tmp_path):
+    """An autostarted committer binds the client's own ipc endpoint, and exits (cleanly) when it leaves."""
+    from conftest import unique_cache_name
+    from manager_helpers import Part, save, small_config, started
+    from omnishm.client import OmniPrefixCacheManager
+
+    name = unique_cache_name("auto")
+    runtime = tmp_path / "rt"
+    socks = tmp_path / "socks"
+    socks.mkdir(mode=0o700)
+    endpoint = f"ipc://{socks}/custom-{name}.sock"
+    m = OmniPrefixCacheManager(small_config(), cache=name, endpoint=endpoint, autostart=True, runtime_dir=runtime,
+                               connect_timeout_s=60.0)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], 4))
+        m.wait_idle()
+    finally:
+        m.shutdown()
+    deadline = time.monotonic() + 30
+    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name), "the autostarted committer did not exit when its client left"
+    assert shm.list_segments(name) == []
+
+
+def test_a_client_refuses_a_socket_directory_others_can_write(tmp_path):
+    """Another user could have put their own socket there and read our Hello and descriptors."""
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by nobody else"):
+        OmniPrefixCacheManager(small_config(), cache="tsafe", endpoint=f"ipc://{shared}/tsafe.sock", autostart=False)

@@ -208,16 +208,17 @@ def test_sigkill_of_every_process_then_one_start_or_cleanup_leaves_nothing(commi
                               stdout=subprocess.PIPE, text=True)
     try:
         assert client.stdout.readline().strip() == "ready"
-        assert len(shm.list_segments(handle.name)) == 5  # ctl (+metadata), pool, claim, commit, staging
+        assert len(shm.list_segments(handle.name)) == 6  # owner, ctl (+metadata), pool, claim, commit, staging
     finally:
         client.kill()
         client.wait()
         handle.stop(signal.SIGKILL)
-    assert len(shm.list_segments(handle.name)) == 5
+    assert len(shm.list_segments(handle.name)) == 6
     if how == "restart":
         again = committer_factory(*FAST, name=handle.name)
-        assert shm.list_segments(handle.name) == [], "nobody was attached: the new start must sweep, not adopt"
-        assert "removed 5 segment(s)" in again.log() and "adopted" not in again.log()
+        left = [s for s in shm.list_segments(handle.name) if not s.endswith(".owner")]
+        assert left == [], "nobody was attached: the new start must sweep, not adopt"
+        assert "removed 6 segment(s)" in again.log() and "adopted" not in again.log()
         again.stop(signal.SIGTERM)
     else:
         proc = subprocess.run([sys.executable, "-m", "omnishm", "cleanup", "--name", handle.name],

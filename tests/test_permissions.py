@@ -31,7 +31,7 @@ def test_segments_socket_and_lock_are_private(committer_factory):
     writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
     writer.open_key("k", "float32", 4)
     segs = shm.list_segments(handle.name)
-    assert len(segs) == 5
+    assert len(segs) == 6  # owner, ctl, pool, claim, commit, staging
     for seg in segs:
         st = os.stat(shm.SHM_DIR / seg.lstrip("/"))
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid(), (seg, oct(st.st_mode))

@@ -427,3 +427,20 @@ def test_a_timed_out_save_does_not_burn_a_step_id(runner):
     s1 = r.prefix_cache_save(h, mm, n, pad, so)
     r.prefix_cache_discard(s1)
     assert s1 == s0 + 1  # a reader replaying the same saves numbers this step s0 + 1
+
+
+def test_knobs_left_unset_come_from_the_environment(committer, monkeypatch):
+    """prefix_cache_name / _autostart left at None: OMNISHM_NAME and OMNISHM_AUTOSTART decide (README order)."""
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "false")
+    monkeypatch.setattr(FakeRunner, "prefix_cache_autostart", None)
+    r = FakeRunner(committer.name, SimpleNamespace())
+    r.prefix_cache_name = None
+    r.tags["a"] = 1
+    try:
+        _, sid = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))
+        m = r.prefix_cache_manager
+        assert m is not None and m.cache == committer.name
+        r.prefix_cache_discard(sid)
+    finally:
+        r.prefix_cache_shutdown()

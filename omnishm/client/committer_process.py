@@ -16,12 +16,21 @@ import sys
 import threading
 from pathlib import Path
 
+from omnishm.paths import ipc_endpoint
+
 logger = logging.getLogger(__name__)
 
 
-def start_committer(cache: str, runtime_dir: Path, *, exit_when_idle: bool = True) -> subprocess.Popen:
-    """Start an embedded committer for ``cache`` in its own session (it outlives no client)."""
+def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = None,
+                    exit_when_idle: bool = True) -> subprocess.Popen:
+    """Start an embedded committer for ``cache`` in its own session (it outlives no client).
+
+    ``endpoint``: where the client will connect, passed on unless it is the default
+    ``ipc://RUNTIME_DIR/NAME.sock`` (a committer binds that by itself).
+    """
     cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir)]
+    if endpoint is not None and endpoint != ipc_endpoint(Path(runtime_dir), cache):
+        cmd += ["--endpoint", endpoint]
     if exit_when_idle:
         cmd.append("--exit-when-idle")
     log_path = Path(runtime_dir) / f"{cache}.autostart.log"

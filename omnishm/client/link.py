@@ -112,6 +112,8 @@ class CommitterLink:
         self.client_id = uuid.uuid4().hex
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else shm.default_runtime_dir()
         self.endpoint = endpoint or shm.ipc_endpoint(self.runtime_dir, cache)
+        if self.endpoint.startswith("ipc://"):
+            shm.check_socket_path(Path(self.endpoint[len("ipc://"):]))
         self.request_timeout_s = request_timeout_s
         if reconnect_timeout_s is None:
             env = os.environ.get(RECONNECT_TIMEOUT_ENV)
@@ -285,7 +287,7 @@ class CommitterLink:
             if autostart and not started and self.endpoint.startswith("ipc://") \
                     and not shm.cache_is_live(self.runtime_dir, self.cache):
                 shm.ensure_runtime_dir(self.runtime_dir)
-                start_committer(self.cache, self.runtime_dir)
+                start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint)
                 started = True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -537,7 +539,7 @@ class CommitterLink:
         if self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0 \
                 and not shm.cache_is_live(self.runtime_dir, self.cache):
             self._last_autostart = now
-            start_committer(self.cache, self.runtime_dir)
+            start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint)
         self._new_socket()
         self.stats["resume_attempts"] += 1
         self._hello_rid = next(self._rids)

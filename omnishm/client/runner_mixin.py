@@ -99,9 +99,11 @@ class PrefixCacheRunnerMixin:
     step-id bookkeeping is a single dict ``pop``).
     """
 
-    prefix_cache_name: str = "default"
+    # None: from OMNISHM_* / the TOML file / the built-in default (omnishm.config.client_settings);
+    # a value set on the class or instance is an explicit override and ranks above them.
+    prefix_cache_name: str | None = None
     prefix_cache_endpoint: str | None = None
-    prefix_cache_autostart: bool = True
+    prefix_cache_autostart: bool | None = None
     prefix_cache_eager: bool | None = None
     prefix_cache_role: str | None = None
     prefix_cache_config_overrides: Mapping[str, Any] | None = None
@@ -193,10 +195,12 @@ class PrefixCacheRunnerMixin:
                 logger.warning("omni prefix cache: no model to read a cache policy from; using the default")
         role = self._prefix_cache_role()
         from omnishm.client.manager import OmniPrefixCacheManager
+        from omnishm.config import client_settings
 
-        manager = OmniPrefixCacheManager(config, cache=self.prefix_cache_name, role=role,
-                                         endpoint=self.prefix_cache_endpoint,
-                                         autostart=self.prefix_cache_autostart, eager=self.prefix_cache_eager)
+        explicit = {"name": self.prefix_cache_name, "endpoint": self.prefix_cache_endpoint,
+                    "autostart": self.prefix_cache_autostart}
+        kwargs = client_settings(**{k: v for k, v in explicit.items() if v is not None}).manager_kwargs()
+        manager = OmniPrefixCacheManager(config, role=role, eager=self.prefix_cache_eager, **kwargs)
         try:
             manager.register_policy(policy)
         except BaseException:

@@ -101,9 +101,11 @@ def read(mm) -> tuple[int, dict[str, Any]]:
 
 
 def live_generations(cache: str) -> list[str]:
-    """Generations of ``cache`` in /dev/shm whose control segment has an attached client."""
+    """Generations of ``cache`` in /dev/shm whose control segment has an attached client and whose
+    committer is gone (a generation a live committer owns, from any runtime dir, is never adopted)."""
     gens = sorted({shm.parse_segment_name(n)[1] for n in shm.list_segments(cache)})  # type: ignore[index]
-    return [g for g in gens if shm.clients_attached(shm.segment_name(cache, g, "ctl"))]
+    return [g for g in gens if shm.clients_attached(shm.segment_name(cache, g, "ctl"))
+            and not shm.generation_owned(cache, g)]
 
 
 def empty_doc(cache: str, generation: str, layout: protocol.Layout) -> dict[str, Any]:

@@ -422,7 +422,8 @@ class CachePool(StepApply):
             pool.writer_epochs[cid] = int(info["epoch"])
         keep = set(pool.segment_names())
         for stray in shm.list_segments(name):
-            if shm.parse_segment_name(stray)[1] == generation and stray not in keep:  # type: ignore[index]
+            parsed = shm.parse_segment_name(stray)
+            if parsed is not None and parsed[1] == generation and parsed[2] != shm.OWNER and stray not in keep:
                 shm.unlink_segment(stray)
                 logger.info("cache %s: unlinked %s (created but never recorded before the crash)", name, stray)
         pool.ctl[protocol.CTL_COMMITTER_PID] = os.getpid()

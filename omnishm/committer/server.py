@@ -48,6 +48,8 @@ EXIT_OK = 0
 EXIT_REFUSED = 2
 RECV_BATCH = 1024
 REPLY_BURST = 32
+UNUSED_EXIT_S = 60.0
+"""An ``--exit-when-idle`` committer that no writer or reader attached to within this long exits."""
 """Replies wait in ``Committer.replies`` until this many are ready or the receive batch is handled.
 
 Sent back to back, only the first of a burst wakes libzmq's I/O thread (a syscall and, on
@@ -165,6 +167,7 @@ class Committer:
         tick_ms = int(1000 * self.tick_s)
         logger.info("committer %s started: pid %d, generation %s, endpoint %s", self.name, os.getpid(),
                     self.generation, self.cfg.endpoint)
+        started = time.monotonic()
         try:
             while not self.stopping:
                 poller.poll(max(tick_ms, 10))
@@ -178,6 +181,10 @@ class Committer:
                 self.obs.tick(time.monotonic())
                 if self.cfg.exit_when_idle and self.sessions.idle():
                     self.stop_reason = "idle"
+                    break
+                if self.cfg.exit_when_idle and not self.sessions.ever_had_data_client \
+                        and time.monotonic() - started > UNUSED_EXIT_S:
+                    self.stop_reason = "unused"  # the client that started it gave up or died before attaching
                     break
             # Stop: handle (and answer) everything already received before unlinking.
             self.serve_pending()

@@ -79,14 +79,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     committer: Committer | None = None
     adopted: CachePool | None = None
+    owner: shm.GenerationOwner | None = None
     served = False
     try:
         import torch
 
         torch.set_num_threads(1)
         adopted = adopt_live_cache(cfg)
-        keep = adopted.generation if adopted is not None else generation
-        swept = shm.sweep(runtime_dir, cfg.name, keep_generation=keep, assume_dead=True)
+        serving = adopted.generation if adopted is not None else generation
+        owner = shm.GenerationOwner.acquire(cfg.name, serving)
+        if owner is None:  # another committer took it between our probe and now
+            print(f"omnishm committer: generation {serving} of cache {cfg.name!r} is served by another live "
+                  f"committer (another runtime dir?); refusing to start", file=sys.stderr)
+            return EXIT_REFUSED
+        swept = shm.sweep(runtime_dir, cfg.name, keep_generation=serving, assume_dead=True)
         if swept:
             logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
         if cfg.ipc_path is not None and cfg.ipc_path.exists():
@@ -108,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # An adopted cache this committer never served still has clients waiting to resume: it is
         # left for the next start to adopt again (an unlink here would lose their unacknowledged writes).
-        keep = adopted is not None and not served
-        removed = committer.close(unlink=not keep) if committer is not None else []
-        if keep:
+        leave = adopted is not None and not served
+        removed = committer.close(unlink=not leave) if committer is not None else []
+        if owner is not None:
+            owner.release(unlink=not leave)
+        if leave:
             logger.warning("committer %s refused to start; the adopted generation %s is left for the next "
                            "committer to adopt", cfg.name, adopted.generation)
         lock.release(remove=True)

@@ -24,7 +24,7 @@ worker assigns ``self.model_runner`` (in ``init_device``) the extension wraps
 
 The manager is built on the first real step (the KV-cache config is known
 then), with ``autostart=True`` (an embedded committer) and the cache named by
-``$OMNISHM_CACHE`` (default ``"default"``). Call
+``$OMNISHM_NAME`` (or its alias ``$OMNISHM_CACHE``, or the TOML ``name``; default ``"default"``). Call
 ``llm.collective_rpc("omnishm_shutdown")`` before the engine goes away: it
 detaches from the committer (which exits when idle and removes its segments)
 and removes the hooks. ``omnishm_install`` re-installs them; do it only on a
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import weakref
 from typing import Any
@@ -66,7 +65,6 @@ __all__ = ["OmniPrefixCacheWorkerExtension", "OmniPrefixCacheRunnerHooks", "exte
            "encode_tensor", "decode_tensor", "decode_results"]
 
 EXTENSION_CLS = "omnishm.integrations.vllm.OmniPrefixCacheWorkerExtension"
-CACHE_ENV = "OMNISHM_CACHE"
 
 _K = PrefixCacheEventKind
 _SCHEDULED_KINDS = (_K.STARTED, _K.REPLACED, _K.RESUMED, _K.EXTENDED)
@@ -127,7 +125,9 @@ class OmniPrefixCacheRunnerHooks:
                                    "integration needs the V1 GPUModelRunner family (set "
                                    "VLLM_USE_V2_MODEL_RUNNER=0)")
         self.runner = runner
-        self.cache = cache or os.environ.get(CACHE_ENV, "default")
+        # None: the name comes from OMNISHM_NAME (or its alias OMNISHM_CACHE) / the TOML file / "default",
+        # resolved by the same rules as the committer's (omnishm.config), when the manager is made.
+        self.cache = cache
         self.capture_raw = capture_raw
         self.manager: OmniPrefixCacheManager | None = None
         self.disabled = False
@@ -141,7 +141,7 @@ class OmniPrefixCacheRunnerHooks:
         self._raw_done: dict[ReqId, torch.Tensor] = {}
         self.counters: dict[str, int] = {k: 0 for k in (
             "steps", "saves", "rows_saved", "requests", "hit_requests", "hit_tokens", "rows", "raw_requests",
-            "incomplete_dropped", "max_hit_requests_per_step")}
+            "incomplete_dropped", "max_hit_requests_per_step", "prompts_abandoned", "raw_abandoned")}
 
     # ------------------------------------------------------------------ install
 
@@ -191,8 +191,8 @@ class OmniPrefixCacheRunnerHooks:
         # Endpoint, autostart, runtime dir and connect timeout come from OMNISHM_* / the TOML file.
         from omnishm.config import client_settings
 
-        kwargs = client_settings().manager_kwargs()
-        kwargs["cache"] = self.cache
+        kwargs = client_settings(**({"name": self.cache} if self.cache else {})).manager_kwargs()
+        self.cache = kwargs["cache"]
         manager = OmniPrefixCacheManager(cfg, role=vllm_runner_role(), **kwargs)
         try:
             model = r.get_model() if hasattr(r, "get_model") else getattr(r, "model", None)
@@ -253,8 +253,13 @@ class OmniPrefixCacheRunnerHooks:
             for w in layout.writes:
                 raw = self._raw.get(w.req_id)
                 if raw is not None and raw.length < raw.prompt_len:
+                    start = computed.get(w.req_id, raw.length)
+                    if start > raw.length:  # resumed past its own rows (a longer hit): no full raw prompt
+                        self._raw[w.req_id] = None
+                        self.counters["raw_abandoned"] += 1
+                        continue
                     rows = hidden[w.token_start:w.token_start + w.num_tokens].detach().to("cpu", copy=True)
-                    if raw.add(computed.get(w.req_id, raw.length), rows):
+                    if raw.add(start, rows):
                         with self._lock:
                             self._raw_done[w.req_id] = raw.tensor()
                         self.counters["raw_requests"] += 1
@@ -271,6 +276,14 @@ class OmniPrefixCacheRunnerHooks:
             start = computed[rid] - hit
             if start >= acc.prompt_len:
                 continue  # decode token: not a prompt row
+            if start > acc.length:
+                # Rows past a gap: a live id sent again as new (vLLM's REPLACED: streaming input), whose
+                # earlier rows this tracker no longer has. Never raise into vLLM's execute_model.
+                self._prompts.pop(rid, None)
+                self.counters["prompts_abandoned"] += 1
+                logger.warning("omnishm: request %s: prompt rows resume at position %d after %d; its "
+                               "full-prompt rows are not collected", rid, start, acc.length)
+                continue
             acc.hit_tokens = max(acc.hit_tokens, hit)
             if acc.add(start, rows):
                 with self._lock:
@@ -352,7 +365,7 @@ class OmniPrefixCacheWorkerExtension:
 
         Idempotent while hooks are installed (``cache`` is then ignored). After
         ``omnishm_shutdown`` it makes fresh hooks on cache ``cache`` (default
-        ``$OMNISHM_CACHE``); reset vLLM's prefix cache first, a new cache holds
+        the configured name); reset vLLM's prefix cache first, a new cache holds
         none of the rows behind vLLM's existing hits.
         """
         runner = self.model_runner

@@ -1,0 +1,166 @@
+"""The vLLM hooks (``omnishm.integrations.vllm``) under schedules that resume or replace requests.
+
+Driven by V1-shaped scheduler outputs (checked against vLLM 0.32's real ``Scheduler``) on a fake runner,
+against a real committer. The hooks' own bookkeeping must never raise into vLLM's ``execute_model``.
+
+The fake runner mirrors vLLM 0.32 GPUModelRunner._update_states for what the hooks read (input_batch
+req_ids / num_computed_tokens_cpu / CPU block table) and sets execute_model_state.hidden_states
+[num_tokens, H] in batch order. Row content is rows(1, position): every request shares one prompt
+"family", so any two requests with the same prefix have the same rows (like a shared system prompt).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from manager_helpers import rows
+from omnishm.integrations.vllm import OmniPrefixCacheRunnerHooks
+
+BS = 4
+NUM_BLOCKS = 16
+MAX_REQS = 4
+MAX_BLOCKS = 8
+
+
+class FullAttentionSpec:  # classified by name by the gate
+    def __init__(self, block_size):
+        self.block_size = block_size
+
+
+def so(new=(), cached=(), resumed=(), finished=(), preempted=(), counts=None):
+    """new: (req, prompt_len, computed, blocks); cached: (req, computed, new_blocks_or_None)."""
+    counts = dict(counts or {})
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, prompt_token_ids=list(range(p)), prompt_embeds=None,
+                                            num_computed_tokens=c, block_ids=(list(b),)) for r, p, c, b in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed),
+            new_block_ids=[(list(b),) if b is not None else None for _, _, b in cached],
+            num_computed_tokens=[c for _, c, _ in cached]),
+        num_scheduled_tokens=counts, total_num_scheduled_tokens=sum(counts.values()),
+        finished_req_ids=set(finished), preempted_req_ids=set(preempted))
+
+
+class FakeV1Runner:
+    def __init__(self):
+        self.vllm_config = SimpleNamespace(
+            kv_transfer_config=None,
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=32, max_num_seqs=MAX_REQS),
+            model_config=SimpleNamespace(max_model_len=MAX_BLOCKS * BS),
+            speculative_config=None,
+            parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+        self.cache_config = SimpleNamespace(enable_prefix_caching=True, block_size=BS, mamba_cache_mode="none")
+        self.kv_cache_config = SimpleNamespace(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+            kv_cache_groups=[SimpleNamespace(layer_names=["l0"], kv_cache_spec=FullAttentionSpec(BS))])
+        self.is_pooling_model = False
+        self.execute_model_state = None
+        table = SimpleNamespace(block_size=BS,
+                                block_table=SimpleNamespace(cpu=torch.zeros((MAX_REQS, MAX_BLOCKS), dtype=torch.int32)),
+                                num_blocks_per_row=torch.zeros(MAX_REQS, dtype=torch.int32))
+        self.input_batch = SimpleNamespace(req_ids=[], num_computed_tokens_cpu=torch.zeros(MAX_REQS, dtype=torch.int32),
+                                           block_table=SimpleNamespace(block_tables=[table]))
+        self.state = {}  # req -> [blocks, computed]
+        self.model = SimpleNamespace()
+
+    def get_model(self):
+        return self.model
+
+    def _update_states(self, s):
+        for r in s.finished_req_ids:
+            self.state.pop(r, None)
+        for n in s.scheduled_new_reqs:
+            self.state[n.req_id] = [list(n.block_ids[0]), n.num_computed_tokens]
+        c = s.scheduled_cached_reqs
+        for r, b, comp in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            st = self.state[r]
+            if r in c.resumed_req_ids:
+                st[0] = list(b[0])
+            elif b is not None:
+                st[0].extend(b[0])
+            st[1] = comp
+        ids = [r for r in s.num_scheduled_tokens]
+        self.input_batch.req_ids = ids
+        t = self.input_batch.block_table.block_tables[0]
+        t.block_table.cpu.zero_()
+        t.num_blocks_per_row.zero_()
+        for row, r in enumerate(ids):
+            blocks, comp = self.state[r]
+            t.block_table.cpu[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            t.num_blocks_per_row[row] = len(blocks)
+            self.input_batch.num_computed_tokens_cpu[row] = comp
+
+    def execute_model(self, s, intermediate_tensors=None):
+        self._update_states(s)
+        if not s.total_num_scheduled_tokens:
+            return None
+        parts = []
+        for r in self.input_batch.req_ids:
+            comp = self.state[r][1]
+            parts.append(rows(1, range(comp, comp + s.num_scheduled_tokens[r])))
+        self.execute_model_state = SimpleNamespace(hidden_states=torch.cat(parts))
+        return None
+
+
+@pytest.fixture
+def hooks(committer, monkeypatch):
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    runner = FakeV1Runner()
+    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    h.install()
+    yield h, runner
+    h.uninstall()
+
+
+def step(runner, s):
+    runner.execute_model(s)
+    runner.execute_model_state = None  # what sample_tokens does
+
+
+def test_a_request_resumed_with_a_longer_hit_than_its_own_progress_gets_its_prompt(hooks):
+    """A (no hit) computes 4 prompt tokens, is preempted; B (same prefix) computes 12; A resumes with hit 12.
+
+    vLLM: priority scheduling preempts the low-priority A for B; on resume A's get_computed_blocks hits
+    the blocks B computed (12 tokens, 3 blocks), so num_computed_tokens=12 in the resumed cached row.
+    """
+    h, runner = hooks
+    # step 1: A new, no hit, 4 of its 16 prompt tokens.
+    step(runner, so(new=[("A", 16, 0, [0])], counts={"A": 4}))
+    # step 2: B (high priority) hits A's block 0; A preempted to make room.
+    step(runner, so(new=[("B", 16, 4, [0, 5, 6])], preempted=["A"], counts={"B": 8}))
+    # step 3: A resumes with a hit on B's blocks 0,5,6 (12 tokens); schedules its last 4 prompt tokens.
+    step(runner, so(cached=[("A", 12, [0, 5, 6, 7]), ("B", 12, [8])], resumed=["A"], counts={"A": 4, "B": 4}))
+    res = h.take_results()
+    assert "A" in res and torch.equal(res["A"][0], rows(1, range(16)))
+    assert h.stats()["raw_abandoned"] == 1  # vLLM never computed A's rows 4..11 itself
+
+
+def test_a_live_id_sent_again_as_new_is_not_collected_and_does_not_raise(hooks):
+    """A live id re-sent as new (vLLM _update_streaming_request / the omni async-chunk continuation).
+
+    The adapter emits REPLACED (no hit); num_computed_tokens is the tokens the session already has.
+    """
+    h, runner = hooks
+    step(runner, so(new=[("S", 8, 0, [0, 1])], counts={"S": 8}))
+    step(runner, so(cached=[("S", 8, [2])], counts={"S": 1}))  # decode 1 token
+    # streaming update: the prompt grows to 8 + 1 kept output + 3 new = 12; 9 tokens already computed
+    step(runner, so(new=[("S", 12, 9, [0, 1, 2])], counts={"S": 3}))
+    stats = h.stats()
+    assert stats["steps"] == 3 and stats["prompts_abandoned"] == 1
+
+
+def test_the_hooks_attach_to_the_cache_named_by_omnishm_name(committer, monkeypatch):
+    """No explicit cache: the name comes from OMNISHM_NAME, by the same rules as the committer's."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.delenv("OMNISHM_CACHE", raising=False)
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    runner = FakeV1Runner()
+    h = OmniPrefixCacheRunnerHooks(runner)
+    h.install()
+    try:
+        step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+        assert h.stats()["cache"] == committer.name and h.stats()["saves"] == 1
+    finally:
+        h.uninstall()
