@@ -123,16 +123,26 @@ class GenerationOwner:
         self._fd = fd
 
     @classmethod
-    def acquire(cls, cache: str, generation: str) -> "GenerationOwner | None":
-        """Create (or open, for an adopted generation) the owner segment and lock it; None if held."""
+    def acquire(cls, cache: str, generation: str, *, patience_s: float = 0.2) -> "GenerationOwner | None":
+        """Create (or open, for an adopted generation) the owner segment and lock it; None if held.
+
+        ``generation_owned`` probes by taking the lock for a moment, so a lock held
+        for less than ``patience_s`` is a probe, not a committer: wait it out.
+        """
         name = segment_name(cache, generation, OWNER)
         seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600, size=0)
+        deadline = time.monotonic() + patience_s
         try:
             os.fchmod(seg.fd, 0o600)
-            fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(seg.fd)
-            return None
+            while True:
+                try:
+                    fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        os.close(seg.fd)
+                        return None
+                    time.sleep(0.005)
         except BaseException:
             os.close(seg.fd)
             raise
@@ -324,15 +334,19 @@ def check_socket_path(path: Path) -> None:
 
     The directory, if it exists, must be a real directory owned by us that nobody else can write
     (else another user could have put their own socket there and read our Hello and descriptors);
-    the socket, if it exists, must be ours. Raises PermissionError naming the path.
+    the socket, if it exists, must be ours. A sticky shared directory such as ``/tmp`` is
+    accepted: nobody else can remove or replace our socket there. Raises PermissionError naming the path.
     """
+    if str(path).startswith("@"):
+        return  # Linux abstract socket: no file, no directory
     try:
         st = path.parent.lstat()
     except FileNotFoundError:
         return  # nothing to connect to yet; whoever creates it (autostart) uses ensure_runtime_dir
     if not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"socket directory {path.parent} is not a directory (a symlink?)")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+    sticky_shared = bool(st.st_mode & stat.S_ISVTX) and st.st_uid in (0, os.geteuid())
+    if not sticky_shared and (st.st_uid != os.geteuid() or st.st_mode & 0o022):
         raise PermissionError(f"socket directory {path.parent} is owned by uid {st.st_uid} with mode "
                               f"{stat.S_IMODE(st.st_mode):04o}; it must be ours (uid {os.geteuid()}) and "
                               f"writable by nobody else")

@@ -162,9 +162,15 @@ def test_a_generation_that_fails_to_adopt_in_any_way_is_logged_and_left_to_the_s
 
     monkeypatch.setattr(start.meta, "live_generations", lambda name: ["0badc0de"])
     monkeypatch.setattr(start.CachePool, "adopt", classmethod(broken))
-    with caplog.at_level("ERROR", logger="omnishm.committer.start"):
-        assert start.adopt_live_cache(types.SimpleNamespace(name="tsafe", prefault=False)) is None
-    assert "0badc0de" in caplog.text and "cannot be adopted" in caplog.text and "0 elements" in caplog.text
+    name = f"tsafe{uuid.uuid4().hex[:6]}"
+    try:
+        with caplog.at_level("ERROR", logger="omnishm.committer.start"):
+            assert start.adopt_live_cache(types.SimpleNamespace(name=name, prefault=False)) == (None, None)
+        assert "0badc0de" in caplog.text and "cannot be adopted" in caplog.text and "0 elements" in caplog.text
+        assert not shm.generation_owned(name, "0badc0de")  # the owner lock was let go for the sweep
+    finally:
+        for seg in shm.list_segments(name):
+            shm.unlink_segment(seg)
 
 
 def test_a_committer_of_the_same_name_in_another_runtime_dir_leaves_a_live_cache_alone(committer_factory,
@@ -259,3 +265,18 @@ def test_a_client_refuses_a_socket_directory_others_can_write(tmp_path):
     shared.chmod(0o777)
     with pytest.raises(PermissionError, match="writable by nobody else"):
         OmniPrefixCacheManager(small_config(), cache="tsafe", endpoint=f"ipc://{shared}/tsafe.sock", autostart=False)
+
+
+def test_a_client_accepts_a_sticky_shared_directory_like_tmp(tmp_path):
+    """In a sticky directory (/tmp) nobody else can remove or replace our socket: no PermissionError (here
+    nothing answers, so the client times out instead)."""
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.interface import OmniPrefixCacheCommitterError
+
+    shared = tmp_path / "sticky"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(OmniPrefixCacheCommitterError, match="answered"):
+        OmniPrefixCacheManager(small_config(), cache="tsafe", endpoint=f"ipc://{shared}/tsafe.sock", autostart=False,
+                               connect_timeout_s=0.5)

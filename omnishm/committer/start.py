@@ -35,19 +35,27 @@ def _lock_holder(runtime_dir, name: str) -> str:
         return "unknown pid"
 
 
-def adopt_live_cache(cfg: CommitterConfig) -> CachePool | None:
-    """The pool of a previous committer of this cache whose clients are still attached, or None.
+def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.GenerationOwner | None]:
+    """The pool of a previous committer of this cache whose clients are still attached, and its owner lock.
 
-    Called with the cache lock held, before the orphan sweep. A generation
-    with attached clients (``meta.clients_attached``) is adopted when its
-    metadata and segments check out; otherwise it is logged and left to the
-    sweep, and its clients' resumes are refused with the reason.
+    ``(None, None)`` when there is none. Called with the cache lock held,
+    before the orphan sweep. A generation with attached clients
+    (``meta.clients_attached``) is adopted when this committer gets its owner
+    lock first (another committer, from another runtime dir, may be adopting
+    it too: nothing of it is touched before the lock) and its metadata and
+    segments check out; otherwise it is logged and left to the sweep, and its
+    clients' resumes are refused with the reason.
     """
     live = meta.live_generations(cfg.name)
     for gen in live:
+        owner = shm.GenerationOwner.acquire(cfg.name, gen)
+        if owner is None:
+            logger.info("committer %s: generation %s is being adopted by another committer", cfg.name, gen)
+            continue
         try:
             pool = CachePool.adopt(cfg.name, gen, prefault=cfg.prefault)
         except Exception as exc:  # whatever is wrong with it, this committer must still start
+            owner.release(unlink=False)  # the sweep that follows removes the generation, owner segment too
             logger.error("committer %s: clients are still attached to generation %s but it cannot be adopted: %s; "
                          "sweeping it (those clients will fail with a clear error)", cfg.name, gen, exc,
                          exc_info=not isinstance(exc, (meta.MetaError, KeyError, TypeError, ValueError)))
@@ -55,8 +63,8 @@ def adopt_live_cache(cfg: CommitterConfig) -> CachePool | None:
         logger.info("committer %s: adopted live generation %s (%d key(s), %d writer(s) expected to resume, "
                     "writer epoch %d)%s", cfg.name, gen, len(pool.keys), len(pool.writer_epochs), pool.max_epoch,
                     f"; other live generations {[g for g in live if g != gen]} are swept" if len(live) > 1 else "")
-        return pool
-    return None
+        return pool, owner
+    return None, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,12 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(1)
-        adopted = adopt_live_cache(cfg)
+        adopted, owner = adopt_live_cache(cfg)
         serving = adopted.generation if adopted is not None else generation
-        owner = shm.GenerationOwner.acquire(cfg.name, serving)
-        if owner is None:  # another committer took it between our probe and now
-            print(f"omnishm committer: generation {serving} of cache {cfg.name!r} is served by another live "
-                  f"committer (another runtime dir?); refusing to start", file=sys.stderr)
+        if owner is None:
+            owner = shm.GenerationOwner.acquire(cfg.name, serving)  # a fresh generation: nobody else knows it
+        if owner is None:
+            print(f"omnishm committer: generation {serving} of cache {cfg.name!r} is held by another process; "
+                  f"refusing to start", file=sys.stderr)
             return EXIT_REFUSED
         swept = shm.sweep(runtime_dir, cfg.name, keep_generation=serving, assume_dead=True)
         if swept:

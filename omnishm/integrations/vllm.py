@@ -125,9 +125,11 @@ class OmniPrefixCacheRunnerHooks:
                                    "integration needs the V1 GPUModelRunner family (set "
                                    "VLLM_USE_V2_MODEL_RUNNER=0)")
         self.runner = runner
-        # None: the name comes from OMNISHM_NAME (or its alias OMNISHM_CACHE) / the TOML file / "default",
-        # resolved by the same rules as the committer's (omnishm.config), when the manager is made.
-        self.cache = cache
+        from omnishm.config import client_settings
+
+        # Unless given: OMNISHM_NAME (or its alias OMNISHM_CACHE), the TOML file, then "default", by the
+        # same rules as the committer's (omnishm.config).
+        self.cache = cache or client_settings().name
         self.capture_raw = capture_raw
         self.manager: OmniPrefixCacheManager | None = None
         self.disabled = False
@@ -191,8 +193,7 @@ class OmniPrefixCacheRunnerHooks:
         # Endpoint, autostart, runtime dir and connect timeout come from OMNISHM_* / the TOML file.
         from omnishm.config import client_settings
 
-        kwargs = client_settings(**({"name": self.cache} if self.cache else {})).manager_kwargs()
-        self.cache = kwargs["cache"]
+        kwargs = client_settings(name=self.cache).manager_kwargs()
         manager = OmniPrefixCacheManager(cfg, role=vllm_runner_role(), **kwargs)
         try:
             model = r.get_model() if hasattr(r, "get_model") else getattr(r, "model", None)
