@@ -197,3 +197,30 @@ def test_counters_made_after_the_last_heartbeat_arrive_with_the_goodbye(committe
     m = wait_for(port, "the goodbye's counters", lambda m: value(m, "omnishm_clients", role="writer") == 0
                  and value(m, "omnishm_client_steps_saved_total", role="writer") == 3)
     assert value(m, "omnishm_rows_written_total", tensor=HIDDEN_KEY) == 12
+
+
+def test_client_counters_are_checked_before_they_are_kept(committer):
+    """Long names, NaN, infinities and negatives are dropped (counted); an exported counter never goes back;
+    the exported names are kept first when a client sends more than MAX_COUNTERS."""
+    from omnishm.committer.server import MAX_COUNTERS
+
+    raw = committer.client()
+    try:
+        assert isinstance(raw.hello(protocol.ROLE_READER, protocol.Layout(16, 4)), protocol.Welcome)
+        junk = {f"junk{i:04d}": 1.0 for i in range(MAX_COUNTERS + 10)}
+        bad = {"x" * 100_000: 1.0, "nan": float("nan"), "inf": float("inf"), "neg": -5.0}
+        assert isinstance(raw.call(protocol.Heartbeat(rid=raw.next_rid(),
+                                                      counters={**junk, **bad, "steps_saved": 100.0})),
+                          protocol.HeartbeatAck)
+        assert isinstance(raw.call(protocol.Heartbeat(rid=raw.next_rid(), counters={"steps_saved": 7.0})),
+                          protocol.HeartbeatAck)
+        st = raw.status()
+        me = [c for c in st["clients"] if c["client_id"] == raw.client_id][0]
+        assert me["counters"] == {"steps_saved": 100.0}  # the largest value seen, nothing else survived
+        assert st["rejected"].get("bad_counters", 0) >= 1
+        assert isinstance(raw.call(protocol.Heartbeat(rid=raw.next_rid(), counters={**junk, "steps_saved": 101.0})),
+                          protocol.HeartbeatAck)
+        me = [c for c in raw.status()["clients"] if c["client_id"] == raw.client_id][0]
+        assert me["counters"]["steps_saved"] == 101.0 and len(me["counters"]) == MAX_COUNTERS
+    finally:
+        raw.close()

@@ -5,11 +5,14 @@ Threads and ownership
   methods (``tick``, ``batch_done``, ``step_applied``, ``heartbeat``,
   ``departed``, ``status_extras``) and the only one that reads committer state.
 - With ``--metrics-port`` set, a daemon HTTP thread (``omnishm-metrics``)
-  serves ``/metrics`` and ``/health``. It never touches committer state: it
-  reads the last snapshot the loop published (one reference swap, at most
-  every ``publish_s``), the few live floats (last tick, queue gauges) and the
-  write-latency histogram (``prometheus_client`` metrics carry their own lock).
-  A scrape therefore never blocks the loop, and a stuck loop shows as 503.
+  serves ``/metrics`` and ``/health``. It never touches committer state: a
+  scrape asks the loop for a snapshot (built at the loop's next round, only
+  when asked: it reads every key's commit table) and waits for it up to about a
+  second, else uses the previous one; it also reads the few live floats (last
+  tick, queue gauges) and the write-latency histogram (``prometheus_client``
+  metrics carry their own lock). A scrape never blocks the loop, and a stuck
+  loop shows as 503. Connections idle for ``HTTP_TIMEOUT_S`` are closed, and
+  broken ones are logged at debug level, not as tracebacks.
 
 ``prometheus_client`` is optional: it is imported only when metrics are on
 (``require_prometheus`` raises a clear error when it is missing).
@@ -59,6 +62,9 @@ CLIENT_GAUGES: dict[str, str] = {
     "staging_pages_in_use": "staging pages held by unconsumed steps (latest heartbeat of each live client)",
 }
 RETAIN_DEPARTED_IDS = 1024
+HTTP_TIMEOUT_S = 10.0
+MAX_COUNTER_NAME = 64
+"""Longer client counter names are dropped on arrival (they are kept per departed client, 1024 of them)."""
 
 
 def require_prometheus() -> None:
@@ -168,12 +174,12 @@ class Observability:
         self.clients = ClientCounterTotals()
         self.tick_s = tick_s
         self.health_timeout_s = max(5.0, 5 * tick_s)
-        self.publish_s = min(1.0, max(0.05, tick_s))
         self.last_tick = time.monotonic()
         self.queue_depth = 0
         self.queue_age_s = 0.0
         self.snapshot: dict[str, Any] | None = None
-        self._next_publish = 0.0
+        self._wanted = threading.Event()  # set by a scrape; the loop then builds one snapshot
+        self._fresh = threading.Event()
         self._exporter: MetricsExporter | None = None
 
     # -------------------------------------------------------- loop hooks
@@ -183,9 +189,12 @@ class Observability:
         self.last_tick = now
         rows, nbytes = self._written()
         self.ring.maybe_sample(now, rows, nbytes)
-        if self._exporter is not None and now >= self._next_publish:
-            self._next_publish = now + self.publish_s
+        if self._exporter is not None and self._wanted.is_set():
+            # Only when scraped: a snapshot reads every key's commit table and every client's /proc,
+            # which on a large pool is milliseconds the loop's clients would wait for.
+            self._wanted.clear()
             self.snapshot = self._build_snapshot()
+            self._fresh.set()
 
     def batch_done(self, messages: int, received_at: float, now: float) -> None:
         """A receive batch of ``messages`` was handled; its last message waited ``now - received_at`` here."""
@@ -238,6 +247,13 @@ class Observability:
             self._exporter.close()
             self._exporter = None
 
+    def fresh_snapshot(self, timeout_s: float) -> dict[str, Any] | None:
+        """HTTP thread: ask the loop for a new snapshot; the previous one if it does not come in time."""
+        self._fresh.clear()
+        self._wanted.set()
+        self._fresh.wait(timeout_s)
+        return self.snapshot
+
     def healthy(self) -> tuple[bool, str]:
         """Any thread: is the loop alive (ticked within ``health_timeout_s``, not stopping)?"""
         age = time.monotonic() - self.last_tick
@@ -261,7 +277,7 @@ class _SnapshotCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         obs = self.obs
-        st = obs.snapshot
+        st = obs.fresh_snapshot(max(1.0, 2 * obs.tick_s))
         yield GaugeMetricFamily("omnishm_queue_depth", "messages in the committer's most recent receive batch",
                                 value=obs.queue_depth)
         yield GaugeMetricFamily("omnishm_queue_oldest_age_seconds",
@@ -372,6 +388,10 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def handle_error(self, request, client_address) -> None:
+        # A scraper that hangs up mid-reply is not the committer's error: no traceback in its log.
+        logger.debug("metrics: connection from %s failed", client_address, exc_info=True)
+
 
 class _HTTPServer6(_HTTPServer):
     address_family = socket.AF_INET6
@@ -381,6 +401,8 @@ def _handler(obs: Observability, registry) -> type[BaseHTTPRequestHandler]:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = HTTP_TIMEOUT_S  # an idle connection must not hold its thread forever
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import re
 import signal
@@ -36,7 +37,7 @@ import zmq
 
 from omnishm import protocol
 from omnishm.committer.config import CommitterConfig
-from omnishm.committer.metrics import Observability
+from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
 from omnishm.versions import MAX_EPOCH
@@ -49,6 +50,7 @@ EXIT_REFUSED = 2
 RECV_BATCH = 1024
 REPLY_BURST = 32
 UNUSED_EXIT_S = 60.0
+EXPORTED_CLIENT_NAMES = frozenset(CLIENT_COUNTERS) | frozenset(CLIENT_GAUGES)
 """An ``--exit-when-idle`` committer that no writer or reader attached to within this long exits."""
 """Replies wait in ``Committer.replies`` until this many are ready or the receive batch is handled.
 
@@ -307,12 +309,25 @@ class Committer:
         return protocol.Error(rid=msg.rid, code="unexpected", message=f"unexpected message {type(msg).__name__}")
 
     def _take_counters(self, session: Session, counters: dict[str, float]) -> None:
-        """A client's cumulative counters (heartbeat or goodbye); capped in number."""
-        if len(counters) > MAX_COUNTERS:
-            self.rejected["too_many_counters"] += 1
-            session.counters = dict(list(counters.items())[:MAX_COUNTERS])
-        else:
-            session.counters = dict(counters)
+        """A client's cumulative counters (heartbeat or goodbye), checked before they are kept.
+
+        Names up to ``MAX_COUNTER_NAME`` characters and finite values >= 0 only;
+        the exported names first, then others up to ``MAX_COUNTERS`` in all; a
+        cumulative counter never goes back (the largest value seen is kept).
+        """
+        kept: dict[str, float] = {}
+        dropped = 0
+        ordered = sorted(counters.items(), key=lambda kv: kv[0] not in EXPORTED_CLIENT_NAMES)
+        for name, value in ordered:
+            if len(kept) >= MAX_COUNTERS or len(name) > MAX_COUNTER_NAME or not math.isfinite(value) or value < 0:
+                dropped += 1
+                continue
+            if name in CLIENT_COUNTERS:
+                value = max(value, session.counters.get(name, 0.0))
+            kept[name] = float(value)
+        if dropped:
+            self.rejected["bad_counters"] += 1
+        session.counters = kept
         self.obs.heartbeat(session)
 
     def refuse(self, msg: protocol.Hello, reason: str, counter: str) -> protocol.Refused:
