@@ -130,23 +130,30 @@ class GenerationOwner:
         for less than ``patience_s`` is a probe, not a committer: wait it out.
         """
         name = segment_name(cache, generation, OWNER)
-        seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600, size=0)
         deadline = time.monotonic() + patience_s
-        try:
-            os.fchmod(seg.fd, 0o600)
-            while True:
-                try:
-                    fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        os.close(seg.fd)
-                        return None
-                    time.sleep(0.005)
-        except BaseException:
+        while True:
+            seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600, size=0)
+            try:
+                os.fchmod(seg.fd, 0o600)
+                fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(seg.fd)
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.005)
+                continue
+            except BaseException:
+                os.close(seg.fd)
+                raise
+            # A sweeper may have unlinked the name between our open and flock: a lock on an
+            # unlinked segment guards nothing, so take it again on the current one.
+            try:
+                same = os.stat(SHM_DIR / name.lstrip("/")).st_ino == os.fstat(seg.fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return cls(name, seg.fd)
             os.close(seg.fd)
-            raise
-        return cls(name, seg.fd)
 
     def release(self, *, unlink: bool) -> None:
         """Drop the claim; ``unlink`` also removes the segment (while still holding the lock)."""
