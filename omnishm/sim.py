@@ -49,7 +49,10 @@ def truth_rows(hashes: list[int], width: int, salt: int = 0) -> torch.Tensor:
         return torch.empty((0, width), dtype=torch.float32)
     h = torch.tensor([(x ^ salt) & 0xFFFFFF for x in hashes], dtype=torch.int64)
     j = torch.arange(width, dtype=torch.int64)
-    return (((h[:, None] * 131 + j[None, :] * 7919) % 251) - 125).to(torch.float32)
+    # Column j mixes in its own 12-bit window of the hash (modulo 251 alone would leave 251 distinct rows,
+    # so a row served from the wrong position would match 1 time in 251).
+    window = (h[:, None] >> ((j[None, :] % 13) * 1)) & 0xFFF
+    return (((window * 131 + h[:, None] * 17 + j[None, :] * 7919) % 251) - 125).to(torch.float32)
 
 
 @dataclass

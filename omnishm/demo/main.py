@@ -110,9 +110,13 @@ def cli_main(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(format_table(summary))
-    ok = summary["mismatches"] == 0 and not summary["failures"] and not leaked
+    refused = sum(sum(per_rank.values()) for per_rank in (summary["errors"] or {}).values())
+    # In lockstep (a step count, no --duration-s) no read can come late, so a refused read is a failure too.
+    ok = summary["mismatches"] == 0 and not summary["failures"] and not leaked and \
+        (refused == 0 or not opts.lockstep)
     if not ok:
-        print("omnishm demo: FAILED (mismatches, a failed rank, or leaked shared memory)", file=sys.stderr)
+        print("omnishm demo: FAILED (mismatches, refused reads in lockstep, a failed rank, or leaked shared "
+              "memory)", file=sys.stderr)
     return 0 if ok else 1
 
 
