@@ -25,6 +25,11 @@ def socket_path(runtime_dir: Path, cache: str) -> Path:
     return Path(runtime_dir) / f"{cache}.sock"
 
 
+def ipc_path(endpoint: str) -> Path | None:
+    """Filesystem path of an ``ipc://`` endpoint (None for any other transport)."""
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
 def ipc_endpoint(runtime_dir: Path | None, cache: str) -> str:
     """The default endpoint of ``cache``: its socket in ``runtime_dir`` (default: ``default_runtime_dir()``)."""
     return f"ipc://{socket_path(runtime_dir if runtime_dir is not None else default_runtime_dir(), cache)}"

@@ -165,14 +165,18 @@ class GenerationOwner:
         self._fd = -1
 
 
-def generation_owned(cache: str, generation: str) -> bool:
-    """True when a live committer holds the owner lock of ``generation`` (or it is not ours to probe)."""
+def segment_locked(name: str) -> bool:
+    """True when some process holds a ``flock`` on segment ``name``, or it is not ours to probe.
+
+    False when nobody does or the segment is gone. Probes with a non-blocking
+    exclusive lock that it drops at once (``GenerationOwner.acquire`` waits such a probe out).
+    """
     try:
-        seg = posix_ipc.SharedMemory(segment_name(cache, generation, OWNER), 0)
+        seg = posix_ipc.SharedMemory(name, 0)
     except posix_ipc.ExistentialError:
         return False
     except posix_ipc.PermissionsError:
-        return True
+        return True  # not ours: never treat it as free to remove
     try:
         fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -180,6 +184,11 @@ def generation_owned(cache: str, generation: str) -> bool:
     finally:
         os.close(seg.fd)
     return False
+
+
+def generation_owned(cache: str, generation: str) -> bool:
+    """True when a live committer holds the owner lock of ``generation``."""
+    return segment_locked(segment_name(cache, generation, OWNER))
 
 
 class Segment:
@@ -447,29 +456,8 @@ def cache_is_live(runtime_dir: Path, cache: str) -> bool:
 
 
 def clients_attached(ctl_name: str) -> bool:
-    """True when some client holds its shared lock on the control segment ``ctl_name``.
-
-    False when nobody does or the segment is gone. Probes with a non-blocking
-    exclusive lock that it drops at once.
-    """
-    try:
-        seg = posix_ipc.SharedMemory(ctl_name, 0)
-    except posix_ipc.ExistentialError:
-        return False
-    except posix_ipc.PermissionsError:
-        return True  # not ours: never treat it as free to remove
-    try:
-        try:
-            fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return True
-            raise
-        return False
-    finally:
-        os.close(seg.fd)
+    """True when some client holds its shared lock on the control segment ``ctl_name``."""
+    return segment_locked(ctl_name)
 
 
 def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,

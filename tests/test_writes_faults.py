@@ -140,7 +140,10 @@ def test_wait_idle_raises_for_a_failed_step_write_whoever_holds_the_state_lock(c
 
         w = threading.Thread(target=waiter)
         w.start()
-        time.sleep(0.2)  # wait_idle now waits the step's future
+        deadline = time.monotonic() + 5
+        while not outer._condition._waiters:  # until wait_idle blocks in the step future's result()
+            assert time.monotonic() < deadline and w.is_alive(), result
+            time.sleep(0.001)
         m._lock.acquire()  # another thread holds the state lock when the reply arrives
         try:
             setter = threading.Thread(target=outer.set_result, args=(failed,))

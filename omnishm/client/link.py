@@ -66,7 +66,7 @@ import posix_ipc
 import zmq
 
 from omnishm import protocol as P
-from omnishm import shm
+from omnishm import paths, shm
 from omnishm.client.committer_process import proc_identity, start_committer
 from omnishm.interface import OmniPrefixCacheCommitterError
 
@@ -112,8 +112,9 @@ class CommitterLink:
         self.client_id = uuid.uuid4().hex
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else shm.default_runtime_dir()
         self.endpoint = endpoint or shm.ipc_endpoint(self.runtime_dir, cache)
-        if self.endpoint.startswith("ipc://"):
-            shm.check_socket_path(Path(self.endpoint[len("ipc://"):]))
+        sock_path = paths.ipc_path(self.endpoint)
+        if sock_path is not None:
+            shm.check_socket_path(sock_path)
         self.request_timeout_s = request_timeout_s
         if reconnect_timeout_s is None:
             env = os.environ.get(RECONNECT_TIMEOUT_ENV)

@@ -561,6 +561,12 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                 leftover[key] = value if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         return immediate, deferred, leftover
 
+    def _publish_key(self, key: TensorName, kv: KeyViews) -> None:
+        """Add a mapped key, any thread. ``_keys`` is replaced, never changed in place: the engine
+        thread iterates it (hit plans, absent claims) while a reader's prefetch thread maps keys."""
+        with self._lock:
+            self._keys = {**self._keys, key: kv}
+
     # ------------------------------------------------------------------ internals: step ids
 
     def _flush_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:

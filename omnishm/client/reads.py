@@ -111,8 +111,7 @@ class ReadSide:
                 raise self._unmatch(f"hit on a tensor the writer never wrote or wrote with another layout "
                                     f"({exc})", req_id=req, key=key, step_id=step_id) from exc
             kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
-            with self._lock:  # a new dict: the engine thread may be iterating the old one
-                self._keys = {**self._keys, key: kv}
+            self._publish_key(key, kv)
         if kv.dtype != out.dtype or kv.width != out.shape[1]:
             raise self._unmatch(f"this rank's rows are {out.dtype} width {out.shape[1]}, the pool holds "
                                 f"{kv.dtype} width {kv.width}", req_id=req, key=key, step_id=step_id)

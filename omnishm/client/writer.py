@@ -48,8 +48,7 @@ class WriterSide:
                               row_shape=row_shape)
             if rows.is_cuda and kv.staging is not None:
                 self._registrations.append(HostRegistration(kv.staging))
-            with self._lock:  # a new dict: another thread may be iterating the old one
-                self._keys = {**self._keys, key: kv}
+            self._publish_key(key, kv)
         if kv.dtype != rows.dtype or kv.width != width:
             raise self._unmatch(f"tensor {key!r} is {rows.dtype} width {width}, but the cache holds "
                                 f"{kv.dtype} width {kv.width}", key=key, step_id=self._next_step)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnishm import config as knobs
-from omnishm import shm
+from omnishm import paths, shm
 from omnishm.config import LOOPBACK_HOSTS, ConfigError, check_endpoint  # noqa: F401 (re-exported)
 
 SCOPE = "committer"
@@ -40,9 +40,7 @@ class CommitterConfig:
     @property
     def ipc_path(self) -> Path | None:
         """Filesystem path of an ``ipc://`` endpoint (None for tcp)."""
-        if self.endpoint.startswith("ipc://"):
-            return Path(self.endpoint[len("ipc://"):])
-        return None
+        return paths.ipc_path(self.endpoint)
 
 
 class CommitterArgumentParser(argparse.ArgumentParser):

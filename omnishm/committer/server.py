@@ -49,14 +49,15 @@ EXIT_OK = 0
 EXIT_REFUSED = 2
 RECV_BATCH = 1024
 REPLY_BURST = 32
-UNUSED_EXIT_S = 60.0
-EXPORTED_CLIENT_NAMES = frozenset(CLIENT_COUNTERS) | frozenset(CLIENT_GAUGES)
-"""An ``--exit-when-idle`` committer that no writer or reader attached to within this long exits."""
 """Replies wait in ``Committer.replies`` until this many are ready or the receive batch is handled.
 
 Sent back to back, only the first of a burst wakes libzmq's I/O thread (a syscall and, on
 a 2-core machine, a context switch); one send per message cost ~15 us of the committer's
 ~50 us per small step (py-spy). A reply waits at most REPLY_BURST messages of work."""
+UNUSED_EXIT_S = 60.0
+"""An ``--exit-when-idle`` committer that no writer or reader attached to within this long exits."""
+EXPORTED_CLIENT_NAMES = frozenset(CLIENT_COUNTERS) | frozenset(CLIENT_GAUGES)
+"""Client counters kept first when a client sends more than ``MAX_COUNTERS``."""
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 MAX_COUNTERS = 256
