@@ -21,7 +21,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 << 20
 """Frames above this are dropped by libzmq (ZMQ_MAXMSGSIZE) before we decode them."""
 
@@ -36,6 +36,7 @@ CTL_PUBLISHED_STEP = 0   # writer client: last step id whose claims are in the c
 CTL_WRITER_EPOCH = 1     # committer: epoch of the attached writer (0: none yet)
 CTL_COMMITTER_PID = 2    # committer
 CTL_WRITER_STEP_BASE = 3  # writer client: step id its manager started at
+CTL_ACKED_STEP = 4       # committer: make_cv(epoch, step, 0) of the writer's last quiet StepWrite applied in full
 
 
 class KeySpec(msgspec.Struct, frozen=True):
@@ -106,6 +107,9 @@ class StepWrite(msgspec.Struct, tag="step_write"):
     src_rows: bytes
     counts: bytes
     slots: bytes
+    quiet: bool = False
+    """Applied in full: no reply; the committer stores the step's marker in ``CTL_ACKED_STEP`` instead.
+    Anything else (a rejected or partly failed step) is answered as usual."""
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

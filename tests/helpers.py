@@ -25,6 +25,17 @@ def unpack(buf: bytes) -> list[int]:
     return np.frombuffer(buf, dtype="<i8").tolist()
 
 
+def loud(make):
+    """Wrap a manager's StepWrite factory so the committer answers the step (quiet=False): for tests
+    that stand between the link and the manager and wait for the committer's reply themselves."""
+    def build(rid: int):
+        msg = make(rid)
+        if isinstance(msg, protocol.StepWrite):
+            msg.quiet = False
+        return msg
+    return build
+
+
 class RawClient:
     """One DEALER socket. ``call`` sends a Struct and returns the decoded reply (TimeoutError if none)."""
 
@@ -141,8 +152,9 @@ class Writer:
         return make_cv(self.epoch, step, self._seq)
 
     def step_write(self, step: int, entries: list[tuple[str, int, int, int, list[int]]], claim: bool = True,
-                   keys: list[str] | None = None):
-        """entries: (key, tid, cv, src_row, slots). Claims the slots (unless claim=False), sends one StepWrite."""
+                   keys: list[str] | None = None, quiet: bool = False):
+        """entries: (key, tid, cv, src_row, slots). Claims the slots (unless claim=False), sends one StepWrite
+        and returns its reply; a ``quiet`` one is only sent (None), as it is answered only when it fails."""
         keys = keys if keys is not None else sorted({e[0] for e in entries})
         for key, _tid, cv, _src, slots in entries:
             in_range = [s for s in slots if 0 <= s < self.num_slots]  # bad slots are the test's point
@@ -152,7 +164,10 @@ class Writer:
             rid=self.raw.next_rid(), step=step, keys=keys,
             key_idx=pack([keys.index(e[0]) for e in entries]), tids=pack([e[1] for e in entries]),
             cvs=pack([e[2] for e in entries]), src_rows=pack([e[3] for e in entries]),
-            counts=pack([len(e[4]) for e in entries]), slots=pack([s for e in entries for s in e[4]]))
+            counts=pack([len(e[4]) for e in entries]), slots=pack([s for e in entries for s in e[4]]), quiet=quiet)
+        if quiet:
+            self.raw.send(msg)
+            return None
         return self.raw.call(msg)
 
     def goodbye(self) -> None:

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from helpers import loud
 from manager_helpers import Part, finished, rows, save, small_config, started
 from omnishm import protocol as P
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
@@ -105,7 +106,7 @@ def test_a_key_the_slots_new_tenant_does_not_write_is_absent_not_the_old_tenants
 
 
 def test_wait_idle_raises_for_a_failed_step_write_whoever_holds_the_state_lock(committer):
-    """wait_idle reads the step's reply itself: a failure raises even before the done callback (which
+    """wait_idle reads the step's outcome itself: a failure raises even before the done callback (which
     needs the state lock) has recorded it."""
     m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
     try:
@@ -115,8 +116,8 @@ def test_wait_idle_raises_for_a_failed_step_write_whoever_holds_the_state_lock(c
         real_submit = m._link.submit
         captured: list[tuple[Future, Future]] = []
 
-        def submit(make, **kw):  # the test decides when, and with what, the step's reply arrives
-            inner = real_submit(make, **kw)
+        def submit(make, **kw):  # the test decides when, and with what, the step's outcome arrives
+            inner = real_submit(loud(make), **kw)  # answered: the test sees when it was applied
             outer: Future = Future()
             captured.append((inner, outer))
             return outer
@@ -138,12 +139,17 @@ def test_wait_idle_raises_for_a_failed_step_write_whoever_holds_the_state_lock(c
             except OmniPrefixCacheUnmatchError as exc:
                 result.append(f"raised: {exc}")
 
+        waiting = threading.Event()
+        real_await = m._await_step_write
+
+        def await_step_write(fut, timeout_s):
+            waiting.set()  # wait_idle now waits for this step's outcome
+            return real_await(fut, timeout_s)
+
+        m._await_step_write = await_step_write
         w = threading.Thread(target=waiter)
         w.start()
-        deadline = time.monotonic() + 5
-        while not outer._condition._waiters:  # until wait_idle blocks in the step future's result()
-            assert time.monotonic() < deadline and w.is_alive(), result
-            time.sleep(0.001)
+        assert waiting.wait(timeout=5), result
         m._lock.acquire()  # another thread holds the state lock when the reply arrives
         try:
             setter = threading.Thread(target=outer.set_result, args=(failed,))

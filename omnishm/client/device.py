@@ -96,7 +96,7 @@ class CpuOps:
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Event) -> Event:
         after.synchronize()
         for dst, src in pairs:
-            dst.copy_(src.reshape(dst.shape))
+            dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
         return DONE
 
     def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,6 +236,7 @@ class StepSender:
         except BaseException as exc:  # handed to whoever waits the step's write
             item.outer.set_exception(exc)
             return
+        item.outer.rid = getattr(inner, "rid", None)  # type: ignore[attr-defined]  # a quiet step is settled by it
         inner.add_done_callback(lambda f, outer=item.outer: _chain(f, outer))
 
 

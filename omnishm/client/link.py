@@ -176,7 +176,7 @@ class CommitterLink:
 
     # ------------------------------------------------------------ public
 
-    def submit(self, make: Callable[[int], msgspec.Struct], *, bounded: bool = True) -> Future:
+    def submit(self, make: Callable[[int], msgspec.Struct], *, bounded: bool = True, quiet: bool = False) -> Future:
         """Send ``make(rid)``; the future gets its reply (or an error). Any thread; raises when dead.
 
         Sends on the calling thread under ``_slock`` (non-blocking). While the
@@ -185,6 +185,10 @@ class CommitterLink:
         I/O thread sends it. With ``MAX_IN_FLIGHT`` requests unanswered, a
         ``bounded`` caller first waits for room (up to ``request_timeout_s``,
         then raises); the I/O thread's own heartbeats are not bounded.
+        ``quiet``: a message that usually gets no reply (a quiet ``StepWrite``,
+        settled with ``settle``) skips the ``EVENTS`` check after the send, so
+        a reply that its send hid from ``ZMQ_FD`` waits for the I/O thread's
+        next poll tick (at most a quarter of a heartbeat period).
         """
         if bounded and len(self._pending) >= MAX_IN_FLIGHT:
             self._wait_for_room()
@@ -206,7 +210,7 @@ class CommitterLink:
                     try:
                         sock.send(data, zmq.NOBLOCK)
                         sent = True
-                        wake = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                        wake = not quiet and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
                     except zmq.ZMQError:
                         pass  # full (EAGAIN) or closing: the I/O thread sends it or fails it
                 if not sent:
@@ -215,6 +219,23 @@ class CommitterLink:
         if wake:
             self._wake()
         return fut
+
+    def settle(self, rid: int, reply: msgspec.Struct) -> bool:
+        """Complete request ``rid`` with ``reply``, learned without a reply (a quiet ``StepWrite``).
+
+        Any thread. Whoever removes the pending entry completes its future, so
+        this and a reply the I/O thread takes never both do; False when the
+        entry was gone (answered, failed or never sent). The future's done
+        callbacks run on the calling thread.
+        """
+        with self._plock:
+            entry = self._pending.pop(rid, None)
+            self._made_room()
+        if entry is None:
+            return False
+        if not entry.fut.done():
+            entry.fut.set_result(reply)
+        return True
 
     def _wait_for_room(self) -> None:
         deadline = time.monotonic() + self.request_timeout_s

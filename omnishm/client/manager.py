@@ -105,6 +105,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self._pending_bytes = 0
         self._tids = itertools.count(1)
         self._prev_write: Future | None = None
+        """The last step's StepWrite outcome; its ``step`` attribute names the step."""
         self._ops: DeviceOps | None = device_ops
         self._registrations: list[HostRegistration] = []
         self._pin_count = torch.zeros(config.num_slots, dtype=torch.int32)
@@ -128,8 +129,9 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self._ctl_seg = Segment.attach(welcome.control, readonly=not self.is_writer)
         self._ctl = self._ctl_seg.tensor(torch.int64, (P.CTL_WORDS,))
         if self.is_writer:
-            self._ctl_np = self._ctl.numpy()  # the same words: a plain store per step, no torch dispatch
-            self._ctl_np[P.CTL_PUBLISHED_STEP] = -1
+            # The same words as plain ints: a store or load per step, no torch or numpy dispatch.
+            self._ctl_mv = memoryview(self._ctl.numpy())
+            self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
             self._pages: StagingPages | None = StagingPages(config.staging_depth, cap)
             self._flusher: Flusher | None = Flusher(
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
@@ -359,7 +361,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             ctx.prefetch_done = threading.Event()
             self._prefetcher.put(ctx)
         if self.is_writer:
-            self._ctl_np[P.CTL_PUBLISHED_STEP] = step_id
+            self._ctl_mv[P.CTL_PUBLISHED_STEP] = step_id
             slot_bytes = (struct.pack(f"<{n}q", *slot_list) if slot_list is not None
                           else slots_np.astype("<i8", copy=False).tobytes())
             self._send_step(ctx, cvs, starts, counts, slot_bytes, immediate)
@@ -528,8 +530,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
         prev = self._prev_write
         if prev is not None:
-            # The reply itself: the done callback that records a failure may not have run yet.
-            self._check_reply(prev.result(timeout=max(deadline - time.monotonic(), 0.001)))
+            # The outcome itself: the done callback that records a failure may not have run yet.
+            self._check_reply(self._await_step_write(prev, max(deadline - time.monotonic(), 0.001)))
         self._check_usable()
 
     def unconsumed_step_ids(self) -> list[StepId]:

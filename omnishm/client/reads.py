@@ -59,12 +59,17 @@ class ReadSide:
                 hit_sizes.append(len(span.slots) + count)
         total = off + sum(hit_sizes)
         arena: dict[TensorName, dict[ReqId, torch.Tensor]] = {}
+        whole = len(runs) == 1 and not hit_reqs and runs[0][0] == 0  # the usual step: one copy, no slicing
         for key, rows in ctx.step_rows.items():
             # Recycled, pre-faulted memory: a fresh allocation would pay a page fault per 4 KiB.
-            buf = self.result_pool.empty((total, *ctx.row_shapes[key]), rows.dtype)
-            flat = buf.view(total, rows.shape[1])
-            for start, at, count in runs:
-                self._copy_step_rows(flat[at:at + count], rows[start:start + count])
+            shape = ctx.row_shapes[key]
+            buf = self.result_pool.empty((total, *shape), rows.dtype)
+            flat = buf if len(shape) == 1 else buf.view(total, rows.shape[1])
+            if whole:
+                self._copy_step_rows(flat, rows if total == len(rows) else rows[:total])
+            else:
+                for start, at, count in runs:
+                    self._copy_step_rows(flat[at:at + count], rows[start:start + count])
             arena[key] = dict(zip(plain + hit_reqs, buf.split_with_sizes(sizes + hit_sizes)))
         return arena
 

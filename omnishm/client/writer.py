@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,17 +31,22 @@ from omnishm.interface import (
     ReqId,
     TensorName,
 )
+from omnishm.versions import make_cv
 
 _ONE_I64 = struct.Struct("<q")
+_ACK_POLL_S = 50e-6
+"""How often a join re-reads ``CTL_ACKED_STEP`` while the committer is still applying the step."""
 
 
 class WriterSide:
     """Writes of the writer client (mixin; all state lives in the manager)."""
 
     def _ensure_key(self, key: TensorName, rows: torch.Tensor) -> KeyViews:
+        kv = self._keys.get(key)
+        if kv is not None and kv.dtype is rows.dtype and kv.row_shape == rows.shape[1:]:
+            return kv  # every step's case, in as few calls as can be (torch dtypes are singletons)
         row_shape = tuple(rows.shape[1:])
         width = row_width(row_shape)
-        kv = self._keys.get(key)
         if kv is None:
             reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(rows.dtype),
                                                              width=width))
@@ -62,7 +68,7 @@ class WriterSide:
         if fut is None:
             return
         try:
-            reply = fut.result(timeout=self.config.commit_timeout_s)
+            reply = self._await_step_write(fut, self.config.commit_timeout_s)
         except TimeoutError as exc:
             raise self._set_fatal(f"previous step's writes not acknowledged within "
                                   f"{self.config.commit_timeout_s:.1f}s") from exc
@@ -70,6 +76,44 @@ class WriterSide:
             raise self._set_fatal(f"previous step's writes were lost: {exc}") from exc
         self._prev_write = None
         self._check_reply(reply)
+
+    def _await_step_write(self, fut: Future, timeout_s: float) -> Any:
+        """The outcome of a step's quiet ``StepWrite`` (``fut``: its ``step`` and ``marker``); any thread.
+
+        A step applied in full gets no reply: the committer stores its marker
+        ``make_cv(epoch, step, 0)`` in ``CTL_ACKED_STEP`` after the rows and
+        their commit words, and this call settles the link's pending request
+        with a ``StepDone`` (its done callbacks, which free the staging page,
+        run here). A rejected or partly failed step is answered, and the reply
+        completes ``fut`` as before. Steps are joined in order and a marker
+        only grows, so a marker at or past this step's acknowledges it.
+        Raises ``TimeoutError`` after ``timeout_s``, and what ``fut`` raises.
+        """
+        marker = fut.marker  # type: ignore[attr-defined]
+        ctl = self._ctl_mv
+        # The usual case first, with as few calls as can be (it runs right after a forward, in cold caches).
+        if ctl[P.CTL_ACKED_STEP] >= marker:
+            done = self._settle_quiet(fut)
+            if done is not None:
+                return done
+        deadline = time.monotonic() + timeout_s
+        while not fut.done():
+            if ctl[P.CTL_ACKED_STEP] >= marker and self._settle_quiet(fut) is not None:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"step {fut.step} not acknowledged within {timeout_s:.1f}s")  # type: ignore
+            time.sleep(min(_ACK_POLL_S, remaining))
+        return fut.result(timeout=max(deadline - time.monotonic(), 0.001))
+
+    def _settle_quiet(self, fut: Future) -> P.StepDone | None:
+        """Complete an acknowledged quiet step with the ``StepDone`` it stands for, which is returned;
+        None when it is not sent yet or someone else completes it (a reply, a failure)."""
+        rid = getattr(fut, "rid", None)  # a CUDA step has one once the sender thread sent it
+        if rid is None:
+            return None
+        done = P.StepDone(rid=rid, step=fut.step, done_tids=b"")  # type: ignore[attr-defined]
+        return done if self._link.settle(rid, done) else None
 
     def _check_reply(self, reply: Any) -> None:
         if isinstance(reply, P.StepDone) and not reply.failed_tids:
@@ -145,11 +189,11 @@ class WriterSide:
         page = ctx.page
         def make(rid: int) -> P.StepWrite:
             return P.StepWrite(rid=rid, step=step_id, keys=keys, key_idx=key_idx, tids=tids, cvs=e_cvs,
-                               src_rows=src, counts=e_counts, slots=all_slots)
+                               src_rows=src, counts=e_counts, slots=all_slots, quiet=True)
 
         try:
             if ctx.d2h_event is DONE:
-                fut = self._link.submit(make)  # the copy already landed (CPU): no thread hop needed
+                fut = self._link.submit(make, quiet=True)  # the copy already landed (CPU): no thread hop needed
             else:
                 # Sent once the step's copy event completed (only then may the committer read the page):
                 # by materialize, which waits that event anyway, or else by the sender thread.
@@ -170,6 +214,8 @@ class WriterSide:
                 self._set_fatal(f"write of step {ctx.step_id} failed: {exc}")
 
         fut.add_done_callback(done)
+        fut.step = step_id  # type: ignore[attr-defined]  # set before it is published: wait_idle reads them
+        fut.marker = make_cv(self._epoch, step_id, 0)  # type: ignore[attr-defined]
         self._prev_write = fut
 
     def _drop_sources(self, ctx: StepCtx) -> None:

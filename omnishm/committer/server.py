@@ -40,7 +40,7 @@ from omnishm.committer.config import CommitterConfig
 from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
-from omnishm.versions import MAX_EPOCH
+from omnishm.versions import MAX_EPOCH, MAX_STEP, make_cv
 
 logger = logging.getLogger("omnishm.committer")
 
@@ -229,7 +229,7 @@ class Committer:
         try:
             if len(frames) != 2:
                 self.decode_errors["frames"] += 1
-                reply: msgspec.Struct = protocol.Error(
+                reply: msgspec.Struct | None = protocol.Error(
                     rid=-1, code="decode", message=f"expected one payload frame, got {len(frames) - 1} frames")
             else:
                 try:
@@ -252,7 +252,8 @@ class Committer:
         if isinstance(reply, protocol.Error):
             self.ratelog(logging.WARNING, reply.code, "committer %s: %s: %s", self.name, reply.code,
                          reply.message[:300])
-        self.send(identity, reply)
+        if reply is not None:  # None: a quiet StepWrite, acknowledged through the control segment
+            self.send(identity, reply)
 
     def send(self, identity: bytes, reply: msgspec.Struct) -> None:
         """Encode ``reply`` now and queue it for ``identity``; ``flush_replies`` sends it."""
@@ -272,7 +273,7 @@ class Committer:
 
     # ------------------------------------------------------------ dispatch
 
-    def dispatch(self, identity: bytes, msg) -> msgspec.Struct:
+    def dispatch(self, identity: bytes, msg) -> msgspec.Struct | None:
         if isinstance(msg, protocol.Hello):
             return self.on_hello(identity, msg)
         session = self.sessions.touch(identity, time.monotonic())
@@ -505,7 +506,7 @@ class Committer:
             return protocol.Error(rid=msg.rid, code="no_space", message=f"cache {self.name} key {msg.key!r}: {exc}")
         return protocol.KeyOpened(rid=msg.rid, segments=self.pool.key_segments(state, session.client_id))
 
-    def on_step_write(self, session: Session, msg: protocol.StepWrite) -> msgspec.Struct:
+    def on_step_write(self, session: Session, msg: protocol.StepWrite) -> msgspec.Struct | None:
         if session.role != protocol.ROLE_WRITER:
             self.rejected["not_writer"] += 1
             return protocol.Error(rid=msg.rid, code="not_writer",
@@ -517,6 +518,11 @@ class Committer:
             self.rejected["step_invalid"] += 1
             self.ratelog(logging.WARNING, "step_invalid", "committer %s: step %d of client %s rejected: %s",
                          self.name, msg.step, session.client_id, reply.reason[:300])
+        elif msg.quiet and not reply.failed_tids and session.epoch > 0 and 0 <= msg.step <= MAX_STEP:
+            # Stored after the rows and their commit words: the writer frees the step's staging page once
+            # it reads this marker, and skips the reply its I/O thread would take (docs/DESIGN-NOTES.md).
+            self.pool.ctl[protocol.CTL_ACKED_STEP] = make_cv(session.epoch, msg.step, 0)
+            return None
         return reply
 
     # ------------------------------------------------------------ liveness

@@ -1,0 +1,115 @@
+"""Quiet step acknowledgements: a ``StepWrite`` applied in full gets no reply, only a control word.
+
+The committer stores ``make_cv(epoch, step, 0)`` in ``CTL_ACKED_STEP`` after the
+rows and their commit words; anything else (a rejected step) is answered as
+before. Real committer processes, real ZeroMQ, real shared memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnishm import protocol as P
+from omnishm import shm
+from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
+from omnishm.versions import make_cv
+
+import pytest
+from conftest import unique_cache_name
+from helpers import Writer, bits, random_rows
+from manager_helpers import Part, extended, rows, save, small_config, started
+
+LAYOUT = P.Layout(num_blocks=16, block_size=4)  # the shared committer's layout: 64 slots
+STAGING_ROWS = 32
+BS = 4
+
+
+def _acked_word(control: str) -> int:
+    seg = shm.Segment.attach(control, readonly=True)
+    return int(seg.tensor(torch.int64, (P.CTL_WORDS,))[P.CTL_ACKED_STEP])
+
+
+def _next_reply_is_status(writer: Writer) -> None:
+    """The committer answers in order: a StepDone for the quiet step would come before this StatusReply."""
+    reply = writer.raw.call(P.StatusRequest(rid=writer.raw.next_rid()))
+    assert isinstance(reply, P.StatusReply), reply
+
+
+def test_a_quiet_step_applied_in_full_is_acknowledged_by_the_control_word_not_a_reply(committer):
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, STAGING_ROWS)
+    key = f"q-{unique_cache_name('k')}"
+    view = writer.open_key(key, "float32", 8)
+    staged = random_rows(torch.float32, (STAGING_ROWS, 8), torch.Generator().manual_seed(3))
+    view.staging.copy_(staged)
+    slots = [5, 6, 7, 40]
+    cv = writer.new_cv(11)
+    assert writer.step_write(11, [(key, 1, cv, 2, slots)], quiet=True) is None
+    _next_reply_is_status(writer)
+    assert _acked_word(writer.welcome.control) == make_cv(writer.epoch, 11, 0)
+    for i, slot in enumerate(slots):
+        assert torch.equal(bits(view.pool[slot]), bits(staged[2 + i])) and int(view.commit[slot]) == cv
+    writer.goodbye()
+
+
+def test_a_rejected_quiet_step_is_answered_and_leaves_the_control_word(committer):
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, STAGING_ROWS)
+    key = f"q-{unique_cache_name('k')}"
+    writer.open_key(key, "float32", 8)
+    assert writer.step_write(3, [(key, 1, writer.new_cv(3), 0, [1, 2])], quiet=True) is None
+    _next_reply_is_status(writer)
+    before = _acked_word(writer.welcome.control)
+    assert before == make_cv(writer.epoch, 3, 0)
+    writer.step_write(4, [(key, 2, writer.new_cv(4), 0, [1, 64])], quiet=True)  # slot 64 is out of range
+    done = writer.raw.recv()
+    assert isinstance(done, P.StepDone) and done.step == 4 and "64" in done.reason and done.failed_tids, done
+    assert _acked_word(writer.welcome.control) == before
+    writer.goodbye()
+
+
+def test_the_manager_settles_each_step_from_the_control_word(committer):
+    """Nothing stays pending on the link for a resume to re-send, the rows land, and readers read them."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0, 1])])
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))
+        for first in range(8, 16, 2):
+            m.new_step_starts([extended("a", first, (2, 3) if first == 8 else ())])
+            m.discard_step(save(m, [Part("a", 1, [0, 1, 2, 3], first, 2)], BS))
+            assert len(m._link._pending) <= 1  # only the step just sent
+        m.wait_idle()
+        assert not m._link._pending
+        assert _acked_word(m._link.welcome.control) == make_cv(m._epoch, m._next_step - 1, 0)
+        m.new_step_starts([started("b", [0, 1, 2, 3, 4], hit=16)])
+        sid = save(m, [Part("b", 1, [0, 1, 2, 3, 4], 16, 1)], BS)
+        out = m.materialize(sid, ["b"])
+        assert torch.equal(out.hidden_states["b"][:16], rows(1, range(16)))
+        assert m.counters["hit_tokens"] == 16
+    finally:
+        m.shutdown()
+
+
+def test_a_failed_quiet_step_is_fatal_at_the_next_save(committer):
+    """The committer answers a rejected quiet step: the join sees the failure, not a missing word."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle()
+        real_submit = m._link.submit
+
+        def submit(make, **kw):  # the next step's descriptor names a slot outside the pool
+            def bad(rid: int) -> P.StepWrite:
+                msg = make(rid)
+                msg.slots = (1 << 40).to_bytes(8, "little") + msg.slots[8:]
+                return msg
+            return real_submit(bad, **kw)
+
+        m._link.submit = submit
+        m.new_step_starts([extended("a", 4, (1,))])
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 2)], BS))
+        m._link.submit = real_submit
+        m.new_step_starts([extended("a", 6)])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="failed"):
+            save(m, [Part("a", 1, [0, 1], 6, 1)], BS)
+    finally:
+        m.shutdown()
