@@ -214,6 +214,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                     else:
                         self._pending_hits.pop(ev.req_id, None)
         self._flush(to_flush)
+        self._settle_if_acked()
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None, *,
                      num_tokens_unpadded: int, num_tokens_padded: int,

@@ -106,6 +106,21 @@ class WriterSide:
             time.sleep(min(_ACK_POLL_S, remaining))
         return fut.result(timeout=max(deadline - time.monotonic(), 0.001))
 
+    def _settle_if_acked(self) -> None:
+        """Engine thread, from ``new_step_starts``: settle the previous step if its marker is there.
+
+        Never waits (the join in ``save_outputs`` does). Settling frees the step's staging page
+        and row sources; here, before the forward, it runs in warm caches (measured about 40 us
+        less per step than in the join right after a forward, benchmarks/README.md figure 6).
+        """
+        fut = self._prev_write
+        if fut is None or self._ctl_mv[P.CTL_ACKED_STEP] < fut.marker:  # type: ignore[attr-defined]
+            return
+        done = self._settle_quiet(fut)
+        if done is not None:  # else a reply or a failure completes it, and the join sees that
+            self._prev_write = None
+            self._check_reply(done)
+
     def _settle_quiet(self, fut: Future) -> P.StepDone | None:
         """Complete an acknowledged quiet step with the ``StepDone`` it stands for, which is returned;
         None when it is not sent yet or someone else completes it (a reply, a failure)."""

@@ -127,8 +127,8 @@ class StepApply:
     def apply_step(self, client_id: str, msg: protocol.StepWrite) -> protocol.StepDone:
         """Validate, then apply ``msg`` from the writer ``client_id``; never raises on bad input."""
         t0 = time.perf_counter()
-        if len(msg.keys) == 1:
-            done = self._apply_one_key(client_id, msg, t0)
+        if msg.keys:
+            done = self._apply_repeated(client_id, msg, t0)
             if done is not None:
                 return done
         try:
@@ -183,30 +183,51 @@ class StepApply:
         return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=_unique_tids(tids, len(states)),
                                  rows_written=written, rows_skipped=skipped)
 
-    def _apply_one_key(self, client_id: str, msg: protocol.StepWrite, t0: float) -> protocol.StepDone | None:
-        """The per-step fast path: one key, rows staged in entry order (what the manager sends).
+    def _apply_repeated(self, client_id: str, msg: protocol.StepWrite, t0: float) -> protocol.StepDone | None:
+        """The per-step fast path: what the manager sends, rows staged in entry order.
 
-        Accepts only steps that ``validate_step`` accepts too, and applies them
-        exactly as the general path does; anything else (bad input included)
-        returns None and takes the general path, which names the offender.
-        Every check is a bytes comparison or one reduction over a whole buffer:
-        ~10 numpy calls per step whatever the number of entries.
+        The manager lists each key's writes in batch order with the same
+        fields, so every packed buffer is one key's part repeated once per key
+        (``key_idx`` is 0..., 1..., ...); that is checked by byte comparison,
+        not assumed. Accepts only steps that ``validate_step`` accepts too, and
+        applies them exactly as the general path does; anything else (bad input
+        included) returns None and takes the general path, which names the
+        offender. Every check is a bytes comparison or one reduction over one
+        key's part: ~10 numpy calls per step, plus ~5 per key, whatever the
+        number of entries.
         """
-        state = self.keys.get(msg.keys[0])
-        if state is None:
-            return None
-        staging = state.staging.get(client_id)
+        nk = len(msg.keys)
+        states = []
+        stagings = []
+        for key in msg.keys:
+            state = self.keys.get(key)
+            staging = state.staging.get(client_id) if state is not None else None
+            if staging is None:
+                return None
+            states.append(state)
+            stagings.append(staging)
         nb = len(msg.tids)
-        if (staging is None or nb == 0 or nb & 7 or len(msg.cvs) != nb or len(msg.src_rows) != nb
-                or len(msg.counts) != nb or len(msg.key_idx) != nb or len(msg.slots) & 7
-                or msg.key_idx.count(0) != nb):  # every key_idx is 0: all its bytes are zero
+        if (nb == 0 or nb % (8 * nk) or len(msg.slots) % (8 * nk) or len(msg.cvs) != nb
+                or len(msg.src_rows) != nb or len(msg.counts) != nb or len(msg.key_idx) != nb):
             return None
-        cvs = np.frombuffer(msg.cvs, dtype="<i8")
-        counts = np.frombuffer(msg.counts, dtype="<i8")
-        src_rows = np.frombuffer(msg.src_rows, dtype="<i8")
-        slots = np.frombuffer(msg.slots, dtype="<i8")
+        per = nb // nk
+        per_slots = len(msg.slots) // nk
+        one_tids, one_cvs = msg.tids[:per], msg.cvs[:per]
+        one_src, one_counts = msg.src_rows[:per], msg.counts[:per]
+        one_slots = msg.slots[:per_slots]
+        if nk == 1:
+            if msg.key_idx.count(0) != nb:  # every key_idx is 0: all its bytes are zero
+                return None
+        elif (msg.tids != one_tids * nk or msg.cvs != one_cvs * nk or msg.src_rows != one_src * nk
+              or msg.counts != one_counts * nk or msg.slots != one_slots * nk
+              or msg.key_idx != b"".join(k.to_bytes(8, "little") * (per // 8) for k in range(nk))):
+            return None
+        cvs = np.frombuffer(one_cvs, dtype="<i8")
+        counts = np.frombuffer(one_counts, dtype="<i8")
+        src_rows = np.frombuffer(one_src, dtype="<i8")
+        slots = np.frombuffer(one_slots, dtype="<i8")
         total = len(slots)
-        rows = staging.rows
+        rows = min(staging.rows for staging in stagings)
         r0 = int(src_rows[0])
         # 0 <= counts <= total (negative counts are huge as uint64) also rules out int64 overflow below.
         if int(_max(counts.view(np.uint64))) > total or int(_min(cvs)) <= 0 or not 0 <= r0 <= rows:
@@ -215,35 +236,40 @@ class StepApply:
         r1 = int(ends[-1])
         # Staged in entry order: entry i+1 starts where entry i ends, so the step's rows are r0..r1
         # (which bounds every entry's rows) and the counts sum to r1 - r0.
-        if r1 > rows or r1 - r0 != total or (nb > 8 and not bool(_and(src_rows[1:] == ends[:-1]))):
+        n1 = per // 8
+        if r1 > rows or r1 - r0 != total or (n1 > 1 and not bool(_and(src_rows[1:] == ends[:-1]))):
             return None
         if total and int(_max(slots.view(np.uint64))) >= self.num_slots:
             return None
-        tids = np.frombuffer(msg.tids, dtype="<i8")
+        tids = np.frombuffer(one_tids, dtype="<i8")
         written = skipped = 0
         if total:
             row_cv = cvs.repeat(counts)
-            ok = state.claim[slots] == row_cv
-            n_ok = int(np.count_nonzero(ok))
-            if n_ok == total:
-                if total < state.min_run:  # no run long enough for its own slice: one scatter
-                    state.rows_v[slots] = staging.rows_v[r0:r1]
-                else:
-                    _copy_rows(state, staging, slots, np.arange(r0, r1, dtype=np.int64))
-                state.commit[slots] = row_cv  # after the rows: a reader seeing commit == claim sees the row
-            elif n_ok:
-                s = slots[ok]
-                _copy_rows(state, staging, s, np.arange(r0, r1, dtype=np.int64)[ok])
-                state.commit[s] = row_cv[ok]
-            skipped = total - n_ok
-            if skipped:
-                state.rows_skipped += skipped
-                self.rows_skipped += skipped
-            state.rows_written += n_ok
-            state.bytes_written += n_ok * state.row_bytes
-            written = n_ok
+            row_src: np.ndarray | None = None
+            for state, staging in zip(states, stagings):
+                ok = state.claim[slots] == row_cv
+                n_ok = int(np.count_nonzero(ok))
+                if n_ok == total:
+                    if total < state.min_run:  # no run long enough for its own slice: one scatter
+                        state.rows_v[slots] = staging.rows_v[r0:r1]
+                    else:
+                        if row_src is None:
+                            row_src = np.arange(r0, r1, dtype=np.int64)
+                        _copy_rows(state, staging, slots, row_src)
+                    state.commit[slots] = row_cv  # after the rows: a reader seeing commit == claim sees the row
+                elif n_ok:
+                    s = slots[ok]
+                    _copy_rows(state, staging, s, np.arange(r0, r1, dtype=np.int64)[ok])
+                    state.commit[s] = row_cv[ok]
+                if total - n_ok:
+                    state.rows_skipped += total - n_ok
+                    skipped += total - n_ok
+                state.rows_written += n_ok
+                state.bytes_written += n_ok * state.row_bytes
+                written += n_ok
+            self.rows_skipped += skipped
         # Distinct tids: increasing tids (the manager's order) are already their own sorted set.
-        done = msg.tids if nb == 8 or bool(_and(tids[1:] > tids[:-1])) else _unique_tids(tids, 1)
+        done = one_tids if n1 == 1 or bool(_and(tids[1:] > tids[:-1])) else _unique_tids(tids, 1)
         self.steps_applied += 1
         self.apply_seconds += time.perf_counter() - t0
         return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=done, rows_written=written,

@@ -1,0 +1,140 @@
+"""The committer's per-step fast path (``_apply_repeated``) against its general path (``validate_step``).
+
+Two pools in real shared memory get the same randomized ``StepWrite``s: the
+manager's layout (each key's writes repeated once per key), and that layout
+with one thing broken. One pool may take the fast path, the other never does.
+Replies, pool rows, commit words and counters must be identical: the fast path
+accepts nothing the general path rejects, and applies exactly what it applies.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import numpy as np
+import torch
+
+from omnishm import protocol, shm
+from omnishm.committer.pool import CachePool
+from omnishm.versions import make_cv
+
+from helpers import pack
+
+LAYOUT = protocol.Layout(num_blocks=8, block_size=4)  # 32 slots
+NUM_SLOTS = 32
+STAGING_ROWS = 24
+KEYS = [("h", "float32", 8), ("m", "bfloat16", 4), ("i", "int64", 3)]
+CLIENT = "c" * 32
+
+
+def _pool(tag: str) -> CachePool:
+    pool = CachePool(f"tfast{tag}{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:8])
+    pool.set_layout(LAYOUT)
+    gen = torch.Generator().manual_seed(5)
+    for key, dtype, width in KEYS:
+        state = pool.open_key(key, dtype, width)
+        staging = pool.ensure_staging(CLIENT, state, STAGING_ROWS)
+        staging.tensor.view(torch.uint8).copy_(
+            torch.randint(0, 256, tuple(staging.tensor.view(torch.uint8).shape), generator=gen, dtype=torch.uint8))
+    return pool
+
+
+def _message(rng: random.Random, step: int, tid0: int) -> tuple[protocol.StepWrite, dict[str, list[tuple[int, int]]]]:
+    """A manager-style step, and per key the (slot, cv) claims to write before it is applied."""
+    keys = rng.sample([k for k, _, _ in KEYS], rng.randint(1, len(KEYS)))
+    nw = rng.randint(1, 5)
+    counts = [rng.randint(0 if rng.random() < 0.1 else 1, 4) for _ in range(nw)]
+    r0 = rng.randint(0, STAGING_ROWS - sum(counts))
+    starts = list(np.cumsum([r0] + counts[:-1]))
+    slots = rng.sample(range(NUM_SLOTS), sum(counts))
+    cvs = [make_cv(1, step, j + 1) for j in range(nw)]
+    tids = list(range(tid0, tid0 + nw))
+    nk = len(keys)
+    msg = protocol.StepWrite(
+        rid=step, step=step, keys=keys, key_idx=b"".join(pack([k] * nw) for k in range(nk)),
+        tids=pack(tids) * nk, cvs=pack(cvs) * nk, src_rows=pack(starts) * nk, counts=pack(counts) * nk,
+        slots=pack(slots) * nk, quiet=True)
+    row_cv = [cv for cv, c in zip(cvs, counts) for _ in range(c)]
+    claims = {k: list(zip(slots, row_cv)) for k in keys}
+    return msg, claims
+
+
+def _break(rng: random.Random, msg: protocol.StepWrite) -> str:
+    """Break one thing the general path checks (or only the fast path's assumptions)."""
+    what = rng.choice(["tids", "cvs", "src_rows", "counts", "slots", "key_idx", "truncate", "keys", "order"])
+    if what == "keys":
+        msg.keys = msg.keys + ["nope"]
+    elif what == "truncate":
+        field = rng.choice(["tids", "cvs", "src_rows", "counts", "slots", "key_idx"])
+        setattr(msg, field, getattr(msg, field)[:-rng.choice([1, 8])])
+    elif what == "order":  # non-contiguous staging rows: valid for the general path, not the fast one
+        src = np.frombuffer(msg.src_rows, dtype="<i8").copy()
+        src[rng.randrange(len(src))] += rng.choice([-1, 1])
+        msg.src_rows = src.astype("<i8").tobytes()
+    else:
+        buf = np.frombuffer(getattr(msg, what), dtype="<i8").copy()
+        if len(buf) == 0:
+            return "noop"
+        nk = len(msg.keys)
+        # Half the time the same change in every key's part, so the parts still repeat and the fast
+        # path's own checks (not only its repetition check) must catch it.
+        same = what != "key_idx" and len(buf) % nk == 0 and rng.random() < 0.5
+        per = len(buf) // nk if same else len(buf)
+        i = rng.randrange(per)
+        value = rng.choice([-1, 0, NUM_SLOTS, STAGING_ROWS, 1 << 62, -(1 << 62), int(buf[i]) + 1, 3])
+        for j in range(i, len(buf), per) if same else (i,):
+            buf[j] = value
+        setattr(msg, what, buf.astype("<i8").tobytes())
+    return what
+
+
+def test_the_fast_path_applies_exactly_what_the_general_path_applies():
+    rng = random.Random(20261201)
+    fast, slow = _pool("a"), _pool("b")
+    slow._apply_repeated = lambda *_a, **_k: None  # this pool always takes the general path
+    taken = [0, 0]  # fast path used, clean messages
+    real = fast._apply_repeated
+
+    def counting(*a, **k):
+        done = real(*a, **k)
+        taken[0] += done is not None
+        return done
+
+    fast._apply_repeated = counting
+    try:
+        tid = 1
+        for step in range(1, 1500):
+            msg, claims = _message(rng, step, tid)
+            tid += 8
+            broken = _break(rng, msg) if rng.random() < 0.4 else ""
+            taken[1] += not broken
+            for pool in (fast, slow):
+                for key, pairs in claims.items():
+                    claim = pool.keys[key].claim
+                    for slot, cv in pairs:
+                        claim[slot] = cv
+            if claims and rng.random() < 0.2:  # a newer write took one slot before the committer got here
+                key = rng.choice(list(claims))
+                if claims[key]:
+                    slot = claims[key][0][0]
+                    for pool in (fast, slow):
+                        pool.keys[key].claim[slot] = make_cv(1, step + 1, 1)
+            a = fast.apply_step(CLIENT, msg)
+            b = slow.apply_step(CLIENT, msg)
+            assert (a.done_tids, a.failed_tids, a.rows_written, a.rows_skipped, bool(a.reason)) == \
+                   (b.done_tids, b.failed_tids, b.rows_written, b.rows_skipped, bool(b.reason)), (step, broken, a, b)
+            assert a.reason == b.reason, (step, broken)
+        for key, _, _ in KEYS:
+            fa, sb = fast.keys[key], slow.keys[key]
+            assert np.array_equal(fa.commit, sb.commit), key
+            assert torch.equal(fa.pool.view(torch.uint8), sb.pool.view(torch.uint8)), key
+            assert fa.rows_written == sb.rows_written and fa.rows_skipped == sb.rows_skipped, key
+        assert (fast.steps_applied, fast.steps_failed, fast.rows_skipped) == \
+               (slow.steps_applied, slow.steps_failed, slow.rows_skipped)
+        assert fast.steps_failed > 50 and fast.rows_skipped > 20
+        assert taken[0] >= 0.9 * taken[1], taken  # clean manager-style steps take the fast path
+    finally:
+        for pool in (fast, slow):
+            pool.close()
+            assert shm.list_segments(pool.name) == []
