@@ -236,8 +236,9 @@ class StepSender:
         except BaseException as exc:  # handed to whoever waits the step's write
             item.outer.set_exception(exc)
             return
-        item.outer.rid = getattr(inner, "rid", None)  # type: ignore[attr-defined]  # a quiet step is settled by it
         inner.add_done_callback(lambda f, outer=item.outer: _chain(f, outer))
+        # Published last: whoever settles the quiet step by this rid then completes ``outer`` too.
+        item.outer.rid = getattr(inner, "rid", None)  # type: ignore[attr-defined]
 
 
 def _chain(inner: Future, outer: Future) -> None:
