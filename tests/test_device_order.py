@@ -87,12 +87,12 @@ def test_no_descriptor_is_sent_before_its_copy_event_and_save_does_not_wait_it(c
         sent = []
         real_submit = m._link.submit
 
-        def submit(make):
+        def submit(make, **kw):
             msg = make(0)
             if type(msg).__name__ == "StepWrite":
                 sent.append(msg.step)
                 ops.log.append(("send", msg.step))
-            return real_submit(make)
+            return real_submit(make, **kw)
 
         m._link.submit = submit
         m._sender._send = submit
@@ -127,11 +127,11 @@ def test_materialize_sends_its_step_once_and_the_sender_thread_sends_the_rest(co
         senders: list[tuple[int, str]] = []
         real_submit = m._link.submit
 
-        def submit(make):
+        def submit(make, **kw):
             msg = make(0)
             if type(msg).__name__ == "StepWrite":
                 senders.append((msg.step, threading.current_thread().name))
-            return real_submit(make)
+            return real_submit(make, **kw)
 
         m._link.submit = submit
         m._sender._send = submit

@@ -7,12 +7,16 @@ before. Real committer processes, real ZeroMQ, real shared memory.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
 from omnishm import protocol as P
 from omnishm import shm
-from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
+from omnishm.client import HIDDEN_KEY, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.versions import make_cv
 
 from conftest import unique_cache_name
@@ -118,4 +122,56 @@ def test_a_failed_quiet_step_is_fatal_at_the_next_save(committer):
             save(m, [Part("a", 1, [0, 1], 6, 1)], BS)
         assert "slot" in str(m._fatal) and "out of range" in str(m._fatal)
     finally:
+        m.shutdown()
+
+
+def test_a_step_the_lost_committer_applied_is_settled_on_resume_not_re_sent(committer_factory):
+    """Step 0 is applied (marker stored) but not yet settled when its committer dies. A re-sent copy,
+    applied by the next committer after the writer settled step 0 from the word and reused its staging
+    page for step 1, would copy step 1's rows into step 0's slots: the resume settles it instead."""
+    fast = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
+    first = committer_factory(*fast)
+    m = OmniPrefixCacheManager(small_config(reconnect_timeout_s=30.0, commit_timeout_s=20.0), cache=first.name,
+                               endpoint=first.endpoint, autostart=False)
+    second = None
+    stopped: list[int] = []
+    try:
+        m.new_step_starts([started("a", [0, 1])])
+        s0 = save(m, [Part("a", 1, [0, 1], 0, 8)], BS)
+        m.discard_step(s0)  # the step's page stays held for its write until the step is settled
+        marker = make_cv(m._epoch, s0, 0)
+        deadline = time.monotonic() + 10
+        while m._ctl_mv[P.CTL_ACKED_STEP] < marker:  # applied by the first committer, not settled
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert len(_unanswered(m)) == 1
+        link = m._link
+        resumed = link._on_resume_reply
+
+        def stop_the_new_committer(reply):  # before it could read anything re-sent
+            if isinstance(reply, P.Welcome) and not stopped:
+                os.kill(reply.committer_pid, signal.SIGSTOP)
+                stopped.append(reply.committer_pid)
+            resumed(reply)
+
+        link._on_resume_reply = stop_the_new_committer
+        first.stop(signal.SIGKILL)
+        second = committer_factory(*fast, name=first.name, wait=False)  # adopts: we hold the liveness lock
+        deadline = time.monotonic() + 20
+        while link.stats["reconnects"] < 1:
+            assert time.monotonic() < deadline, "no resume"
+            time.sleep(0.01)
+        assert stopped == [second.proc.pid]
+        assert link.stats["settled_on_resume"] == 1 and link.stats["resent"] == 0
+        m.new_step_starts([started("b", [4, 5])])
+        m.discard_step(save(m, [Part("b", 2, [4, 5], 0, 8)], BS))  # staged where step 0 was
+        os.kill(second.proc.pid, signal.SIGCONT)
+        m.wait_idle(timeout_s=20)
+        hidden = m._keys[HIDDEN_KEY]
+        assert bool(hidden.commit[0:8].eq(hidden.claim[0:8]).all())
+        assert torch.equal(hidden.pool[0:8], rows(1, range(8)))  # step 0's rows, not step 1's
+        assert torch.equal(hidden.pool[16:24], rows(2, range(8)))
+    finally:
+        if second is not None and second.proc.poll() is None:
+            os.kill(second.proc.pid, signal.SIGCONT)
         m.shutdown()

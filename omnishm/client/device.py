@@ -174,11 +174,13 @@ def ops_for(tensors: list[torch.Tensor]) -> DeviceOps:
 class PendingSend:
     """One step's descriptor, waiting for its copy event; sent exactly once, by whoever takes it first."""
 
-    __slots__ = ("event", "make", "outer", "taken", "_once")
+    __slots__ = ("event", "make", "marker", "outer", "taken", "_once")
 
-    def __init__(self, event: Event, make: Callable[[int], Any]):
+    def __init__(self, event: Event, make: Callable[[int], Any], marker: int = 0):
         self.event = event
         self.make = make
+        self.marker = marker
+        """A quiet step's acknowledgement marker, handed to the send (0: none)."""
         self.outer: Future = Future()
         self.taken = threading.Event()
         self._once = threading.Lock()
@@ -206,8 +208,8 @@ class StepSender:
         self.grace_s = grace_s
         self._thread: SerialThread[PendingSend] = SerialThread("omnishm-sender", self._send_after)
 
-    def submit(self, event: Event, make: Callable[[int], Any]) -> PendingSend:
-        item = PendingSend(event, make)
+    def submit(self, event: Event, make: Callable[[int], Any], marker: int = 0) -> PendingSend:
+        item = PendingSend(event, make, marker)
         self._thread.put(item)
         return item
 
@@ -232,7 +234,7 @@ class StepSender:
 
     def _deliver(self, item: PendingSend) -> None:
         try:
-            inner = self._send(item.make)
+            inner = self._send(item.make, ack_marker=item.marker) if item.marker else self._send(item.make)
         except BaseException as exc:  # handed to whoever waits the step's write
             item.outer.set_exception(exc)
             return

@@ -69,6 +69,7 @@ from omnishm import protocol as P
 from omnishm import paths, shm
 from omnishm.client.committer_process import proc_identity, start_committer
 from omnishm.interface import OmniPrefixCacheCommitterError
+from omnishm.versions import cv_step
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class _Pending:
     data: bytes
     resend: bool
     """Re-sent after a resume (everything but heartbeats)."""
+    marker: int = 0
+    """A quiet StepWrite's acknowledgement marker (``CTL_ACKED_STEP``); 0 for every other request."""
 
 
 class CommitterLink:
@@ -124,8 +127,12 @@ class CommitterLink:
         self.reconnect_timeout_s = float(reconnect_timeout_s)
         self.counters: dict[str, float] = {}
         self.stats: collections.Counter[str] = collections.Counter()
-        """``committer_lost``, ``reconnects``, ``resent`` (requests re-sent after a resume), ``resume_attempts``."""
+        """``committer_lost``, ``reconnects``, ``resent`` (requests re-sent after a resume), ``resume_attempts``,
+        ``settled_on_resume`` (quiet steps the lost committer had applied, not re-sent)."""
         self.readers = 0
+        self.acked_marker: Callable[[], int] | None = None
+        """Reads ``CTL_ACKED_STEP`` (set by a writer's manager): a resume does not re-send quiet steps
+        the word shows applied. Any thread."""
         self._layout = layout
         self._staging_rows = staging_rows
         self._autostart = autostart
@@ -176,7 +183,7 @@ class CommitterLink:
 
     # ------------------------------------------------------------ public
 
-    def submit(self, make: Callable[[int], msgspec.Struct], *, bounded: bool = True, quiet: bool = False) -> Future:
+    def submit(self, make: Callable[[int], msgspec.Struct], *, bounded: bool = True, ack_marker: int = 0) -> Future:
         """Send ``make(rid)``; the future gets its reply (or an error). Any thread; raises when dead.
 
         Sends on the calling thread under ``_slock`` (non-blocking). While the
@@ -185,10 +192,12 @@ class CommitterLink:
         I/O thread sends it. With ``MAX_IN_FLIGHT`` requests unanswered, a
         ``bounded`` caller first waits for room (up to ``request_timeout_s``,
         then raises); the I/O thread's own heartbeats are not bounded.
-        ``quiet``: a message that usually gets no reply (a quiet ``StepWrite``,
-        settled with ``settle``) skips the ``EVENTS`` check after the send, so
-        a reply that its send hid from ``ZMQ_FD`` waits for the I/O thread's
-        next poll tick (at most a quarter of a heartbeat period).
+        ``ack_marker`` (> 0): a quiet ``StepWrite``, acknowledged by the committer
+        storing this marker in ``CTL_ACKED_STEP`` and settled with ``settle``.
+        It usually gets no reply, so it skips the ``EVENTS`` check after the
+        send: a reply its send hid from ``ZMQ_FD`` waits for the I/O thread's
+        next poll tick (at most a quarter of a heartbeat period). A resume does
+        not re-send it once the word shows it applied (``_on_resume_reply``).
         """
         if bounded and len(self._pending) >= MAX_IN_FLIGHT:
             self._wait_for_room()
@@ -202,7 +211,8 @@ class CommitterLink:
             with self._plock:
                 if self._dead is not None:
                     raise OmniPrefixCacheCommitterError(self._dead)
-                self._pending[rid] = _Pending(fut, time.monotonic(), data, not isinstance(msg, P.Heartbeat))
+                self._pending[rid] = _Pending(fut, time.monotonic(), data, not isinstance(msg, P.Heartbeat),
+                                              ack_marker)
             if self._state == CONNECTED:
                 sock = self._sock
                 sent = False
@@ -210,7 +220,7 @@ class CommitterLink:
                     try:
                         sock.send(data, zmq.NOBLOCK)
                         sent = True
-                        wake = not quiet and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                        wake = not ack_marker and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
                     except zmq.ZMQError:
                         pass  # full (EAGAIN) or closing: the I/O thread sends it or fails it
                 if not sent:
@@ -579,20 +589,38 @@ class CommitterLink:
         self.welcome = reply
         self._adopt_welcome(reply)
         resent = 0
+        applied: list[tuple[int, _Pending]] = []
         # Under _slock: a caller's submit either landed in _pending before this snapshot (and is
         # re-sent here) or sees CONNECTED afterwards and sends it itself, never both.
         with self._slock:
             self._state = CONNECTED
             self._outbox.clear()
             with self._plock:
+                # A quiet step the word shows applied (by the lost committer) is settled here, never
+                # re-sent: its writer may settle it from the word any time and reuse its staging page,
+                # and a re-sent copy would then be applied from the reused page. Read under _plock, the
+                # lock of the writer's own settle; the word only grows, and after this read it reaches
+                # a re-sent step's marker only when that step is applied again.
+                acked = self.acked_marker() if self.acked_marker is not None else 0
+                for rid in sorted(self._pending):
+                    entry = self._pending[rid]
+                    if 0 < entry.marker <= acked:
+                        applied.append((rid, self._pending.pop(rid)))
                 entries = [self._pending[rid] for rid in sorted(self._pending)]
+                if applied:
+                    self._made_room()
             assert self._sock is not None
             for entry in entries:
                 if entry.resend:
                     entry.sent_at = time.monotonic()
                     self._sock.send(entry.data)
                     resent += 1
+        for rid, entry in applied:
+            if not entry.fut.done():
+                entry.fut.set_result(P.StepDone(rid=rid, step=cv_step(entry.marker), done_tids=b""))
         self.stats["reconnects"] += 1
         self.stats["resent"] += resent
+        self.stats["settled_on_resume"] += len(applied)
         logger.warning("cache %s: session resumed with committer pid %d (generation %s); re-sent %d unacknowledged "
-                       "request(s)", self.cache, reply.committer_pid, reply.generation, resent)
+                       "request(s), settled %d step(s) the lost committer had applied", self.cache,
+                       reply.committer_pid, reply.generation, resent, len(applied))

@@ -132,6 +132,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             # The same words as plain ints: a store or load per step, no torch or numpy dispatch.
             self._ctl_mv = memoryview(self._ctl.numpy())
             self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
+            self._link.acked_marker = lambda: self._ctl_mv[P.CTL_ACKED_STEP]
             self._pages: StagingPages | None = StagingPages(config.staging_depth, cap)
             self._flusher: Flusher | None = Flusher(
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,

@@ -35,7 +35,9 @@ from omnishm.versions import make_cv
 
 _ONE_I64 = struct.Struct("<q")
 _ACK_POLL_S = 50e-6
-"""How often a join re-reads ``CTL_ACKED_STEP`` while the committer is still applying the step."""
+_ACK_POLL_MAX_S = 1e-3
+"""A join re-reads ``CTL_ACKED_STEP`` after 50 us while the committer is still applying the step,
+then at doubling intervals up to 1 ms."""
 
 
 class WriterSide:
@@ -97,13 +99,15 @@ class WriterSide:
             if done is not None:
                 return done
         deadline = time.monotonic() + timeout_s
+        poll = _ACK_POLL_S
         while not fut.done():
             if ctl[P.CTL_ACKED_STEP] >= marker and self._settle_quiet(fut) is not None:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"step {fut.step} not acknowledged within {timeout_s:.1f}s")  # type: ignore
-            time.sleep(min(_ACK_POLL_S, remaining))
+            time.sleep(min(poll, remaining))
+            poll = min(2 * poll, _ACK_POLL_MAX_S)  # a long wait (a committer restarting) must not spin
         return fut.result(timeout=max(deadline - time.monotonic(), 0.001))
 
     def _settle_if_acked(self) -> None:
@@ -202,17 +206,18 @@ class WriterSide:
         all_slots = slots * nk
         step_id = ctx.step_id
         page = ctx.page
+        marker = make_cv(self._epoch, step_id, 0)
         def make(rid: int) -> P.StepWrite:
             return P.StepWrite(rid=rid, step=step_id, keys=keys, key_idx=key_idx, tids=tids, cvs=e_cvs,
                                src_rows=src, counts=e_counts, slots=all_slots, quiet=True)
 
         try:
             if ctx.d2h_event is DONE:
-                fut = self._link.submit(make, quiet=True)  # the copy already landed (CPU): no thread hop needed
+                fut = self._link.submit(make, ack_marker=marker)  # the copy already landed (CPU): no thread hop
             else:
                 # Sent once the step's copy event completed (only then may the committer read the page):
                 # by materialize, which waits that event anyway, or else by the sender thread.
-                ctx.pending_send = self._sender.submit(ctx.d2h_event, make)
+                ctx.pending_send = self._sender.submit(ctx.d2h_event, make, marker)
                 fut = ctx.pending_send.outer
         except BaseException as exc:  # nothing was sent: the page is free, the step's claims will never land
             self._drop_sources(ctx)
@@ -230,7 +235,7 @@ class WriterSide:
 
         fut.add_done_callback(done)
         fut.step = step_id  # type: ignore[attr-defined]  # set before it is published: wait_idle reads them
-        fut.marker = make_cv(self._epoch, step_id, 0)  # type: ignore[attr-defined]
+        fut.marker = marker  # type: ignore[attr-defined]
         self._prev_write = fut
 
     def _drop_sources(self, ctx: StepCtx) -> None:
