@@ -175,3 +175,32 @@ def test_a_step_the_lost_committer_applied_is_settled_on_resume_not_re_sent(comm
         if second is not None and second.proc.poll() is None:
             os.kill(second.proc.pid, signal.SIGCONT)
         m.shutdown()
+
+
+def test_a_marker_of_a_later_writers_epoch_acknowledges_none_of_this_writers_steps(committer_factory):
+    """A writer frozen past its reaping sees the next writer's markers in the word: they are larger than
+    its own, but they do not say its step was applied (it was not: the committer stopped here)."""
+    handle = committer_factory()
+    m = OmniPrefixCacheManager(small_config(), cache=handle.name, endpoint=handle.endpoint, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle()
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            m.new_step_starts([extended("a", 4, (1,))])
+            m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 2)], BS))  # sent; nobody applies it yet
+            ctl = m._ctl_mv
+            own = ctl[P.CTL_ACKED_STEP]
+            ctl[P.CTL_ACKED_STEP] = make_cv(m._epoch + 1, 0, 0)  # what the next writer's first step stores
+            m.new_step_starts([extended("a", 6)])
+            assert m._prev_write is not None and len(_unanswered(m)) == 1  # not settled
+            ctl[P.CTL_ACKED_STEP] = own
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 6, 1)], BS))  # joins step 1 once it is applied
+        m.wait_idle()
+        hidden = m._keys[HIDDEN_KEY]
+        assert torch.equal(hidden.pool[0:7], rows(1, range(7)))
+    finally:
+        m.shutdown()

@@ -593,15 +593,17 @@ class CommitterLink:
         # Under _slock: a caller's submit either landed in _pending before this snapshot (and is
         # re-sent here) or sees CONNECTED afterwards and sends it itself, never both.
         with self._slock:
-            self._state = CONNECTED
-            self._outbox.clear()
             with self._plock:
                 # A quiet step the word shows applied (by the lost committer) is settled here, never
                 # re-sent: its writer may settle it from the word any time and reuse its staging page,
                 # and a re-sent copy would then be applied from the reused page. Read under _plock, the
                 # lock of the writer's own settle; the word only grows, and after this read it reaches
                 # a re-sent step's marker only when that step is applied again.
-                acked = self.acked_marker() if self.acked_marker is not None else 0
+                try:
+                    acked = self.acked_marker() if self.acked_marker is not None else 0
+                except Exception:  # never leave the link half resumed; re-sending is the old behaviour
+                    logger.exception("cache %s: cannot read the acknowledgement word", self.cache)
+                    acked = 0
                 for rid in sorted(self._pending):
                     entry = self._pending[rid]
                     if 0 < entry.marker <= acked:
@@ -609,6 +611,8 @@ class CommitterLink:
                 entries = [self._pending[rid] for rid in sorted(self._pending)]
                 if applied:
                     self._made_room()
+            self._state = CONNECTED
+            self._outbox.clear()
             assert self._sock is not None
             for entry in entries:
                 if entry.resend:

@@ -56,7 +56,7 @@ from omnishm.interface import (
     unmatch,
 )
 from omnishm.shm import Segment
-from omnishm.versions import make_cv
+from omnishm.versions import SEQ_BITS, STEP_BITS, make_cv
 
 if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
@@ -132,7 +132,9 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             # The same words as plain ints: a store or load per step, no torch or numpy dispatch.
             self._ctl_mv = memoryview(self._ctl.numpy())
             self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
-            self._link.acked_marker = lambda: self._ctl_mv[P.CTL_ACKED_STEP]
+            # Markers of this writer's epoch lie below the first marker of the next epoch.
+            self._marker_ceiling = (self._epoch + 1) << (STEP_BITS + SEQ_BITS)
+            self._link.acked_marker = self._acked_word
             self._pages: StagingPages | None = StagingPages(config.staging_depth, cap)
             self._flusher: Flusher | None = Flusher(
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,

@@ -88,20 +88,21 @@ class WriterSide:
         with a ``StepDone`` (its done callbacks, which free the staging page,
         run here). A rejected or partly failed step is answered, and the reply
         completes ``fut`` as before. Steps are joined in order and a marker
-        only grows, so a marker at or past this step's acknowledges it.
-        Raises ``TimeoutError`` after ``timeout_s``, and what ``fut`` raises.
+        only grows, so a marker at or past this step's, in this writer's epoch
+        (below ``_marker_ceiling``), acknowledges it. Raises ``TimeoutError``
+        after ``timeout_s``, and what ``fut`` raises.
         """
         marker = fut.marker  # type: ignore[attr-defined]
-        ctl = self._ctl_mv
+        ctl, ceiling = self._ctl_mv, self._marker_ceiling
         # The usual case first, with as few calls as can be (it runs right after a forward, in cold caches).
-        if ctl[P.CTL_ACKED_STEP] >= marker:
+        if marker <= ctl[P.CTL_ACKED_STEP] < ceiling:
             done = self._settle_quiet(fut)
             if done is not None:
                 return done
         deadline = time.monotonic() + timeout_s
         poll = _ACK_POLL_S
         while not fut.done():
-            if ctl[P.CTL_ACKED_STEP] >= marker and self._settle_quiet(fut) is not None:
+            if marker <= ctl[P.CTL_ACKED_STEP] < ceiling and self._settle_quiet(fut) is not None:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -118,12 +119,22 @@ class WriterSide:
         less per step than in the join right after a forward, benchmarks/README.md figure 6).
         """
         fut = self._prev_write
-        if fut is None or self._ctl_mv[P.CTL_ACKED_STEP] < fut.marker:  # type: ignore[attr-defined]
+        if fut is None or not fut.marker <= self._ctl_mv[P.CTL_ACKED_STEP] < self._marker_ceiling:  # type: ignore
             return
         done = self._settle_quiet(fut)
         if done is not None:  # else a reply or a failure completes it, and the join sees that
             self._prev_write = None
             self._check_reply(done)
+
+    def _acked_word(self) -> int:
+        """``CTL_ACKED_STEP`` when it holds this writer's marker, else 0; any thread.
+
+        A marker of a later epoch is another writer's (this one was reaped while frozen, say): it
+        acknowledges none of this writer's steps. Each acknowledgement test here compares
+        ``marker <= word < _marker_ceiling``.
+        """
+        word = self._ctl_mv[P.CTL_ACKED_STEP]
+        return word if word < self._marker_ceiling else 0
 
     def _settle_quiet(self, fut: Future) -> P.StepDone | None:
         """Complete an acknowledged quiet step with the ``StepDone`` it stands for, which is returned;

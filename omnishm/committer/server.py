@@ -521,7 +521,10 @@ class Committer:
         elif msg.quiet and not reply.failed_tids and session.epoch > 0 and 0 <= msg.step <= MAX_STEP:
             # Stored after the rows and their commit words: the writer frees the step's staging page once
             # it reads this marker, and skips the reply its I/O thread would take (docs/DESIGN-NOTES.md).
-            self.pool.ctl[protocol.CTL_ACKED_STEP] = make_cv(session.epoch, msg.step, 0)
+            # Only ever raised: a re-applied older step must not take an acknowledgement back.
+            marker = make_cv(session.epoch, msg.step, 0)
+            if marker > int(self.pool.ctl[protocol.CTL_ACKED_STEP]):
+                self.pool.ctl[protocol.CTL_ACKED_STEP] = marker
             return None
         return reply
 
