@@ -105,7 +105,8 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self._pending_bytes = 0
         self._tids = itertools.count(1)
         self._prev_write: Future | None = None
-        """The last step's StepWrite outcome; its ``step`` attribute names the step."""
+        """The last step's StepWrite outcome; its ``step`` and ``marker`` attributes name the step and
+        its acknowledgement marker (``WriterSide._await_step_write``)."""
         self._ops: DeviceOps | None = device_ops
         self._registrations: list[HostRegistration] = []
         self._pin_count = torch.zeros(config.num_slots, dtype=torch.int32)
