@@ -346,8 +346,9 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                     self._keys[key].claim_np[slots_np] = row_np
                 for kv in absent:
                     kv.claim_np[slots_np] = 0
-            to_flush = self._register_writes(ctx, writes, cvs, slots, immediate, deferred)
         with self._lock:
+            if self.is_writer and writes:
+                to_flush = self._register_writes_locked(ctx, writes, cvs, slots, immediate, deferred)
             if self._pending_hits:
                 for w in writes:
                     hit = self._pending_hits.pop(w.req_id, None)
@@ -396,16 +397,13 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         t0 = time.perf_counter()
         self._check_usable()
         req_ids = list(req_ids)
-        with self._lock:
-            peek = self._ctxs.get(step_id)
-        if peek is not None:
-            outside = [r for r in req_ids if r not in peek.spans]
-            if outside:  # a caller bug caught before any work: the step id stays unconsumed
-                raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
-                                    f"batch {list(peek.req_ids)} (reading the live batch?)", step_id=step_id)
-            if out is not None:
+        if out is not None:
+            with self._lock:
+                peek = self._ctxs.get(step_id)
+            if peek is not None:  # a wrong buffer is refused before the step id is consumed
+                self._check_requests(peek, req_ids)
                 self._check_out_buffers(peek, req_ids, out)
-        ctx = self._take_ctx(step_id, "materialize")
+        ctx = self._take_ctx(step_id, "materialize", req_ids)
         served = [0, 0]  # hit tokens, rows served
         nkeys = len(ctx.step_rows)
         try:
@@ -603,8 +601,19 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         self.counters["prefetch_used" if rows is not None else "prefetch_dropped"] += 1
         return rows
 
-    def _take_ctx(self, step_id: StepId, what: str) -> StepCtx:
+    def _check_requests(self, ctx: StepCtx, req_ids: list[ReqId]) -> None:
+        outside = [r for r in req_ids if r not in ctx.spans]
+        if outside:  # a caller bug caught before any work: the step id stays unconsumed
+            raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
+                                f"batch {list(ctx.req_ids)} (reading the live batch?)", step_id=ctx.step_id)
+
+    def _take_ctx(self, step_id: StepId, what: str, req_ids: list[ReqId] | None = None) -> StepCtx:
+        """Consume ``step_id`` (exactly once). With ``req_ids``, refuse requests outside its batch
+        first, leaving the step id unconsumed."""
         with self._lock:
+            ctx = self._ctxs.get(step_id) if req_ids is not None else None
+            if ctx is not None:
+                self._check_requests(ctx, req_ids)
             ctx = self._ctxs.pop(step_id, None)
             if ctx is None:
                 reason = "was already consumed" if step_id in self._consumed else "was never saved"
@@ -616,10 +625,11 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             return ctx
 
     def _release_ctx(self, ctx: StepCtx) -> None:
-        with self._lock:
-            if self._pinned.pop(ctx.step_id, None) is not None:
-                for span in ctx.hits.values():
-                    self._pin_count[span.slots] -= 1
+        if ctx.hits:  # only steps with hits are pinned (set before the step id was handed out)
+            with self._lock:
+                if self._pinned.pop(ctx.step_id, None) is not None:
+                    for span in ctx.hits.values():
+                        self._pin_count[span.slots] -= 1
         if ctx.page is not None and self._pages is not None:
             self._pages.release(ctx.page, "ctx")
 

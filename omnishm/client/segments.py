@@ -98,6 +98,8 @@ class StagingPages:
         self._holds: list[set[str]] = [set() for _ in range(depth)]
         self._owner: list[StepId | None] = [None] * depth
         self.waits = 0
+        self.used = 0
+        """Pages held now (changed under the condition; read it without, as a gauge)."""
 
     @property
     def flush_row0(self) -> int:
@@ -108,18 +110,18 @@ class StagingPages:
         return slice(page * self.capacity, (page + 1) * self.capacity)
 
     def claim(self, step_id: StepId, timeout_s: float, holds: tuple[str, ...] = ("ctx", "write")) -> int:
-        deadline = time.monotonic() + timeout_s
+        deadline = 0.0
         with self._cond:
-            waited = False
             while True:
                 for page in range(self.depth):
                     if not self._holds[page]:
                         self._holds[page] = set(holds)
                         self._owner[page] = step_id
+                        self.used += 1
                         return page
-                if not waited:
+                if not deadline:
                     self.waits += 1
-                    waited = True
+                    deadline = time.monotonic() + timeout_s
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     owners = sorted(o for o in self._owner if o is not None)
@@ -131,11 +133,14 @@ class StagingPages:
 
     def release(self, page: int, hold: str) -> None:
         with self._cond:
-            self._holds[page].discard(hold)
-            if not self._holds[page]:
+            held = self._holds[page]
+            if hold not in held:
+                return
+            held.discard(hold)
+            if not held:
                 self._owner[page] = None
+                self.used -= 1
                 self._cond.notify_all()
 
     def in_use(self) -> int:
-        with self._cond:
-            return sum(1 for h in self._holds if h)
+        return self.used

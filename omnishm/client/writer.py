@@ -34,6 +34,8 @@ from omnishm.interface import (
 from omnishm.versions import make_cv
 
 _ONE_I64 = struct.Struct("<q")
+_WRITE_STRUCTS: dict[int, struct.Struct] = {}
+"""Packers of ``n`` int64s by ``n`` (a step's writes): compiled once, not per step."""
 _ACK_POLL_S = 50e-6
 _ACK_POLL_MAX_S = 250e-6
 """A join re-reads ``CTL_ACKED_STEP`` after 50 us while the committer is still applying the step,
@@ -153,9 +155,9 @@ class WriterSide:
         reason = reply.reason if isinstance(reply, P.StepDone) else repr(reply)
         raise self._set_fatal(f"write of step {getattr(reply, 'step', '?')} failed: {reason}")
 
-    def _register_writes(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
-                         immediate: dict, deferred: dict) -> list[WriteTask]:
-        """Row sources for this step's claims, and its deferred chunks. Engine thread.
+    def _register_writes_locked(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
+                                immediate: dict, deferred: dict) -> list[WriteTask]:
+        """Row sources for this step's claims, and its deferred chunks. Engine thread, state lock held.
 
         An immediate key gets ONE row source per step (all the step's slots and
         staged rows), registered under ``(key, step)``: a claim version finds it
@@ -164,32 +166,31 @@ class WriterSide:
         write task, whose chunks collect step after step.
         """
         to_flush: list[WriteTask] = []
-        with self._lock:
-            for key in immediate:
-                src = RowSource(cv=0, slots=slots, rows=ctx.step_rows[key])
-                ctx.sources[key] = src
-                self._step_sources[(key, ctx.step_id)] = src
-            if deferred:
-                for w, cv in zip(writes, cvs):
-                    req_slots = slots[w.token_start:w.token_start + w.num_tokens]
-                    for key in deferred:
-                        rows = ctx.step_rows[key][w.token_start:w.token_start + w.num_tokens]
-                        task = self._open.get((w.req_id, key))
-                        if task is None:
-                            task = WriteTask(tid=next(self._tids), req_id=w.req_id, key=key,
-                                             opened_step=ctx.step_id)
-                            self._open[(w.req_id, key)] = task
-                            self._deferred_order[task.tid] = task
-                        task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
-                                                 freeze=ctx.freeze_event))
-                        self._open_by_cv[(key, cv)] = task
-                        self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows)
-                        self._pending_bytes += rows.numel() * rows.element_size()
-            while self._pending_bytes > self.config.gpu_staging_bytes and self._deferred_order:
-                oldest = next(iter(self._deferred_order.values()))
-                self._close_task_locked(oldest)
-                self.counters["budget_flushes"] += 1
-                to_flush.append(oldest)
+        for key in immediate:
+            src = RowSource(cv=0, slots=slots, rows=ctx.step_rows[key])
+            ctx.sources[key] = src
+            self._step_sources[(key, ctx.step_id)] = src
+        if deferred:
+            for w, cv in zip(writes, cvs):
+                req_slots = slots[w.token_start:w.token_start + w.num_tokens]
+                for key in deferred:
+                    rows = ctx.step_rows[key][w.token_start:w.token_start + w.num_tokens]
+                    task = self._open.get((w.req_id, key))
+                    if task is None:
+                        task = WriteTask(tid=next(self._tids), req_id=w.req_id, key=key,
+                                         opened_step=ctx.step_id)
+                        self._open[(w.req_id, key)] = task
+                        self._deferred_order[task.tid] = task
+                    task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
+                                             freeze=ctx.freeze_event))
+                    self._open_by_cv[(key, cv)] = task
+                    self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows)
+                    self._pending_bytes += rows.numel() * rows.element_size()
+        while self._pending_bytes > self.config.gpu_staging_bytes and self._deferred_order:
+            oldest = next(iter(self._deferred_order.values()))
+            self._close_task_locked(oldest)
+            self.counters["budget_flushes"] += 1
+            to_flush.append(oldest)
         return to_flush
 
     def _send_step(self, ctx: StepCtx, cvs: list[int], starts: list[int], counts: list[int],
@@ -210,7 +211,9 @@ class WriterSide:
             self._drop_sources(ctx)
             return
         nk = len(keys)
-        per_write = struct.Struct(f"<{nw}q")
+        per_write = _WRITE_STRUCTS.get(nw)
+        if per_write is None:
+            per_write = _WRITE_STRUCTS.setdefault(nw, struct.Struct(f"<{nw}q"))
         key_idx = b"".join(_ONE_I64.pack(ki) * nw for ki in range(nk))
         tids = per_write.pack(*itertools.islice(self._tids, nw)) * nk
         e_cvs = per_write.pack(*cvs) * nk
