@@ -224,7 +224,7 @@ def test_step_sender_sends_each_step_once_and_hands_copy_errors_to_the_waiter():
 
     sent: list[int] = []
 
-    def send(make):
+    def send(make, **_kw):
         fut: Future = Future()
         sent.append(make(0))
         fut.set_result(f"ack {sent[-1]}")

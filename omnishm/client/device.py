@@ -234,7 +234,7 @@ class StepSender:
 
     def _deliver(self, item: PendingSend) -> None:
         try:
-            inner = self._send(item.make, ack_marker=item.marker) if item.marker else self._send(item.make)
+            inner = self._send(item.make, ack_marker=item.marker)
         except BaseException as exc:  # handed to whoever waits the step's write
             item.outer.set_exception(exc)
             return

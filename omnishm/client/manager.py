@@ -56,7 +56,7 @@ from omnishm.interface import (
     unmatch,
 )
 from omnishm.shm import Segment
-from omnishm.versions import SEQ_BITS, STEP_BITS, make_cv
+from omnishm.versions import make_cv
 
 if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
@@ -133,8 +133,6 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             # The same words as plain ints: a store or load per step, no torch or numpy dispatch.
             self._ctl_mv = memoryview(self._ctl.numpy())
             self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
-            # Markers of this writer's epoch lie below the first marker of the next epoch.
-            self._marker_ceiling = (self._epoch + 1) << (STEP_BITS + SEQ_BITS)
             self._link.acked_marker = self._acked_word
             self._pages: StagingPages | None = StagingPages(config.staging_depth, cap)
             self._flusher: Flusher | None = Flusher(
@@ -397,13 +395,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         t0 = time.perf_counter()
         self._check_usable()
         req_ids = list(req_ids)
-        if out is not None:
-            with self._lock:
-                peek = self._ctxs.get(step_id)
-            if peek is not None:  # a wrong buffer is refused before the step id is consumed
-                self._check_requests(peek, req_ids)
-                self._check_out_buffers(peek, req_ids, out)
-        ctx = self._take_ctx(step_id, "materialize", req_ids)
+        ctx = self._take_ctx(step_id, "materialize", req_ids, out)
         served = [0, 0]  # hit tokens, rows served
         nkeys = len(ctx.step_rows)
         try:
@@ -603,17 +595,21 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
 
     def _check_requests(self, ctx: StepCtx, req_ids: list[ReqId]) -> None:
         outside = [r for r in req_ids if r not in ctx.spans]
-        if outside:  # a caller bug caught before any work: the step id stays unconsumed
+        if outside:
             raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
                                 f"batch {list(ctx.req_ids)} (reading the live batch?)", step_id=ctx.step_id)
 
-    def _take_ctx(self, step_id: StepId, what: str, req_ids: list[ReqId] | None = None) -> StepCtx:
-        """Consume ``step_id`` (exactly once). With ``req_ids``, refuse requests outside its batch
-        first, leaving the step id unconsumed."""
+    def _take_ctx(self, step_id: StepId, what: str, req_ids: list[ReqId] | None = None,
+                  out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]] | None = None) -> StepCtx:
+        """Consume ``step_id`` (exactly once). With ``req_ids`` (and ``out``), refuse requests outside
+        its batch (and wrong buffers) first: a caller bug caught before any work leaves the step id
+        unconsumed."""
         with self._lock:
             ctx = self._ctxs.get(step_id) if req_ids is not None else None
             if ctx is not None:
                 self._check_requests(ctx, req_ids)
+                if out is not None:
+                    self._check_out_buffers(ctx, req_ids, out)
             ctx = self._ctxs.pop(step_id, None)
             if ctx is None:
                 reason = "was already consumed" if step_id in self._consumed else "was never saved"

@@ -31,7 +31,7 @@ from omnishm.interface import (
     ReqId,
     TensorName,
 )
-from omnishm.versions import make_cv
+from omnishm.versions import cv_epoch, make_cv
 
 _ONE_I64 = struct.Struct("<q")
 _WRITE_STRUCTS: dict[int, struct.Struct] = {}
@@ -92,28 +92,27 @@ class WriterSide:
         with a ``StepDone`` (its done callbacks, which free the staging page,
         run here). A rejected or partly failed step is answered, and the reply
         completes ``fut`` as before. Steps are joined in order and a marker
-        only grows, so a marker at or past this step's, in this writer's epoch
-        (below ``_marker_ceiling``), acknowledges it. Raises ``TimeoutError``
-        after ``timeout_s``, and what ``fut`` raises.
+        only grows, so a marker of this writer's epoch at or past this step's
+        acknowledges it (``_acked_word``). Raises ``TimeoutError`` after
+        ``timeout_s``, and what ``fut`` raises.
         """
         marker = fut.marker  # type: ignore[attr-defined]
-        ctl, ceiling = self._ctl_mv, self._marker_ceiling
-        # The usual case first, with as few calls as can be (it runs right after a forward, in cold caches).
-        if marker <= ctl[P.CTL_ACKED_STEP] < ceiling:
-            done = self._settle_quiet(fut)
-            if done is not None:
-                return done
-        deadline = time.monotonic() + timeout_s
+        deadline = 0.0  # read the clock only when the usual case (acknowledged already) did not happen
         poll = _ACK_POLL_S
-        while not fut.done():
-            if marker <= ctl[P.CTL_ACKED_STEP] < ceiling and self._settle_quiet(fut) is not None:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while True:
+            if marker <= self._acked_word():
+                done = self._settle_quiet(fut)
+                if done is not None:
+                    return done
+            if fut.done():  # a reply or a failure; or settled by another thread
+                return fut.result()
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + timeout_s
+            elif now >= deadline:
                 raise TimeoutError(f"step {fut.step} not acknowledged within {timeout_s:.1f}s")  # type: ignore
-            time.sleep(min(poll, remaining))
+            time.sleep(min(poll, deadline - now))
             poll = min(2 * poll, _ACK_POLL_MAX_S)  # a long wait (a committer restarting) must not spin
-        return fut.result(timeout=max(deadline - time.monotonic(), 0.001))
 
     def _settle_if_acked(self) -> None:
         """Engine thread, from ``new_step_starts``: settle the previous step if its marker is there.
@@ -123,7 +122,7 @@ class WriterSide:
         55 us in the join right after a forward, benchmarks/README.md figure 6).
         """
         fut = self._prev_write
-        if fut is None or not fut.marker <= self._ctl_mv[P.CTL_ACKED_STEP] < self._marker_ceiling:  # type: ignore
+        if fut is None or fut.marker > self._acked_word():  # type: ignore[attr-defined]
             return
         done = self._settle_quiet(fut)
         if done is not None:  # else a reply or a failure completes it, and the join sees that
@@ -131,14 +130,14 @@ class WriterSide:
             self._check_reply(done)
 
     def _acked_word(self) -> int:
-        """``CTL_ACKED_STEP`` when it holds this writer's marker, else 0; any thread.
+        """``CTL_ACKED_STEP`` when it holds a marker of this writer's epoch, else 0; any thread.
 
+        The one acknowledgement test: a step with ``marker <= _acked_word()`` was applied in full.
         A marker of a later epoch is another writer's (this one was reaped while frozen, say): it
-        acknowledges none of this writer's steps. Each acknowledgement test here compares
-        ``marker <= word < _marker_ceiling``.
+        acknowledges none of this writer's steps.
         """
         word = self._ctl_mv[P.CTL_ACKED_STEP]
-        return word if word < self._marker_ceiling else 0
+        return word if cv_epoch(word) == self._epoch else 0
 
     def _settle_quiet(self, fut: Future) -> P.StepDone | None:
         """Complete an acknowledged quiet step with the ``StepDone`` it stands for, which is returned;
