@@ -3,11 +3,15 @@
 #
 # torch: an already installed torch (for example vLLM's) is kept as it is. Only
 # when none is importable do we ask for the CPU build 2.13.0 explicitly, because
-# an unpinned `torch` would pull a CUDA build of several GB.
+# an unpinned `torch` (and on Linux PyPI's `torch==2.13.0` too) is a CUDA build of
+# several GB: PyTorch's CPU index is added (its `2.13.0+cpu` sorts first), and
+# where it cannot be reached pip goes on with the configured indexes after a warning.
+# OMNISHM_TORCH_INDEX overrides that index (e.g. an internal mirror).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  "$PY" -m pip install -q "torch==2.13.0"
+  "$PY" -m pip install -q --retries 1 --timeout 15 "torch==2.13.0" \
+    --extra-index-url "${OMNISHM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
 "$PY" -m pip install -q -e ".[test]"

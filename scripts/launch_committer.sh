@@ -4,7 +4,8 @@
 # Usage: scripts/launch_committer.sh --name NAME [--config FILE] [--runtime-dir DIR]
 #                                    [--endpoint ipc://...|tcp://127.0.0.1:PORT]
 #                                    [--heartbeat-s S] [--heartbeat-timeout-s S] [--exit-when-idle]
-#                                    [--prefault] [--metrics-port PORT] [--log-level LEVEL]
+#                                    [--prefault] [--metrics-port PORT] [--metrics-host HOST]
+#                                    [--log-level LEVEL]   (--no-exit-when-idle, --no-prefault: off)
 # Every option is also an OMNISHM_<OPTION> variable or a TOML key (see README, Configuration);
 # `scripts/launch_committer.sh --help` lists them with their defaults.
 #

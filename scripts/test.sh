@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything and run the test suite (what CI runs first).
 #   scripts/test.sh            the main suite (real committer processes, real shm, real ZeroMQ)
-#   OMNISHM_QUICK=0 ...        nothing is skipped either way; this only lengthens the bench/demo smoke runs
+#   scripts/test.sh -k NAME    extra arguments go to pytest
+#   PYTHON=python3.12 ...      the interpreter to install into and test with (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

@@ -280,3 +280,45 @@ def test_a_client_accepts_a_sticky_shared_directory_like_tmp(tmp_path):
     with pytest.raises(OmniPrefixCacheCommitterError, match="answered"):
         OmniPrefixCacheManager(small_config(), cache="tsafe", endpoint=f"ipc://{shared}/tsafe.sock", autostart=False,
                                connect_timeout_s=0.5)
+
+
+_SPAWN_AND_LEAVE = """
+import sys, time
+from pathlib import Path
+from omnishm import shm
+from omnishm.client.committer_process import start_committer
+name, rt = sys.argv[1], Path(sys.argv[2])
+shm.ensure_runtime_dir(rt)
+proc = start_committer(name, rt)
+deadline = time.monotonic() + 60
+while not shm.cache_is_live(rt, name) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(proc.pid, shm.cache_is_live(rt, name), flush=True)
+"""
+
+
+def test_an_autostarted_committer_nobody_attached_to_exits_when_its_starter_is_gone(tmp_path):
+    """Two ranks that both autostart start two committers; the slower may get the cache lock after the
+    other served the whole run and exited. Nobody attaches to it: once the process that started it is
+    gone it exits cleanly (lock, socket, segments and log removed), well before the 60 s unused limit."""
+    from conftest import unique_cache_name
+    from omnishm.client.committer_process import proc_identity
+    from omnishm.committer.server import UNUSED_EXIT_S
+
+    name = unique_cache_name("spawn")
+    runtime = tmp_path / "rt"
+    out = subprocess.run([sys.executable, "-c", _SPAWN_AND_LEAVE, name, str(runtime)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid, live = out.stdout.split()
+    assert live == "True", "the autostarted committer never came up"
+    gone_by = time.monotonic() + UNUSED_EXIT_S / 3
+    while shm.cache_is_live(runtime, name) and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name), "an unused committer outlived the client that started it"
+    deadline = time.monotonic() + 10
+    while proc_identity(int(pid)) is not None and time.monotonic() < deadline:  # exited (a zombie counts)
+        time.sleep(0.05)
+    assert proc_identity(int(pid)) is None
+    assert shm.list_segments(name) == []
+    assert not (runtime / f"{name}.autostart.log").exists(), "it did not stop cleanly (its log was kept)"

@@ -18,7 +18,7 @@ import torch
 from helpers import loud
 from manager_helpers import Part, finished, rows, save, small_config, started
 from omnishm import protocol as P
-from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
+from omnishm.client import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
 from omnishm.client.writes import TaskState
 
@@ -179,3 +179,35 @@ def test_writes_out_of_batch_order_are_refused(committer):
         assert m._next_step == next_step and all(kv.claim[:6].eq(0).all() for kv in m._keys.values())
     finally:
         m.shutdown()
+
+
+def test_a_save_that_fails_after_its_step_id_was_issued_frees_its_page_and_is_sticky(committer):
+    """Anything raising between the page claim and the step's registration (here the copy-on-write
+    check) re-raises as is, frees the staging page, and turns the writer sticky-fatal naming the step:
+    its claim stores may be half done. The committer serves the next writer."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle()
+
+        def broken(slots):
+            raise RuntimeError("copy-on-write check broke")
+
+        m._rescue_before_claim = broken
+        m.new_step_starts([started("b", [1])])
+        with pytest.raises(RuntimeError, match="copy-on-write check broke"):
+            save(m, [Part("b", 2, [1], 0, 4)], BS)
+        assert m._pages.in_use() == 0
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="step 1 failed after the step id was issued"):
+            save(m, [Part("b", 2, [1], 0, 4)], BS)
+    finally:
+        m.shutdown()
+    m2 = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        m2.new_step_starts([started("c", [1])])
+        m2.discard_step(save(m2, [Part("c", 3, [1], 0, 4)], BS))
+        m2.wait_idle()
+        assert torch.equal(m2._keys[HIDDEN_KEY].pool[4:8], rows(3, range(4)))
+    finally:
+        m2.shutdown()

@@ -3,10 +3,12 @@
 Imports without vllm installed (the import invariant).
 """
 
+from omnishm.client.group_view import PrefixCacheConfigError
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.interface import (
                                HIDDEN_KEY,
                                ModelCachePolicy,
+                               OmniPrefixCacheCommitterError,
                                OmniPrefixCacheStagingTimeoutError,
                                OmniPrefixCacheUnmatchError,
                                PrefixCacheConfig,
@@ -14,5 +16,6 @@ from omnishm.interface import (
                                WriteSchedule,
 )
 
-__all__ = ["OmniPrefixCacheManager", "HIDDEN_KEY", "ModelCachePolicy", "OmniPrefixCacheStagingTimeoutError",
-           "OmniPrefixCacheUnmatchError", "PrefixCacheConfig", "StageCacheOutputs", "WriteSchedule"]
+__all__ = ["OmniPrefixCacheManager", "HIDDEN_KEY", "ModelCachePolicy", "OmniPrefixCacheCommitterError",
+           "OmniPrefixCacheStagingTimeoutError", "OmniPrefixCacheUnmatchError", "PrefixCacheConfig",
+           "PrefixCacheConfigError", "StageCacheOutputs", "WriteSchedule"]

@@ -32,7 +32,7 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     if endpoint is not None and endpoint != ipc_endpoint(Path(runtime_dir), cache):
         cmd += ["--endpoint", endpoint]
     if exit_when_idle:
-        cmd.append("--exit-when-idle")
+        cmd += ["--exit-when-idle", "--spawned-by", str(os.getpid())]
     log_path = Path(runtime_dir) / f"{cache}.autostart.log"
     log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
     env = {**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)}

@@ -196,7 +196,8 @@ class CommitterLink:
         storing this marker in ``CTL_ACKED_STEP`` and settled with ``settle``.
         It usually gets no reply, so it skips the ``EVENTS`` check after the
         send: a reply its send hid from ``ZMQ_FD`` waits for the I/O thread's
-        next poll tick (at most a quarter of a heartbeat period). A resume does
+        next poll tick (at most a quarter of a heartbeat period), unless the
+        caller that waits for the step calls ``wake_if_replied``. A resume does
         not re-send it once the word shows it applied (``_on_resume_reply``).
         """
         if bounded and len(self._pending) >= MAX_IN_FLIGHT:
@@ -246,6 +247,20 @@ class CommitterLink:
         if not entry.fut.done():
             entry.fut.set_result(reply)
         return True
+
+    def wake_if_replied(self) -> None:
+        """Wake the I/O thread when a reply already waits in the socket; any thread.
+
+        For a caller that waits on a quiet send's outcome: the send reads no
+        ``EVENTS`` afterwards, so it may have taken the ``ZMQ_FD`` edge of a
+        reply that came in meanwhile, and a later reply (the step's rejection)
+        then comes in without one.
+        """
+        with self._slock:
+            ready = self._state == CONNECTED and self._sock is not None \
+                and bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        if ready:
+            self._wake()
 
     def _wait_for_room(self) -> None:
         deadline = time.monotonic() + self.request_timeout_s

@@ -303,63 +303,67 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
                                      holds=("ctx", "write") if self.is_writer else ("ctx",))
         # Only now is the id issued: a timed-out save burns no step id, so all ranks keep counting alike.
         self._next_step += 1
-        self.counters["staging_waits"] = float(self._pages.waits)
-        self.counters["staging_pages_in_use"] = float(self._pages.in_use())
-        if self.is_writer:
-            base = self._pages.capacity * ctx.page
-            pairs = []
-            for key, data in immediate.items():
-                view = self._keys[key].staging[base:base + n]
-                pairs.append((view, data))
-                ctx.step_rows[key] = view
-            # One whole-step device-to-host copy per key, fenced by the freeze event.
-            ctx.d2h_event = ops.to_host(pairs, freeze_event)
-        else:
-            for key, data in immediate.items():
-                ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, -1))
-        for key, data in deferred.items():
-            ctx.step_rows[key] = data.reshape(n, -1)
-        to_flush: list[WriteTask] = []
-        cvs: list[int] = []
-        if self.is_writer and writes:
-            # Claim versions of seq 1..len(writes) in this step; make_cv checks the largest one.
-            last = make_cv(self._epoch, step_id, len(writes))
-            cvs = list(range(last - len(writes) + 1, last + 1))
-            self._rescue_before_claim(slots)
-            # A key this step does not write has no row at these slots now: absent (0), so a later hit
-            # raises instead of reading the slots' previous tenant's rows of that key.
-            absent = [kv for key, kv in self._keys.items() if key not in immediate and key not in deferred]
-            if slot_list is not None:
-                row_cv = [cv for cv, count in zip(cvs, counts) for _ in range(count)]
-                for key in itertools.chain(immediate, deferred):
-                    claim = self._keys[key].claim_mv
-                    for slot, cv in zip(slot_list, row_cv):
-                        claim[slot] = cv
-                for kv in absent:
-                    for slot in slot_list:
-                        kv.claim_mv[slot] = 0
+        try:
+            self.counters["staging_waits"] = float(self._pages.waits)
+            self.counters["staging_pages_in_use"] = float(self._pages.in_use())
+            if self.is_writer:
+                base = self._pages.capacity * ctx.page
+                pairs = []
+                for key, data in immediate.items():
+                    view = self._keys[key].staging[base:base + n]
+                    pairs.append((view, data))
+                    ctx.step_rows[key] = view
+                # One whole-step device-to-host copy per key, fenced by the freeze event.
+                ctx.d2h_event = ops.to_host(pairs, freeze_event)
             else:
-                row_np = np.repeat(np.asarray(cvs, dtype=np.int64), counts)
-                for key in itertools.chain(immediate, deferred):
-                    self._keys[key].claim_np[slots_np] = row_np
-                for kv in absent:
-                    kv.claim_np[slots_np] = 0
-        with self._lock:
+                for key, data in immediate.items():
+                    ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, -1))
+            for key, data in deferred.items():
+                ctx.step_rows[key] = data.reshape(n, -1)
+            to_flush: list[WriteTask] = []
+            cvs: list[int] = []
             if self.is_writer and writes:
-                to_flush = self._register_writes_locked(ctx, writes, cvs, slots, immediate, deferred)
-            if self._pending_hits:
-                for w in writes:
-                    hit = self._pending_hits.pop(w.req_id, None)
-                    if hit is None:
-                        continue
-                    span = HitSpan(slots=hit, cvs={key: kv.claim[hit].clone() for key, kv in self._keys.items()})
-                    ctx.hits[w.req_id] = span
-                    self._pin_count[hit] += 1
-                    if self.is_writer:
-                        to_flush.extend(self._close_hit_writes_locked(hit))
-            self._ctxs[step_id] = ctx
-            if ctx.hits:  # only steps with hits pin slots (copy-on-write checks them)
-                self._pinned[step_id] = ctx
+                # Claim versions of seq 1..len(writes) in this step; make_cv checks the largest one.
+                last = make_cv(self._epoch, step_id, len(writes))
+                cvs = list(range(last - len(writes) + 1, last + 1))
+                self._rescue_before_claim(slots)
+                # A key this step does not write has no row at these slots now: absent (0), so a later hit
+                # raises instead of reading the slots' previous tenant's rows of that key.
+                absent = [kv for key, kv in self._keys.items() if key not in immediate and key not in deferred]
+                if slot_list is not None:
+                    row_cv = [cv for cv, count in zip(cvs, counts) for _ in range(count)]
+                    for key in itertools.chain(immediate, deferred):
+                        claim = self._keys[key].claim_mv
+                        for slot, cv in zip(slot_list, row_cv):
+                            claim[slot] = cv
+                    for kv in absent:
+                        for slot in slot_list:
+                            kv.claim_mv[slot] = 0
+                else:
+                    row_np = np.repeat(np.asarray(cvs, dtype=np.int64), counts)
+                    for key in itertools.chain(immediate, deferred):
+                        self._keys[key].claim_np[slots_np] = row_np
+                    for kv in absent:
+                        kv.claim_np[slots_np] = 0
+            with self._lock:
+                if self.is_writer and writes:
+                    to_flush = self._register_writes_locked(ctx, writes, cvs, slots, immediate, deferred)
+                if self._pending_hits:
+                    for w in writes:
+                        hit = self._pending_hits.pop(w.req_id, None)
+                        if hit is None:
+                            continue
+                        span = HitSpan(slots=hit, cvs={key: kv.claim[hit].clone() for key, kv in self._keys.items()})
+                        ctx.hits[w.req_id] = span
+                        self._pin_count[hit] += 1
+                        if self.is_writer:
+                            to_flush.extend(self._close_hit_writes_locked(hit))
+                self._ctxs[step_id] = ctx
+                if ctx.hits:  # only steps with hits pin slots (copy-on-write checks them)
+                    self._pinned[step_id] = ctx
+        except BaseException:
+            self._abandon_step(ctx)
+            raise
         self._flush(to_flush)
         if self._prefetcher is not None and ctx.hits:
             ctx.prefetch_done = threading.Event()
@@ -634,6 +638,21 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
     def _unmatch(self, reason: str, *, req_id: ReqId | None = None, key: TensorName | None = None,
                  step_id: StepId | None = None) -> OmniPrefixCacheUnmatchError:
         return unmatch(f"cache {self.cache}: {reason}", req_id=req_id, key=key, step_id=step_id)
+
+    def _abandon_step(self, ctx: StepCtx) -> None:
+        """``save_outputs`` failed after it issued ``ctx.step_id``; engine thread, the caller re-raises.
+
+        Frees the step's staging page. On the writer the cache turns sticky-fatal:
+        the step's claim-table stores may be half done and its rows will never
+        land, so a later hit on those slots must raise at once, not wait out
+        ``commit_timeout_s``. A reader only loses this step.
+        """
+        if self.is_writer:
+            self._drop_sources(ctx)
+            self._set_fatal(f"save_outputs of step {ctx.step_id} failed after the step id was issued")
+        if ctx.page is not None and self._pages is not None:
+            for hold in ("ctx", "write"):  # each at most once; a hold already released is skipped
+                self._pages.release(ctx.page, hold)
 
     def _set_fatal(self, reason: str) -> OmniPrefixCacheUnmatchError:
         err = self._unmatch(f"failed write (sticky; recreate the cache): {reason}")

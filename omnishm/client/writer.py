@@ -99,6 +99,7 @@ class WriterSide:
         marker = fut.marker  # type: ignore[attr-defined]
         deadline = 0.0  # read the clock only when the usual case (acknowledged already) did not happen
         poll = _ACK_POLL_S
+        woke = False
         while True:
             if marker <= self._acked_word():
                 done = self._settle_quiet(fut)
@@ -111,6 +112,12 @@ class WriterSide:
                 deadline = now + timeout_s
             elif now >= deadline:
                 raise TimeoutError(f"step {fut.step} not acknowledged within {timeout_s:.1f}s")  # type: ignore
+            elif not woke and getattr(fut, "rid", None) is not None:
+                # Still no marker after a poll, and the step was sent: its quiet send may have taken the
+                # ZMQ_FD edge of a reply, so a rejection would wait for the I/O thread's tick. Once is
+                # enough: no quiet send of this writer comes between this check and the step's reply.
+                woke = True
+                self._link.wake_if_replied()
             time.sleep(min(poll, deadline - now))
             poll = min(2 * poll, _ACK_POLL_MAX_S)  # a long wait (a committer restarting) must not spin
 

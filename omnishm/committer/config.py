@@ -36,6 +36,8 @@ class CommitterConfig:
     log_level: str
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    spawned_by: int = 0
+    """pid of the client process that autostarted this committer (its parent), 0 when not autostarted."""
 
     @property
     def ipc_path(self) -> Path | None:
@@ -66,6 +68,9 @@ class CommitterArgumentParser(argparse.ArgumentParser):
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the committer's options to ``parser`` (one per committer knob, plus ``--config``)."""
     knobs.add_arguments(parser, SCOPE)
+    # Internal, set by a client's autostart (client/committer_process.py), not a knob: an autostarted
+    # committer no client attached to exits once the process that started it is gone.
+    parser.add_argument("--spawned-by", type=int, default=0, metavar="PID", help=argparse.SUPPRESS)
     return parser
 
 
@@ -94,7 +99,7 @@ def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterCo
                            heartbeat_timeout_s=float(args.heartbeat_timeout_s),
                            exit_when_idle=bool(args.exit_when_idle), prefault=bool(args.prefault),
                            log_level=args.log_level, metrics_port=int(args.metrics_port),
-                           metrics_host=args.metrics_host)
+                           metrics_host=args.metrics_host, spawned_by=int(getattr(args, "spawned_by", 0) or 0))
 
 
 def setup_logging(level: str) -> None:

@@ -52,8 +52,8 @@ CLIENT_COUNTERS: dict[str, str] = {
     "staging_waits": "saves that had to wait for a free staging page",
     "deferred_flushes": "deferred (join-on-finish) writes flushed",
     "budget_flushes": "deferred writes forced out by the gpu_staging_bytes budget",
-    "prefetch_used": "prefetched hit rows that were used",
-    "prefetch_dropped": "prefetched hit rows that were dropped unused",
+    "prefetch_used": "hit spans (one request's rows of one tensor) a reader served from its prefetch",
+    "prefetch_dropped": "hit spans the prefetch did not have (read in materialize instead)",
     "result_blocks_reused": "materialize results placed in recycled, pre-faulted host memory",
     "result_blocks_faulted": "materialize results that needed a new host block (first-touch page faults)",
 }

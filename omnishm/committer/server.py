@@ -55,7 +55,8 @@ Sent back to back, only the first of a burst wakes libzmq's I/O thread (a syscal
 a 2-core machine, a context switch); one send per message cost ~15 us of the committer's
 ~50 us per small step (py-spy). A reply waits at most REPLY_BURST messages of work."""
 UNUSED_EXIT_S = 60.0
-"""An ``--exit-when-idle`` committer that no writer or reader attached to within this long exits."""
+"""An ``--exit-when-idle`` committer that no writer or reader attached to within this long exits
+(an autostarted one sooner: once the client process that started it is gone, ``Committer._unused``)."""
 EXPORTED_CLIENT_NAMES = frozenset(CLIENT_COUNTERS) | frozenset(CLIENT_GAUGES)
 """Client counters kept first when a client sends more than ``MAX_COUNTERS``."""
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -182,15 +183,17 @@ class Committer:
                 self.serve_pending()
                 self.reap(time.monotonic())
                 self.obs.tick(time.monotonic())
-                if self.cfg.exit_when_idle and self.sessions.idle():
-                    self.stop_reason = "idle"
-                    break
-                if self.cfg.exit_when_idle and not self.sessions.ever_had_data_client \
-                        and time.monotonic() - started > UNUSED_EXIT_S:
-                    self.stop_reason = "unused"  # the client that started it gave up or died before attaching
-                    break
-            # Stop: handle (and answer) everything already received before unlinking.
-            self.serve_pending()
+                if self.cfg.exit_when_idle and self._done_serving(started):
+                    # Answer what came in since the check. A writer or reader welcomed now (a new rank, a
+                    # resume) maps this cache: it keeps its committer. What comes in after goes unanswered
+                    # (its client retries, and autostarts a committer once this one is gone).
+                    self.serve_pending()
+                    if self.stopping or not self.sessions.data_clients():
+                        break
+                    self.stop_reason = ""
+            else:
+                # Stopped by a signal: handle (and answer) everything already received before unlinking.
+                self.serve_pending()
         finally:
             signal.set_wakeup_fd(old_fd)
             for sig, handler in old_handlers.items():
@@ -198,6 +201,34 @@ class Committer:
             wake_r.close()
             wake_w.close()
         return EXIT_OK
+
+    def _done_serving(self, started: float) -> bool:
+        """``--exit-when-idle``: True (and ``stop_reason`` set) once the last writer/reader left, or when
+        none ever attached and none will (``_unused``). Loop thread."""
+        if self.sessions.idle():
+            self.stop_reason = "idle"
+        elif not self.sessions.ever_had_data_client and self._unused(started):
+            self.stop_reason = "unused"
+        else:
+            return False
+        return True
+
+    def _unused(self, started: float) -> bool:
+        """An ``--exit-when-idle`` committer no writer or reader ever attached to: is it still wanted?
+
+        No, once ``UNUSED_EXIT_S`` passed (the client that started it gave up), or once the client
+        process that autostarted it (``--spawned-by``, its parent) is gone: two ranks that both
+        autostart start two committers, and the slower one may get the cache lock only after the
+        other served the whole run and exited; nobody will attach to it (an engine that comes later
+        autostarts its own), so it must not hold the cache's lock, socket and segments for a minute.
+        """
+        if time.monotonic() - started > UNUSED_EXIT_S:
+            return True
+        if self.cfg.spawned_by and os.getppid() != self.cfg.spawned_by:
+            logger.info("committer %s: the client process that started it (pid %d) is gone and no client "
+                        "attached; exiting", self.name, self.cfg.spawned_by)
+            return True
+        return False
 
     def serve_pending(self) -> None:
         """Receive what is queued (up to RECV_BATCH per round) and answer each message."""
