@@ -322,3 +322,44 @@ def test_an_autostarted_committer_nobody_attached_to_exits_when_its_starter_is_g
     assert proc_identity(int(pid)) is None
     assert shm.list_segments(name) == []
     assert not (runtime / f"{name}.autostart.log").exists(), "it did not stop cleanly (its log was kept)"
+
+
+def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp_path, monkeypatch):
+    """The committer this client started is refused (another committer holds the cache lock), and that
+    other one is gone before this client's Hello reached it: the client starts one again once nothing
+    holds the lock, instead of waiting out connect_timeout_s on a dead endpoint."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager, link as link_mod
+
+    name = unique_cache_name("relock")
+    runtime = tmp_path / "rt"
+    real_start = link_mod.start_committer
+    started: list[int] = []
+
+    def start_while_another_holds_the_lock(cache, runtime_dir, **kw):
+        if started:
+            proc = real_start(cache, runtime_dir, **kw)
+            started.append(proc.pid)
+            return proc
+        other = shm.CacheLock.acquire(runtime_dir, cache, "other")  # another rank's committer, say
+        assert other is not None
+        try:
+            proc = real_start(cache, runtime_dir, **kw)
+            assert proc.wait(60) == 2, "a committer started while another held the lock"
+        finally:
+            other.release(remove=True)  # ... which exits before this client's Hello reached it
+        started.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(link_mod, "start_committer", start_while_another_holds_the_lock)
+    m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=runtime,
+                               connect_timeout_s=60.0)
+    try:
+        assert len(started) == 2 and m._link.welcome.committer_pid == started[1]
+    finally:
+        m.shutdown()
+    deadline = time.monotonic() + 30
+    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name) and shm.list_segments(name) == []

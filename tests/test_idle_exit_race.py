@@ -6,8 +6,8 @@ that came in meanwhile (a new rank, or a client resuming) was welcomed there,
 and the committer then exited anyway and unlinked every segment named in that
 ``Welcome``: the client's link lost its committer at the next heartbeat, and a
 resume had nothing to resume (a new committer holds a new generation). Real
-committer process; its idle decision is slowed down (0.5 s) so the ``Hello``
-arrives in that window every time.
+committer process; its idle decision waits until a message is queued in its
+socket, so the ``Hello`` is in that window every time.
 """
 
 from __future__ import annotations
@@ -29,22 +29,29 @@ FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
 
 
 def _slow_idle_committer(tmp_path, marker) -> CommitterHandle:
-    """A committer (``--exit-when-idle``) that says when it found itself idle (``marker``), then takes 0.5 s
-    to decide, and says when it did (``marker.decided``)."""
+    """A committer (``--exit-when-idle``) that says when it first found itself idle (``marker``), then
+    decides so only once a message waits in its socket, and says so (``marker.decided``)."""
     name = unique_cache_name("idle")
     code = textwrap.dedent(f"""
         import pathlib, sys, time
+        import zmq
         sys.path.insert(0, {str(REPO)!r})
-        from omnishm.committer import sessions, start
-        idle = sessions.SessionTable.idle
-        def slow_idle(self):
-            if not idle(self):
-                return False
+        from omnishm.committer import server, start
+        done_serving = server.Committer._done_serving
+        first = [True]
+        def done_when_a_hello_waits(self, started):
+            reason = done_serving(self, started)
+            if reason != "idle" or not first[0]:
+                return reason
+            first[0] = False
             pathlib.Path({str(marker)!r}).touch()
-            time.sleep(0.5)
-            pathlib.Path({str(marker)!r} + ".decided").touch()
-            return True
-        sessions.SessionTable.idle = slow_idle
+            deadline = time.monotonic() + 30
+            while not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                pathlib.Path({str(marker)!r} + ".decided").touch()
+            return reason
+        server.Committer._done_serving = done_when_a_hello_waits
         sys.exit(start.main(sys.argv[1:]))
     """)
     log_path = tmp_path / f"{name}.{uuid.uuid4().hex[:6]}.log"
@@ -77,7 +84,7 @@ def test_a_client_welcomed_while_the_committer_decides_it_is_idle_keeps_its_comm
         link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
                              reconnect_timeout_s=1.0)
         decided = marker.with_name(marker.name + ".decided")
-        assert decided.exists(), "the committer welcomed the reader before its idle decision (test premise)"
+        assert decided.exists(), "the reader's Hello did not wait in the socket at the idle decision (test premise)"
         # The committer's loop goes on after its decision: it answers, and the link keeps it.
         assert isinstance(link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=5),
                           protocol.StatusReply), handle.log()

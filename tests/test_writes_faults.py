@@ -201,6 +201,8 @@ def test_a_save_that_fails_after_its_step_id_was_issued_frees_its_page_and_is_st
         assert m._pages.in_use() == 0
         with pytest.raises(OmniPrefixCacheUnmatchError, match="step 1 failed after the step id was issued"):
             save(m, [Part("b", 2, [1], 0, 4)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="step 1 failed after the step id was issued"):
+            m.wait_idle()
     finally:
         m.shutdown()
     m2 = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)

@@ -257,8 +257,10 @@ class CommitterLink:
         then comes in without one.
         """
         with self._slock:
+            # A message still in the outbox also wakes it: reading EVENTS may take the edge that said the
+            # socket has room again.
             ready = self._state == CONNECTED and self._sock is not None \
-                and bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                and (bool(self._outbox) or bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN))
         if ready:
             self._wake()
 
@@ -329,13 +331,15 @@ class CommitterLink:
 
     def _hello(self, layout: P.Layout | None, staging_rows: int, autostart: bool, timeout_s: float) -> P.Welcome:
         deadline = time.monotonic() + timeout_s
-        started = False
         while True:
-            if autostart and not started and self.endpoint.startswith("ipc://") \
+            # Again (at most every 5 s) while nothing holds the cache lock: the committer this client
+            # started may have lost the lock to another rank's, which then exited before this Hello
+            # reached it (nobody had attached to it, and the rank that started it was gone).
+            if autostart and self.endpoint.startswith("ipc://") and time.monotonic() - self._last_autostart > 5.0 \
                     and not shm.cache_is_live(self.runtime_dir, self.cache):
                 shm.ensure_runtime_dir(self.runtime_dir)
+                self._last_autostart = time.monotonic()
                 start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint)
-                started = True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise OmniPrefixCacheCommitterError(
@@ -343,7 +347,7 @@ class CommitterLink:
                     f"start one with `scripts/launch_committer.sh --name {self.cache}` or pass autostart=True")
             fut = self.submit(lambda rid: self._hello_msg(rid, resume=False))
             try:
-                reply = fut.result(timeout=min(remaining, 2.0 if autostart and not started else remaining))
+                reply = fut.result(timeout=min(remaining, 2.0 if autostart else remaining))
             except TimeoutError:
                 with self._plock:
                     self._pending.clear()

@@ -519,8 +519,10 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         """Block until every closed write was acknowledged (tests, demos, shutdown).
 
         Open deferred writes stay open: they land when their request ends.
-        Any thread but the engine thread's hot path; raises on a failed write.
+        Any thread but the engine thread's hot path; raises on a failed write
+        (at once when one already made the cache sticky-fatal: its writes may never be acknowledged).
         """
+        self._check_usable()
         timeout_s = self.config.commit_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -650,9 +652,16 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         if self.is_writer:
             self._drop_sources(ctx)
             self._set_fatal(f"save_outputs of step {ctx.step_id} failed after the step id was issued")
+        with self._lock:  # an asynchronous exception may come after the step was registered
+            self._ctxs.pop(ctx.step_id, None)
+            self._consumed.add(ctx.step_id)  # a later materialize of the id says it is gone
+            if self._pinned.pop(ctx.step_id, None) is not None:
+                for span in ctx.hits.values():
+                    self._pin_count[span.slots] -= 1
         if ctx.page is not None and self._pages is not None:
             for hold in ("ctx", "write"):  # each at most once; a hold already released is skipped
                 self._pages.release(ctx.page, hold)
+            ctx.page = None
 
     def _set_fatal(self, reason: str) -> OmniPrefixCacheUnmatchError:
         err = self._unmatch(f"failed write (sticky; recreate the cache): {reason}")

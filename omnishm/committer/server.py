@@ -115,6 +115,12 @@ class Committer:
         self.generation = self.pool.generation
         self.sessions = SessionTable()
         self.started = time.monotonic()
+        self.spawner_pid = cfg.spawned_by if cfg.spawned_by == os.getppid() else 0
+        """The autostarting client's pid while it is this process's parent, else 0 (not autostarted, or
+        started through a launcher that forks: then only ``UNUSED_EXIT_S`` applies)."""
+        if cfg.spawned_by and not self.spawner_pid:
+            logger.warning("committer %s: --spawned-by %d is not this process's parent (%d); an unused committer "
+                           "exits after %.0f s only", cfg.name, cfg.spawned_by, os.getppid(), UNUSED_EXIT_S)
         self.epoch = self.pool.max_epoch
         self.ratelog = LogLimiter(logger)
         self.tids_failed_reaped = 0
@@ -183,14 +189,17 @@ class Committer:
                 self.serve_pending()
                 self.reap(time.monotonic())
                 self.obs.tick(time.monotonic())
-                if self.cfg.exit_when_idle and self._done_serving(started):
+                reason = self._done_serving(started) if self.cfg.exit_when_idle and not self.stopping else ""
+                if reason:
                     # Answer what came in since the check. A writer or reader welcomed now (a new rank, a
                     # resume) maps this cache: it keeps its committer. What comes in after goes unanswered
                     # (its client retries, and autostarts a committer once this one is gone).
                     self.serve_pending()
-                    if self.stopping or not self.sessions.data_clients():
+                    if self.stopping:
+                        break  # a signal's own reason stands
+                    if not self.sessions.data_clients():
+                        self.stop_reason = reason
                         break
-                    self.stop_reason = ""
             else:
                 # Stopped by a signal: handle (and answer) everything already received before unlinking.
                 self.serve_pending()
@@ -202,16 +211,14 @@ class Committer:
             wake_w.close()
         return EXIT_OK
 
-    def _done_serving(self, started: float) -> bool:
-        """``--exit-when-idle``: True (and ``stop_reason`` set) once the last writer/reader left, or when
-        none ever attached and none will (``_unused``). Loop thread."""
+    def _done_serving(self, started: float) -> str:
+        """``--exit-when-idle``: why this committer is done ("idle": the last writer/reader left; "unused":
+        none ever attached and none will, ``_unused``), or "" while it is needed. Loop thread."""
         if self.sessions.idle():
-            self.stop_reason = "idle"
-        elif not self.sessions.ever_had_data_client and self._unused(started):
-            self.stop_reason = "unused"
-        else:
-            return False
-        return True
+            return "idle"
+        if not self.sessions.ever_had_data_client and self._unused(started):
+            return "unused"
+        return ""
 
     def _unused(self, started: float) -> bool:
         """An ``--exit-when-idle`` committer no writer or reader ever attached to: is it still wanted?
@@ -224,7 +231,7 @@ class Committer:
         """
         if time.monotonic() - started > UNUSED_EXIT_S:
             return True
-        if self.cfg.spawned_by and os.getppid() != self.cfg.spawned_by:
+        if self.spawner_pid and os.getppid() != self.spawner_pid:
             logger.info("committer %s: the client process that started it (pid %d) is gone and no client "
                         "attached; exiting", self.name, self.cfg.spawned_by)
             return True
