@@ -132,11 +132,14 @@ def wait_ready(handle: CommitterHandle, timeout_s: float = START_TIMEOUT_S) -> N
         client.close()
 
 
-def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: bool = True) -> CommitterHandle:
+def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: bool = True,
+                    python_args: tuple[str, ...] = ("-m", "omnishm.committer")) -> CommitterHandle:
+    """A committer process for ``name``; ``python_args`` may run it through a script (``("-c", code)``)
+    that patches it first, as long as that script ends in ``omnishm.committer.start.main``."""
     name = name or unique_cache_name()
     log_path = log_dir / f"{name}.{uuid.uuid4().hex[:6]}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name,
+        proc = subprocess.Popen([sys.executable, *python_args, "--name", name,
                                  "--runtime-dir", str(RUNTIME_DIR), *extra],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     handle = CommitterHandle(name, shm.ipc_endpoint(RUNTIME_DIR, name), RUNTIME_DIR, proc, log_path)

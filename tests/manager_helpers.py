@@ -96,6 +96,14 @@ def save(m, parts: list[Part], block_size: int, *, extra_mm: dict | None = None,
     return m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
 
 
+def one_applied_step(m) -> None:
+    """Request "a" saves its first 4 rows (tag 1, block 0) and the committer applies them: how a fault
+    test starts (the keys are open and mapped, one step is acknowledged). ``BS`` blocks."""
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+
+
 def expect(tag_prefix: int, hit: int, tag_step: int, first: int, count: int, width: int = WIDTH,
            mm: bool = False) -> torch.Tensor:
     off = 500 if mm else 0

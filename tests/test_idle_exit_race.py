@@ -12,17 +12,13 @@ socket, so the ``Hello`` is in that window every time.
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import textwrap
 import time
-import uuid
 
 from omnishm import protocol, shm
 from omnishm.client.link import CommitterLink
 
-from conftest import REPO, RUNTIME_DIR, CommitterHandle, assert_clean_stop, unique_cache_name, wait_ready
+from conftest import REPO, CommitterHandle, assert_clean_stop, start_committer, unique_cache_name
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
@@ -54,17 +50,7 @@ def _slow_idle_committer(tmp_path, marker) -> CommitterHandle:
         server.Committer._done_serving = done_when_a_hello_waits
         sys.exit(start.main(sys.argv[1:]))
     """)
-    log_path = tmp_path / f"{name}.{uuid.uuid4().hex[:6]}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code, "--name", name, "--runtime-dir", str(RUNTIME_DIR),
-                                 "--exit-when-idle", *FAST], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    handle = CommitterHandle(name, shm.ipc_endpoint(RUNTIME_DIR, name), RUNTIME_DIR, proc, log_path)
-    try:
-        wait_ready(handle)
-    except BaseException:
-        handle.stop(signal.SIGKILL)
-        raise
-    return handle
+    return start_committer(tmp_path, name, "--exit-when-idle", *FAST, python_args=("-c", code))
 
 
 def test_a_client_welcomed_while_the_committer_decides_it_is_idle_keeps_its_committer(tmp_path):

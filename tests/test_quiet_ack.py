@@ -21,7 +21,7 @@ from omnishm.versions import make_cv
 
 from conftest import unique_cache_name
 from helpers import Writer, bits, random_rows
-from manager_helpers import Part, extended, rows, save, small_config, started
+from manager_helpers import Part, extended, one_applied_step, rows, save, small_config, started
 
 LAYOUT = P.Layout(num_blocks=16, block_size=4)  # the shared committer's layout: 64 slots
 STAGING_ROWS = 32
@@ -101,9 +101,7 @@ def test_a_failed_quiet_step_is_fatal_at_the_next_save(committer):
     """The committer answers a rejected quiet step: the join sees the failure, not a missing word."""
     m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
     try:
-        m.new_step_starts([started("a", [0])])
-        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        m.wait_idle()
+        one_applied_step(m)
         real_submit = m._link.submit
 
         def submit(make, **kw):  # the next step's descriptor names a slot outside the pool
@@ -183,9 +181,7 @@ def test_a_marker_of_a_later_writers_epoch_acknowledges_none_of_this_writers_ste
     handle = committer_factory()
     m = OmniPrefixCacheManager(small_config(), cache=handle.name, endpoint=handle.endpoint, autostart=False)
     try:
-        m.new_step_starts([started("a", [0])])
-        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        m.wait_idle()
+        one_applied_step(m)
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
             m.new_step_starts([extended("a", 4, (1,))])

@@ -25,7 +25,7 @@ import pytest
 from omnishm import protocol as P
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 
-from manager_helpers import Part, extended, save, small_config, started
+from manager_helpers import Part, extended, one_applied_step, save, small_config
 
 BS = 4
 
@@ -52,9 +52,7 @@ def test_a_rejected_quiet_step_is_seen_at_once_when_a_quiet_send_took_the_edge(c
         return real_submit(bad, **kw)
 
     try:
-        m.new_step_starts([started("a", [0])])
-        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        m.wait_idle()
+        one_applied_step(m)
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
             link._readable = readable

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import loud
-from manager_helpers import Part, finished, rows, save, small_config, started
+from manager_helpers import Part, finished, one_applied_step, rows, save, small_config, started
 from omnishm import protocol as P
 from omnishm.client import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
@@ -65,9 +65,7 @@ def test_a_flush_that_times_out_is_a_failed_write(committer_factory):
     m = OmniPrefixCacheManager(small_config(commit_timeout_s=1.0), cache=handle.name, autostart=False)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
     try:
-        m.new_step_starts([started("a", [0])])
-        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        m.wait_idle()
+        one_applied_step(m)
         task = m._open[("a", "feat")]
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
@@ -110,9 +108,7 @@ def test_wait_idle_raises_for_a_failed_step_write_whoever_holds_the_state_lock(c
     needs the state lock) has recorded it."""
     m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
     try:
-        m.new_step_starts([started("a", [0])])
-        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        m.wait_idle()
+        one_applied_step(m)
         real_submit = m._link.submit
         captured: list[tuple[Future, Future]] = []
 
@@ -187,9 +183,7 @@ def test_a_save_that_fails_after_its_step_id_was_issued_frees_its_page_and_is_st
     its claim stores may be half done. The committer serves the next writer."""
     m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
     try:
-        m.new_step_starts([started("a", [0])])
-        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        m.wait_idle()
+        one_applied_step(m)
 
         def broken(slots):
             raise RuntimeError("copy-on-write check broke")
