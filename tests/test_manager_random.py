@@ -26,6 +26,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.mark.parametrize("seed,deferred,device", [
     (1, False, "cpu"), (2, True, "cpu"), (3, True, "cpu"),
+    # A slot re-claimed twice before a late read lost its neighbours' rescue (found by a soak; fixed 2026-12-01).
+    (113, False, "cpu"), (139, False, "cpu"),
     # The CUDA path: device clones, copy stream, budget flushes from the device, live buffers clobbered.
     pytest.param(4, False, "cuda", marks=CUDA), pytest.param(5, True, "cuda", marks=CUDA),
 ])

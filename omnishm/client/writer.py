@@ -270,7 +270,9 @@ class WriterSide:
         """Copy-on-write: keep rows a pending read planned before their slots change tenant.
 
         ``_pinned`` holds only unconsumed steps with hits, so a step with no
-        pending hit read returns at once.
+        pending hit read returns at once. A slot rescued at an earlier change of
+        tenant is left out: its claim moved on, so resolving it again would fail
+        and take every other slot of the batch down with it.
         """
         if not self._pinned or not bool((self._pin_count[slots] > 0).any()):
             return
@@ -286,6 +288,9 @@ class WriterSide:
                     want = span.slots[inter]
                     cvs = planned[inter]
                     keep = cvs != 0
+                    kept = ctx.rescue.get(key)  # only this (engine) thread adds to it
+                    if kept:
+                        keep &= torch.tensor([s not in kept for s in want.tolist()], dtype=torch.bool)
                     want, cvs = want[keep], cvs[keep]
                     if len(want) == 0:
                         continue
