@@ -40,7 +40,7 @@ from omnishm.client.reads import ReadSide
 from omnishm.client.result_pool import ResultPool
 from omnishm.client.segments import KeyViews, StagingPages
 from omnishm.client.serial import SerialThread
-from omnishm.client.steps import HitSpan, StepCtx
+from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.interface import (
@@ -70,7 +70,7 @@ _POLL_S = 0.0005
 _SMALL_STEP = 256
 """Steps of at most this many tokens do their slot bookkeeping in plain Python (see save_outputs)."""
 
-class OmniPrefixCacheManager(WriterSide, ReadSide):
+class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
     """The runner-side cache. Use as a context manager or call ``shutdown``."""
 
     def __init__(self, config: PrefixCacheConfig, *, cache: str = "default", role: str = "writer",
@@ -570,7 +570,7 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
         with self._lock:
             self._keys = {**self._keys, key: kv}
 
-    # ------------------------------------------------------------------ internals: step ids
+    # ------------------------------------------------------------------ internals: device copies (step contexts: client/steps.py)
 
     def _flush_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
         """Flusher thread: one piece of a deferred write into the flush region (waits its copy)."""
@@ -582,86 +582,11 @@ class OmniPrefixCacheManager(WriterSide, ReadSide):
             return rows.index_select(0, index)
         return self._ops.read_rows(rows, index)
 
-    def _wait_step_events(self, ctx: StepCtx) -> None:
-        """materialize waits only the events of the step it reads, then sends the step if still unsent."""
-        if ctx.d2h_event is not None:
-            ctx.d2h_event.synchronize()
-            if ctx.pending_send is not None and self._sender is not None:
-                self._sender.send_now(ctx.pending_send)
-        for event in ctx.leftover_events:
-            event.synchronize()
-
-    def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName) -> torch.Tensor | None:
-        if ctx.prefetch_done is None:
-            return None
-        ctx.prefetch_done.wait(self.config.commit_timeout_s)
-        rows = ctx.prefetched.pop((req, key), None)
-        self.counters["prefetch_used" if rows is not None else "prefetch_dropped"] += 1
-        return rows
-
-    def _check_requests(self, ctx: StepCtx, req_ids: list[ReqId]) -> None:
-        outside = [r for r in req_ids if r not in ctx.spans]
-        if outside:
-            raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
-                                f"batch {list(ctx.req_ids)} (reading the live batch?)", step_id=ctx.step_id)
-
-    def _take_ctx(self, step_id: StepId, what: str, req_ids: list[ReqId] | None = None,
-                  out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]] | None = None) -> StepCtx:
-        """Consume ``step_id`` (exactly once). With ``req_ids`` (and ``out``), refuse requests outside
-        its batch (and wrong buffers) first: a caller bug caught before any work leaves the step id
-        unconsumed."""
-        with self._lock:
-            ctx = self._ctxs.get(step_id) if req_ids is not None else None
-            if ctx is not None:
-                self._check_requests(ctx, req_ids)
-                if out is not None:
-                    self._check_out_buffers(ctx, req_ids, out)
-            ctx = self._ctxs.pop(step_id, None)
-            if ctx is None:
-                reason = "was already consumed" if step_id in self._consumed else "was never saved"
-                raise self._unmatch(f"{what}: step id {step_id} {reason} (each step id is consumed exactly once)",
-                                    step_id=step_id)
-            self._consumed.add(step_id)
-            if len(self._consumed) > 4096:
-                self._consumed = {s for s in self._consumed if s > step_id - 2048}
-            return ctx
-
-    def _release_ctx(self, ctx: StepCtx) -> None:
-        if ctx.hits:  # only steps with hits are pinned (set before the step id was handed out)
-            with self._lock:
-                if self._pinned.pop(ctx.step_id, None) is not None:
-                    for span in ctx.hits.values():
-                        self._pin_count[span.slots] -= 1
-        if ctx.page is not None and self._pages is not None:
-            self._pages.release(ctx.page, "ctx")
-
     # ------------------------------------------------------------------ errors
 
     def _unmatch(self, reason: str, *, req_id: ReqId | None = None, key: TensorName | None = None,
                  step_id: StepId | None = None) -> OmniPrefixCacheUnmatchError:
         return unmatch(f"cache {self.cache}: {reason}", req_id=req_id, key=key, step_id=step_id)
-
-    def _abandon_step(self, ctx: StepCtx) -> None:
-        """``save_outputs`` failed after it issued ``ctx.step_id``; engine thread, the caller re-raises.
-
-        Frees the step's staging page. On the writer the cache turns sticky-fatal:
-        the step's claim-table stores may be half done and its rows will never
-        land, so a later hit on those slots must raise at once, not wait out
-        ``commit_timeout_s``. A reader only loses this step.
-        """
-        if self.is_writer:
-            self._drop_sources(ctx)
-            self._set_fatal(f"save_outputs of step {ctx.step_id} failed after the step id was issued")
-        with self._lock:  # an asynchronous exception may come after the step was registered
-            self._ctxs.pop(ctx.step_id, None)
-            self._consumed.add(ctx.step_id)  # a later materialize of the id says it is gone
-            if self._pinned.pop(ctx.step_id, None) is not None:
-                for span in ctx.hits.values():
-                    self._pin_count[span.slots] -= 1
-        if ctx.page is not None and self._pages is not None:
-            for hold in ("ctx", "write"):  # each at most once; a hold already released is skipped
-                self._pages.release(ctx.page, hold)
-            ctx.page = None
 
     def _set_fatal(self, reason: str) -> OmniPrefixCacheUnmatchError:
         err = self._unmatch(f"failed write (sticky; recreate the cache): {reason}")

@@ -1,14 +1,19 @@
-"""Step contexts: what ``save_outputs`` snapshots for ``materialize``.
+"""Step contexts: what ``save_outputs`` snapshots for ``materialize``, and their life.
 
 A ``StepCtx`` lives from the save that created its step id until that id is
 consumed; while it lives it pins its hit slots (copy-on-write rescue keeps
 the planned rows if the writer re-claims them) and, on the writer, holds its
 staging page. Owned by the manager; mutated under the manager's state lock.
+``StepLifecycle`` (a mixin of the manager, no state of its own) consumes a
+step id exactly once (``_take_ctx``), releases what its context holds
+(``_release_ctx``), and undoes a save that failed after it issued the id
+(``_abandon_step``).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,3 +52,82 @@ class StepCtx:
     leftover_events: list[Any] = field(default_factory=list)
     prefetched: dict[tuple[ReqId, TensorName], torch.Tensor] = field(default_factory=dict)
     prefetch_done: threading.Event | None = None
+
+
+class StepLifecycle:
+    """Taking, releasing and abandoning step contexts (mixin; all state lives in the manager)."""
+
+    def _wait_step_events(self, ctx: StepCtx) -> None:
+        """materialize waits only the events of the step it reads, then sends the step if still unsent."""
+        if ctx.d2h_event is not None:
+            ctx.d2h_event.synchronize()
+            if ctx.pending_send is not None and self._sender is not None:
+                self._sender.send_now(ctx.pending_send)
+        for event in ctx.leftover_events:
+            event.synchronize()
+
+    def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName) -> torch.Tensor | None:
+        if ctx.prefetch_done is None:
+            return None
+        ctx.prefetch_done.wait(self.config.commit_timeout_s)
+        rows = ctx.prefetched.pop((req, key), None)
+        self.counters["prefetch_used" if rows is not None else "prefetch_dropped"] += 1
+        return rows
+
+    def _check_requests(self, ctx: StepCtx, req_ids: list[ReqId]) -> None:
+        outside = [r for r in req_ids if r not in ctx.spans]
+        if outside:
+            raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
+                                f"batch {list(ctx.req_ids)} (reading the live batch?)", step_id=ctx.step_id)
+
+    def _take_ctx(self, step_id: StepId, what: str, req_ids: list[ReqId] | None = None,
+                  out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]] | None = None) -> StepCtx:
+        """Consume ``step_id`` (exactly once). With ``req_ids`` (and ``out``), refuse requests outside
+        its batch (and wrong buffers) first: a caller bug caught before any work leaves the step id
+        unconsumed."""
+        with self._lock:
+            ctx = self._ctxs.get(step_id) if req_ids is not None else None
+            if ctx is not None:
+                self._check_requests(ctx, req_ids)
+                if out is not None:
+                    self._check_out_buffers(ctx, req_ids, out)
+            ctx = self._ctxs.pop(step_id, None)
+            if ctx is None:
+                reason = "was already consumed" if step_id in self._consumed else "was never saved"
+                raise self._unmatch(f"{what}: step id {step_id} {reason} (each step id is consumed exactly once)",
+                                    step_id=step_id)
+            self._consumed.add(step_id)
+            if len(self._consumed) > 4096:
+                self._consumed = {s for s in self._consumed if s > step_id - 2048}
+            return ctx
+
+    def _release_ctx(self, ctx: StepCtx) -> None:
+        if ctx.hits:  # only steps with hits are pinned (set before the step id was handed out)
+            with self._lock:
+                if self._pinned.pop(ctx.step_id, None) is not None:
+                    for span in ctx.hits.values():
+                        self._pin_count[span.slots] -= 1
+        if ctx.page is not None and self._pages is not None:
+            self._pages.release(ctx.page, "ctx")
+
+    def _abandon_step(self, ctx: StepCtx) -> None:
+        """``save_outputs`` failed after it issued ``ctx.step_id``; engine thread, the caller re-raises.
+
+        Frees the step's staging page. On the writer the cache turns sticky-fatal:
+        the step's claim-table stores may be half done and its rows will never
+        land, so a later hit on those slots must raise at once, not wait out
+        ``commit_timeout_s``. A reader only loses this step.
+        """
+        if self.is_writer:
+            self._drop_sources(ctx)
+            self._set_fatal(f"save_outputs of step {ctx.step_id} failed after the step id was issued")
+        with self._lock:  # an asynchronous exception may come after the step was registered
+            self._ctxs.pop(ctx.step_id, None)
+            self._consumed.add(ctx.step_id)  # a later materialize of the id says it is gone
+            if self._pinned.pop(ctx.step_id, None) is not None:
+                for span in ctx.hits.values():
+                    self._pin_count[span.slots] -= 1
+        if ctx.page is not None and self._pages is not None:
+            for hold in ("ctx", "write"):  # each at most once; a hold already released is skipped
+                self._pages.release(ctx.page, hold)
+            ctx.page = None
