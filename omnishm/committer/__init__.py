@@ -2,7 +2,7 @@
 
 ``python -m omnishm.committer`` / ``omnishm committer`` / ``scripts/launch_committer.sh``.
 Modules: ``start`` (process start, lock, adoption, exit codes), ``config`` (options,
-endpoint policy), ``server`` (ROUTER loop, dispatch, signals), ``pool`` (segments),
+endpoint policy), ``server`` (ROUTER loop, dispatch, signals), ``attach`` (Hello, resume), ``pool`` (segments),
 ``apply`` (``apply_step``), ``meta`` (restart metadata), ``sessions`` (clients,
 liveness), ``metrics``.
 Importing this package is cheap; ``main`` imports the server lazily.

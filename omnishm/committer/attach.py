@@ -1,0 +1,187 @@
+"""How clients attach to the committer: ``Hello`` (a new session) and ``Hello(resume=True)``.
+
+``Attach`` is a mixin of ``Committer`` (``committer/server.py``) and works on
+its state: the ``SessionTable``, the ``CachePool`` and the writer epochs. Loop
+thread only. Every refusal is a ``Refused`` reply naming the reason, counted
+as ``hello_<why>`` in the rejected-message metric; the loop goes on serving
+everyone else. Resumes are how clients survive a committer restart
+(docs/FAULTS.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+
+import msgspec
+
+from omnishm import protocol
+from omnishm.committer.pool import PoolError
+from omnishm.committer.sessions import Session
+from omnishm.versions import MAX_EPOCH
+
+logger = logging.getLogger("omnishm.committer")
+
+_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """repr of a client-supplied value, cut to ``limit`` characters (bad input can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
+_short = short_repr
+
+
+class Attach:
+    """Hello and resume handling (mixin of ``Committer``; all state lives there)."""
+
+    def refuse(self, msg: protocol.Hello, reason: str, counter: str) -> protocol.Refused:
+        self.rejected[f"hello_{counter}"] += 1
+        self.ratelog(logging.WARNING, f"hello_{counter}", "committer %s: refused %s client %s (pid %s): %s",
+                     self.name, _short(msg.role, 20), _short(msg.client_id, 70), msg.pid, reason)
+        return protocol.Refused(rid=msg.rid, reason=reason)
+
+    def on_hello(self, identity: bytes, msg: protocol.Hello) -> msgspec.Struct:
+        if msg.protocol != protocol.PROTOCOL_VERSION:
+            return self.refuse(msg, f"protocol version mismatch: client speaks {msg.protocol}, committer of cache "
+                                    f"{self.name} speaks {protocol.PROTOCOL_VERSION}", "protocol")
+        if msg.cache != self.name:
+            return self.refuse(msg, f"this committer serves cache {self.name!r}, not {_short(msg.cache)}", "cache")
+        if msg.role not in protocol.ROLES:
+            return self.refuse(msg, f"unknown role {_short(msg.role)} (use one of {', '.join(protocol.ROLES)})",
+                               "role")
+        if not _CLIENT_ID_RE.match(msg.client_id):
+            return self.refuse(msg, f"client_id {_short(msg.client_id)} must be 1-64 letters, digits, '_' or '-'",
+                               "client_id")
+        if msg.uid != os.geteuid():
+            return self.refuse(msg, f"client uid {msg.uid} differs from committer uid {os.geteuid()}; "
+                                    f"segments are 0600", "uid")
+        if msg.staging_rows < 0:
+            return self.refuse(msg, f"staging_rows must be >= 0, got {msg.staging_rows}", "staging")
+        if msg.resume:
+            return self.on_resume(identity, msg)  # a resumed writer keeps the staging it has
+        if msg.role == protocol.ROLE_WRITER and msg.staging_rows < 1:
+            return self.refuse(msg, f"staging_rows must be >= 1 for a writer, got {msg.staging_rows}", "staging")
+        previous = self.sessions.get(identity)
+        if previous is not None and (previous.client_id, previous.role) == (msg.client_id, msg.role) \
+                and msg.role != protocol.ROLE_ADMIN:
+            # A retried Hello of the same client (its first reply was slow): keep its staging, answer again.
+            previous.last_seen = time.monotonic()
+            return self.welcome(msg.rid, previous)
+        if previous is not None:  # same socket says Hello again as someone else: start over
+            self.detach(previous, "re-hello")
+        if msg.role == protocol.ROLE_WRITER and self.sessions.writer is not None:
+            w = self.sessions.writer
+            return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid})",
+                               "second_writer")
+        if msg.role != protocol.ROLE_ADMIN:
+            if msg.layout is not None:
+                mismatch = self.pool.layout_mismatch(msg.layout)
+                if mismatch is not None:
+                    return self.refuse(msg, f"layout mismatch: {mismatch}", "layout")
+                try:
+                    self.pool.set_layout(msg.layout)
+                except PoolError as exc:
+                    return self.refuse(msg, exc.message, exc.code)
+            elif self.pool.layout is None:
+                return self.refuse(msg, f"cache {self.name} has no layout yet; the first client must send one",
+                                   "no_layout")
+        now = time.monotonic()
+        session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
+                          attached_at=now, last_seen=now, staging_rows=msg.staging_rows)
+        if self.sessions.by_client(msg.client_id) is not None:  # admins too: detach acts on the client_id
+            return self.refuse(msg, f"client_id {msg.client_id} is already attached on another socket "
+                                    f"(resume with Hello(resume=True) to move it)", "duplicate_client")
+        if msg.role == protocol.ROLE_WRITER:
+            try:
+                for state in self.pool.keys.values():
+                    self.pool.ensure_staging(msg.client_id, state, msg.staging_rows)
+            except PoolError as exc:
+                self.pool.drop_client(msg.client_id)
+                return self.refuse(msg, exc.message, exc.code)
+            except (OSError, ValueError, OverflowError) as exc:
+                self.pool.drop_client(msg.client_id)
+                return self.refuse(msg, f"cannot create staging segments: {exc}", "no_space")
+            if self.epoch >= MAX_EPOCH:
+                self.pool.drop_client(msg.client_id)
+                return self.refuse(msg, f"cache {self.name} used all {MAX_EPOCH} writer epochs; recreate it",
+                                   "epochs")
+            self.epoch += 1  # never handed out again, even when refused below
+            session.epoch = self.epoch
+            if not self.pool.set_writer_epoch(self.epoch, msg.client_id):
+                self.pool.drop_client(msg.client_id)
+                return self.refuse(msg, f"cache {self.name} cannot record this writer's epoch in its metadata (see "
+                                        f"the committer log); a restart could hand the epoch out again", "meta")
+        self.sessions.add(session)
+        logger.log(logging.DEBUG if msg.role == protocol.ROLE_ADMIN else logging.INFO,
+                   "committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
+                   f", epoch {session.epoch}" if session.epoch else "")
+        return self.welcome(msg.rid, session)
+
+    def welcome(self, rid: int, session: Session, resumed: bool = False) -> protocol.Welcome:
+        staging_of = session.client_id if session.role == protocol.ROLE_WRITER else None
+        return protocol.Welcome(
+            rid=rid, client_id=session.client_id, generation=self.generation, epoch=session.epoch,
+            control=self.pool.ctl_seg.name if self.pool.ctl_seg else "", layout=self.pool.current_layout(),
+            keys=[self.pool.key_segments(s, staging_of) for s in self.pool.keys.values()],
+            heartbeat_s=self.cfg.heartbeat_s, heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
+            committer_pid=os.getpid(), resumed=resumed, instance=self.instance)
+
+    def on_resume(self, identity: bytes, msg: protocol.Hello) -> msgspec.Struct:
+        """A client that lost its committer re-attaches: same client_id, generation, epoch and staging.
+
+        The session (live on an old socket, or a placeholder of an adopted
+        writer) moves to this socket. Refused, with the reason, when this
+        committer does not hold the client's cache generation (the restart
+        could not adopt it), the layout differs, or a writer's session or
+        staging is gone (reaped).
+        """
+        if msg.resume_generation != self.generation:
+            return self.refuse(msg, f"cannot resume: this committer of cache {self.name} holds generation "
+                                    f"{self.generation}, the client was attached to generation "
+                                    f"{_short(msg.resume_generation, 20)}; the restarted committer did not adopt it "
+                                    f"(its clients had all gone, or its metadata was unusable: see the committer "
+                                    f"log), so every unacknowledged write is lost", "resume_generation")
+        if msg.layout is not None:
+            mismatch = self.pool.layout_mismatch(msg.layout)
+            if mismatch is not None:
+                return self.refuse(msg, f"cannot resume: layout mismatch: {mismatch}", "layout")
+        now = time.monotonic()
+        session = self.sessions.by_client(msg.client_id)
+        if session is not None and session.role != msg.role:
+            return self.refuse(msg, f"cannot resume: client {msg.client_id} was a {session.role}, not a "
+                                    f"{_short(msg.role, 20)}", "resume_role")
+        if msg.role == protocol.ROLE_WRITER:
+            if session is None:
+                why = self.sessions.reaped_ids.get(msg.client_id, "unknown to this committer")
+                return self.refuse(msg, f"cannot resume writer {msg.client_id}: its session was {why}; its staging "
+                                        f"segments are gone", "resume_unknown")
+            if msg.resume_epoch != session.epoch:
+                return self.refuse(msg, f"cannot resume writer {msg.client_id}: epoch {msg.resume_epoch} != "
+                                        f"{session.epoch}", "resume_epoch")
+            have = self.pool.staging_names(msg.client_id)
+            # The client may lack a name it never got (the committer died before the KeyOpened reply).
+            if not set(msg.resume_staging) <= set(have):
+                return self.refuse(msg, f"cannot resume writer {msg.client_id}: staging "
+                                        f"{_short(sorted(msg.resume_staging), 200)} != {sorted(have)}",
+                                   "resume_staging")
+        previous = self.sessions.get(identity)
+        if previous is not None and previous is not session:
+            self.detach(previous, "re-hello")
+        if session is None:  # a reader or admin: no state to recover, attach afresh
+            session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
+                              attached_at=now, last_seen=now)
+            self.sessions.add(session)
+            self.sessions.resumed += 1
+        else:
+            self.sessions.rekey(session, identity, now)
+            session.pid = msg.pid
+        if session.role == protocol.ROLE_WRITER:
+            self.pool.set_writer_epoch(session.epoch, session.client_id)
+        logger.info("committer %s: %s client %s resumed (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
+                    f", epoch {session.epoch}" if session.epoch else "")
+        return self.welcome(msg.rid, session, resumed=True)
