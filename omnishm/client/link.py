@@ -171,7 +171,7 @@ class CommitterLink:
         self._thread = threading.Thread(target=self._run, name=f"omnishm-link-{cache}", daemon=True)
         self._thread.start()
         try:
-            self.welcome = self._hello(layout, staging_rows, autostart, connect_timeout_s)
+            self.welcome = self._hello(connect_timeout_s)
             self._hold_liveness_lock(self.welcome)
         except BaseException:
             self._shutdown_thread()
@@ -329,17 +329,13 @@ class CommitterLink:
 
     # ------------------------------------------------------------ attach
 
-    def _hello(self, layout: P.Layout | None, staging_rows: int, autostart: bool, timeout_s: float) -> P.Welcome:
+    def _hello(self, timeout_s: float) -> P.Welcome:
         deadline = time.monotonic() + timeout_s
         while True:
-            # Again (at most every 5 s) while nothing holds the cache lock: the committer this client
-            # started may have lost the lock to another rank's, which then exited before this Hello
-            # reached it (nobody had attached to it, and the rank that started it was gone).
-            if autostart and self.endpoint.startswith("ipc://") and time.monotonic() - self._last_autostart > 5.0 \
-                    and not shm.cache_is_live(self.runtime_dir, self.cache):
-                shm.ensure_runtime_dir(self.runtime_dir)
-                self._last_autostart = time.monotonic()
-                start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint)
+            # Again while nothing holds the cache lock: the committer this client started may have lost
+            # the lock to another rank's, which then exited before this Hello reached it (nobody had
+            # attached to it, and the rank that started it was gone).
+            self._autostart_if_down(time.monotonic())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise OmniPrefixCacheCommitterError(
@@ -347,7 +343,7 @@ class CommitterLink:
                     f"start one with `scripts/launch_committer.sh --name {self.cache}` or pass autostart=True")
             fut = self.submit(lambda rid: self._hello_msg(rid, resume=False))
             try:
-                reply = fut.result(timeout=min(remaining, 2.0 if autostart else remaining))
+                reply = fut.result(timeout=min(remaining, 2.0 if self._autostart else remaining))
             except TimeoutError:
                 with self._plock:
                     self._pending.clear()
@@ -356,6 +352,15 @@ class CommitterLink:
                 return reply
             reason = reply.reason if isinstance(reply, P.Refused) else f"{reply.code}: {reply.message}"
             raise OmniPrefixCacheCommitterError(f"cache {self.cache}: committer refused this {self.role}: {reason}")
+
+    def _autostart_if_down(self, now: float) -> None:
+        """Start an embedded committer when this link may (``autostart``, an ipc endpoint), nothing holds
+        the cache lock, and the last start was over 5 s ago (a start under load takes seconds)."""
+        if self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0 \
+                and not shm.cache_is_live(self.runtime_dir, self.cache):
+            shm.ensure_runtime_dir(self.runtime_dir)
+            self._last_autostart = now
+            start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint)
 
     def _hello_msg(self, rid: int, resume: bool) -> P.Hello:
         welcome = getattr(self, "welcome", None)
@@ -587,10 +592,7 @@ class CommitterLink:
             return
         if now < self._attempt_deadline:
             return
-        if self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0 \
-                and not shm.cache_is_live(self.runtime_dir, self.cache):
-            self._last_autostart = now
-            start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint)
+        self._autostart_if_down(now)
         self._new_socket()
         self.stats["resume_attempts"] += 1
         self._hello_rid = next(self._rids)

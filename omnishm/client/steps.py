@@ -104,11 +104,16 @@ class StepLifecycle:
     def _release_ctx(self, ctx: StepCtx) -> None:
         if ctx.hits:  # only steps with hits are pinned (set before the step id was handed out)
             with self._lock:
-                if self._pinned.pop(ctx.step_id, None) is not None:
-                    for span in ctx.hits.values():
-                        self._pin_count[span.slots] -= 1
+                self._unpin_locked(ctx)
         if ctx.page is not None and self._pages is not None:
             self._pages.release(ctx.page, "ctx")
+
+    def _unpin_locked(self, ctx: StepCtx) -> None:
+        """State lock held: the step's hit slots are no longer planned reads (copy-on-write stops
+        watching them). At most once per step: only the step that ``_pinned`` still holds unpins."""
+        if self._pinned.pop(ctx.step_id, None) is not None:
+            for span in ctx.hits.values():
+                self._pin_count[span.slots] -= 1
 
     def _abandon_step(self, ctx: StepCtx) -> None:
         """``save_outputs`` failed after it issued ``ctx.step_id``; engine thread, the caller re-raises.
@@ -124,9 +129,7 @@ class StepLifecycle:
         with self._lock:  # an asynchronous exception may come after the step was registered
             self._ctxs.pop(ctx.step_id, None)
             self._consumed.add(ctx.step_id)  # a later materialize of the id says it is gone
-            if self._pinned.pop(ctx.step_id, None) is not None:
-                for span in ctx.hits.values():
-                    self._pin_count[span.slots] -= 1
+            self._unpin_locked(ctx)
         if ctx.page is not None and self._pages is not None:
             for hold in ("ctx", "write"):  # each at most once; a hold already released is skipped
                 self._pages.release(ctx.page, hold)

@@ -27,13 +27,10 @@ logger = logging.getLogger("omnishm.committer")
 _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def short_repr(value: object, limit: int = 80) -> str:
+def _short(value: object, limit: int = 80) -> str:
     """repr of a client-supplied value, cut to ``limit`` characters (bad input can be megabytes)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
-
-
-_short = short_repr
 
 
 class Attach:
