@@ -27,6 +27,7 @@ from omnishm import protocol, shm
 from omnishm.committer import meta
 from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, CachePool
 
+from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
 from helpers import RawClient, Writer, unpack
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
@@ -363,3 +364,18 @@ def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp
     while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not shm.cache_is_live(runtime, name) and shm.list_segments(name) == []
+
+
+def test_sigterm_during_start_up_stops_cleanly(committer_factory):
+    """A SIGTERM sent as soon as the cache lock exists (start-up, before the loop serves) exits 0 and leaves nothing.
+
+    Without ``start.EarlyStop`` the default action killed the process there: exit -15 and a stale lock file.
+    """
+    for _ in range(3):
+        handle = committer_factory(wait=False)
+        lock = shm.lock_path(RUNTIME_DIR, handle.name)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not lock.exists():  # busy poll: the window after the lock is a few milliseconds
+            assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+        assert_clean_stop(handle)
+        assert "stopped (SIGTERM)" in handle.log(), handle.log()

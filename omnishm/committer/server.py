@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -42,6 +43,9 @@ from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTE
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
 from omnishm.versions import MAX_STEP, make_cv
+
+if TYPE_CHECKING:
+    from omnishm.committer.start import EarlyStop
 
 logger = logging.getLogger("omnishm.committer")
 
@@ -158,13 +162,22 @@ class Committer(Attach):
         self.stopping = True
         self.stop_reason = signal.Signals(signum).name
 
-    def run(self) -> int:
+    def run(self, early_stop: "EarlyStop | None" = None) -> int:
+        """Serve until a signal or an idle exit; returns ``EXIT_OK``. Main thread.
+
+        ``early_stop``: a signal that came during start-up (``start.EarlyStop``)
+        stops the loop before its first poll; read after this loop's own
+        handlers are installed, so no signal falls between the two.
+        """
         assert self.sock is not None
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
         wake_w.setblocking(False)
         old_fd = signal.set_wakeup_fd(wake_w.fileno())
         old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        if early_stop is not None and early_stop.reason:
+            self.stopping = True
+            self.stop_reason = early_stop.reason
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)

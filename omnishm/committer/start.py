@@ -10,8 +10,10 @@ every segment it made and removes its autostart log (``client/committer_process.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -67,10 +69,43 @@ def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.Genera
     return None, None
 
 
+class EarlyStop:
+    """SIGTERM or SIGINT that arrives before the loop runs (lock taken, segments being made).
+
+    Installed first thing in ``main``: without it the default action kills the
+    process between taking the lock and serving, leaving the lock file and
+    whatever segments it made. The signal is only remembered; ``Committer.run``
+    reads it once its own handlers are in place and stops at once, through the
+    same cleanup as any stop. Main thread only.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.reason = self.reason or signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run a committer in the foreground. Returns 0 on a clean stop, 2 when it refuses to start."""
+    """Run a committer in the foreground. Returns 0 on a clean stop (a signal during start-up included),
+    2 when it refuses to start."""
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    early = EarlyStop()
+    try:
+        return _start(args, early)
+    finally:
+        early.restore()
+
+
+def _start(args: argparse.Namespace, early: EarlyStop) -> int:
     try:
         shm.check_cache_name(args.name)
         runtime_dir = shm.ensure_runtime_dir(args.runtime_dir)
@@ -116,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             code = EXIT_REFUSED
         else:
             served = True
-            code = committer.run()
+            code = committer.run(early_stop=early)
     except zmq.ZMQError as exc:
         print(f"omnishm committer: cannot bind {cfg.endpoint}: {exc}", file=sys.stderr)
         code = EXIT_REFUSED
