@@ -331,11 +331,11 @@ def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp
     holds the lock, instead of waiting out connect_timeout_s on a dead endpoint."""
     from conftest import unique_cache_name
     from manager_helpers import small_config
-    from omnishm.client import OmniPrefixCacheManager, link as link_mod
+    from omnishm.client import OmniPrefixCacheManager, attach as attach_mod
 
     name = unique_cache_name("relock")
     runtime = tmp_path / "rt"
-    real_start = link_mod.start_committer
+    real_start = attach_mod.start_committer  # looked up there at call time (_autostart_if_down)
     started: list[int] = []
 
     def start_while_another_holds_the_lock(cache, runtime_dir, **kw):
@@ -353,7 +353,7 @@ def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp
         started.append(proc.pid)
         return proc
 
-    monkeypatch.setattr(link_mod, "start_committer", start_while_another_holds_the_lock)
+    monkeypatch.setattr(attach_mod, "start_committer", start_while_another_holds_the_lock)
     m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=runtime,
                                connect_timeout_s=60.0)
     try:

@@ -25,30 +25,22 @@ every heartbeat; zombie or a new process under the pid counts as gone), or
 (c) the committer answers ``no_session`` (a restarted committer that does not
 know this socket, or we were reaped).
 
-Losing the committer is not yet an error. The link keeps every request that
-was never answered together with its encoded bytes, and for up to
-``reconnect_timeout_s`` opens a fresh socket and sends ``Hello(resume=True)``
-with the same client id, generation, epoch and staging segment names. When a
-committer (the restarted one, which adopted the cache's segments) welcomes the
-session back, every unanswered request except heartbeats is re-sent in its
-original order: re-applying a ``StepWrite`` is idempotent (rows land only
-where the claim table still holds the descriptor's claim version, and the
-staging page is held until the acknowledgement). When no committer resumes
-the session in time, or one refuses (it could not adopt the cache, or the
-writer was reaped), the link is dead: every pending future and every later
-``submit`` fails with ``OmniPrefixCacheCommitterError`` naming the reason.
-Nothing waits forever: a round trip is bounded by its timeout, a lost
-committer by ``heartbeat_timeout_s + reconnect_timeout_s``.
+Losing the committer is not yet an error: the link resumes the session
+(``Hello(resume=True)`` on a fresh socket, then every unanswered request but
+heartbeats is re-sent) for up to ``reconnect_timeout_s``, and only then is it
+dead, failing every pending future and every later ``submit`` with
+``OmniPrefixCacheCommitterError``. Nothing waits forever: a round trip is
+bounded by its timeout, a lost committer by ``heartbeat_timeout_s +
+reconnect_timeout_s``.
 
-While attached, the link holds ``flock(LOCK_SH)`` on the cache's control
-segment: a restarting committer adopts a cache only while some client holds
-it (``omnishm.committer.meta``).
+Attaching (the first ``Hello``, autostart-if-down), resuming and the liveness
+lock on the control segment are ``client/attach.py`` (``LinkAttach``, a mixin
+of ``CommitterLink``); this module is the transport.
 """
 
 from __future__ import annotations
 
 import collections
-import fcntl
 import itertools
 import logging
 import os
@@ -62,20 +54,16 @@ from pathlib import Path
 from typing import Callable
 
 import msgspec
-import posix_ipc
 import zmq
 
 from omnishm import protocol as P
 from omnishm import paths, shm
-from omnishm.client.committer_process import proc_identity, start_committer
+from omnishm.client.attach import CONNECTED, DEAD, RECONNECTING, LinkAttach
+from omnishm.client.committer_process import proc_identity
 from omnishm.interface import OmniPrefixCacheCommitterError
-from omnishm.versions import cv_step
 
 logger = logging.getLogger(__name__)
 
-CONNECTED = "connected"
-RECONNECTING = "reconnecting"
-DEAD = "dead"
 RECONNECT_TIMEOUT_ENV = "OMNISHM_RECONNECT_TIMEOUT_S"
 MAX_IN_FLIGHT = 256
 """Unanswered requests a link allows at once; a caller past it waits for room. The committer's
@@ -94,7 +82,7 @@ class _Pending:
     """A quiet StepWrite's acknowledgement marker (``CTL_ACKED_STEP``); 0 for every other request."""
 
 
-class CommitterLink:
+class CommitterLink(LinkAttach):
     """A session with one committer.
 
     Thread-safe: ``request`` and ``submit`` may be called from any thread.
@@ -198,7 +186,8 @@ class CommitterLink:
         send: a reply its send hid from ``ZMQ_FD`` waits for the I/O thread's
         next poll tick (at most a quarter of a heartbeat period), unless the
         caller that waits for the step calls ``wake_if_replied``. A resume does
-        not re-send it once the word shows it applied (``_on_resume_reply``).
+        not re-send it once the word shows it applied (``_on_resume_reply``,
+        ``client/attach.py``).
         """
         if bounded and len(self._pending) >= MAX_IN_FLIGHT:
             self._wait_for_room()
@@ -327,70 +316,6 @@ class CommitterLink:
     def state(self) -> str:
         return self._state
 
-    # ------------------------------------------------------------ attach
-
-    def _hello(self, timeout_s: float) -> P.Welcome:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            # Again while nothing holds the cache lock: the committer this client started may have lost
-            # the lock to another rank's, which then exited before this Hello reached it (nobody had
-            # attached to it, and the rank that started it was gone).
-            self._autostart_if_down(time.monotonic())
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise OmniPrefixCacheCommitterError(
-                    f"cache {self.cache}: no committer answered at {self.endpoint} within {timeout_s:.1f}s; "
-                    f"start one with `scripts/launch_committer.sh --name {self.cache}` or pass autostart=True")
-            fut = self.submit(lambda rid: self._hello_msg(rid, resume=False))
-            try:
-                reply = fut.result(timeout=min(remaining, 2.0 if self._autostart else remaining))
-            except TimeoutError:
-                with self._plock:
-                    self._pending.clear()
-                continue
-            if isinstance(reply, P.Welcome):
-                return reply
-            reason = reply.reason if isinstance(reply, P.Refused) else f"{reply.code}: {reply.message}"
-            raise OmniPrefixCacheCommitterError(f"cache {self.cache}: committer refused this {self.role}: {reason}")
-
-    def _autostart_if_down(self, now: float) -> None:
-        """Start an embedded committer when this link may (``autostart``, an ipc endpoint), nothing holds
-        the cache lock, and the last start was over 5 s ago (a start under load takes seconds)."""
-        if self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0 \
-                and not shm.cache_is_live(self.runtime_dir, self.cache):
-            shm.ensure_runtime_dir(self.runtime_dir)
-            self._last_autostart = now
-            start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint)
-
-    def _hello_msg(self, rid: int, resume: bool) -> P.Hello:
-        welcome = getattr(self, "welcome", None)
-        return P.Hello(
-            rid=rid, protocol=P.PROTOCOL_VERSION, client_id=self.client_id, pid=os.getpid(), uid=os.geteuid(),
-            role=self.role, cache=self.cache, layout=self._layout, staging_rows=self._staging_rows, resume=resume,
-            resume_generation=welcome.generation if resume and welcome else "",
-            resume_epoch=welcome.epoch if resume and welcome else 0,
-            resume_staging=sorted(self._staging_names) if resume else [])
-
-    def _adopt_welcome(self, welcome: P.Welcome) -> None:
-        self._heartbeat_s = welcome.heartbeat_s
-        self._heartbeat_timeout_s = self._heartbeat_timeout_override or welcome.heartbeat_timeout_s
-        self._committer_ident = proc_identity(welcome.committer_pid)
-        self._last_heard = time.monotonic()
-        self._staging_names.update(k.staging for k in welcome.keys if k.staging)
-
-    def _hold_liveness_lock(self, welcome: P.Welcome) -> None:
-        """Shared flock on the control segment while attached: tells a restarting committer to adopt."""
-        if not welcome.control or self._live_fd >= 0:
-            return
-        try:
-            seg = posix_ipc.SharedMemory(welcome.control, 0, read_only=True)
-        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError) as exc:
-            logger.warning("cache %s: cannot hold the liveness lock on %s (%s): a committer restart will not "
-                           "adopt the cache for this client", self.cache, welcome.control, exc)
-            return
-        fcntl.flock(seg.fd, fcntl.LOCK_SH)  # a starting committer holds LOCK_EX only for a probe
-        self._live_fd = seg.fd
-
     # ------------------------------------------------------------ internals
 
     def _wake(self) -> None:
@@ -427,9 +352,7 @@ class CommitterLink:
         self._fail_all("client link closed")
         self._wake_r.close()
         self._wake_w.close()
-        if self._live_fd >= 0:
-            os.close(self._live_fd)
-            self._live_fd = -1
+        self._release_liveness_lock()
 
     def _fail_all(self, reason: str) -> None:
         with self._slock:
@@ -561,91 +484,3 @@ class CommitterLink:
         reply = fut.result()
         if isinstance(reply, P.HeartbeatAck):
             self.readers = reply.readers
-
-    # ------------------------------------------------------------ losing and resuming the committer
-
-    def _lost(self, reason: str) -> None:
-        """I/O thread: the committer is gone or forgot us; start resuming (bounded by reconnect_timeout_s)."""
-        if self._state != CONNECTED:
-            return
-        now = time.monotonic()
-        self.stats["committer_lost"] += 1
-        with self._slock:
-            self._state = RECONNECTING
-        self._lost_reason = reason
-        self._reconnect_deadline = now + self.reconnect_timeout_s
-        self._attempt_deadline = 0.0
-        logger.warning("cache %s: committer at %s lost (%s); resuming for up to %.1fs", self.cache, self.endpoint,
-                       reason, self.reconnect_timeout_s)
-        with self._plock:
-            beats = [rid for rid, e in self._pending.items() if not e.resend]
-            dropped = [self._pending.pop(rid) for rid in beats]
-            self._made_room()
-        for entry in dropped:
-            entry.fut.set_exception(OmniPrefixCacheCommitterError(f"cache {self.cache}: heartbeat lost"))
-
-    def _reconnect_step(self, now: float) -> None:
-        if now >= self._reconnect_deadline:
-            self._go_dead(f"cache {self.cache}: committer at {self.endpoint} lost ({self._lost_reason}) and no "
-                          f"committer resumed client {self.client_id} within reconnect_timeout_s="
-                          f"{self.reconnect_timeout_s:.1f}s; its unacknowledged requests failed")
-            return
-        if now < self._attempt_deadline:
-            return
-        self._autostart_if_down(now)
-        self._new_socket()
-        self.stats["resume_attempts"] += 1
-        self._hello_rid = next(self._rids)
-        with self._slock:
-            assert self._sock is not None
-            self._sock.send(P.encode(self._hello_msg(self._hello_rid, resume=True)))
-        self._attempt_deadline = min(now + max(1.0, 2 * self._heartbeat_s), self._reconnect_deadline)
-
-    def _on_resume_reply(self, reply: msgspec.Struct) -> None:
-        if not isinstance(reply, P.Welcome):
-            reason = reply.reason if isinstance(reply, P.Refused) else getattr(reply, "message", repr(reply))
-            self._go_dead(f"cache {self.cache}: committer at {self.endpoint} was lost ({self._lost_reason}) and the "
-                          f"committer now there refused to resume client {self.client_id}: {reason}")
-            return
-        self.welcome = reply
-        self._adopt_welcome(reply)
-        resent = 0
-        applied: list[tuple[int, _Pending]] = []
-        # Under _slock: a caller's submit either landed in _pending before this snapshot (and is
-        # re-sent here) or sees CONNECTED afterwards and sends it itself, never both.
-        with self._slock:
-            with self._plock:
-                # A quiet step the word shows applied (by the lost committer) is settled here, never
-                # re-sent: its writer may settle it from the word any time and reuse its staging page,
-                # and a re-sent copy would then be applied from the reused page. Read under _plock, the
-                # lock of the writer's own settle; the word only grows, and after this read it reaches
-                # a re-sent step's marker only when that step is applied again.
-                try:
-                    acked = self.acked_marker() if self.acked_marker is not None else 0
-                except Exception:  # never leave the link half resumed; re-sending is the old behaviour
-                    logger.exception("cache %s: cannot read the acknowledgement word", self.cache)
-                    acked = 0
-                for rid in sorted(self._pending):
-                    entry = self._pending[rid]
-                    if 0 < entry.marker <= acked:
-                        applied.append((rid, self._pending.pop(rid)))
-                entries = [self._pending[rid] for rid in sorted(self._pending)]
-                if applied:
-                    self._made_room()
-            self._state = CONNECTED
-            self._outbox.clear()
-            assert self._sock is not None
-            for entry in entries:
-                if entry.resend:
-                    entry.sent_at = time.monotonic()
-                    self._sock.send(entry.data)
-                    resent += 1
-        for rid, entry in applied:
-            if not entry.fut.done():
-                entry.fut.set_result(P.StepDone(rid=rid, step=cv_step(entry.marker), done_tids=b""))
-        self.stats["reconnects"] += 1
-        self.stats["resent"] += resent
-        self.stats["settled_on_resume"] += len(applied)
-        logger.warning("cache %s: session resumed with committer pid %d (generation %s); re-sent %d unacknowledged "
-                       "request(s), settled %d step(s) the lost committer had applied", self.cache,
-                       reply.committer_pid, reply.generation, resent, len(applied))

@@ -15,7 +15,7 @@ length and JSON body; a reader takes the valid slot with the highest sequence.
 A committer SIGKILLed in the middle of a write leaves the previous slot intact.
 
 Client liveness: every client holds ``flock(LOCK_SH)`` on the control
-segment's fd for as long as it is attached (``omnishm.client.link``). The
+segment's fd for as long as it is attached (``omnishm.client.attach``). The
 kernel drops it when the client dies. A starting committer probes it with
 ``LOCK_EX|LOCK_NB``: refused means a client is still attached, so the cache
 is adopted; granted means nobody is left, so the cache is swept.
