@@ -2,16 +2,71 @@
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import queue
+import signal
+import sys
 import time
 from typing import Any, Callable
 
 from omnishm.demo.rank import RankOptions, RankResult, run_rank
 
+_PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 10.0
 
-def _rank_main(rank: int, opts: RankOptions, progress: Any, results: Any, barrier: Any) -> None:
-    results.put(run_rank(rank, opts, progress, barrier).to_dict())
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so a ``with`` block's
+    cleanup (a manager's shutdown, the ranks' stop) runs instead of the process dying where it stands."""
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _interrupt_once() -> None:
+    """In a rank, the first SIGINT or SIGTERM raises ``KeyboardInterrupt``; later ones are ignored, so the
+    shutdown the first one started (the last acknowledgement, the Goodbye) runs to its end. Ctrl-C reaches
+    the ranks and the demo together, and the demo's ``RankGroup.stop`` then sends SIGTERM."""
+    fired: list[int] = []
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        if not fired:
+            fired.append(signum)
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+
+
+def _die_with_parent(parent: int) -> None:
+    """The kernel sends this rank SIGTERM when the demo dies, even by SIGKILL (Linux only), so no rank
+    outlives it holding the cache; a parent already gone means stopping now."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        raise KeyboardInterrupt("the demo is gone")
+
+
+def _rank_main(rank: int, opts: RankOptions, progress: Any, results: Any, barrier: Any,
+               parent: int | None = None) -> None:
+    """A rank process's entry point. Interrupted (Ctrl-C, SIGTERM, its parent gone), it leaves quietly:
+    the manager's ``with`` block has shut the client down by then, and no result is reported."""
+    try:
+        _interrupt_once()
+        if parent is not None:
+            _die_with_parent(parent)
+        results.put(run_rank(rank, opts, progress, barrier).to_dict())
+    except KeyboardInterrupt:
+        # Progress nobody will read must not hold the exit: with the demo gone its pipe may never drain.
+        for q in (progress, results):
+            if q is not None:
+                q.cancel_join_thread()
 
 
 class RankGroup:
@@ -23,8 +78,9 @@ class RankGroup:
         self.progress = self.ctx.Queue() if with_progress else None
         self.results = self.ctx.Queue()
         self.barrier = self.ctx.Barrier(opts.tp) if opts.lockstep else None
-        self.procs = [self.ctx.Process(target=_rank_main, args=(r, opts, self.progress, self.results, self.barrier),
-                                       name=f"omnishm-rank{r}", daemon=True) for r in range(opts.tp)]
+        self.procs = [self.ctx.Process(target=_rank_main, name=f"omnishm-rank{r}", daemon=True,
+                                       args=(r, opts, self.progress, self.results, self.barrier, os.getpid()))
+                      for r in range(opts.tp)]
 
     def start(self) -> "RankGroup":
         for p in self.procs:
@@ -55,6 +111,19 @@ class RankGroup:
         for r in range(len(self.procs)):
             got.setdefault(r, RankResult(rank=r, role="writer" if r == 0 else "reader", failure="timed out"))
         return [got[r] for r in range(len(self.procs))]
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Interrupt every rank still running (SIGTERM: each shuts its manager down) and reap them;
+        one that does not stop within ``timeout_s`` is killed."""
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if p.is_alive():
+                p.kill()
+                p.join()
 
     def _pump(self, on_progress: Callable[[int, int, int], None] | None) -> None:
         if self.progress is None:

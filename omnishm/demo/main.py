@@ -13,7 +13,7 @@ import sys
 import time
 
 from omnishm import shm
-from omnishm.demo.launch import RankGroup
+from omnishm.demo.launch import RankGroup, stop_on_sigterm
 from omnishm.demo.rank import RankOptions, RankResult
 
 
@@ -101,7 +101,16 @@ def cli_main(args: argparse.Namespace) -> int:
         sys.stderr.write(("\r" + line) if tty else (line + "\n"))
         sys.stderr.flush()
 
-    results = RankGroup(opts).start().wait(args.timeout_s, on_progress)
+    stop_on_sigterm()
+    group = RankGroup(opts)
+    try:
+        results = group.start().wait(args.timeout_s, on_progress)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the ranks, let the committer go, report what is left
+        group.stop()
+        leaked = _wait_for_cleanup(opts)
+        print(f"\nomnishm demo: interrupted; ranks stopped, leaked segments {len(leaked)}"
+              + (f": {leaked}" if leaked else ""), file=sys.stderr)
+        return 130
     if not args.json and tty:
         sys.stderr.write("\n")
     leaked = _wait_for_cleanup(opts)

@@ -1,0 +1,67 @@
+"""``omnishm demo`` stopped from outside: its ranks and their embedded committer go, and nothing is left.
+
+Real processes throughout: the demo spawns its rank processes, rank 0 or 1 autostarts the committer (in
+this session's runtime dir, inherited through ``OMNISHM_RUNTIME_DIR``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from omnishm import shm
+
+from conftest import RUNTIME_DIR, unique_cache_name
+
+SMALL = ("--tp", "2", "--duration-s", "120", "--num-blocks", "64", "--block-size", "8",
+         "--max-batched-tokens", "64", "--hidden-size", "32", "--mm-width", "8")
+START_TIMEOUT_S = 60.0
+GONE_TIMEOUT_S = 30.0
+
+
+def _start_demo(name: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "omnishm", "demo", "--name", name, *SMALL],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    # Serving: the writer's staging segments exist once its Hello was welcomed.
+    while not any(".stage." in s for s in shm.list_segments(name)):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the demo's writer never attached"
+        time.sleep(0.05)
+    return proc
+
+
+def _ours_running(name: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", f"--name {name}"], capture_output=True, text=True).stdout.split()
+    return [pid for pid in out if int(pid) != os.getpid()]
+
+
+def _wait_gone(name: str) -> None:
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while _ours_running(name) or shm.list_segments(name) or any(RUNTIME_DIR.glob(f"{name}.*")):
+        assert time.monotonic() < deadline, (f"left after {GONE_TIMEOUT_S}s: processes {_ours_running(name)}, "
+                                             f"segments {shm.list_segments(name)}, "
+                                             f"files {sorted(RUNTIME_DIR.glob(f'{name}.*'))}")
+        time.sleep(0.05)
+
+
+def test_sigterm_stops_the_demo_its_ranks_and_their_committer():
+    name = unique_cache_name("demo")
+    proc = _start_demo(name)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=GONE_TIMEOUT_S)[0]
+    assert proc.returncode == 130, out
+    assert "interrupted; ranks stopped, leaked segments 0" in out, out
+    assert "Traceback" not in out, out
+    _wait_gone(name)
+
+
+def test_ranks_die_with_a_killed_demo_and_leave_nothing():
+    name = unique_cache_name("demo")
+    proc = _start_demo(name)
+    proc.kill()
+    proc.communicate(timeout=GONE_TIMEOUT_S)
+    _wait_gone(name)  # the ranks got SIGTERM from the kernel (PR_SET_PDEATHSIG), the committer exited idle
