@@ -76,8 +76,9 @@ def no_leaks():
     yield
     leaked_segs = sorted(s for s in set(shm.list_segments()) - before_segs
                          if _ours(shm.parse_segment_name(s)[0]) and shm.parse_segment_name(s)[0] not in SHARED_CACHES)
-    leaked_files = sorted(f for f in set(os.listdir(RUNTIME_DIR)) - before_files
-                          if _cache_of_file(f) not in SHARED_CACHES)
+    # After an interrupt pytest_sessionfinish may have removed the runtime dir before this teardown.
+    now_files = set(os.listdir(RUNTIME_DIR)) if RUNTIME_DIR.is_dir() else set()
+    leaked_files = sorted(f for f in now_files - before_files if _cache_of_file(f) not in SHARED_CACHES)
     for seg in leaked_segs:
         shm.unlink_segment(seg)
     for f in leaked_files:
@@ -147,7 +148,14 @@ def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: b
         try:
             wait_ready(handle)
         except BaseException:
-            handle.stop(signal.SIGKILL)
+            # SIGTERM first: a committer still starting cleans up after itself (start.EarlyStop); one
+            # that does not stop in a few seconds is killed, and its leftovers fail the leak check.
+            handle.proc.send_signal(signal.SIGTERM)
+            try:
+                handle.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                handle.proc.kill()
+                handle.proc.wait()
             raise
     return handle
 

@@ -127,3 +127,27 @@ def test_killing_a_reader_leaves_the_writer_and_the_other_reader_working(committ
         assert r.failure is None and r.mismatches == 0 and set(r.errors) <= {"reused"}, r
         assert r.steps == 120
     assert results[0].errors == {}
+
+
+def test_a_reader_waiting_for_a_step_the_writer_never_publishes_stops_once_the_writer_left(committer_factory):
+    """The writer says goodbye after step 0; the reader, one step ahead, is told within a heartbeat or so,
+    instead of waiting out commit_timeout_s (60 s here) for a step that cannot come."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
+    config = cfg(commit_timeout_s=60.0)
+    step0 = [started("a", [0, 1])]
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    try:
+        with OmniPrefixCacheManager(config, cache=handle.name, autostart=False) as w:
+            w.new_step_starts(step0)
+            w.materialize(save(w, [Part("a", 1, [0, 1], 0, 8)], BS), ["a"])
+            r.new_step_starts(step0)
+            out = r.materialize(save(r, [Part("a", 1, [0, 1], 0, 8)], BS), ["a"])
+            assert torch.equal(out.hidden_states["a"], rows(1, range(8)))
+        r.new_step_starts([finished("a"), started("b", [2])])
+        ahead = save(r, [Part("b", 2, [2], 0, 4)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError,
+                           match=r"writer left the cache \(goodbye, or reaped\) before publishing step 1 "
+                                 r"\(published 0\).*step_id=1"):
+            r.materialize(ahead, ["b"])
+    finally:
+        r.shutdown()

@@ -118,6 +118,12 @@ class CommitterLink(LinkAttach):
         """``committer_lost``, ``reconnects``, ``resent`` (requests re-sent after a resume), ``resume_attempts``,
         ``settled_on_resume`` (quiet steps the lost committer had applied, not re-sent)."""
         self.readers = 0
+        self.heartbeats_sent = 0
+        """Heartbeats the I/O thread has sent (its own counter; any thread may read it)."""
+        self.writer_ack: tuple[int, bool] = (0, False)
+        """``(n, writer)`` of the latest ``HeartbeatAck``: heartbeat number ``n`` (``heartbeats_sent`` once it
+        was sent) found a writer attached, or not. Set by the I/O thread as one tuple; read by any thread
+        (``ReadSide._writer_left``)."""
         self.acked_marker: Callable[[], int] | None = None
         """Reads ``CTL_ACKED_STEP`` (set by a writer's manager): a resume does not re-send quiet steps
         the word shows applied. Any thread."""
@@ -408,6 +414,8 @@ class CommitterLink(LinkAttach):
                         fut = self.submit(lambda rid: P.Heartbeat(rid=rid, counters=counters), bounded=False)
                     except OmniPrefixCacheCommitterError:
                         continue
+                    self.heartbeats_sent += 1
+                    fut.beat = self.heartbeats_sent  # type: ignore[attr-defined]
                     fut.add_done_callback(self._on_heartbeat)
                     if self._committer_ident is not None and \
                             proc_identity(self.welcome.committer_pid) != self._committer_ident:
@@ -484,3 +492,6 @@ class CommitterLink(LinkAttach):
         reply = fut.result()
         if isinstance(reply, P.HeartbeatAck):
             self.readers = reply.readers
+            beat = getattr(fut, "beat", 0)
+            if beat > self.writer_ack[0]:
+                self.writer_ack = (beat, reply.writer)

@@ -182,8 +182,14 @@ class ReadSide:
 
     def _read_committed(self, kv: KeyViews, slots: torch.Tensor, out: torch.Tensor, key: TensorName,
                         req: ReqId, step_id: StepId) -> None:
-        """Reader: wait until the writer's rows for ``slots`` landed, copy, validate (seqlock)."""
+        """Reader: wait until the writer's rows for ``slots`` landed, copy, validate (seqlock).
+
+        Raises ``OmniPrefixCacheUnmatchError`` for absent or reused rows, and
+        for rows that did not land within ``commit_timeout_s`` or whose writer
+        left the cache first (``_writer_left``).
+        """
         deadline = time.monotonic() + self.config.commit_timeout_s
+        since = self._writer_mark()
         while True:
             epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
             claim = kv.claim[slots].clone()
@@ -201,20 +207,52 @@ class ReadSide:
                     return
                 raise self._unmatch("slot reused while reading it", req_id=req, key=key, step_id=step_id)
             self._check_usable()
-            if time.monotonic() > deadline:
-                raise self._unmatch(f"hit rows not committed within {self.config.commit_timeout_s:.1f}s",
-                                    req_id=req, key=key, step_id=step_id)
+            left = self._writer_left(since)
+            if left or time.monotonic() > deadline:
+                if left and bool((kv.commit[slots] == claim).all()):
+                    continue  # landed before the writer left: read it on the next pass
+                raise self._unmatch("hit rows not committed " + (
+                    "before their writer left the cache (goodbye, or reaped)" if left
+                    else f"within {self.config.commit_timeout_s:.1f}s"), req_id=req, key=key, step_id=step_id)
             time.sleep(_POLL_S)
 
     def _wait_published(self, step_id: StepId) -> None:
+        """Reader, any thread: wait until the writer published ``step_id`` (its claims are in the table).
+
+        Raises ``OmniPrefixCacheUnmatchError`` after ``commit_timeout_s``, or
+        as soon as the writer that was attached when the wait began has left
+        the cache without publishing it (``_writer_left``): nothing will.
+        """
         deadline = time.monotonic() + self.config.commit_timeout_s
+        since = self._writer_mark()
         while int(self._ctl[P.CTL_PUBLISHED_STEP]) < step_id:
             self._check_usable()
-            if time.monotonic() > deadline:
-                raise self._unmatch(f"writer did not publish step {step_id} within "
-                                    f"{self.config.commit_timeout_s:.1f}s (published "
-                                    f"{int(self._ctl[P.CTL_PUBLISHED_STEP])})", step_id=step_id)
+            left = self._writer_left(since)
+            if left or time.monotonic() > deadline:
+                published = int(self._ctl[P.CTL_PUBLISHED_STEP])  # published, then left: it counts
+                if published >= step_id:
+                    return
+                why = "left the cache (goodbye, or reaped) before publishing" if left else "did not publish"
+                raise self._unmatch(f"writer {why} step {step_id}"
+                                    + ("" if left else f" within {self.config.commit_timeout_s:.1f}s")
+                                    + f" (published {published})", step_id=step_id)
             time.sleep(_POLL_S)
+
+    def _writer_mark(self) -> tuple[int, int] | None:
+        """Where a wait begins: (the writer epoch, heartbeats sent so far), or None while no writer ever
+        attached (a reader may start first: then only the timeout ends the wait)."""
+        epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
+        return (epoch, self._link.heartbeats_sent) if epoch else None
+
+    def _writer_left(self, since: tuple[int, int] | None) -> bool:
+        """True once a heartbeat sent after ``since`` was answered with no writer attached, the writer of
+        ``since``'s epoch still the last one: it left (goodbye, or reaped) and its unpublished steps and
+        unsent rows will never come. Heartbeats come every ``heartbeat_s``, so this is seen within about
+        one period. Any thread."""
+        if since is None:
+            return False
+        beat, writer = self._link.writer_ack
+        return beat > since[1] and not writer and int(self._ctl[P.CTL_WRITER_EPOCH]) == since[0]
 
     def _prefetch(self, ctx: StepCtx) -> None:
         """Reader, prefetch thread: copy a step's hit rows as soon as the writer published them.

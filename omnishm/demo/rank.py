@@ -207,7 +207,7 @@ def _verify_pool(m: Any, last_hash: dict[int, int], width: int) -> tuple[int, in
 
 def _error_kind(exc: Exception) -> str:
     text = str(exc)
-    for kind in ("reused", "absent", "not committed", "did not publish", "did not land"):
+    for kind in ("reused", "absent", "not committed", "did not publish", "writer left", "did not land"):
         if kind in text:
             return kind
     return type(exc).__name__
