@@ -151,3 +151,30 @@ def test_a_reader_waiting_for_a_step_the_writer_never_publishes_stops_once_the_w
             r.materialize(ahead, ["b"])
     finally:
         r.shutdown()
+
+
+def test_a_reader_waiting_for_hit_rows_that_never_land_stops_once_the_writer_left(committer_factory):
+    """The writer claims and publishes steps 0 and 1 but their rows are never sent (as if it died right
+    after the claims), then leaves. A reader's hit on those rows is refused as soon as it sees the writer gone, not
+    after commit_timeout_s (60 s here), and names why."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
+    config = cfg(commit_timeout_s=60.0)
+    step0 = [started("a", [0, 1])]
+    step1 = [finished("a"), started("b", [0, 2], hit=4)]
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    try:
+        with OmniPrefixCacheManager(config, cache=handle.name, autostart=False) as w:
+            w._send_step = lambda *args, **kw: None  # claimed and published, never sent
+            w.new_step_starts(step0)
+            w.discard_step(save(w, [Part("a", 1, [0, 1], 0, 8)], BS))
+            w.new_step_starts(step1)
+            w.discard_step(save(w, [Part("b", 1, [0, 2], 4, 2)], BS))
+        r.new_step_starts(step0)
+        r.discard_step(save(r, [Part("a", 1, [0, 1], 0, 8)], BS))
+        r.new_step_starts(step1)
+        hit = save(r, [Part("b", 1, [0, 2], 4, 2)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError,
+                           match=r"hit rows not committed before their writer left the cache.*'b'.*step_id=1"):
+            r.materialize(hit, ["b"])
+    finally:
+        r.shutdown()
