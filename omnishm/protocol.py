@@ -147,6 +147,8 @@ class Welcome(msgspec.Struct, tag="welcome"):
     resumed: bool = False
     instance: str = ""
     """Id of the committer process (its generation is the cache's, kept across an adopting restart)."""
+    writer_epoch: int = 0
+    """Epoch of the writer attached at this welcome (0: none; a writer's own welcome names itself)."""
 
 
 class Refused(msgspec.Struct, tag="refused"):
@@ -173,6 +175,9 @@ class HeartbeatAck(msgspec.Struct, tag="heartbeat_ack"):
     rid: int
     readers: int = 0
     writer: bool = False
+    writer_epoch: int = 0
+    """Epoch of the writer attached when this heartbeat was answered (0: none); readers use it to see
+    their writer leave (``ReadSide._writer_left``)."""
 
 
 class StatusReply(msgspec.Struct, tag="status_reply"):

@@ -65,3 +65,13 @@ def test_ranks_die_with_a_killed_demo_and_leave_nothing():
     proc.kill()
     proc.communicate(timeout=GONE_TIMEOUT_S)
     _wait_gone(name)  # the ranks got SIGTERM from the kernel (PR_SET_PDEATHSIG), the committer exited idle
+
+
+def test_stopping_a_rank_group_interrupted_before_all_ranks_started():
+    """A signal may land in the middle of ``RankGroup.start``: ``stop`` skips the ranks never started."""
+    from omnishm.demo.launch import RankGroup
+    from omnishm.demo.rank import RankOptions
+
+    group = RankGroup(RankOptions(cache=unique_cache_name("demo"), tp=2, steps=1, autostart=False))
+    group.stop()  # none started: nothing to stop, nothing raised
+    assert all(p.pid is None for p in group.procs)

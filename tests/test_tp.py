@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -178,3 +180,60 @@ def test_a_reader_waiting_for_hit_rows_that_never_land_stops_once_the_writer_lef
             r.materialize(hit, ["b"])
     finally:
         r.shutdown()
+
+
+def test_a_reader_waits_for_a_writer_that_attaches_after_the_previous_writer_left(committer_factory):
+    """The cache's previous writer left (its epoch is still in the control segment); a reader starts
+    waiting for step 0 before the next writer attaches. Heartbeats answered "no writer" meanwhile must
+    not end the wait: the new writer's rows are served once it publishes them."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
+    config = cfg(commit_timeout_s=60.0)
+    OmniPrefixCacheManager(config, cache=handle.name, autostart=False).shutdown()  # epoch 1 attached and left
+    step0 = [started("a", [0, 1])]
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    got: list = []
+    try:
+        r.new_step_starts(step0)
+        sid = save(r, [Part("a", 1, [0, 1], 0, 8)], BS)
+        first = r._link.heartbeats_sent
+        reader = threading.Thread(target=lambda: got.append(_outcome(lambda: r.materialize(sid, ["a"]))))
+        reader.start()
+        deadline = time.monotonic() + 30
+        while r._link.writer_ack[0] < first + 2:  # two answers "no writer" while the reader waits
+            assert reader.is_alive(), got
+            assert time.monotonic() < deadline, "no heartbeat answered"
+            time.sleep(0.01)
+        with OmniPrefixCacheManager(config, cache=handle.name, autostart=False) as w:
+            w.new_step_starts(step0)
+            w.materialize(save(w, [Part("a", 1, [0, 1], 0, 8)], BS), ["a"])
+            reader.join(60)
+        assert not reader.is_alive()
+        assert torch.equal(got[0].hidden_states["a"], rows(1, range(8))), got
+    finally:
+        r.shutdown()
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as exc:  # the test reports what the reader got, value or error
+        return exc
+
+
+def test_a_rank_stopped_by_sigterm_is_reported_at_once_and_the_others_finish(committer_factory):
+    """SIGTERM to one rank: it shuts its client down and exits 143 (128 + SIGTERM) without a result, so
+    ``RankGroup.wait`` reports it when it exits rather than after its whole timeout; the others finish."""
+    group = RankGroup(rank_opts(committer_factory().name, tp=2, lockstep=False, steps=120))
+    group.start()
+    stopped = []
+
+    def on_progress(rank: int, steps: int, _mismatches: int) -> None:
+        if rank == 1 and steps >= 20 and not stopped:
+            os.kill(group.procs[1].pid, signal.SIGTERM)
+            stopped.append(steps)
+
+    results = group.wait(600, on_progress)
+    assert stopped
+    assert group.procs[1].exitcode == 128 + signal.SIGTERM
+    assert results[1].failure == f"process exited with {128 + signal.SIGTERM}", results[1]
+    assert results[0].failure is None and results[0].mismatches == 0 and results[0].steps == 120, results[0]

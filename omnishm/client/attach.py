@@ -119,6 +119,8 @@ class LinkAttach:
         self._committer_ident = proc_identity(welcome.committer_pid)
         self._last_heard = time.monotonic()
         self._staging_names.update(k.staging for k in welcome.keys if k.staging)
+        # What the committer saw as this welcome was made, as if a heartbeat had just been answered.
+        self.writer_ack = (self.heartbeats_sent, welcome.writer_epoch)
 
     def _hold_liveness_lock(self, welcome: P.Welcome) -> None:
         """Shared flock on the control segment while attached: tells a restarting committer to adopt."""

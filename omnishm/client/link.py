@@ -120,10 +120,10 @@ class CommitterLink(LinkAttach):
         self.readers = 0
         self.heartbeats_sent = 0
         """Heartbeats the I/O thread has sent (its own counter; any thread may read it)."""
-        self.writer_ack: tuple[int, bool] = (0, False)
-        """``(n, writer)`` of the latest ``HeartbeatAck``: heartbeat number ``n`` (``heartbeats_sent`` once it
-        was sent) found a writer attached, or not. Set by the I/O thread as one tuple; read by any thread
-        (``ReadSide._writer_left``)."""
+        self.writer_ack: tuple[int, int] = (0, 0)
+        """``(n, epoch)`` of the latest ``HeartbeatAck``: heartbeat number ``n`` (``heartbeats_sent`` counts it
+        before it is sent) found the writer of ``epoch`` attached (0: none). Set by the I/O thread as one
+        tuple; read by any thread (``ReadSide._writer_left``)."""
         self.acked_marker: Callable[[], int] | None = None
         """Reads ``CTL_ACKED_STEP`` (set by a writer's manager): a resume does not re-send quiet steps
         the word shows applied. Any thread."""
@@ -407,15 +407,19 @@ class CommitterLink(LinkAttach):
                     continue
                 if not self._welcomed or self._state != CONNECTED:
                     continue
+                next_beat = min(next_beat, now + self._heartbeat_s)  # the period the Welcome set, from the first
                 if now >= next_beat:
                     next_beat = now + self._heartbeat_s
                     counters = {**self.counters, **{f"link_{k}": float(v) for k, v in self.stats.items()}}
+                    # Counted before it is sent: a wait that starts once the beat is on the wire must not
+                    # take its answer (which may predate the wait) for a later one.
+                    self.heartbeats_sent += 1
+                    beat = self.heartbeats_sent
                     try:
                         fut = self.submit(lambda rid: P.Heartbeat(rid=rid, counters=counters), bounded=False)
                     except OmniPrefixCacheCommitterError:
                         continue
-                    self.heartbeats_sent += 1
-                    fut.beat = self.heartbeats_sent  # type: ignore[attr-defined]
+                    fut.beat = beat  # type: ignore[attr-defined]
                     fut.add_done_callback(self._on_heartbeat)
                     if self._committer_ident is not None and \
                             proc_identity(self.welcome.committer_pid) != self._committer_ident:
@@ -494,4 +498,4 @@ class CommitterLink(LinkAttach):
             self.readers = reply.readers
             beat = getattr(fut, "beat", 0)
             if beat > self.writer_ack[0]:
-                self.writer_ack = (beat, reply.writer)
+                self.writer_ack = (beat, reply.writer_epoch if reply.writer else 0)

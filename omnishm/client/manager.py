@@ -129,6 +129,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._epoch = welcome.epoch
         self._ctl_seg = Segment.attach(welcome.control, readonly=not self.is_writer)
         self._ctl = self._ctl_seg.tensor(torch.int64, (P.CTL_WORDS,))
+        self._epoch_at_attach = int(self._ctl[P.CTL_WRITER_EPOCH])
+        """Writer epoch in the control segment right after this client attached: a larger one later is a
+        writer that attached after it (epochs only grow), see ``ReadSide._writer_mark``."""
         if self.is_writer:
             # The same words as plain ints: a store or load per step, no torch or numpy dispatch.
             self._ctl_mv = memoryview(self._ctl.numpy())

@@ -239,20 +239,25 @@ class ReadSide:
             time.sleep(_POLL_S)
 
     def _writer_mark(self) -> tuple[int, int] | None:
-        """Where a wait begins: (the writer epoch, heartbeats sent so far), or None while no writer ever
-        attached (a reader may start first: then only the timeout ends the wait)."""
+        """Where a wait begins: (the writer's epoch, heartbeats sent so far) when that writer is known to
+        have been attached: the latest heartbeat answer (or the Welcome) saw it, or it attached after this
+        client did (a larger epoch than at attach). Else None, and only the timeout ends the wait: no
+        writer yet (a reader may start first), or the cache's previous writer left and the next one is
+        on its way (its epoch stays in the control segment until the next one attaches)."""
         epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
-        return (epoch, self._link.heartbeats_sent) if epoch else None
+        _, seen = self._link.writer_ack
+        known = epoch and (seen == epoch or epoch > self._epoch_at_attach)
+        return (epoch, self._link.heartbeats_sent) if known else None
 
     def _writer_left(self, since: tuple[int, int] | None) -> bool:
-        """True once a heartbeat sent after ``since`` was answered with no writer attached, the writer of
-        ``since``'s epoch still the last one: it left (goodbye, or reaped) and its unpublished steps and
-        unsent rows will never come. Heartbeats come every ``heartbeat_s``, so this is seen within about
-        one period. Any thread."""
+        """True once a heartbeat sent after ``since`` was answered without the writer of ``since``'s epoch
+        (none, or another one): it left (goodbye, or reaped; a reaped writer cannot resume) and its
+        unpublished steps and unsent rows will never come. Heartbeats come every ``heartbeat_s``, so this
+        is seen within about one period. Any thread."""
         if since is None:
             return False
-        beat, writer = self._link.writer_ack
-        return beat > since[1] and not writer and int(self._ctl[P.CTL_WRITER_EPOCH]) == since[0]
+        beat, epoch = self._link.writer_ack
+        return beat > since[1] and epoch != since[0]
 
     def _prefetch(self, ctx: StepCtx) -> None:
         """Reader, prefetch thread: copy a step's hit rows as soon as the writer published them.

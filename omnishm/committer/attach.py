@@ -126,7 +126,8 @@ class Attach:
             control=self.pool.ctl_seg.name if self.pool.ctl_seg else "", layout=self.pool.current_layout(),
             keys=[self.pool.key_segments(s, staging_of) for s in self.pool.keys.values()],
             heartbeat_s=self.cfg.heartbeat_s, heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
-            committer_pid=os.getpid(), resumed=resumed, instance=self.instance)
+            committer_pid=os.getpid(), resumed=resumed, instance=self.instance,
+            writer_epoch=self.sessions.writer.epoch if self.sessions.writer is not None else 0)
 
     def on_resume(self, identity: bytes, msg: protocol.Hello) -> msgspec.Struct:
         """A client that lost its committer re-attaches: same client_id, generation, epoch and staging.

@@ -341,8 +341,9 @@ class Committer(Attach):
             return self.on_step_write(session, msg)
         if isinstance(msg, protocol.Heartbeat):
             self._take_counters(session, msg.counters)
-            return protocol.HeartbeatAck(rid=msg.rid, readers=self.sessions.readers(),
-                                         writer=self.sessions.writer is not None)
+            writer = self.sessions.writer
+            return protocol.HeartbeatAck(rid=msg.rid, readers=self.sessions.readers(), writer=writer is not None,
+                                         writer_epoch=writer.epoch if writer is not None else 0)
         if isinstance(msg, protocol.OpenKey):
             return self.on_open_key(session, msg)
         if isinstance(msg, protocol.StatusRequest):

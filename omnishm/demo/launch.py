@@ -17,19 +17,21 @@ _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10.0
 
 
-def stop_on_sigterm() -> None:
+def stop_on_sigterm() -> Any:
     """SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so a ``with`` block's
-    cleanup (a manager's shutdown, the ranks' stop) runs instead of the process dying where it stands."""
+    cleanup (a manager's shutdown, the ranks' stop) runs instead of the process dying where it stands.
+    Returns the previous handler."""
     def interrupt(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt("SIGTERM")
 
-    signal.signal(signal.SIGTERM, interrupt)
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
-def _interrupt_once() -> None:
+def _interrupt_once() -> list[int]:
     """In a rank, the first SIGINT or SIGTERM raises ``KeyboardInterrupt``; later ones are ignored, so the
     shutdown the first one started (the last acknowledgement, the Goodbye) runs to its end. Ctrl-C reaches
-    the ranks and the demo together, and the demo's ``RankGroup.stop`` then sends SIGTERM."""
+    the ranks and the demo together, and the demo's ``RankGroup.stop`` then sends SIGTERM. Returns the
+    list the signal that fired goes into."""
     fired: list[int] = []
 
     def interrupt(signum: int, _frame: Any) -> None:
@@ -39,6 +41,7 @@ def _interrupt_once() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
+    return fired
 
 
 def _die_with_parent(parent: int) -> None:
@@ -55,10 +58,12 @@ def _die_with_parent(parent: int) -> None:
 
 def _rank_main(rank: int, opts: RankOptions, progress: Any, results: Any, barrier: Any,
                parent: int | None = None) -> None:
-    """A rank process's entry point. Interrupted (Ctrl-C, SIGTERM, its parent gone), it leaves quietly:
-    the manager's ``with`` block has shut the client down by then, and no result is reported."""
+    """A rank process's entry point. Interrupted (Ctrl-C, SIGTERM, its parent gone), it leaves without a
+    traceback and without a result, exit code 128 + the signal (the manager's ``with`` block has shut the
+    client down by then), so ``RankGroup.wait`` reports it at once."""
+    fired: list[int] = []
     try:
-        _interrupt_once()
+        fired = _interrupt_once()
         if parent is not None:
             _die_with_parent(parent)
         results.put(run_rank(rank, opts, progress, barrier).to_dict())
@@ -67,6 +72,7 @@ def _rank_main(rank: int, opts: RankOptions, progress: Any, results: Any, barrie
         for q in (progress, results):
             if q is not None:
                 q.cancel_join_thread()
+        sys.exit(128 + (fired[0] if fired else int(signal.SIGTERM)))
 
 
 class RankGroup:
@@ -115,11 +121,12 @@ class RankGroup:
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Interrupt every rank still running (SIGTERM: each shuts its manager down) and reap them;
         one that does not stop within ``timeout_s`` is killed."""
-        for p in self.procs:
+        started = [p for p in self.procs if p.pid is not None]  # an interrupt may come in the middle of start()
+        for p in started:
             if p.is_alive():
                 p.terminate()
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
+        for p in started:
             p.join(timeout=max(deadline - time.monotonic(), 0.1))
             if p.is_alive():
                 p.kill()

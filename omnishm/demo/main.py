@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -101,16 +102,26 @@ def cli_main(args: argparse.Namespace) -> int:
         sys.stderr.write(("\r" + line) if tty else (line + "\n"))
         sys.stderr.flush()
 
-    stop_on_sigterm()
-    group = RankGroup(opts)
+    previous_int = signal.getsignal(signal.SIGINT)
+    previous = stop_on_sigterm()
+    group: RankGroup | None = None
     try:
+        group = RankGroup(opts)
         results = group.start().wait(args.timeout_s, on_progress)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the ranks, let the committer go, report what is left
-        group.stop()
+        # The cleanup is bounded (STOP_TIMEOUT_S, then _wait_for_cleanup's timeout): a second signal
+        # must not cut it short, or the report of what was left would be lost.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        if group is not None:
+            group.stop()
         leaked = _wait_for_cleanup(opts)
         print(f"\nomnishm demo: interrupted; ranks stopped, leaked segments {len(leaked)}"
               + (f": {leaked}" if leaked else ""), file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGTERM, previous)
     if not args.json and tty:
         sys.stderr.write("\n")
     leaked = _wait_for_cleanup(opts)
