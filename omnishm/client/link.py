@@ -497,5 +497,7 @@ class CommitterLink(LinkAttach):
         if isinstance(reply, P.HeartbeatAck):
             self.readers = reply.readers
             beat = getattr(fut, "beat", 0)
-            if beat > self.writer_ack[0]:
+            # A committer of an earlier release reports a writer without its epoch: that answer says
+            # nothing about which writer, so it is not taken (no wait then ends early on its account).
+            if beat > self.writer_ack[0] and (reply.writer_epoch or not reply.writer):
                 self.writer_ack = (beat, reply.writer_epoch if reply.writer else 0)
