@@ -151,6 +151,12 @@ def test_a_reader_waiting_for_a_step_the_writer_never_publishes_stops_once_the_w
                            match=r"writer left the cache \(goodbye, or reaped\) before publishing step 1 "
                                  r"\(published 0\).*step_id=1"):
             r.materialize(ahead, ["b"])
+        # Every later wait too, the heartbeat answers saying "no writer" by now (a soak found each later
+        # step waiting out the whole timeout).
+        r.new_step_starts([finished("b"), started("c", [3])])
+        further = save(r, [Part("c", 3, [3], 0, 4)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"writer left the cache.*step 2 .*step_id=2"):
+            r.materialize(further, ["c"])
     finally:
         r.shutdown()
 
@@ -237,3 +243,32 @@ def test_a_rank_stopped_by_sigterm_is_reported_at_once_and_the_others_finish(com
     assert group.procs[1].exitcode == 128 + signal.SIGTERM
     assert results[1].failure == f"process exited with {128 + signal.SIGTERM}", results[1]
     assert results[0].failure is None and results[0].mismatches == 0 and results[0].steps == 120, results[0]
+
+
+def test_a_reader_that_saw_its_writer_leave_refuses_every_later_step_at_once(committer_factory):
+    """The reader attached while the writer was attached (its Welcome named the writer), then heartbeat
+    answers said "no writer": each later wait still ends at the next answer, not after commit_timeout_s
+    (60 s here). A soak found every step after the first waiting out the whole timeout."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
+    config = cfg(commit_timeout_s=60.0)
+    step0 = [started("a", [0, 1])]
+    w = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    try:
+        for m in (w, r):
+            m.new_step_starts(step0)
+            m.materialize(save(m, [Part("a", 1, [0, 1], 0, 8)], BS), ["a"])
+        w.shutdown()
+        deadline = time.monotonic() + 30
+        while r._link.writer_ack[1] != 0:  # a heartbeat answer has said "no writer"
+            assert time.monotonic() < deadline, "no heartbeat answered"
+            time.sleep(0.01)
+        for step, req, block in ((1, "b", 2), (2, "c", 3)):
+            r.new_step_starts([started(req, [block])])
+            sid = save(r, [Part(req, step + 1, [block], 0, 4)], BS)
+            with pytest.raises(OmniPrefixCacheUnmatchError,
+                               match=rf"writer left the cache.*before publishing step {step} .*step_id={step}"):
+                r.materialize(sid, [req])
+    finally:
+        w.shutdown()
+        r.shutdown()

@@ -239,14 +239,14 @@ class ReadSide:
             time.sleep(_POLL_S)
 
     def _writer_mark(self) -> tuple[int, int] | None:
-        """Where a wait begins: (the writer's epoch, heartbeats sent so far) when that writer is known to
-        have been attached: the latest heartbeat answer (or the Welcome) saw it, or it attached after this
-        client did (a larger epoch than at attach). Else None, and only the timeout ends the wait: no
-        writer yet (a reader may start first), or the cache's previous writer left and the next one is
-        on its way (its epoch stays in the control segment until the next one attaches)."""
+        """Where a wait begins: (the writer's epoch, heartbeats sent so far) when this reader knows that
+        writer was attached: a heartbeat answer or its Welcome showed it (``writer_seen``, also once it
+        has left: every later wait then ends at the next answer), or it attached after this client did (a
+        larger epoch than at attach). Else None, and only the timeout ends the wait: no writer yet (a
+        reader may start first), or the cache's previous writer left before this reader attached and the
+        next one is on its way (the old epoch stays in the control segment until the next one attaches)."""
         epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
-        _, seen = self._link.writer_ack
-        known = epoch and (seen == epoch or epoch > self._epoch_at_attach)
+        known = epoch and (epoch == self._link.writer_seen or epoch > self._epoch_at_attach)
         return (epoch, self._link.heartbeats_sent) if known else None
 
     def _writer_left(self, since: tuple[int, int] | None) -> bool:
