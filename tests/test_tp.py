@@ -112,16 +112,23 @@ def test_second_writer_is_refused(committer):
             OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False)
 
 
+def signal_rank_at_step(group: RankGroup, rank: int, sig: int, step: int = 20):
+    """(on_progress for ``group.wait``, the list it records into): sends ``sig`` to ``rank`` once it
+    reported ``step`` steps."""
+    sent: list[int] = []
+
+    def on_progress(r: int, steps: int, _mismatches: int) -> None:
+        if r == rank and steps >= step and not sent:
+            os.kill(group.procs[rank].pid, sig)
+            sent.append(steps)
+
+    return on_progress, sent
+
+
 def test_killing_a_reader_leaves_the_writer_and_the_other_reader_working(committer_factory):
     group = RankGroup(rank_opts(committer_factory().name, lockstep=False, steps=120))
     group.start()
-    killed = []
-
-    def on_progress(rank: int, steps: int, _mismatches: int) -> None:
-        if rank == 2 and steps >= 20 and not killed:
-            os.kill(group.procs[2].pid, signal.SIGKILL)
-            killed.append(steps)
-
+    on_progress, killed = signal_rank_at_step(group, 2, signal.SIGKILL)
     results = group.wait(120, on_progress)
     assert killed
     assert results[2].failure is not None
@@ -231,13 +238,7 @@ def test_a_rank_stopped_by_sigterm_is_reported_at_once_and_the_others_finish(com
     ``RankGroup.wait`` reports it when it exits rather than after its whole timeout; the others finish."""
     group = RankGroup(rank_opts(committer_factory().name, tp=2, lockstep=False, steps=120))
     group.start()
-    stopped = []
-
-    def on_progress(rank: int, steps: int, _mismatches: int) -> None:
-        if rank == 1 and steps >= 20 and not stopped:
-            os.kill(group.procs[1].pid, signal.SIGTERM)
-            stopped.append(steps)
-
+    on_progress, stopped = signal_rank_at_step(group, 1, signal.SIGTERM)
     results = group.wait(600, on_progress)
     assert stopped
     assert group.procs[1].exitcode == 128 + signal.SIGTERM

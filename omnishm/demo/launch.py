@@ -17,31 +17,31 @@ _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10.0
 
 
-def stop_on_sigterm() -> Any:
-    """SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C does, so a ``with`` block's
-    cleanup (a manager's shutdown, the ranks' stop) runs instead of the process dying where it stands.
-    Returns the previous handler."""
-    def interrupt(_signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt("SIGTERM")
+class InterruptOnce:
+    """The first SIGINT or SIGTERM raises ``KeyboardInterrupt`` in the main thread; later ones are ignored.
 
-    return signal.signal(signal.SIGTERM, interrupt)
+    So the bounded cleanup the first one started runs to its end instead of
+    the process dying where it stands: a rank's manager shutdown (the last
+    acknowledgement, the Goodbye), the demo's stop of its ranks and its report
+    of what was left. Ctrl-C reaches the ranks and the demo together, and
+    ``RankGroup.stop`` then sends SIGTERM. ``fired`` is the signal once one
+    came (0 before); ``restore`` puts the previous handlers back. Main thread only.
+    """
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-def _interrupt_once() -> list[int]:
-    """In a rank, the first SIGINT or SIGTERM raises ``KeyboardInterrupt``; later ones are ignored, so the
-    shutdown the first one started (the last acknowledgement, the Goodbye) runs to its end. Ctrl-C reaches
-    the ranks and the demo together, and the demo's ``RankGroup.stop`` then sends SIGTERM. Returns the
-    list the signal that fired goes into."""
-    fired: list[int] = []
+    def __init__(self) -> None:
+        self.fired = 0
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
 
-    def interrupt(signum: int, _frame: Any) -> None:
-        if not fired:
-            fired.append(signum)
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if not self.fired:
+            self.fired = signum
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, interrupt)
-    return fired
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -61,9 +61,8 @@ def _rank_main(rank: int, opts: RankOptions, progress: Any, results: Any, barrie
     """A rank process's entry point. Interrupted (Ctrl-C, SIGTERM, its parent gone), it leaves without a
     traceback and without a result, exit code 128 + the signal (the manager's ``with`` block has shut the
     client down by then), so ``RankGroup.wait`` reports it at once."""
-    fired: list[int] = []
+    interrupts = InterruptOnce()
     try:
-        fired = _interrupt_once()
         if parent is not None:
             _die_with_parent(parent)
         results.put(run_rank(rank, opts, progress, barrier).to_dict())
@@ -72,7 +71,7 @@ def _rank_main(rank: int, opts: RankOptions, progress: Any, results: Any, barrie
         for q in (progress, results):
             if q is not None:
                 q.cancel_join_thread()
-        sys.exit(128 + (fired[0] if fired else int(signal.SIGTERM)))
+        sys.exit(128 + (interrupts.fired or int(signal.SIGTERM)))
 
 
 class RankGroup:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 
 from omnishm import shm
-from omnishm.demo.launch import RankGroup, stop_on_sigterm
+from omnishm.demo.launch import InterruptOnce, RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
 
 
@@ -102,17 +101,14 @@ def cli_main(args: argparse.Namespace) -> int:
         sys.stderr.write(("\r" + line) if tty else (line + "\n"))
         sys.stderr.flush()
 
-    previous_int = signal.getsignal(signal.SIGINT)
-    previous = stop_on_sigterm()
+    # A second signal must not cut the bounded cleanup short (STOP_TIMEOUT_S, then _wait_for_cleanup's
+    # timeout), or the report of what was left would be lost.
+    interrupts = InterruptOnce()
     group: RankGroup | None = None
     try:
         group = RankGroup(opts)
         results = group.start().wait(args.timeout_s, on_progress)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the ranks, let the committer go, report what is left
-        # The cleanup is bounded (STOP_TIMEOUT_S, then _wait_for_cleanup's timeout): a second signal
-        # must not cut it short, or the report of what was left would be lost.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
         if group is not None:
             group.stop()
         leaked = _wait_for_cleanup(opts)
@@ -120,8 +116,7 @@ def cli_main(args: argparse.Namespace) -> int:
               + (f": {leaked}" if leaked else ""), file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGINT, previous_int)
-        signal.signal(signal.SIGTERM, previous)
+        interrupts.restore()
     if not args.json and tty:
         sys.stderr.write("\n")
     leaked = _wait_for_cleanup(opts)
