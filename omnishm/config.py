@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -166,7 +167,15 @@ KNOBS: tuple[Knob, ...] = (
     Knob("result_pool_bytes", "int", _pcc_default("result_pool_bytes"),
          "free pre-faulted host memory kept for materialize's results (0: fresh pages every call)",
          scope="client", min=0),
+    Knob("vllm_held_bytes", "int", 1 << 30,
+         "vLLM extension: completed prompts' rows kept for omnishm_take_* (beyond it the oldest are dropped)",
+         scope="client", min=0),
+    Knob("vllm_capture_raw", "bool", False,
+         "vLLM extension: also keep no-hit prompts' rows read from the runner (a check; a second copy)",
+         scope="client"),
 )
+
+VLLM_KNOBS = ("vllm_held_bytes", "vllm_capture_raw")
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 PREFIX_CACHE_KNOBS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
                       "copy_chunk_bytes", "commit_timeout_s", "reconnect_timeout_s", "result_pool_bytes")
@@ -221,9 +230,12 @@ def _typed(knob: Knob, raw: Any) -> Any:
         if isinstance(raw, bool):
             raise ValueError("expected a number")
         try:
-            return float(raw)
+            value = float(raw)
         except (TypeError, ValueError):
             raise ValueError("expected a number") from None
+        if not math.isfinite(value):  # nan passes every bound check, inf makes a deadline that never comes
+            raise ValueError("expected a finite number")
+        return value
     if not isinstance(raw, (str, os.PathLike)):
         raise ValueError("expected a string")
     text = os.fspath(raw)
@@ -358,11 +370,28 @@ class ClientSettings:
     autostart: bool
     connect_timeout_s: float
     prefix_cache: dict[str, Any]
+    vllm: dict[str, Any] = field(default_factory=dict)
+    """The vLLM extension's own knobs (``VLLM_KNOBS``)."""
 
     def manager_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``OmniPrefixCacheManager`` besides the config and role."""
         return {"cache": self.name, "endpoint": self.endpoint, "autostart": self.autostart,
                 "runtime_dir": self.runtime_dir, "connect_timeout_s": self.connect_timeout_s}
+
+
+def manager_connection(**given: Any) -> dict[str, Any]:
+    """``OmniPrefixCacheManager``'s connection arguments (``ClientSettings.manager_kwargs`` names), each one
+    not given (None) filled from ``client_settings()``: ``OMNISHM_*``, the config file, the defaults.
+
+    Reads the environment only when something is missing. Raises ConfigError on a bad value there.
+    """
+    if all(v is not None for v in given.values()):
+        return given
+    filled = client_settings().manager_kwargs()
+    unknown = set(given) - set(filled)
+    if unknown:
+        raise ConfigError(f"manager_connection: {', '.join(sorted(unknown))} not a connection argument")
+    return {k: filled[k] if v is None else v for k, v in given.items()}
 
 
 def client_settings(*, env: Mapping[str, str] | None = None, config_file: str | os.PathLike | None = None,
@@ -375,7 +404,7 @@ def client_settings(*, env: Mapping[str, str] | None = None, config_file: str | 
     v = r.values
     return ClientSettings(name=v["name"], runtime_dir=v["runtime_dir"], endpoint=v["endpoint"],
                           autostart=v["autostart"], connect_timeout_s=v["connect_timeout_s"],
-                          prefix_cache={k: v[k] for k in PREFIX_CACHE_KNOBS})
+                          prefix_cache={k: v[k] for k in PREFIX_CACHE_KNOBS}, vllm={k: v[k] for k in VLLM_KNOBS})
 
 
 def load_prefix_cache_config(num_blocks: int, block_size: int, *, derived: Mapping[str, Any] | None = None,

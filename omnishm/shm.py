@@ -32,11 +32,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import posix_ipc
-import torch
 
 from omnishm.paths import default_runtime_dir, ipc_endpoint, socket_path  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +268,8 @@ class Segment:
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         """A zero-copy view of ``shape`` at byte ``offset``; it keeps the mapping alive."""
+        import torch  # here, not at module scope: the committer's option parsing and lock use this module
+
         numel = 1
         for dim in shape:
             numel *= int(dim)

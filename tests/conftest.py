@@ -148,7 +148,7 @@ def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: b
         try:
             wait_ready(handle)
         except BaseException:
-            # SIGTERM first: a committer still starting cleans up after itself (start.EarlyStop); one
+            # SIGTERM first: a committer still starting cleans up after itself (early_stop.EarlyStop); one
             # that does not stop in a few seconds is killed, and its leftovers fail the leak check.
             handle.proc.send_signal(signal.SIGTERM)
             try:

@@ -19,7 +19,7 @@ def test_bench_quick_json_reports_every_figure_with_reference_and_ratio():
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     doc = json.loads(proc.stdout)
-    assert doc["mode"] == "quick" and doc["errors"] == {}
+    assert doc["mode"] == "quick" and doc["goals_judged"] is False and doc["errors"] == {}
     assert doc["date"] and doc["machine"]["cores"]
     rows = doc["figures"]
     assert {r["figure"] for r in rows} == EXPECTED_FIGURES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,6 +88,19 @@ def test_ping_exit_codes(committer_factory, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         cli.main(["ping", "--timeout-s", "-1"])
     assert exc.value.code == 2 and "must be > 0" in capsys.readouterr().err
+
+
+def test_status_into_a_closed_pipe_exits_without_a_traceback(committer_factory):
+    """``omnishm status | head``: the reader left before the output was written."""
+    handle = committer_factory()
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "omnishm", "status", "--name", handle.name, "--json"], stdout=w,
+                              stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(w)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
 def test_ping_entry_point_exit_status(committer_factory):

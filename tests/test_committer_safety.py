@@ -156,13 +156,14 @@ def test_a_refused_restart_leaves_the_adopted_cache_for_the_next_one(committer_f
 
 def test_a_generation_that_fails_to_adopt_in_any_way_is_logged_and_left_to_the_sweep(monkeypatch, caplog):
     """adopt_live_cache never lets an adoption error stop the committer from starting."""
+    from omnishm.committer import pool as pool_mod
     from omnishm.committer import start
 
     def broken(cls, name, generation, *, prefault=False):
         raise RuntimeError("cannot reshape tensor of 0 elements")
 
     monkeypatch.setattr(start.meta, "live_generations", lambda name: ["0badc0de"])
-    monkeypatch.setattr(start.CachePool, "adopt", classmethod(broken))
+    monkeypatch.setattr(pool_mod.CachePool, "adopt", classmethod(broken))
     name = f"tsafe{uuid.uuid4().hex[:6]}"
     try:
         with caplog.at_level("ERROR", logger="omnishm.committer.start"):
@@ -366,10 +367,33 @@ def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp
     assert not shm.cache_is_live(runtime, name) and shm.list_segments(name) == []
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_sigterm_while_the_committer_imports_stops_cleanly(committer_factory):
+    """A SIGTERM as soon as the committer catches it (before torch is imported, a second of start-up)
+    exits 0 and makes nothing. The catcher used to be installed after that import: exit 143."""
+    handle = committer_factory(wait=False)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _catches(handle.proc.pid, signal.SIGTERM):  # busy poll: the handler is the first thing it installs
+        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+    with open(f"/proc/{handle.proc.pid}/maps") as f:
+        assert "libtorch" not in f.read()  # still ahead of the import (it takes about a second)
+    assert not shm.lock_path(RUNTIME_DIR, handle.name).exists()
+    assert_clean_stop(handle)
+    assert "stopped (SIGTERM) before it started" in handle.log(), handle.log()
+
+
 def test_sigterm_during_start_up_stops_cleanly(committer_factory):
     """A SIGTERM sent as soon as the cache lock exists (start-up, before the loop serves) exits 0 and leaves nothing.
 
-    Without ``start.EarlyStop`` the default action killed the process there: exit -15 and a stale lock file.
+    Without ``early_stop.EarlyStop`` the default action killed the process there: exit -15 and a stale lock file.
     """
     for _ in range(3):
         handle = committer_factory(wait=False)

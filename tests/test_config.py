@@ -68,6 +68,9 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
 @pytest.mark.parametrize("flags,env,file_text,message", [
     ({"heartbeat_s": "fast"}, {}, "", "bad heartbeat_s = 'fast' (from flag --heartbeat-s): expected a number"),
     ({}, {"OMNISHM_HEARTBEAT_S": "0"}, "", "bad heartbeat_s = '0' (from env OMNISHM_HEARTBEAT_S): must be > 0"),
+    ({}, {"OMNISHM_HEARTBEAT_TIMEOUT_S": "nan"}, "", "heartbeat_timeout_s = 'nan' (from env "
+     "OMNISHM_HEARTBEAT_TIMEOUT_S): expected a finite number"),
+    ({"heartbeat_s": "inf"}, {}, "", "expected a finite number"),
     ({}, {"OMNISHM_METRICS_PORT": "70000"}, "", "must be <= 65535"),
     ({}, {"OMNISHM_METRICS_PORT": "1.5"}, "", "expected an integer"),
     ({"metrics_host": "0.0.0.0"}, {}, "", "metrics are served on loopback only"),
@@ -119,3 +122,33 @@ def test_every_knob_is_in_the_readme_table():
     for k in knobs.KNOBS:
         assert f"`{k.env}`" in table and f"`{k.flag}`" in table
     assert {"staging_depth", "metrics_port", "metrics_host", "log_level", "autostart"} <= set(knobs.BY_NAME)
+
+
+def test_a_manager_built_directly_takes_the_connection_knobs_from_the_environment(committer_factory, monkeypatch):
+    """``OmniPrefixCacheManager(config)`` with no connection arguments reads OMNISHM_NAME, OMNISHM_AUTOSTART and
+    OMNISHM_CONNECT_TIMEOUT_S (it used to ignore all but OMNISHM_RUNTIME_DIR); explicit arguments still win."""
+    from conftest import RUNTIME_DIR, unique_cache_name
+    from manager_helpers import small_config
+
+    from omnishm import shm
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.interface import OmniPrefixCacheCommitterError
+
+    absent = unique_cache_name("noenv")
+    monkeypatch.setenv("OMNISHM_NAME", absent)
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setenv("OMNISHM_CONNECT_TIMEOUT_S", "0.5")
+    with pytest.raises(OmniPrefixCacheCommitterError, match=absent):
+        OmniPrefixCacheManager(small_config())
+    assert not shm.lock_path(RUNTIME_DIR, absent).exists() and shm.list_segments(absent) == []  # none started
+
+    handle = committer_factory()
+    monkeypatch.setenv("OMNISHM_NAME", handle.name)
+    with OmniPrefixCacheManager(small_config()) as m:
+        assert m.cache == handle.name
+    monkeypatch.setenv("OMNISHM_CONNECT_TIMEOUT_S", "-1")
+    with pytest.raises(ConfigError, match="OMNISHM_CONNECT_TIMEOUT_S"):
+        OmniPrefixCacheManager(small_config())
+    with OmniPrefixCacheManager(small_config(), cache=handle.name, autostart=False, connect_timeout_s=5.0,
+                                endpoint=handle.endpoint, runtime_dir=RUNTIME_DIR) as m:  # nothing read
+        assert m.cache == handle.name

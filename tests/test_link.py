@@ -7,6 +7,7 @@ outbox path), while the I/O thread receives. Every request gets exactly its own 
 from __future__ import annotations
 
 import threading
+import time
 
 from omnishm import protocol
 from omnishm.client.link import CommitterLink
@@ -54,5 +55,28 @@ def test_callers_on_many_threads_each_get_their_own_replies(committer):
         assert errors == []
         assert answered == [150] * 4 + [1500] * 2
         assert link.dead is None and link.stats["committer_lost"] == 0
+    finally:
+        link.close()
+
+
+def test_a_client_that_went_silent_is_told_so_not_that_the_committer_was_lost(committer_factory):
+    """The link's I/O thread stalls past the committer's heartbeat timeout (here: its socket lock is held, as a
+    frozen process would): the committer reaps the session and refuses the resume. The committer never went
+    away, so the error says this client went silent and names the committer as still running."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_WRITER, endpoint=handle.endpoint, layout=LAYOUT,
+                         staging_rows=8, reconnect_timeout_s=10.0)  # a writer: its staging is gone once reaped
+    try:
+        with link._slock:  # no heartbeat leaves while this is held
+            deadline = time.monotonic() + 10
+            while "reaped after" not in handle.log():
+                assert time.monotonic() < deadline, handle.log()
+                time.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while link.dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.dead is not None
+        assert "this client" in link.dead and "went silent" in link.dead, link.dead
+        assert f"pid {handle.proc.pid}, still running" in link.dead and "reaped" in link.dead, link.dead
     finally:
         link.close()

@@ -195,6 +195,43 @@ def test_a_reader_waiting_for_hit_rows_that_never_land_stops_once_the_writer_lef
         r.shutdown()
 
 
+def test_a_reader_materialize_waits_for_hit_rows_at_most_commit_timeout_s_in_all(committer_factory):
+    """A same-step hit whose rows do not land (the committer is stopped): the reader's materialize raises after
+    commit_timeout_s in all. It used to wait for its prefetch thread, then start a fresh wait of its own: twice
+    the bound (up to three times with the wait for publication)."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    timeout = 2.0
+    w = OmniPrefixCacheManager(cfg(commit_timeout_s=30.0), cache=handle.name, autostart=False)
+    r = None
+    try:
+        w.new_step_starts([started("a", [0])])
+        w.discard_step(save(w, [Part("a", 1, [0], 0, 4)], BS))
+        w.wait_idle()
+        r = OmniPrefixCacheManager(cfg(commit_timeout_s=timeout), cache=handle.name, role="reader", autostart=False)
+        r.new_step_starts([started("a", [0])])
+        r.discard_step(save(r, [Part("a", 1, [0], 0, 4)], BS))
+        events = [started("c", [1]), started("d", [1, 2], hit=4)]  # d hits the block c writes in this step
+        parts = [Part("c", 3, [1], 0, 4), Part("d", 3, [1, 2], 4, 2)]
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            w.new_step_starts(events)
+            sid_w = save(w, parts, BS)
+            r.new_step_starts(events)
+            sid_r = save(r, parts, BS)
+            t0 = time.monotonic()
+            with pytest.raises(OmniPrefixCacheUnmatchError, match=r"hit rows not committed within 2.0s.*'d'"):
+                r.materialize(sid_r, ["d"])
+            took = time.monotonic() - t0
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        assert took < 1.5 * timeout, f"materialize blocked {took:.2f}s with commit_timeout_s={timeout}"
+        assert torch.equal(w.materialize(sid_w, ["d"]).hidden_states["d"], rows(3, range(6)))
+    finally:
+        if r is not None:
+            r.shutdown()
+        w.shutdown()
+
+
 def test_a_reader_waits_for_a_writer_that_attaches_after_the_previous_writer_left(committer_factory):
     """The cache's previous writer left (its epoch is still in the control segment); a reader starts
     waiting for step 0 before the next writer attaches. Heartbeats answered "no writer" meanwhile must

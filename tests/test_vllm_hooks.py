@@ -108,7 +108,7 @@ class FakeV1Runner:
 def hooks(committer, monkeypatch):
     monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
     runner = FakeV1Runner()
-    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name, capture_raw=True)
     h.install()
     yield h, runner
     h.uninstall()
@@ -162,5 +162,37 @@ def test_the_hooks_attach_to_the_cache_named_by_omnishm_name(committer, monkeypa
     try:
         step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
         assert h.stats()["cache"] == committer.name and h.stats()["saves"] == 1
+    finally:
+        h.uninstall()
+
+
+def test_completed_rows_are_held_within_the_bound_and_raw_rows_only_when_asked(committer, monkeypatch):
+    """Nobody calls omnishm_take_*: the hooks keep at most OMNISHM_VLLM_HELD_BYTES of completed rows, the oldest
+    dropped first and counted; raw rows are kept only with OMNISHM_VLLM_CAPTURE_RAW."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    one = rows(1, range(8)).numel() * 4  # one completed 8-token prompt (float32 rows)
+    monkeypatch.setenv("OMNISHM_VLLM_HELD_BYTES", str(2 * one))
+    runner = FakeV1Runner()
+    h = OmniPrefixCacheRunnerHooks(runner)
+    assert h.capture_raw is False and h.held_bytes == 2 * one
+    h.install()
+    try:
+        for i, r in enumerate(("A", "B", "C")):
+            step(runner, so(new=[(r, 8, 0, [2 * i, 2 * i + 1])], finished=["A", "B"][:i][-1:], counts={r: 8}))
+        stats = h.stats()
+        assert stats["results_dropped"] == 1 and stats["held_bytes"] == 2 * one and stats["raw_requests"] == 0
+        res = h.take_results()
+        assert sorted(res) == ["B", "C"] and torch.equal(res["C"][0], rows(1, range(8)))
+        assert h.stats()["held_bytes"] == 0 and h.take_raw() == {}
+    finally:
+        h.uninstall()
+    monkeypatch.setenv("OMNISHM_VLLM_CAPTURE_RAW", "1")
+    runner = FakeV1Runner()
+    h = OmniPrefixCacheRunnerHooks(runner)
+    h.install()
+    try:
+        step(runner, so(new=[("D", 8, 0, [8, 9])], counts={"D": 8}))
+        assert torch.equal(h.take_raw()["D"], rows(1, range(8))) and "D" in h.take_results()
     finally:
         h.uninstall()

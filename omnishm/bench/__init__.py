@@ -1,8 +1,9 @@
 """``omnishm bench``: every figure next to its reference measured in the same run.
 
 ``omnishm bench [--quick] [--json] [--only 1,2,...]``. ``--quick`` shrinks every
-geometry so the whole run takes seconds (CI); the normal run takes a few
-minutes on a 2-core machine. Each figure is a median over repeated runs with
+geometry so the whole run takes seconds (CI): it checks that every figure runs,
+and its ratios are not judged against the goals (``goals_judged`` false in the
+JSON); the normal run takes a few minutes on a 2-core machine. Each figure is a median over repeated runs with
 its spread (min..max; quartiles in the JSON), its reference, the ratio and
 whether the goal is met. benchmarks/README.md explains each figure.
 
@@ -137,7 +138,7 @@ def cli_main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     rows, errors = run(args.quick, only, args.seed, args.device)
     doc = {"date": started.isoformat(timespec="seconds"), "mode": "quick" if args.quick else "normal",
-           "device": args.device,
+           "goals_judged": not args.quick, "device": args.device,
            "seconds": round(time.monotonic() - t0, 1), "machine": _machine(),
            "figures": [r.to_json() for r in rows], "errors": errors}
     if args.json:
@@ -146,6 +147,9 @@ def cli_main(args: argparse.Namespace) -> int:
         m = doc["machine"]
         print(f"omnishm bench ({doc['mode']}), {doc['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
               f"{doc['seconds']}s\n")
+        if args.quick:
+            print("quick mode: tiny geometries that only check every figure runs; the ratios are not comparable with "
+                  "the goals, which a normal run (without --quick) judges\n")
         print(format_table(rows))
         for fig, err in errors.items():
             print(f"\nfigure {fig} FAILED: {err}")

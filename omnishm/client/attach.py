@@ -155,8 +155,8 @@ class LinkAttach:
         self._lost_reason = reason
         self._reconnect_deadline = now + self.reconnect_timeout_s
         self._attempt_deadline = 0.0
-        logger.warning("cache %s: committer at %s lost (%s); resuming for up to %.1fs", self.cache, self.endpoint,
-                       reason, self.reconnect_timeout_s)
+        logger.warning("cache %s: session with the committer at %s lost (%s); resuming for up to %.1fs", self.cache,
+                       self.endpoint, reason, self.reconnect_timeout_s)
         with self._plock:
             beats = [rid for rid, e in self._pending.items() if not e.resend]
             dropped = [self._pending.pop(rid) for rid in beats]
@@ -188,8 +188,16 @@ class LinkAttach:
         (under ``_slock``), anything else makes the link dead."""
         if not isinstance(reply, P.Welcome):
             reason = reply.reason if isinstance(reply, P.Refused) else getattr(reply, "message", repr(reply))
-            self._go_dead(f"cache {self.cache}: committer at {self.endpoint} was lost ({self._lost_reason}) and the "
-                          f"committer now there refused to resume client {self.client_id}: {reason}")
+            pid = self.welcome.committer_pid
+            if self._committer_ident is not None and proc_identity(pid) == self._committer_ident:
+                # The same committer is still running: this client was the silent one (a frozen process or
+                # a stalled I/O thread), and its session was reaped.
+                self._go_dead(f"cache {self.cache}: this client ({self.client_id}) went silent "
+                              f"({self._lost_reason}) and the committer at {self.endpoint} (pid {pid}, still "
+                              f"running) refused to resume it: {reason}")
+            else:
+                self._go_dead(f"cache {self.cache}: committer at {self.endpoint} was lost ({self._lost_reason}) "
+                              f"and the committer now there refused to resume client {self.client_id}: {reason}")
             return
         self.welcome = reply
         self._adopt_welcome(reply)

@@ -43,6 +43,7 @@ from omnishm.client.serial import SerialThread
 from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
+from omnishm.config import manager_connection
 from omnishm.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
@@ -71,14 +72,25 @@ _SMALL_STEP = 256
 """Steps of at most this many tokens do their slot bookkeeping in plain Python (see save_outputs)."""
 
 class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
-    """The runner-side cache. Use as a context manager or call ``shutdown``."""
+    """The runner-side cache. Use as a context manager or call ``shutdown``.
 
-    def __init__(self, config: PrefixCacheConfig, *, cache: str = "default", role: str = "writer",
-                 endpoint: str | None = None, autostart: bool = True, eager: bool | None = None,
-                 runtime_dir: str | Path | None = None, connect_timeout_s: float = 30.0,
+    Connection arguments left out (``cache``, ``endpoint``, ``autostart``, ``runtime_dir``,
+    ``connect_timeout_s``) come from the client knobs: ``OMNISHM_*`` variables, the config file,
+    then the defaults (``omnishm.config.client_settings``). ``config`` is used as given: build it with
+    ``omnishm.config.load_prefix_cache_config`` for ``OMNISHM_STAGING_DEPTH`` and the other sizing
+    knobs to apply.
+    """
+
+    def __init__(self, config: PrefixCacheConfig, *, cache: str | None = None, role: str = "writer",
+                 endpoint: str | None = None, autostart: bool | None = None, eager: bool | None = None,
+                 runtime_dir: str | Path | None = None, connect_timeout_s: float | None = None,
                  device_ops: DeviceOps | None = None):
         if role not in (P.ROLE_WRITER, P.ROLE_READER):
             raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
+        conn = manager_connection(cache=cache, endpoint=endpoint, autostart=autostart, runtime_dir=runtime_dir,
+                                  connect_timeout_s=connect_timeout_s)
+        cache, endpoint, autostart = conn["cache"], conn["endpoint"], conn["autostart"]
+        runtime_dir, connect_timeout_s = conn["runtime_dir"], conn["connect_timeout_s"]
         self.config = config
         self.cache = cache
         self.role = role
@@ -137,7 +149,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             self._ctl_mv = memoryview(self._ctl.numpy())
             self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
             self._link.acked_marker = self._acked_word
-            self._pages: StagingPages | None = StagingPages(config.staging_depth, cap)
+            self._pages: StagingPages | None = StagingPages(config.staging_depth, cap, cache)
             self._flusher: Flusher | None = Flusher(
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
                 to_host=self._flush_copy, chunk_bytes=config.copy_chunk_bytes,
@@ -148,7 +160,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         else:
             # Readers stage nothing, but the same depth bounds their unconsumed step ids (and the
             # step rows they keep for them).
-            self._pages = StagingPages(config.staging_depth, cap)
+            self._pages = StagingPages(config.staging_depth, cap, cache)
             self._flusher = None
             self._prefetcher = SerialThread("omnishm-prefetch", self._prefetch)
             self._sender = None
@@ -239,7 +251,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         step_id = self._next_step
         if n > self.config.staging_capacity_tokens:
             raise self._unmatch(f"step of {n} tokens exceeds staging_capacity_tokens="
-                                f"{self.config.staging_capacity_tokens} (raise max_num_batched_tokens sizing)",
+                                f"{self.config.staging_capacity_tokens}: size the staging page to the engine's "
+                                f"max_num_batched_tokens (OMNISHM_STAGING_CAPACITY_TOKENS; the vLLM integration "
+                                f"derives it)",
                                 step_id=step_id)
         if int(num_tokens_padded) < n or write_layout.num_tokens != n:
             raise self._unmatch(f"token accounting: unpadded={n}, padded={num_tokens_padded}, "
@@ -405,9 +419,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         ctx = self._take_ctx(step_id, "materialize", req_ids, out)
         served = [0, 0]  # hit tokens, rows served
         nkeys = len(ctx.step_rows)
+        # One bound for every wait of this call (publication, prefetch, each hit's rows), not one per wait.
+        deadline = time.monotonic() + self.config.commit_timeout_s if ctx.hits or not self.is_writer else 0.0
         try:
             if not self.is_writer:
-                self._wait_published(step_id)
+                self._wait_published(step_id, deadline)
             hidden: dict[ReqId, Any] = {}
             mm: dict[ReqId, dict[TensorName, Any]] = {}
             hits: dict[ReqId, int] = {}
@@ -434,11 +450,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                         else:
                             dst = self.result_pool.empty((h + count, width), step_rows.dtype)
                         if h:
-                            pre = self._take_prefetched(ctx, req, key)
+                            pre = self._take_prefetched(ctx, req, key, deadline)
                             if pre is not None:
                                 dst[:h].copy_(pre)
                             else:
-                                self._read_hit(ctx, span, key, dst[:h], req)
+                                self._read_hit(ctx, span, key, dst[:h], req, deadline)
                         own = step_rows[start:start + count]
                         dst[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
                         merged[key] = dst.view((h + count, *ctx.row_shapes[key]))
@@ -591,8 +607,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                  step_id: StepId | None = None) -> OmniPrefixCacheUnmatchError:
         return unmatch(f"cache {self.cache}: {reason}", req_id=req_id, key=key, step_id=step_id)
 
-    def _set_fatal(self, reason: str) -> OmniPrefixCacheUnmatchError:
-        err = self._unmatch(f"failed write (sticky; recreate the cache): {reason}")
+    def _set_fatal(self, reason: str, *, step_id: StepId | None = None, req_id: ReqId | None = None,
+                   key: TensorName | None = None) -> OmniPrefixCacheUnmatchError:
+        """Record the first failed write as the sticky error (later ones are only returned); any thread."""
+        err = self._unmatch(f"failed write (sticky; recreate the cache): {reason}", step_id=step_id, req_id=req_id,
+                            key=key)
         if self._fatal is None:
             self._fatal = err
             logger.error("%s", err)

@@ -93,17 +93,19 @@ class ReadSide:
                     raise ValueError(f"materialize out[{req!r}][{key!r}] must be a contiguous CPU tensor "
                                      f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype}")
 
-    def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId) -> None:
+    def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId,
+                  deadline: float) -> None:
+        """A hit's rows of ``key`` into ``out``; waits for rows still landing until ``deadline`` (monotonic)."""
         if self.is_writer:
             kv = self._keys.get(key)
             planned = span.cvs.get(key)
             if kv is None or planned is None:
                 raise self._unmatch("hit on a tensor the cache never held", req_id=req, key=key,
                                     step_id=ctx.step_id)
-            self._resolve_rows(kv, span.slots, planned, out, ctx, key, req, ctx.step_id)
+            self._resolve_rows(kv, span.slots, planned, out, ctx, key, req, ctx.step_id, deadline)
         else:
             kv = self._reader_key(key, out, req, ctx.step_id)
-            self._read_committed(kv, span.slots, out, key, req, ctx.step_id)
+            self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
 
     def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId) -> KeyViews:
         """Map a key the writer opened; this rank's rows must have the same dtype and width."""
@@ -113,8 +115,9 @@ class ReadSide:
                 reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(out.dtype),
                                                                  width=int(out.shape[1])))
             except OmniPrefixCacheCommitterError as exc:
-                raise self._unmatch(f"hit on a tensor the writer never wrote or wrote with another layout "
-                                    f"({exc})", req_id=req, key=key, step_id=step_id) from exc
+                raise self._unmatch(f"hit on a tensor this reader could not map: the writer never wrote it, "
+                                    f"wrote it with another layout, or the committer did not answer ({exc})",
+                                    req_id=req, key=key, step_id=step_id) from exc
             kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
             self._publish_key(key, kv)
         if kv.dtype != out.dtype or kv.width != out.shape[1]:
@@ -123,7 +126,8 @@ class ReadSide:
         return kv
 
     def _resolve_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
-                      ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId) -> None:
+                      ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId,
+                      deadline: float = 0.0) -> None:
         """Writer: rows of ``slots`` at versions ``cvs`` from the pool, a live source or a rescue."""
         if bool(((cvs == 0) | ((cvs >> 48) != self._epoch)).any()):
             # 0: never written; another epoch: written by an earlier writer this engine never saw.
@@ -134,17 +138,17 @@ class ReadSide:
         ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
         torch.index_select(kv.pool, 0, slots, out=out)
         if not bool(ok.all()):
-            self._fix_rows(kv, slots, cvs, out, ~ok, ctx, key, req, step_id)
+            self._fix_rows(kv, slots, cvs, out, ~ok, ctx, key, req, step_id, deadline=deadline)
         # A claim that moved while we copied means the row may be the new tenant's.
         moved = ok & (kv.claim[slots] != cvs)
         if bool(moved.any()):
-            self._fix_rows(kv, slots, cvs, out, moved, ctx, key, req, step_id, from_pool=False)
+            self._fix_rows(kv, slots, cvs, out, moved, ctx, key, req, step_id, from_pool=False, deadline=deadline)
 
     def _fix_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
                   mask: torch.Tensor, ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId,
-                  from_pool: bool = True) -> None:
+                  from_pool: bool = True, deadline: float = 0.0) -> None:
         idx = torch.nonzero(mask).reshape(-1)
-        deadline = time.monotonic() + self.config.commit_timeout_s
+        deadline = deadline or time.monotonic() + self.config.commit_timeout_s
         for cv in torch.unique(cvs[idx]).tolist():
             sel = idx[cvs[idx] == cv]
             want = slots[sel]
@@ -181,14 +185,15 @@ class ReadSide:
                 time.sleep(_POLL_S)
 
     def _read_committed(self, kv: KeyViews, slots: torch.Tensor, out: torch.Tensor, key: TensorName,
-                        req: ReqId, step_id: StepId) -> None:
+                        req: ReqId, step_id: StepId, deadline: float = 0.0) -> None:
         """Reader: wait until the writer's rows for ``slots`` landed, copy, validate (seqlock).
 
         Raises ``OmniPrefixCacheUnmatchError`` for absent or reused rows, and
         for rows that did not land within ``commit_timeout_s`` or whose writer
-        left the cache first (``_writer_left``).
+        left the cache first (``_writer_left``). ``deadline`` (monotonic): the
+        caller's bound for all its waits; 0: ``commit_timeout_s`` from now.
         """
-        deadline = time.monotonic() + self.config.commit_timeout_s
+        deadline = deadline or time.monotonic() + self.config.commit_timeout_s
         since = self._writer_mark()
         while True:
             epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
@@ -216,14 +221,15 @@ class ReadSide:
                     else f"within {self.config.commit_timeout_s:.1f}s"), req_id=req, key=key, step_id=step_id)
             time.sleep(_POLL_S)
 
-    def _wait_published(self, step_id: StepId) -> None:
+    def _wait_published(self, step_id: StepId, deadline: float = 0.0) -> None:
         """Reader, any thread: wait until the writer published ``step_id`` (its claims are in the table).
 
         Raises ``OmniPrefixCacheUnmatchError`` after ``commit_timeout_s``, or
         as soon as the writer that was attached when the wait began has left
         the cache without publishing it (``_writer_left``): nothing will.
+        ``deadline`` as in ``_read_committed``.
         """
-        deadline = time.monotonic() + self.config.commit_timeout_s
+        deadline = deadline or time.monotonic() + self.config.commit_timeout_s
         since = self._writer_mark()
         while int(self._ctl[P.CTL_PUBLISHED_STEP]) < step_id:
             self._check_usable()

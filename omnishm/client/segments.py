@@ -91,7 +91,9 @@ class StagingPages:
     unconsumed step ids that hold the pages.
     """
 
-    def __init__(self, depth: int, capacity: int):
+    def __init__(self, depth: int, capacity: int, cache: str = ""):
+        self.cache = cache
+        """The cache's name, for the timeout's message."""
         self.depth = depth
         self.capacity = capacity
         self._cond = threading.Condition()
@@ -126,9 +128,11 @@ class StagingPages:
                 if remaining <= 0:
                     owners = sorted(o for o in self._owner if o is not None)
                     raise OmniPrefixCacheStagingTimeoutError(
-                        f"omni prefix cache: no free staging page for step {step_id} after {timeout_s:.1f}s; "
+                        f"omni prefix cache: cache {self.cache}: no free staging page for step {step_id} after "
+                        f"{timeout_s:.1f}s; "
                         f"unconsumed step ids {owners} hold all {self.depth} pages: call materialize() or "
-                        f"discard_step() for each, or raise staging_depth")
+                        f"discard_step() for each, or raise staging_depth (request=None, tensor=None, "
+                        f"step_id={step_id})")
                 self._cond.wait(remaining)
 
     def release(self, page: int, hold: str) -> None:

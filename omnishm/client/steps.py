@@ -13,6 +13,7 @@ step id exactly once (``_take_ctx``), releases what its context holds
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,10 +67,12 @@ class StepLifecycle:
         for event in ctx.leftover_events:
             event.synchronize()
 
-    def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName) -> torch.Tensor | None:
+    def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName, deadline: float) -> torch.Tensor | None:
+        """The rows the prefetch thread read for ``req``/``key``, waiting for it until ``deadline`` (monotonic);
+        None when it has none (it failed, or is still waiting: materialize then reads itself)."""
         if ctx.prefetch_done is None:
             return None
-        ctx.prefetch_done.wait(self.config.commit_timeout_s)
+        ctx.prefetch_done.wait(max(0.0, deadline - time.monotonic()))
         rows = ctx.prefetched.pop((req, key), None)
         self.counters["prefetch_used" if rows is not None else "prefetch_dropped"] += 1
         return rows
@@ -125,7 +128,8 @@ class StepLifecycle:
         """
         if self.is_writer:
             self._drop_sources(ctx)
-            self._set_fatal(f"save_outputs of step {ctx.step_id} failed after the step id was issued")
+            self._set_fatal(f"save_outputs of step {ctx.step_id} failed after the step id was issued",
+                            step_id=ctx.step_id)
         with self._lock:  # an asynchronous exception may come after the step was registered
             self._ctxs.pop(ctx.step_id, None)
             self._consumed.add(ctx.step_id)  # a later materialize of the id says it is gone

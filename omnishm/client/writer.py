@@ -77,9 +77,9 @@ class WriterSide:
             reply = self._await_step_write(fut, self.config.commit_timeout_s)
         except TimeoutError as exc:
             raise self._set_fatal(f"previous step's writes not acknowledged within "
-                                  f"{self.config.commit_timeout_s:.1f}s") from exc
+                                  f"{self.config.commit_timeout_s:.1f}s", step_id=fut.step) from exc
         except OmniPrefixCacheCommitterError as exc:
-            raise self._set_fatal(f"previous step's writes were lost: {exc}") from exc
+            raise self._set_fatal(f"previous step's writes were lost: {exc}", step_id=fut.step) from exc
         self._prev_write = None
         self._check_reply(reply)
 
@@ -159,7 +159,8 @@ class WriterSide:
         if isinstance(reply, P.StepDone) and not reply.failed_tids:
             return
         reason = reply.reason if isinstance(reply, P.StepDone) else repr(reply)
-        raise self._set_fatal(f"write of step {getattr(reply, 'step', '?')} failed: {reason}")
+        raise self._set_fatal(f"write of step {getattr(reply, 'step', '?')} failed: {reason}",
+                              step_id=getattr(reply, "step", None))
 
     def _register_writes_locked(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
                                 immediate: dict, deferred: dict) -> list[WriteTask]:
@@ -244,7 +245,8 @@ class WriterSide:
         except BaseException as exc:  # nothing was sent: the page is free, the step's claims will never land
             self._drop_sources(ctx)
             self._pages.release(page, "write")
-            raise self._set_fatal(f"write of step {ctx.step_id} could not be sent: {exc}") from exc
+            raise self._set_fatal(f"write of step {ctx.step_id} could not be sent: {exc}",
+                                  step_id=ctx.step_id) from exc
 
         def done(f: Future) -> None:
             self._drop_sources(ctx)
@@ -253,7 +255,7 @@ class WriterSide:
             try:
                 self._check_reply(f.result())
             except Exception as exc:  # recorded as the sticky fatal error
-                self._set_fatal(f"write of step {ctx.step_id} failed: {exc}")
+                self._set_fatal(f"write of step {ctx.step_id} failed: {exc}", step_id=ctx.step_id)
 
         fut.add_done_callback(done)
         fut.step = step_id  # type: ignore[attr-defined]  # set before it is published: wait_idle reads them
@@ -362,7 +364,8 @@ class WriterSide:
                     src.alive = False
         if failed:
             err = self._set_fatal(f"deferred write {task.tid} of request {task.req_id!r} tensor {task.key!r} "
-                                  f"failed: {failed}")
+                                  f"failed: {failed}", req_id=task.req_id, key=task.key,
+                                  step_id=task.opened_step)
             task.done.set_exception(err)
         else:
             task.done.set_result(result)

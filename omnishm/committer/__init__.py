@@ -3,8 +3,8 @@
 ``python -m omnishm.committer`` / ``omnishm committer`` / ``scripts/launch_committer.sh``.
 Modules: ``start`` (process start, lock, adoption, exit codes), ``config`` (options,
 endpoint policy), ``server`` (ROUTER loop, dispatch, signals), ``attach`` (Hello, resume), ``pool`` (segments),
-``apply`` (``apply_step``), ``meta`` (restart metadata), ``sessions`` (clients,
-liveness), ``metrics``.
+``apply`` (``apply_step``), ``early_stop`` (signals during start-up), ``meta`` (restart metadata),
+``sessions`` (clients, liveness), ``metrics``.
 Importing this package is cheap; ``main`` imports the server lazily.
 """
 
@@ -12,10 +12,21 @@ from __future__ import annotations
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a committer in the foreground; see ``omnishm.committer.start.main``."""
-    from omnishm.committer.start import main as _main
+    """Run a committer in the foreground; see ``omnishm.committer.start.main``.
 
-    return _main(argv)
+    Main thread. The start-up signal catcher goes in first: importing the
+    server pulls in torch (about a second), and a SIGTERM in that window must
+    stop the committer with exit 0 like any other, not kill it.
+    """
+    from omnishm.committer.early_stop import EarlyStop
+
+    early = EarlyStop()
+    try:
+        from omnishm.committer.start import main as _main
+    except BaseException:
+        early.restore()
+        raise
+    return _main(argv, early)
 
 
 __all__ = ["main"]

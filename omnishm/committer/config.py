@@ -19,6 +19,11 @@ from omnishm import config as knobs
 from omnishm import paths, shm
 from omnishm.config import LOOPBACK_HOSTS, ConfigError, check_endpoint  # noqa: F401 (re-exported)
 
+EXIT_OK = 0
+EXIT_REFUSED = 2
+"""Committer exit codes: a clean stop (a signal during start-up included), and a refused start
+(bad options, the cache name in use, an endpoint it cannot bind)."""
+
 SCOPE = "committer"
 
 

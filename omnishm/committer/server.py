@@ -38,19 +38,17 @@ import zmq
 
 from omnishm import protocol
 from omnishm.committer.attach import Attach
-from omnishm.committer.config import CommitterConfig
+from omnishm.committer.config import EXIT_OK, CommitterConfig
 from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
 from omnishm.versions import MAX_STEP, make_cv
 
 if TYPE_CHECKING:
-    from omnishm.committer.start import EarlyStop
+    from omnishm.committer.early_stop import EarlyStop
 
 logger = logging.getLogger("omnishm.committer")
 
-EXIT_OK = 0
-EXIT_REFUSED = 2
 RECV_BATCH = 1024
 REPLY_BURST = 32
 """Replies wait in ``Committer.replies`` until this many are ready or the receive batch is handled.
@@ -165,7 +163,7 @@ class Committer(Attach):
     def run(self, early_stop: "EarlyStop | None" = None) -> int:
         """Serve until a signal or an idle exit; returns ``EXIT_OK``. Main thread.
 
-        ``early_stop``: a signal that came during start-up (``start.EarlyStop``)
+        ``early_stop``: a signal that came during start-up (``early_stop.EarlyStop``)
         stops the loop before its first poll; read after this loop's own
         handlers are installed, so no signal falls between the two.
         """

@@ -13,18 +13,28 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
 from omnishm import shm
 from omnishm.committer import meta
-from omnishm.committer.config import CommitterConfig, build_parser, config_from_args, setup_logging
-from omnishm.committer.pool import CachePool
-from omnishm.committer.server import EXIT_REFUSED, Committer
+from omnishm.committer.config import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    CommitterConfig,
+    build_parser,
+    config_from_args,
+    setup_logging,
+)
+from omnishm.committer.early_stop import EarlyStop
+
+if TYPE_CHECKING:
+    from omnishm.committer.pool import CachePool
+    from omnishm.committer.server import Committer
 
 logger = logging.getLogger("omnishm.committer")
 
@@ -48,6 +58,8 @@ def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.Genera
     segments check out; otherwise it is logged and left to the sweep, and its
     clients' resumes are refused with the reason.
     """
+    from omnishm.committer.pool import CachePool
+
     live = meta.live_generations(cfg.name)
     for gen in live:
         owner = shm.GenerationOwner.acquire(cfg.name, gen)
@@ -69,37 +81,17 @@ def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.Genera
     return None, None
 
 
-class EarlyStop:
-    """SIGTERM or SIGINT that arrives before the loop runs (lock taken, segments being made).
-
-    Installed first thing in ``main``: without it the default action kills the
-    process between taking the lock and serving, leaving the lock file and
-    whatever segments it made. The signal is only remembered; ``Committer.run``
-    reads it once its own handlers are in place and stops at once, through the
-    same cleanup as any stop. Main thread only.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.reason = ""
-        self._old = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
-
-    def _on_signal(self, signum: int, _frame) -> None:
-        self.reason = self.reason or signal.Signals(signum).name
-
-    def restore(self) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
     """Run a committer in the foreground. Returns 0 on a clean stop (a signal during start-up included),
-    2 when it refuses to start."""
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
-    early = EarlyStop()
+    2 when it refuses to start.
+
+    ``early``: the start-up signal catcher, installed by ``omnishm.committer.main`` before this module
+    (and torch) was imported; one is installed here when the caller brought none. Restored on return.
+    """
+    early = early or EarlyStop()
     try:
+        args = build_parser().parse_args(argv)
+        setup_logging(args.log_level)
         return _start(args, early)
     finally:
         early.restore()
@@ -113,6 +105,16 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
     except (ValueError, PermissionError) as exc:
         print(f"omnishm committer: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    # Imported only now: a refused start (bad option or name) answers without torch's second. Before the
+    # cache lock, though: a client that autostarted this committer may leave once the lock is held, and
+    # the server checks at start that its parent is that client.
+    import torch
+
+    from omnishm.committer import server
+
+    if early.reason:  # stopped before anything was made: nothing to clean up
+        logger.info("committer %s stopped (%s) before it started", cfg.name, early.reason)
+        return EXIT_OK
     generation = uuid.uuid4().hex[:8]
     lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
     if lock is None:
@@ -125,8 +127,6 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
     owner: shm.GenerationOwner | None = None
     served = False
     try:
-        import torch
-
         torch.set_num_threads(1)
         adopted, owner = adopt_live_cache(cfg)
         serving = adopted.generation if adopted is not None else generation
@@ -141,7 +141,7 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
             logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
         if cfg.ipc_path is not None and cfg.ipc_path.exists():
             cfg.ipc_path.unlink()  # stale: we hold the lock, so no live committer is bound there (trap 4)
-        committer = Committer(cfg, generation, pool=adopted)
+        committer = server.Committer(cfg, generation, pool=adopted)
         committer.bind()
         try:
             committer.obs.start_http()

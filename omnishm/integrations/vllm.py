@@ -20,7 +20,12 @@ worker assigns ``self.model_runner`` (in ``init_device``) the extension wraps
 4. ``materialize`` with the save-time request ids. The merged rows (cached
    prefix + this step) are accumulated per request up to its prompt length, so
    each request ends with its whole prompt's hidden states, retrievable with
-   ``llm.collective_rpc("omnishm_take_prompt_hidden")``.
+   ``llm.collective_rpc("omnishm_take_prompt_hidden")`` (or ``omnishm_take_results``
+   across vLLM's engine-core process). They are held until taken, up to
+   ``$OMNISHM_VLLM_HELD_BYTES`` (default 1 GiB); beyond it the oldest are
+   dropped and counted in ``results_dropped``. ``$OMNISHM_VLLM_CAPTURE_RAW=1``
+   also keeps each no-hit prompt's rows read straight from the runner, for
+   ``omnishm_take_raw_prompt_hidden`` (a check of the cache; off by default).
 
 The manager is built on the first real step (the KV-cache config is known
 then), with ``autostart=True`` (an embedded committer) and the cache named by
@@ -118,7 +123,8 @@ class OmniPrefixCacheRunnerHooks:
     from the ``take_*``/``stats`` readers, which take ``_lock``.
     """
 
-    def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool = True) -> None:
+    def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool | None = None,
+                 held_bytes: int | None = None) -> None:
         for attr in ("execute_model", "_update_states", "execute_model_state", "input_batch"):
             if not hasattr(runner, attr):
                 raise RuntimeError(f"omnishm: model runner {type(runner).__name__} has no {attr!r}; the vLLM "
@@ -127,10 +133,13 @@ class OmniPrefixCacheRunnerHooks:
         self.runner = runner
         from omnishm.config import client_settings
 
-        # Unless given: OMNISHM_NAME (or its alias OMNISHM_CACHE), the TOML file, then "default", by the
-        # same rules as the committer's (omnishm.config).
-        self.cache = cache or client_settings().name
-        self.capture_raw = capture_raw
+        # Unless given: OMNISHM_NAME (or its alias OMNISHM_CACHE), OMNISHM_VLLM_CAPTURE_RAW,
+        # OMNISHM_VLLM_HELD_BYTES, the TOML file, then the defaults, by the committer's rules (omnishm.config).
+        settings = client_settings()
+        self.cache = cache or settings.name
+        self.capture_raw = settings.vllm["vllm_capture_raw"] if capture_raw is None else bool(capture_raw)
+        self.held_bytes = settings.vllm["vllm_held_bytes"] if held_bytes is None else int(held_bytes)
+        """Bytes of completed rows (``_done`` and ``_raw_done``) kept for the takers; the oldest go beyond it."""
         self.manager: OmniPrefixCacheManager | None = None
         self.disabled = False
         self._adapter = PrefixCacheSchedulerAdapter()
@@ -141,9 +150,11 @@ class OmniPrefixCacheRunnerHooks:
         self._raw: dict[ReqId, _PromptRows] = {}
         self._done: dict[ReqId, tuple[torch.Tensor, int]] = {}
         self._raw_done: dict[ReqId, torch.Tensor] = {}
+        self._held = 0  # bytes in _done and _raw_done, under _lock
         self.counters: dict[str, int] = {k: 0 for k in (
             "steps", "saves", "rows_saved", "requests", "hit_requests", "hit_tokens", "rows", "raw_requests",
-            "incomplete_dropped", "max_hit_requests_per_step", "prompts_abandoned", "raw_abandoned")}
+            "incomplete_dropped", "max_hit_requests_per_step", "prompts_abandoned", "raw_abandoned",
+            "results_dropped")}
 
     # ------------------------------------------------------------------ install
 
@@ -261,8 +272,7 @@ class OmniPrefixCacheRunnerHooks:
                         continue
                     rows = hidden[w.token_start:w.token_start + w.num_tokens].detach().to("cpu", copy=True)
                     if raw.add(start, rows):
-                        with self._lock:
-                            self._raw_done[w.req_id] = raw.tensor()
+                        self._hold(self._raw_done, w.req_id, raw.tensor())
                         self.counters["raw_requests"] += 1
         return out
 
@@ -287,14 +297,38 @@ class OmniPrefixCacheRunnerHooks:
                 continue
             acc.hit_tokens = max(acc.hit_tokens, hit)
             if acc.add(start, rows):
-                with self._lock:
-                    self._done[rid] = (acc.tensor(), acc.hit_tokens)
+                self._hold(self._done, rid, (acc.tensor(), acc.hit_tokens))
                 self.counters["requests"] += 1
                 self.counters["rows"] += acc.prompt_len
                 if acc.hit_tokens:
                     self.counters["hit_requests"] += 1
                     self.counters["hit_tokens"] += acc.hit_tokens
                 acc.parts = []  # the tensor lives in _done now
+
+    def _hold(self, table: dict[ReqId, Any], rid: ReqId, value: Any) -> None:
+        """Keep a completed request's rows for the takers, within ``held_bytes`` (engine thread).
+
+        Past the bound the oldest held rows go, raw ones first (a check, not a result), so a server
+        that never calls ``omnishm_take_*`` holds at most ``held_bytes`` (counted in ``results_dropped``,
+        with a warning on the first drop).
+        """
+        with self._lock:
+            old = table.pop(rid, None)
+            if old is not None:
+                self._held -= _nbytes(old)
+            table[rid] = value
+            self._held += _nbytes(value)
+            dropped = 0
+            while self._held > self.held_bytes:
+                victims = self._raw_done or self._done
+                oldest = next(iter(victims))
+                self._held -= _nbytes(victims.pop(oldest))
+                dropped += 1
+        if dropped:
+            if not self.counters["results_dropped"]:
+                logger.warning("omnishm: completed prompt rows exceed vllm_held_bytes=%d (no omnishm_take_* call "
+                               "took them); dropping the oldest (counted in results_dropped)", self.held_bytes)
+            self.counters["results_dropped"] += dropped
 
     def _drop(self, rid: ReqId) -> None:
         acc = self._prompts.pop(rid, None)
@@ -308,17 +342,21 @@ class OmniPrefixCacheRunnerHooks:
         """Completed requests since the last take: ``{runner req id: (prompt rows [P, H], hit tokens)}``."""
         with self._lock:
             out, self._done = self._done, {}
+            self._held -= sum(_nbytes(v) for v in out.values())
         return out
 
     def take_raw(self) -> dict[ReqId, torch.Tensor]:
         """Full-prompt hidden states read straight from the runner, for requests that had no hit."""
         with self._lock:
             out, self._raw_done = self._raw_done, {}
+            self._held -= sum(_nbytes(v) for v in out.values())
         return out
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["cache"] = self.cache
+        with self._lock:
+            out["held_bytes"] = self._held
         if self.manager is not None:
             out["manager"] = dict(self.manager.counters)
             out["num_slots"] = self.manager.config.num_slots
@@ -414,6 +452,12 @@ class OmniPrefixCacheWorkerExtension:
     def omnishm_stats(self) -> dict[str, Any]:
         hooks = self._omnishm_hooks_or_none()
         return {} if hooks is None else hooks.stats()
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of a held result: a tensor, or ``(tensor, hit tokens)``."""
+    t = value[0] if isinstance(value, tuple) else value
+    return t.numel() * t.element_size()
 
 
 def encode_tensor(t: torch.Tensor) -> dict[str, Any]:

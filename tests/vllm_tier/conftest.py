@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 VLLM_RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="omnishm-vllm-test-"))
 os.environ["OMNISHM_RUNTIME_DIR"] = str(VLLM_RUNTIME_DIR)
+os.environ["OMNISHM_VLLM_CAPTURE_RAW"] = "1"  # the ground truth: rows read straight from the runner
 
 from vllm_tier import TIER_COUNTS, wait_clean  # noqa: E402
 
