@@ -28,7 +28,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-import numpy as np
 import torch
 
 from omnishm import protocol as P
@@ -57,7 +56,6 @@ from omnishm.interface import (
     unmatch,
 )
 from omnishm.shm import Segment
-from omnishm.versions import make_cv
 
 if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
@@ -280,17 +278,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         starts = [w.token_start for w in writes]
         counts = [w.num_tokens for w in writes]
         if self.is_writer and writes:
-            # Claim versions follow the writes' order and rows their token_start: both must agree.
-            row = 0
-            for w in writes:
-                if w.token_start != row:
-                    raise self._unmatch(f"write layout: request {w.req_id!r} starts at row {w.token_start}, "
-                                        f"expected {row} (writes must be contiguous from row 0, in batch order)",
-                                        req_id=w.req_id, step_id=step_id)
-                row += w.num_tokens
-            if row != n:
-                raise self._unmatch(f"write layout: writes cover {row} rows, slots {n} "
-                                    "(writes must be contiguous from row 0)", step_id=step_id)
+            self._check_write_order(writes, n, step_id)
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         if self._ops is None:
             self._ops = ops_for(list(immediate.values()) + list(deferred.values()) +
@@ -340,28 +328,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             to_flush: list[WriteTask] = []
             cvs: list[int] = []
             if self.is_writer and writes:
-                # Claim versions of seq 1..len(writes) in this step; make_cv checks the largest one.
-                last = make_cv(self._epoch, step_id, len(writes))
-                cvs = list(range(last - len(writes) + 1, last + 1))
-                self._rescue_before_claim(slots)
-                # A key this step does not write has no row at these slots now: absent (0), so a later hit
-                # raises instead of reading the slots' previous tenant's rows of that key.
-                absent = [kv for key, kv in self._keys.items() if key not in immediate and key not in deferred]
-                if slot_list is not None:
-                    row_cv = [cv for cv, count in zip(cvs, counts) for _ in range(count)]
-                    for key in itertools.chain(immediate, deferred):
-                        claim = self._keys[key].claim_mv
-                        for slot, cv in zip(slot_list, row_cv):
-                            claim[slot] = cv
-                    for kv in absent:
-                        for slot in slot_list:
-                            kv.claim_mv[slot] = 0
-                else:
-                    row_np = np.repeat(np.asarray(cvs, dtype=np.int64), counts)
-                    for key in itertools.chain(immediate, deferred):
-                        self._keys[key].claim_np[slots_np] = row_np
-                    for kv in absent:
-                        kv.claim_np[slots_np] = 0
+                cvs = self._store_claims(step_id, counts, slots, slot_list, slots_np, immediate, deferred)
             with self._lock:
                 if self.is_writer and writes:
                     to_flush = self._register_writes_locked(ctx, writes, cvs, slots, immediate, deferred)

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnishm import protocol as P
@@ -29,6 +30,7 @@ from omnishm.interface import (
     OmniPrefixCacheCommitterError,
     OmniPrefixCacheUnmatchError,
     ReqId,
+    StepId,
     TensorName,
 )
 from omnishm.versions import cv_epoch, make_cv
@@ -68,6 +70,50 @@ class WriterSide:
             raise self._unmatch(f"tensor {key!r} has rows of shape {row_shape}, the cache holds rows of "
                                 f"shape {kv.row_shape}", key=key, step_id=self._next_step)
         return kv
+
+    def _check_write_order(self, writes: list, n: int, step_id: StepId) -> None:
+        """Claim versions follow the writes' order and rows their token_start: both must agree (raises
+        ``OmniPrefixCacheUnmatchError`` otherwise). Engine thread."""
+        row = 0
+        for w in writes:
+            if w.token_start != row:
+                raise self._unmatch(f"write layout: request {w.req_id!r} starts at row {w.token_start}, "
+                                    f"expected {row} (writes must be contiguous from row 0, in batch order)",
+                                    req_id=w.req_id, step_id=step_id)
+            row += w.num_tokens
+        if row != n:
+            raise self._unmatch(f"write layout: writes cover {row} rows, slots {n} "
+                                "(writes must be contiguous from row 0)", step_id=step_id)
+
+    def _store_claims(self, step_id: StepId, counts: list[int], slots: torch.Tensor, slot_list: list[int] | None,
+                      slots_np: np.ndarray | None, immediate: dict, deferred: dict) -> list[int]:
+        """Claim this step's slots in the claim tables; returns each write's claim version. Engine thread.
+
+        Versions are seq 1..len(counts) of this step (``make_cv`` checks the largest one). Copy-on-write
+        runs first. A key this step does not write has no row at these slots now: absent (0), so a later
+        hit raises instead of reading the slots' previous tenant's rows of that key. A small step stores
+        through ``slot_list`` and the memoryviews (plain Python), a large one through numpy.
+        """
+        last = make_cv(self._epoch, step_id, len(counts))
+        cvs = list(range(last - len(counts) + 1, last + 1))
+        self._rescue_before_claim(slots)
+        absent = [kv for key, kv in self._keys.items() if key not in immediate and key not in deferred]
+        if slot_list is not None:
+            row_cv = [cv for cv, count in zip(cvs, counts) for _ in range(count)]
+            for key in itertools.chain(immediate, deferred):
+                claim = self._keys[key].claim_mv
+                for slot, cv in zip(slot_list, row_cv):
+                    claim[slot] = cv
+            for kv in absent:
+                for slot in slot_list:
+                    kv.claim_mv[slot] = 0
+        else:
+            row_np = np.repeat(np.asarray(cvs, dtype=np.int64), counts)
+            for key in itertools.chain(immediate, deferred):
+                self._keys[key].claim_np[slots_np] = row_np
+            for kv in absent:
+                kv.claim_np[slots_np] = 0
+        return cvs
 
     def _join_previous_write(self) -> None:
         fut = self._prev_write
