@@ -259,17 +259,6 @@ def run_external(name: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except BrokenPipeError:
-        # The reader of our output went away (``omnishm status | head``): not an error worth a traceback.
-        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
-
-
-def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "committer":
         # Everything after "committer" belongs to the committer's own parser (same options).
@@ -278,7 +267,16 @@ def _main(argv: list[str] | None) -> int:
     if argv and argv[0] in EXTERNAL_COMMANDS:
         return run_external(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader of our output went away (``omnishm status | head``): not an error worth a traceback.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -379,19 +379,25 @@ class ClientSettings:
                 "runtime_dir": self.runtime_dir, "connect_timeout_s": self.connect_timeout_s}
 
 
-def manager_connection(**given: Any) -> dict[str, Any]:
-    """``OmniPrefixCacheManager``'s connection arguments (``ClientSettings.manager_kwargs`` names), each one
-    not given (None) filled from ``client_settings()``: ``OMNISHM_*``, the config file, the defaults.
+_CONNECTION = {"cache": "name", "endpoint": "endpoint", "autostart": "autostart", "runtime_dir": "runtime_dir",
+               "connect_timeout_s": "connect_timeout_s"}
+"""``OmniPrefixCacheManager``'s connection arguments and the knobs they default to."""
 
-    Reads the environment only when something is missing. Raises ConfigError on a bad value there.
+
+def manager_connection(**given: Any) -> dict[str, Any]:
+    """``OmniPrefixCacheManager``'s connection arguments (``_CONNECTION``), each one not given (None) from
+    ``OMNISHM_*``, the config file or the default; only those knobs are read (a bad unrelated one does not
+    stop a manager). ``endpoint`` comes from there only when ``cache`` does too: an explicit cache name
+    without an endpoint means that cache's own socket. Raises ConfigError on a bad value of a knob read.
     """
-    if all(v is not None for v in given.values()):
-        return given
-    filled = client_settings().manager_kwargs()
-    unknown = set(given) - set(filled)
+    unknown = set(given) - set(_CONNECTION)
     if unknown:
         raise ConfigError(f"manager_connection: {', '.join(sorted(unknown))} not a connection argument")
-    return {k: filled[k] if v is None else v for k, v in given.items()}
+    missing = [k for k, v in given.items() if v is None and (k != "endpoint" or given.get("cache") is None)]
+    if not missing:
+        return dict(given)
+    values = resolve("client", names=tuple(_CONNECTION[k] for k in missing)).values
+    return {**given, **{k: values[_CONNECTION[k]] for k in missing}}
 
 
 def client_settings(*, env: Mapping[str, str] | None = None, config_file: str | os.PathLike | None = None,

@@ -376,18 +376,63 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
     return False
 
 
+_CATCHER_FIRST = """
+import sys
+from omnishm.committer import early_stop
+installed = early_stop.EarlyStop.__init__
+def init(self):
+    print("torch" in sys.modules, "omnishm.committer.server" in sys.modules, flush=True)
+    installed(self)
+early_stop.EarlyStop.__init__ = init
+from omnishm.committer import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_start_up_signal_catcher_goes_in_before_torch_is_imported():
+    """``omnishm.committer.main`` installs ``EarlyStop`` first: importing torch (and the server) takes a second,
+    and a SIGTERM then used to kill the committer with exit 143. A bad option is refused without torch."""
+    proc = subprocess.run([sys.executable, "-c", _CATCHER_FIRST, "--name", "x", "--heartbeat-s", "-1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "must be > 0" in proc.stderr, proc.stderr
+
+
 def test_sigterm_while_the_committer_imports_stops_cleanly(committer_factory):
-    """A SIGTERM as soon as the committer catches it (before torch is imported, a second of start-up)
-    exits 0 and makes nothing. The catcher used to be installed after that import: exit 143."""
+    """A SIGTERM as soon as the committer catches it (it then still imports torch, about a second) exits 0 and
+    makes nothing: no lock, no segment, no socket."""
     handle = committer_factory(wait=False)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _catches(handle.proc.pid, signal.SIGTERM):  # busy poll: the handler is the first thing it installs
         assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
-    with open(f"/proc/{handle.proc.pid}/maps") as f:
-        assert "libtorch" not in f.read()  # still ahead of the import (it takes about a second)
     assert not shm.lock_path(RUNTIME_DIR, handle.name).exists()
     assert_clean_stop(handle)
     assert "stopped (SIGTERM) before it started" in handle.log(), handle.log()
+
+
+def test_an_autostarted_committer_stopped_while_starting_removes_its_log(tmp_path):
+    """Stopped before it started (exit 0), an autostarted committer removes its autostart log like any clean stop."""
+    from conftest import unique_cache_name
+
+    name = unique_cache_name("early")
+    runtime = tmp_path / "rt"
+    shm.ensure_runtime_dir(runtime)
+    log_path = runtime / f"{name}.autostart.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
+                                 str(runtime)], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)})
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _catches(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not log_path.exists() and sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
 
 
 def test_sigterm_during_start_up_stops_cleanly(committer_factory):

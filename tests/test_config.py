@@ -152,3 +152,21 @@ def test_a_manager_built_directly_takes_the_connection_knobs_from_the_environmen
     with OmniPrefixCacheManager(small_config(), cache=handle.name, autostart=False, connect_timeout_s=5.0,
                                 endpoint=handle.endpoint, runtime_dir=RUNTIME_DIR) as m:  # nothing read
         assert m.cache == handle.name
+
+
+def test_manager_connection_reads_only_the_missing_knobs(monkeypatch):
+    """A bad value of a knob the manager does not read now (sizing, the vLLM extension's, or the name when
+    ``cache`` is given) does not stop it; an explicit cache keeps its own socket over OMNISHM_ENDPOINT."""
+    monkeypatch.setenv("OMNISHM_STAGING_DEPTH", "0")
+    monkeypatch.setenv("OMNISHM_VLLM_HELD_BYTES", "1GiB")
+    monkeypatch.setenv("OMNISHM_NAME", "bad/name")
+    monkeypatch.setenv("OMNISHM_ENDPOINT", "ipc:///tmp/elsewhere/stageA.sock")
+    got = knobs.manager_connection(cache="stageB", endpoint=None, autostart=None, runtime_dir=None,
+                                   connect_timeout_s=None)
+    assert {k: v for k, v in got.items() if k != "runtime_dir"} == {"cache": "stageB", "endpoint": None,
+                                                                    "autostart": True, "connect_timeout_s": 30.0}
+    with pytest.raises(ConfigError, match="OMNISHM_NAME"):  # read when the cache is left out
+        knobs.manager_connection(cache=None, endpoint=None, autostart=False, runtime_dir=None, connect_timeout_s=1.0)
+    monkeypatch.setenv("OMNISHM_NAME", "stageA")
+    got = knobs.manager_connection(cache=None, endpoint=None, autostart=False, runtime_dir=None, connect_timeout_s=1.0)
+    assert got["cache"] == "stageA" and got["endpoint"] == "ipc:///tmp/elsewhere/stageA.sock"

@@ -232,6 +232,40 @@ def test_a_reader_materialize_waits_for_hit_rows_at_most_commit_timeout_s_in_all
         w.shutdown()
 
 
+def test_a_reader_mapping_a_key_for_its_first_hit_waits_at_most_commit_timeout_s_in_all(committer_factory):
+    """The reader attached before the writer opened the key, so its first hit maps the key (OpenKey) first; the
+    committer is stopped. The prefetch thread's OpenKey and materialize's own share materialize's one bound."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    timeout = 2.0
+    r = OmniPrefixCacheManager(cfg(commit_timeout_s=timeout), cache=handle.name, role="reader", autostart=False)
+    try:
+        with OmniPrefixCacheManager(cfg(commit_timeout_s=30.0), cache=handle.name, autostart=False) as w:
+            w.new_step_starts([started("a", [0])])
+            w.discard_step(save(w, [Part("a", 1, [0], 0, 4)], BS))
+            w.wait_idle()  # step 0's rows are in the pool
+            assert not r._keys
+            r.new_step_starts([started("a", [0])])
+            r.discard_step(save(r, [Part("a", 1, [0], 0, 4)], BS))
+            events = [finished("a"), started("b", [0, 1], hit=4)]
+            w.new_step_starts(events)
+            sid_w = save(w, [Part("b", 2, [0, 1], 4, 2)], BS)
+            w.wait_idle()  # published
+            os.kill(handle.proc.pid, signal.SIGSTOP)
+            try:
+                r.new_step_starts(events)
+                sid_r = save(r, [Part("b", 2, [0, 1], 4, 2)], BS)
+                t0 = time.monotonic()
+                with pytest.raises(OmniPrefixCacheUnmatchError, match=r"could not map.*did not answer.*'b'"):
+                    r.materialize(sid_r, ["b"])
+                took = time.monotonic() - t0
+            finally:
+                os.kill(handle.proc.pid, signal.SIGCONT)
+            assert took < 1.5 * timeout, f"materialize blocked {took:.2f}s with commit_timeout_s={timeout}"
+            w.discard_step(sid_w)
+    finally:
+        r.shutdown()
+
+
 def test_a_reader_waits_for_a_writer_that_attaches_after_the_previous_writer_left(committer_factory):
     """The cache's previous writer left (its epoch is still in the control segment); a reader starts
     waiting for step 0 before the next writer attaches. Heartbeats answered "no writer" meanwhile must

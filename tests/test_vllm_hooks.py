@@ -196,3 +196,15 @@ def test_completed_rows_are_held_within_the_bound_and_raw_rows_only_when_asked(c
         assert torch.equal(h.take_raw()["D"], rows(1, range(8))) and "D" in h.take_results()
     finally:
         h.uninstall()
+
+
+def test_a_prompt_completed_beside_others_is_held_as_its_own_rows(hooks):
+    """A prompt that completes in one step is a view of that step's result buffer (every request's rows): the
+    hooks hold a copy of its own rows, so the bound counts what is really kept alive."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 4, 0, [0]), ("B", 16, 0, [1, 2, 3, 4])], counts={"A": 4, "B": 12}))
+    held = h.stats()["held_bytes"]
+    a, hit = h.take_results()["A"]
+    assert hit == 0 and torch.equal(a, rows(1, range(4)))
+    own = a.numel() * a.element_size()
+    assert a.untyped_storage().nbytes() == own and held == 2 * own  # and A's raw rows (the fixture keeps them)

@@ -73,8 +73,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
     """The runner-side cache. Use as a context manager or call ``shutdown``.
 
     Connection arguments left out (``cache``, ``endpoint``, ``autostart``, ``runtime_dir``,
-    ``connect_timeout_s``) come from the client knobs: ``OMNISHM_*`` variables, the config file,
-    then the defaults (``omnishm.config.client_settings``). ``config`` is used as given: build it with
+    ``connect_timeout_s``; ``endpoint`` only with ``cache`` left out too) come from the client knobs:
+    ``OMNISHM_*`` variables, the config file, then the defaults (``omnishm.config.manager_connection``).
+    ``config`` is used as given: build it with
     ``omnishm.config.load_prefix_cache_config`` for ``OMNISHM_STAGING_DEPTH`` and the other sizing
     knobs to apply.
     """

@@ -104,16 +104,19 @@ class ReadSide:
                                     step_id=ctx.step_id)
             self._resolve_rows(kv, span.slots, planned, out, ctx, key, req, ctx.step_id, deadline)
         else:
-            kv = self._reader_key(key, out, req, ctx.step_id)
+            kv = self._reader_key(key, out, req, ctx.step_id, deadline)
             self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
 
-    def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId) -> KeyViews:
-        """Map a key the writer opened; this rank's rows must have the same dtype and width."""
+    def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId,
+                    deadline: float = 0.0) -> KeyViews:
+        """Map a key the writer opened; this rank's rows must have the same dtype and width. The committer's
+        answer is awaited until ``deadline`` (monotonic; 0: the link's request timeout)."""
         kv = self._keys.get(key)
         if kv is None:
+            timeout_s = max(0.01, deadline - time.monotonic()) if deadline else None
             try:
                 reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(out.dtype),
-                                                                 width=int(out.shape[1])))
+                                                                 width=int(out.shape[1])), timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 raise self._unmatch(f"hit on a tensor this reader could not map: the writer never wrote it, "
                                     f"wrote it with another layout, or the committer did not answer ({exc})",

@@ -112,8 +112,9 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
 
     from omnishm.committer import server
 
-    if early.reason:  # stopped before anything was made: nothing to clean up
+    if early.reason:  # stopped before anything was made: nothing to clean up but an autostart log
         logger.info("committer %s stopped (%s) before it started", cfg.name, early.reason)
+        _drop_autostart_log(runtime_dir, cfg.name, EXIT_OK)
         return EXIT_OK
     generation = uuid.uuid4().hex[:8]
     lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)

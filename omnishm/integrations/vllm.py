@@ -312,6 +312,7 @@ class OmniPrefixCacheRunnerHooks:
         that never calls ``omnishm_take_*`` holds at most ``held_bytes`` (counted in ``results_dropped``,
         with a warning on the first drop).
         """
+        value = _own(value)  # a view would keep the whole step's result buffer alive, uncounted
         with self._lock:
             old = table.pop(rid, None)
             if old is not None:
@@ -452,6 +453,16 @@ class OmniPrefixCacheWorkerExtension:
     def omnishm_stats(self) -> dict[str, Any]:
         hooks = self._omnishm_hooks_or_none()
         return {} if hooks is None else hooks.stats()
+
+
+def _own(value: Any) -> Any:
+    """A held result (a tensor, or ``(tensor, hit tokens)``) whose tensor owns exactly its bytes: a view of a
+    larger buffer (one request's rows of a step's result) is cloned."""
+    t = value[0] if isinstance(value, tuple) else value
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        t = t.clone()
+        return (t, *value[1:]) if isinstance(value, tuple) else t
+    return value
 
 
 def _nbytes(value: Any) -> int:
