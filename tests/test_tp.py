@@ -195,6 +195,15 @@ def test_a_reader_waiting_for_hit_rows_that_never_land_stops_once_the_writer_lef
         r.shutdown()
 
 
+def assert_refused_within(timeout: float, r: OmniPrefixCacheManager, sid: int, req: str, match: str) -> None:
+    """``r.materialize(sid, [req])`` raises (``match``) within 1.5 x ``timeout``: one bound for all its waits."""
+    t0 = time.monotonic()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=match):
+        r.materialize(sid, [req])
+    took = time.monotonic() - t0
+    assert took < 1.5 * timeout, f"materialize blocked {took:.2f}s with commit_timeout_s={timeout}"
+
+
 def test_a_reader_materialize_waits_for_hit_rows_at_most_commit_timeout_s_in_all(committer_factory):
     """A same-step hit whose rows do not land (the committer is stopped): the reader's materialize raises after
     commit_timeout_s in all. It used to wait for its prefetch thread, then start a fresh wait of its own: twice
@@ -217,14 +226,9 @@ def test_a_reader_materialize_waits_for_hit_rows_at_most_commit_timeout_s_in_all
             w.new_step_starts(events)
             sid_w = save(w, parts, BS)
             r.new_step_starts(events)
-            sid_r = save(r, parts, BS)
-            t0 = time.monotonic()
-            with pytest.raises(OmniPrefixCacheUnmatchError, match=r"hit rows not committed within 2.0s.*'d'"):
-                r.materialize(sid_r, ["d"])
-            took = time.monotonic() - t0
+            assert_refused_within(timeout, r, save(r, parts, BS), "d", r"hit rows not committed within 2.0s.*'d'")
         finally:
             os.kill(handle.proc.pid, signal.SIGCONT)
-        assert took < 1.5 * timeout, f"materialize blocked {took:.2f}s with commit_timeout_s={timeout}"
         assert torch.equal(w.materialize(sid_w, ["d"]).hidden_states["d"], rows(3, range(6)))
     finally:
         if r is not None:
@@ -253,14 +257,10 @@ def test_a_reader_mapping_a_key_for_its_first_hit_waits_at_most_commit_timeout_s
             os.kill(handle.proc.pid, signal.SIGSTOP)
             try:
                 r.new_step_starts(events)
-                sid_r = save(r, [Part("b", 2, [0, 1], 4, 2)], BS)
-                t0 = time.monotonic()
-                with pytest.raises(OmniPrefixCacheUnmatchError, match=r"could not map.*did not answer.*'b'"):
-                    r.materialize(sid_r, ["b"])
-                took = time.monotonic() - t0
+                assert_refused_within(timeout, r, save(r, [Part("b", 2, [0, 1], 4, 2)], BS), "b",
+                                      r"could not map.*did not answer.*'b'")
             finally:
                 os.kill(handle.proc.pid, signal.SIGCONT)
-            assert took < 1.5 * timeout, f"materialize blocked {took:.2f}s with commit_timeout_s={timeout}"
             w.discard_step(sid_w)
     finally:
         r.shutdown()
