@@ -138,9 +138,10 @@ def test_chaos_committer_and_reader_kills(committer_factory, monkeypatch):
     assert all(r.failure is None for r in results), [r.failure for r in results]
     assert mismatches == 0
     # Refusals are legitimate only for reads a kill made late (a few per kill); a cache that refused
-    # reads it should serve would show hundreds (a review measured 18 normally, 1263 with such a bug).
+    # reads it should serve would show hundreds (a review measured 18 normally, 1263 with such a bug; a soak
+    # of 28 seeds on 2026-12-02 5 to 33, so 40 left too little room on a loaded machine).
     reader_steps = sum(r.steps for r in results if r.rank != 0)
-    assert sum(errors.values()) <= max(40, 0.05 * reader_steps), dict(errors)
+    assert sum(errors.values()) <= max(100, 0.05 * reader_steps), dict(errors)
     assert writer.lost_writes == 0 and writer.pool_rows_verified > 0
     assert rows_checked > 0 and all(r.rows_checked > 0 for r in results)
     assert link["reconnects"] >= kills  # the writer alone resumes after every kill
