@@ -375,8 +375,7 @@ class ClientSettings:
 
     def manager_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``OmniPrefixCacheManager`` besides the config and role."""
-        return {"cache": self.name, "endpoint": self.endpoint, "autostart": self.autostart,
-                "runtime_dir": self.runtime_dir, "connect_timeout_s": self.connect_timeout_s}
+        return {arg: getattr(self, knob) for arg, knob in _CONNECTION.items()}
 
 
 _CONNECTION = {"cache": "name", "endpoint": "endpoint", "autostart": "autostart", "runtime_dir": "runtime_dir",

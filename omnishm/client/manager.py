@@ -387,8 +387,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         ctx = self._take_ctx(step_id, "materialize", req_ids, out)
         served = [0, 0]  # hit tokens, rows served
         nkeys = len(ctx.step_rows)
-        # One bound for every wait of this call (publication, prefetch, each hit's rows), not one per wait.
-        deadline = time.monotonic() + self.config.commit_timeout_s if ctx.hits or not self.is_writer else 0.0
+        deadline = self._deadline()  # one bound for every wait of this call, not one per wait
         try:
             if not self.is_writer:
                 self._wait_published(step_id, deadline)

@@ -25,7 +25,15 @@ _POLL_S = 0.0005
 
 
 class ReadSide:
-    """Hit-row reads (mixin; all state lives in the manager)."""
+    """Hit-row reads (mixin; all state lives in the manager).
+
+    Every wait for rows, a publication or a key takes a ``deadline`` (``time.monotonic()``) from its
+    caller: one bound for all the waits of one ``materialize`` (or one prefetch, one rescue).
+    """
+
+    def _deadline(self) -> float:
+        """``commit_timeout_s`` from now: the bound of one call's waits."""
+        return time.monotonic() + self.config.commit_timeout_s
 
     def _arena(self, ctx: StepCtx, req_ids: list[ReqId]) -> dict[TensorName, dict[ReqId, torch.Tensor]]:
         """Result tensors ``(hit + step rows, *row_shape)`` of every requested request and key.
@@ -108,12 +116,12 @@ class ReadSide:
             self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
 
     def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId,
-                    deadline: float = 0.0) -> KeyViews:
+                    deadline: float) -> KeyViews:
         """Map a key the writer opened; this rank's rows must have the same dtype and width. The committer's
-        answer is awaited until ``deadline`` (monotonic; 0: the link's request timeout)."""
+        answer is awaited until ``deadline``."""
         kv = self._keys.get(key)
         if kv is None:
-            timeout_s = max(0.01, deadline - time.monotonic()) if deadline else None
+            timeout_s = max(0.01, deadline - time.monotonic())
             try:
                 reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(out.dtype),
                                                                  width=int(out.shape[1])), timeout_s)
@@ -130,7 +138,7 @@ class ReadSide:
 
     def _resolve_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
                       ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId,
-                      deadline: float = 0.0) -> None:
+                      deadline: float) -> None:
         """Writer: rows of ``slots`` at versions ``cvs`` from the pool, a live source or a rescue."""
         if bool(((cvs == 0) | ((cvs >> 48) != self._epoch)).any()):
             # 0: never written; another epoch: written by an earlier writer this engine never saw.
@@ -141,17 +149,16 @@ class ReadSide:
         ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
         torch.index_select(kv.pool, 0, slots, out=out)
         if not bool(ok.all()):
-            self._fix_rows(kv, slots, cvs, out, ~ok, ctx, key, req, step_id, deadline=deadline)
+            self._fix_rows(kv, slots, cvs, out, ~ok, ctx, key, req, step_id, deadline)
         # A claim that moved while we copied means the row may be the new tenant's.
         moved = ok & (kv.claim[slots] != cvs)
         if bool(moved.any()):
-            self._fix_rows(kv, slots, cvs, out, moved, ctx, key, req, step_id, from_pool=False, deadline=deadline)
+            self._fix_rows(kv, slots, cvs, out, moved, ctx, key, req, step_id, deadline, from_pool=False)
 
     def _fix_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
                   mask: torch.Tensor, ctx: StepCtx | None, key: TensorName, req: ReqId, step_id: StepId,
-                  from_pool: bool = True, deadline: float = 0.0) -> None:
+                  deadline: float, from_pool: bool = True) -> None:
         idx = torch.nonzero(mask).reshape(-1)
-        deadline = deadline or time.monotonic() + self.config.commit_timeout_s
         for cv in torch.unique(cvs[idx]).tolist():
             sel = idx[cvs[idx] == cv]
             want = slots[sel]
@@ -188,15 +195,13 @@ class ReadSide:
                 time.sleep(_POLL_S)
 
     def _read_committed(self, kv: KeyViews, slots: torch.Tensor, out: torch.Tensor, key: TensorName,
-                        req: ReqId, step_id: StepId, deadline: float = 0.0) -> None:
+                        req: ReqId, step_id: StepId, deadline: float) -> None:
         """Reader: wait until the writer's rows for ``slots`` landed, copy, validate (seqlock).
 
         Raises ``OmniPrefixCacheUnmatchError`` for absent or reused rows, and
         for rows that did not land within ``commit_timeout_s`` or whose writer
-        left the cache first (``_writer_left``). ``deadline`` (monotonic): the
-        caller's bound for all its waits; 0: ``commit_timeout_s`` from now.
+        left the cache first (``_writer_left``), by ``deadline``.
         """
-        deadline = deadline or time.monotonic() + self.config.commit_timeout_s
         since = self._writer_mark()
         while True:
             epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
@@ -224,15 +229,13 @@ class ReadSide:
                     else f"within {self.config.commit_timeout_s:.1f}s"), req_id=req, key=key, step_id=step_id)
             time.sleep(_POLL_S)
 
-    def _wait_published(self, step_id: StepId, deadline: float = 0.0) -> None:
+    def _wait_published(self, step_id: StepId, deadline: float) -> None:
         """Reader, any thread: wait until the writer published ``step_id`` (its claims are in the table).
 
         Raises ``OmniPrefixCacheUnmatchError`` after ``commit_timeout_s``, or
         as soon as the writer that was attached when the wait began has left
         the cache without publishing it (``_writer_left``): nothing will.
-        ``deadline`` as in ``_read_committed``.
         """
-        deadline = deadline or time.monotonic() + self.config.commit_timeout_s
         since = self._writer_mark()
         while int(self._ctl[P.CTL_PUBLISHED_STEP]) < step_id:
             self._check_usable()
@@ -276,12 +279,13 @@ class ReadSide:
         here is simply read (and raised) again by materialize.
         """
         try:
-            self._wait_published(ctx.step_id)
+            deadline = self._deadline()
+            self._wait_published(ctx.step_id, deadline)
             for req, span in ctx.hits.items():
                 for key, step_rows in ctx.step_rows.items():
                     out = torch.empty((len(span.slots), step_rows.shape[1]), dtype=step_rows.dtype)
-                    kv = self._reader_key(key, out, req, ctx.step_id)
-                    self._read_committed(kv, span.slots, out, key, req, ctx.step_id)
+                    kv = self._reader_key(key, out, req, ctx.step_id, deadline)
+                    self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
                     ctx.prefetched[(req, key)] = out
         except Exception:  # materialize reads again and raises with full context
             pass

@@ -327,6 +327,7 @@ class WriterSide:
         with self._lock:
             pinned = list(self._pinned.values())
         hot = slots[self._pin_count[slots] > 0]
+        deadline = self._deadline()
         for ctx in pinned:
             for req, span in ctx.hits.items():
                 inter = torch.isin(span.slots, hot)
@@ -344,7 +345,7 @@ class WriterSide:
                         continue
                     out = self._keys[key].rows_out(len(want))
                     try:
-                        self._resolve_rows(self._keys[key], want, cvs, out, None, key, req, ctx.step_id)
+                        self._resolve_rows(self._keys[key], want, cvs, out, None, key, req, ctx.step_id, deadline)
                     except OmniPrefixCacheUnmatchError:
                         continue  # nothing valid to keep; the read will raise
                     with self._lock:
