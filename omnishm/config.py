@@ -149,16 +149,17 @@ KNOBS: tuple[Knob, ...] = (
     Knob("connect_timeout_s", "float", 30.0, "how long a client waits for the committer's Welcome",
          scope="client", min=0, min_exclusive=True),
     Knob("staging_depth", "int", _pcc_default("staging_depth"),
-         "unconsumed step ids (staging pages) a writer may hold", scope="client", min=1),
+         "unconsumed step ids a client may hold (a writer's are staging pages)", scope="client", min=1),
     Knob("staging_capacity_tokens", "int", _pcc_default("staging_capacity_tokens"),
          "rows of one staging page (one step)", scope="client", min=1,
          default_doc=f"{_pcc_default('staging_capacity_tokens')} (vLLM: max_num_batched_tokens)"),
     Knob("staging_claim_timeout_s", "float", _pcc_default("staging_claim_timeout_s"),
          "how long a save waits for a free staging page", scope="client", min=0, min_exclusive=True),
     Knob("gpu_staging_bytes", "int", _pcc_default("gpu_staging_bytes"),
-         "device bytes deferred writes may hold before the oldest is flushed", scope="client", min=1),
-    Knob("copy_chunk_bytes", "int", _pcc_default("copy_chunk_bytes"), "bytes per device-to-host copy chunk",
-         scope="client", min=1),
+         "bytes of deferred (JOIN_ON_FINISH) row copies held (device clones on CUDA, host clones on CPU) "
+         "before the oldest write is flushed", scope="client", min=1),
+    Knob("copy_chunk_bytes", "int", _pcc_default("copy_chunk_bytes"),
+         "bytes per piece of a deferred write copied into the staging flush region", scope="client", min=1),
     Knob("commit_timeout_s", "float", _pcc_default("commit_timeout_s"),
          "how long a client waits for a committer reply", scope="client", min=0, min_exclusive=True),
     Knob("reconnect_timeout_s", "float", _pcc_default("reconnect_timeout_s"),
@@ -441,7 +442,7 @@ def load_prefix_cache_config(num_blocks: int, block_size: int, *, derived: Mappi
 
 
 def markdown_table() -> str:
-    """The configuration table of docs/OPERATIONS.md (generated: ``python -m omnishm.config``)."""
+    """The configuration table of README.md (generated: ``python -m omnishm.config``)."""
     lines = ["| knob (TOML key) | flag | environment | default | applies to | meaning |",
              "|---|---|---|---|---|---|"]
     for k in KNOBS:

@@ -35,7 +35,7 @@ CTL_WORDS = 16
 CTL_PUBLISHED_STEP = 0   # writer client: last step id whose claims are in the claim table (-1: none)
 CTL_WRITER_EPOCH = 1     # committer: epoch of the attached writer (0: none yet)
 CTL_COMMITTER_PID = 2    # committer
-CTL_WRITER_STEP_BASE = 3  # writer client: step id its manager started at
+# word 3: unused (kept so the words after it keep their places in a mixed-version restart)
 CTL_ACKED_STEP = 4       # committer: make_cv(epoch, step, 0) of the writer's last quiet StepWrite applied in full
 
 

@@ -5,7 +5,8 @@
 #   2. scripts/gpu_bench.py: device-to-host GB/s of the whole-step staging copy into registered shared
 #      memory next to a plain pinned copy_ of the same bytes;
 #   3. `omnishm demo --tp 2 --device cuda`: a writer and a reader process saving from the device;
-#   4. `omnishm bench --only 2,3,6` with the outputs on the device, then figures 3 and 6 on the CPU, on the
+#   4. `omnishm bench --only 2,3,6` with figures 3 and 6's outputs on the device (figure 2 reads host memory
+#      either way), then figures 3 and 6 on the CPU, on the
 #      same machine (JSON beside the logs), and a cProfile of figure 3's engine step on the device.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (OUTDIR gets the logs and the bench JSON)
 # Needs torch with CUDA, pyzmq, msgspec, posix_ipc and pytest; omnishm is taken from this checkout.

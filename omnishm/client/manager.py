@@ -9,7 +9,9 @@ Threads and locks
 - Engine thread: ``new_step_starts``, ``save_outputs`` (exactly once per real
   step, in that order). Only this thread writes the claim table.
 - Any thread: ``materialize``, ``discard_step`` (exactly once per step id).
-- ``omnishm-link`` (I/O) and ``omnishm-flusher`` threads complete writes.
+- ``omnishm-link`` (I/O) and ``omnishm-flusher`` threads complete writes;
+  ``omnishm-prefetch`` (readers) gathers hit rows after a save, and
+  ``omnishm-sender`` (a CUDA writer) sends a step no materialize sent.
 - ``_lock`` (the state lock) guards the step contexts, pins, row sources and
   deferred writes. It never covers a wait, a row copy or a committer round
   trip: those run after it is released.

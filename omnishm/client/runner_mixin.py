@@ -19,8 +19,8 @@ How a runner uses it (engine thread unless noted)::
 
 What the mixin reads from the runner (all vLLM 0.32 ``GPUModelRunner``
 attributes): ``vllm_config`` (or ``cache_config``/``scheduler_config``/
-``model_config``/``speculative_config``/``parallel_config``),
-``kv_cache_config``, ``is_pooling_model``, ``input_batch`` (read at every save:
+``model_config``/``speculative_config``/``parallel_config``/
+``kv_transfer_config``), ``kv_cache_config``, ``is_pooling_model``, ``input_batch`` (read at every save:
 vLLM may re-create it) and ``get_model()``. Knobs, settable on the class or
 instance: ``prefix_cache_name`` (the committer cache, e.g. the stage name),
 ``prefix_cache_endpoint``, ``prefix_cache_autostart``, ``prefix_cache_eager``,
