@@ -75,3 +75,26 @@ def test_stopping_a_rank_group_interrupted_before_all_ranks_started():
     group = RankGroup(RankOptions(cache=unique_cache_name("demo"), tp=2, steps=1, autostart=False))
     group.stop()  # none started: nothing to stop, nothing raised
     assert all(p.pid is None for p in group.procs)
+
+
+def test_a_bad_client_knob_stops_the_demo_before_it_starts_anything():
+    """The ranks build their config with ``load_prefix_cache_config``: a bad ``OMNISHM_*`` client knob is
+    refused once, by the launcher, with exit 2, instead of a traceback from every rank."""
+    name = unique_cache_name("demo")
+    env = {**os.environ, "OMNISHM_RECONNECT_TIMEOUT_S": "-3"}
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "demo", "--name", name, *SMALL], env=env,
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "bad reconnect_timeout_s = '-3' (from env OMNISHM_RECONNECT_TIMEOUT_S)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not shm.list_segments(name) and not list(RUNTIME_DIR.glob(f"{name}.*"))
+
+
+def test_the_ranks_take_client_knobs_from_the_environment_and_keep_their_own_sizing(monkeypatch):
+    from omnishm.demo.rank import RankOptions
+
+    monkeypatch.setenv("OMNISHM_RECONNECT_TIMEOUT_S", "25")
+    monkeypatch.setenv("OMNISHM_STAGING_DEPTH", "9")
+    cfg = RankOptions(lag=1, max_batched_tokens=64).prefix_cache_config()
+    assert cfg.reconnect_timeout_s == 25.0  # test_chaos relies on this reaching its spawned ranks
+    assert (cfg.staging_depth, cfg.staging_capacity_tokens) == (3, 64)  # the demo's lag + 2 and its batch

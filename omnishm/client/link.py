@@ -43,7 +43,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import socket
 import threading
 import time
@@ -64,7 +63,6 @@ from omnishm.interface import OmniPrefixCacheCommitterError
 
 logger = logging.getLogger(__name__)
 
-RECONNECT_TIMEOUT_ENV = "OMNISHM_RECONNECT_TIMEOUT_S"
 MAX_IN_FLIGHT = 256
 """Unanswered requests a link allows at once; a caller past it waits for room. The committer's
 ROUTER drops a reply, silently, once 1000 wait for this client in its socket and 1000 in ours
@@ -87,8 +85,9 @@ class CommitterLink(LinkAttach):
 
     Thread-safe: ``request`` and ``submit`` may be called from any thread.
     ``close`` says goodbye (bounded) and stops the I/O thread; exactly once.
-    ``reconnect_timeout_s`` (default: ``$OMNISHM_RECONNECT_TIMEOUT_S``, else
-    ``request_timeout_s``) bounds how long a lost committer is waited for;
+    ``reconnect_timeout_s`` (default: ``request_timeout_s``; a manager passes its
+    config's, where ``OMNISHM_RECONNECT_TIMEOUT_S`` applies) bounds how long a lost
+    committer is waited for;
     ``heartbeat_timeout_s`` (default: the committer's) how long silence is
     tolerated before the committer counts as lost.
     """
@@ -108,8 +107,7 @@ class CommitterLink(LinkAttach):
             shm.check_socket_path(sock_path)
         self.request_timeout_s = request_timeout_s
         if reconnect_timeout_s is None:
-            env = os.environ.get(RECONNECT_TIMEOUT_ENV)
-            reconnect_timeout_s = float(env) if env else request_timeout_s
+            reconnect_timeout_s = request_timeout_s
         if reconnect_timeout_s <= 0:
             raise ValueError(f"reconnect_timeout_s must be positive, got {reconnect_timeout_s}")
         self.reconnect_timeout_s = float(reconnect_timeout_s)

@@ -13,6 +13,7 @@ import sys
 import time
 
 from omnishm import shm
+from omnishm.config import ConfigError
 from omnishm.demo.launch import InterruptOnce, RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
 
@@ -71,6 +72,11 @@ def cli_main(args: argparse.Namespace) -> int:
                        device=args.device)
     if opts.tp < 1:
         print("omnishm demo: --tp must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        opts.prefix_cache_config()  # what every rank will build: a bad OMNISHM_* knob stops the demo here
+    except (ConfigError, ValueError) as exc:
+        print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
     if opts.device == "cuda":
         import torch

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from omnishm.config import load_prefix_cache_config
 from omnishm.interface import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 
 
@@ -49,6 +50,16 @@ class RankOptions:
     verify_pool: bool = False
     """Writer only: at the end, after every write was acknowledged, check each claimed pool row of the
     immediate key against ground truth (``lost_writes``: rows claimed, acknowledged and not there)."""
+
+    def prefix_cache_config(self) -> PrefixCacheConfig:
+        """Each rank's config: the demo's own sizing wins; the other client knobs (``reconnect_timeout_s``,
+        ``result_pool_bytes``, ...) come from ``OMNISHM_*`` and the config file, as for any client.
+        Raises ``ConfigError`` for a bad one (the launcher checks this before it starts anything)."""
+        return load_prefix_cache_config(self.num_blocks, self.block_size,
+                                        staging_capacity_tokens=self.max_batched_tokens, staging_depth=self.lag + 2,
+                                        commit_timeout_s=self.commit_timeout_s,
+                                        staging_claim_timeout_s=self.commit_timeout_s,
+                                        gpu_staging_bytes=self.gpu_staging_bytes)
 
 
 @dataclass
@@ -99,10 +110,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
     torch.set_num_threads(1)
     role = "writer" if rank == 0 else "reader"
     result = RankResult(rank=rank, role=role, pid=os.getpid())
-    cfg = PrefixCacheConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
-                            staging_capacity_tokens=opts.max_batched_tokens, staging_depth=opts.lag + 2,
-                            commit_timeout_s=opts.commit_timeout_s, staging_claim_timeout_s=opts.commit_timeout_s,
-                            gpu_staging_bytes=opts.gpu_staging_bytes)
+    cfg = opts.prefix_cache_config()
     eng = SimEngine(num_blocks=opts.num_blocks, block_size=opts.block_size,
                     max_batched_tokens=opts.max_batched_tokens, width=opts.width, mm_width=opts.mm_width,
                     seed=opts.seed)
