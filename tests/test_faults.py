@@ -89,7 +89,7 @@ def test_link_fails_within_bound_when_committer_is_gone(committer_factory):
             link.submit(lambda rid: protocol.StatusRequest(rid=rid))
     finally:
         link.close()
-    assert shm.sweep(RUNTIME_DIR, handle.name)  # the SIGKILLed committer's segments, now that nobody holds them
+    # The SIGKILLed committer's segments: its last client removed them as it closed.
     assert shm.list_segments(handle.name) == []
 
 
@@ -125,8 +125,7 @@ def test_manager_write_fails_sticky_within_bound_when_committer_is_gone(committe
             m.new_step_starts(eng.schedule().step)
     finally:
         m.shutdown()
-    shm.sweep(RUNTIME_DIR, handle.name)
-    assert shm.list_segments(handle.name) == []
+    assert shm.list_segments(handle.name) == []  # removed by the last client's shutdown
 
 
 def test_restart_adopts_live_cache_keeps_acked_rows_and_lands_resent_writes(committer_factory):
@@ -266,3 +265,48 @@ def test_cleanup_keeps_what_attached_clients_map_unless_forced(committer_factory
         m.shutdown()
     shm.sweep(RUNTIME_DIR, handle.name)  # nobody maps them any more: gone
     assert shm.list_segments(handle.name) == []
+
+
+def _rank_script(rank: int, name: str, endpoint: str) -> str:
+    """A real TP rank (``omnishm.demo.rank``; its resume window comes from the environment); prints its
+    result as the last line."""
+    return textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from omnishm.demo import rank as R
+        opts = R.RankOptions(cache={name!r}, tp=3, seed=5, steps=10**9, duration_s=60, num_blocks=32, block_size=4,
+                             max_batched_tokens=32, width=16, mm_width=4, lag=1, autostart=False,
+                             endpoint={endpoint!r}, commit_timeout_s=20.0, lockstep=False, step_delay_s=0.01)
+        class Progress:
+            def put(self, item):
+                print("steps", item[1], flush=True)
+        print(json.dumps(R.run_rank({rank}, opts, Progress()).to_dict()), flush=True)
+    """)
+
+
+def test_clients_that_outlive_a_sigkilled_committer_leave_nothing_when_they_shut_down(committer_factory):
+    """The committer is SIGKILLed mid-run and nothing restarts it; its writer and readers fail within their
+    resume window and shut down cleanly. The last of them to leave removes the dead generation (segments,
+    socket, lock): nobody else ever would, short of a manual `omnishm cleanup` or a start of that name."""
+    import json
+
+    handle = committer_factory(*FAST)
+    env = {**os.environ, "OMNISHM_RECONNECT_TIMEOUT_S": "1.0"}
+    ranks = [subprocess.Popen([sys.executable, "-c", _rank_script(r, handle.name, handle.endpoint)],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO, env=env) for r in range(3)]
+    try:
+        for p in ranks:  # every rank is attached and stepping
+            _until(lambda: p.stdout.readline().startswith("steps"), 60, "a rank to make progress")
+        assert len(shm.list_segments(handle.name)) > 6
+        handle.stop(signal.SIGKILL)
+        results = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in ranks] == [0, 0, 0]
+    assert all(r["failure"] and "reconnect_timeout_s=1.0s" in r["failure"] for r in results), results
+    assert shm.list_segments(handle.name) == [], "the dead committer's segments outlived every client"
+    left = [f for f in os.listdir(RUNTIME_DIR) if f.startswith(handle.name + ".")]
+    assert left == [], left

@@ -142,6 +142,30 @@ class LinkAttach:
             os.close(self._live_fd)
             self._live_fd = -1
 
+    def _sweep_if_committer_gone(self) -> list[str]:
+        """Closing, after the liveness lock is dropped: remove the cache's orphans when our committer is dead.
+
+        A committer SIGKILLed while clients were attached leaves every segment (they may resume with a
+        restart, which adopts them). When nothing restarted it and its clients shut down, nobody else would
+        ever unlink them, so the last client to leave does: ``shm.sweep`` without ``force`` leaves alone a
+        generation a live committer owns, every cache whose lock a committer holds, and a generation
+        other clients still hold their liveness lock on (they still wait to resume). The last of them to
+        close removes it. Returns what was removed.
+        """
+        welcome = getattr(self, "welcome", None)
+        if welcome is None or self._committer_ident is None \
+                or proc_identity(welcome.committer_pid) == self._committer_ident:
+            return []  # never attached, or the committer lives: it unlinks what it made
+        try:
+            removed = shm.sweep(self.runtime_dir, self.cache)
+        except Exception:  # closing must finish; `omnishm cleanup` or the next start removes them then
+            logger.exception("cache %s: cannot remove the dead committer's segments", self.cache)
+            return []
+        if removed:
+            logger.warning("cache %s: committer pid %d is gone and this was its last client: removed %d "
+                           "orphaned object(s)", self.cache, welcome.committer_pid, len(removed))
+        return removed
+
     # ------------------------------------------------------------ losing and resuming the committer
 
     def _lost(self, reason: str) -> None:

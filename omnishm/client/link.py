@@ -360,6 +360,7 @@ class CommitterLink(LinkAttach):
         self._wake_r.close()
         self._wake_w.close()
         self._release_liveness_lock()
+        self._sweep_if_committer_gone()
 
     def _fail_all(self, reason: str) -> None:
         with self._slock:
