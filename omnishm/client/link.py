@@ -178,15 +178,16 @@ class CommitterLink(LinkAttach):
 
     # ------------------------------------------------------------ public
 
-    def submit(self, make: Callable[[int], msgspec.Struct], *, bounded: bool = True, ack_marker: int = 0) -> Future:
+    def submit(self, make: Callable[[int], msgspec.Struct], *, bounded: bool = True, ack_marker: int = 0,
+               room_timeout_s: float | None = None) -> Future:
         """Send ``make(rid)``; the future gets its reply (or an error). Any thread; raises when dead.
 
         Sends on the calling thread under ``_slock`` (non-blocking). While the
         link resumes, or when the socket is full, the message waits in the
         outbox (or, resuming, in ``_pending``, which a resume re-sends) and the
         I/O thread sends it. With ``MAX_IN_FLIGHT`` requests unanswered, a
-        ``bounded`` caller first waits for room (up to ``request_timeout_s``,
-        then raises); the I/O thread's own heartbeats are not bounded.
+        ``bounded`` caller first waits for room (up to ``room_timeout_s``, default
+        ``request_timeout_s``, then raises); the I/O thread's own heartbeats are not bounded.
         ``ack_marker`` (> 0): a quiet ``StepWrite``, acknowledged by the committer
         storing this marker in ``CTL_ACKED_STEP`` and settled with ``settle``.
         It usually gets no reply, so it skips the ``EVENTS`` check after the
@@ -197,7 +198,7 @@ class CommitterLink(LinkAttach):
         ``client/attach.py``).
         """
         if bounded and len(self._pending) >= MAX_IN_FLIGHT:
-            self._wait_for_room()
+            self._wait_for_room(self.request_timeout_s if room_timeout_s is None else room_timeout_s)
         rid = next(self._rids)
         msg = make(rid)
         data = P.encode(msg)
@@ -260,8 +261,8 @@ class CommitterLink(LinkAttach):
         if ready:
             self._wake()
 
-    def _wait_for_room(self) -> None:
-        deadline = time.monotonic() + self.request_timeout_s
+    def _wait_for_room(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         with self._room:
             self._room_waiters += 1
             try:
@@ -270,7 +271,7 @@ class CommitterLink(LinkAttach):
                     if remaining <= 0:
                         raise OmniPrefixCacheCommitterError(
                             f"cache {self.cache}: {len(self._pending)} requests to the committer at {self.endpoint} "
-                            f"still unanswered after {self.request_timeout_s:.1f}s (at most {MAX_IN_FLIGHT} in flight)")
+                            f"still unanswered after {timeout_s:.1f}s (at most {MAX_IN_FLIGHT} in flight)")
                     self._room.wait(remaining)
             finally:
                 self._room_waiters -= 1
@@ -281,11 +282,15 @@ class CommitterLink(LinkAttach):
             self._room.notify_all()
 
     def request(self, make: Callable[[int], msgspec.Struct], timeout_s: float | None = None) -> msgspec.Struct:
-        """Round trip; raises OmniPrefixCacheCommitterError on Error replies, timeouts and death."""
-        fut = self.submit(make)
+        """Round trip; raises OmniPrefixCacheCommitterError on Error replies, timeouts and death.
+
+        ``timeout_s`` (default ``request_timeout_s``) bounds the whole call: the wait for in-flight room
+        and the wait for the reply together."""
         timeout_s = timeout_s or self.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        fut = self.submit(make, room_timeout_s=timeout_s)
         try:
-            reply = fut.result(timeout=timeout_s)
+            reply = fut.result(timeout=max(deadline - time.monotonic(), 0.0))
         except TimeoutError as exc:
             with self._plock:
                 self._pending.pop(fut.rid, None)  # type: ignore[attr-defined]

@@ -354,6 +354,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._flush(to_flush)
         if self._prefetcher is not None and ctx.hits:
             ctx.prefetch_done = threading.Event()
+            ctx.prefetch_taken = threading.Lock()
             self._prefetcher.put(ctx)
         if self.is_writer:
             self._ctl_mv[P.CTL_PUBLISHED_STEP] = step_id

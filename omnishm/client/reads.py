@@ -279,6 +279,8 @@ class ReadSide:
         here is simply read (and raised) again by materialize.
         """
         try:
+            if ctx.prefetch_taken is not None and not ctx.prefetch_taken.acquire(blocking=False):
+                return  # materialize or discard came first: it reads the rows itself, or nobody does
             deadline = self._deadline()
             self._wait_published(ctx.step_id, deadline)
             for req, span in ctx.hits.items():

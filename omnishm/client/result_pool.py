@@ -21,7 +21,9 @@ into a preallocated buffer).
 
 Thread-safe: ``empty`` from any thread; blocks come back from whichever thread
 drops the last reference (a lock-free deque, drained under the lock by
-``empty``, so a finalizer that runs inside ``empty`` cannot deadlock).
+``empty``, so a finalizer that runs inside ``empty`` cannot deadlock). Blocks
+evicted over the cap are let go after the lock is released: unmapping one costs
+about 150 ms per GiB, which no other thread's ``empty`` waits for.
 """
 
 from __future__ import annotations
@@ -76,32 +78,49 @@ class ResultPool:
     @property
     def free_bytes(self) -> int:
         with self._lock:
-            self._drain_returned()
-            return self._free_bytes
+            dropped = self._drain_returned()
+            free = self._free_bytes
+        del dropped  # unmapped here, after the lock (see _drain_returned)
+        return free
 
     def _take(self, nbytes: int) -> np.ndarray | None:
         limit = nbytes + nbytes // 4 + GRAIN
         with self._lock:
-            self._drain_returned()
-            best = -1
-            for i, block in enumerate(self._free):
-                if nbytes <= block.nbytes <= limit and (best < 0 or block.nbytes < self._free[best].nbytes):
-                    best = i
-            if best < 0:
-                return None
-            block = self._free.pop(best)
-            self._free_bytes -= block.nbytes
-            return block
+            dropped = self._drain_returned()
+            block = self._best_locked(nbytes, limit)
+        del dropped  # unmapped here, after the lock (see _drain_returned)
+        return block
 
-    def _drain_returned(self) -> None:
-        """Lock held: file the blocks that came back, evicting the oldest free ones over the cap."""
+    def _best_locked(self, nbytes: int, limit: int) -> np.ndarray | None:
+        """Lock held: take the smallest free block of ``nbytes`` to ``limit`` bytes, or None."""
+        best = -1
+        for i, block in enumerate(self._free):
+            if nbytes <= block.nbytes <= limit and (best < 0 or block.nbytes < self._free[best].nbytes):
+                best = i
+        if best < 0:
+            return None
+        block = self._free.pop(best)
+        self._free_bytes -= block.nbytes
+        return block
+
+    def _drain_returned(self) -> list[np.ndarray]:
+        """Lock held: file the blocks that came back, evicting the oldest free ones over the cap.
+
+        Returns the dropped blocks: the caller lets go of them after releasing the lock, since the last
+        reference unmaps the block (about 150 ms per GiB) and another thread's ``empty`` must not wait
+        for that."""
+        dropped: list[np.ndarray] = []
         while self._returned:
             block = self._returned.popleft()
             if block.nbytes > self.max_free_bytes:
                 self.stats["dropped"] += 1
-                continue  # its memory goes back to the OS with the last reference
+                dropped.append(block)  # its memory goes back to the OS with the last reference
+                continue
             while self._free_bytes + block.nbytes > self.max_free_bytes:
-                self._free_bytes -= self._free.pop(0).nbytes
+                old = self._free.pop(0)
+                self._free_bytes -= old.nbytes
+                dropped.append(old)
                 self.stats["dropped"] += 1
             self._free.append(block)
             self._free_bytes += block.nbytes
+        return dropped

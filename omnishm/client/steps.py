@@ -53,6 +53,11 @@ class StepCtx:
     leftover_events: list[Any] = field(default_factory=list)
     prefetched: dict[tuple[ReqId, TensorName], torch.Tensor] = field(default_factory=dict)
     prefetch_done: threading.Event | None = None
+    prefetch_taken: threading.Lock | None = None
+    """Reader: taken by whoever comes to the step first, the prefetch thread (it reads the hit rows) or
+    materialize/discard (the prefetch thread, still busy with earlier steps, then skips it)."""
+    prefetch_skipped: bool = False
+    """Set by the materializing thread when it took the step before the prefetch thread (read only by it)."""
 
 
 class StepLifecycle:
@@ -68,9 +73,16 @@ class StepLifecycle:
             event.synchronize()
 
     def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName, deadline: float) -> torch.Tensor | None:
-        """The rows the prefetch thread read for ``req``/``key``, waiting for it until ``deadline`` (monotonic);
-        None when it has none (it failed, or is still waiting: materialize then reads itself)."""
+        """The rows the prefetch thread read for ``req``/``key``, waiting for it until ``deadline`` (monotonic)
+        once it has started this step; None when it has none (it failed, is still waiting, or has not started
+        this step, being busy with earlier ones: materialize then reads itself, never waiting on those)."""
         if ctx.prefetch_done is None:
+            return None
+        if ctx.prefetch_skipped or ctx.prefetch_taken.acquire(blocking=False):
+            # The prefetch thread has not started this step (earlier steps still hold it up): nothing to
+            # wait for, the caller reads the rows now; the prefetch thread skips the step.
+            ctx.prefetch_skipped = True
+            self.counters["prefetch_dropped"] += 1
             return None
         ctx.prefetch_done.wait(max(0.0, deadline - time.monotonic()))
         rows = ctx.prefetched.pop((req, key), None)
@@ -105,6 +117,8 @@ class StepLifecycle:
             return ctx
 
     def _release_ctx(self, ctx: StepCtx) -> None:
+        if ctx.prefetch_taken is not None:
+            ctx.prefetch_taken.acquire(blocking=False)  # consumed: a prefetch not started yet is skipped
         if ctx.hits:  # only steps with hits are pinned (set before the step id was handed out)
             with self._lock:
                 self._unpin_locked(ctx)

@@ -1,0 +1,167 @@
+"""Engine-thread waits are bounded by the timeout the caller was promised, not by someone else's.
+
+Real committer processes. A stall is a SIGSTOP of the committer (replies come late, not never) or a
+reader's prefetch thread held up on an earlier step. Each test asserts a bound with seconds of margin
+on a wait that, before the fix, lasted a whole other timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from manager_helpers import BS, Part, expect, save, small_config, started
+from omnishm import protocol
+from omnishm.client import OmniPrefixCacheManager
+from omnishm.client.link import MAX_IN_FLIGHT, CommitterLink
+from omnishm.client.result_pool import GRAIN, ResultPool
+from omnishm.interface import OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError
+
+LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
+
+
+def test_a_request_waits_for_in_flight_room_no_longer_than_its_own_timeout(committer_factory):
+    """``request(timeout_s=1)`` with the in-flight window full (a frozen committer) raises after about
+    1 s. It used to wait ``request_timeout_s`` for room first and then ``timeout_s`` for the reply: a
+    reader's materialize maps a key with the rest of its deadline (``_reader_key``), so that call
+    outlived commit_timeout_s by a whole commit_timeout_s, and ``close``'s 5 s goodbye took 35 s."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         request_timeout_s=12.0)
+    os.kill(handle.proc.pid, signal.SIGSTOP)
+    try:
+        while len(link._pending) < MAX_IN_FLIGHT:  # nothing is answered: the window fills
+            link.submit(lambda rid: protocol.StatusRequest(rid=rid))
+        t0 = time.monotonic()
+        with pytest.raises(OmniPrefixCacheCommitterError) as err:
+            link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=1.0)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 1.0 + 5.0, f"request(timeout_s=1.0) took {elapsed:.1f}s (request_timeout_s=12): {err.value}"
+        assert "1.0s" in str(err.value) and f"at most {MAX_IN_FLIGHT} in flight" in str(err.value), err.value
+    finally:
+        os.kill(handle.proc.pid, signal.SIGCONT)
+        link.close()
+
+
+def test_a_reader_materialize_does_not_wait_for_a_prefetch_still_busy_with_an_earlier_step(committer):
+    """The prefetch thread handles steps in order. While it is held up on step 1 (slow rows, a slow copy,
+    a step that was discarded), step 2's prefetch has not even started: materialize(2) reads its
+    committed hit rows itself at once. It used to wait out commit_timeout_s for that prefetch and then
+    serve the same rows."""
+    cfg = small_config(commit_timeout_s=10.0)
+    w = OmniPrefixCacheManager(cfg, cache=committer.name, role="writer", autostart=False)
+    r = OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False)
+    gate = threading.Event()
+    handle = r._prefetcher._handle
+
+    def slow_prefetch(ctx):
+        if ctx.step_id == 1:
+            gate.wait(60)
+        handle(ctx)
+
+    r._prefetcher._handle = slow_prefetch
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        w.wait_idle()
+        for m in (w, r):  # step 1: c hits a's block; nobody reads it
+            m.new_step_starts([started("c", [0, 1], hit=4)])
+            m.discard_step(save(m, [Part("c", 3, [0, 1], 4, 2)], BS))
+        for m in (w, r):  # step 2: d hits the same committed block
+            m.new_step_starts([started("d", [0, 2], hit=4)])
+            sid = save(m, [Part("d", 4, [0, 2], 4, 2)], BS)
+        w.discard_step(sid)
+        w.wait_idle()
+        t0 = time.monotonic()
+        out = r.materialize(sid, ["d"])
+        elapsed = time.monotonic() - t0
+        assert torch.equal(out.hidden_states["d"], expect(1, 4, 4, 4, 2))
+        assert torch.equal(out.mm_outputs["d"]["feat"], expect(1, 4, 4, 4, 2, mm=True))
+        assert elapsed < 5.0, f"materialize waited {elapsed:.1f}s on a prefetch busy with step 1 (commit_timeout_s=10)"
+    finally:
+        gate.set()
+        r.shutdown()
+        w.shutdown()
+
+
+class _SlowToFree(np.ndarray):
+    """A pool block whose release takes as long as we like: what ``munmap`` of a big block costs (measured
+    on the build box: 8 ms for 64 MiB, 37 ms for 256 MiB, 158 ms for 1 GiB of faulted pages)."""
+
+    freeing = threading.Event()
+    release = threading.Event()
+
+    def __del__(self):
+        type(self).freeing.set()
+        type(self).release.wait(10)
+
+
+def test_result_pool_frees_evicted_blocks_outside_its_lock():
+    """A block evicted over ``max_free_bytes`` is freed (unmapped) after the pool's lock is released: a
+    materialize on another thread never waits for someone else's munmap to get its result tensor."""
+    pool = ResultPool(3 * GRAIN + 1, min_bytes=GRAIN)
+    slow = np.zeros(3 * GRAIN, dtype=np.uint8).view(_SlowToFree)
+    pool._free, pool._free_bytes = [slow], slow.nbytes  # an old free block, the first evicted
+    del slow
+    t = pool.empty((GRAIN,), torch.uint8)  # too small for the old block: a new one
+    del t  # comes back: the next drain evicts the old block
+    evicting = threading.Thread(target=lambda: pool.free_bytes)
+    evicting.start()
+    try:
+        assert _SlowToFree.freeing.wait(10), "the old block was not evicted"
+        t0 = time.monotonic()
+        got = threading.Thread(target=lambda: pool.empty((GRAIN,), torch.uint8))
+        got.start()
+        got.join(5.0)
+        elapsed = time.monotonic() - t0
+        assert not got.is_alive() and elapsed < 5.0, f"empty() waited {elapsed:.1f}s behind another thread's free"
+    finally:
+        _SlowToFree.release.set()
+        evicting.join(10)
+
+
+def test_a_reader_materialize_stays_within_commit_timeout_s_when_heartbeats_fill_the_in_flight_window(
+        committer_factory):
+    """A frozen committer that answers nothing, heartbeats every 10 ms and reaps after 60 s: the reader's
+    unanswered heartbeats fill the link's in-flight window. Its first hit maps the key (OpenKey), and
+    materialize must still raise within about commit_timeout_s in all (FAULTS.md). The wait for room
+    used to take request_timeout_s on top of the deadline's share: twice the bound."""
+    handle = committer_factory("--heartbeat-s", "0.01", "--heartbeat-timeout-s", "60")
+    timeout = 3.0
+    r = OmniPrefixCacheManager(small_config(commit_timeout_s=timeout), cache=handle.name, role="reader",
+                               autostart=False)
+    try:
+        with OmniPrefixCacheManager(small_config(commit_timeout_s=30.0), cache=handle.name, autostart=False) as w:
+            w.new_step_starts([started("a", [0])])
+            w.discard_step(save(w, [Part("a", 1, [0], 0, 4)], BS))
+            w.new_step_starts([started("b", [0, 1], hit=4)])
+            sid_w = save(w, [Part("b", 2, [0, 1], 4, 2)], BS)
+            w.wait_idle()  # published, rows in the pool
+            assert not r._keys
+            r.new_step_starts([started("a", [0])])
+            r.discard_step(save(r, [Part("a", 1, [0], 0, 4)], BS))
+            os.kill(handle.proc.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 30
+                while len(r._link._pending) < MAX_IN_FLIGHT:
+                    assert time.monotonic() < deadline, len(r._link._pending)
+                    time.sleep(0.05)
+                r.new_step_starts([started("b", [0, 1], hit=4)])
+                sid = save(r, [Part("b", 2, [0, 1], 4, 2)], BS)
+                t0 = time.monotonic()
+                with pytest.raises(OmniPrefixCacheUnmatchError, match=r"could not map.*in flight.*'b'"):
+                    r.materialize(sid, ["b"])
+                took = time.monotonic() - t0
+                assert took < 1.5 * timeout, f"materialize blocked {took:.2f}s with commit_timeout_s={timeout}"
+            finally:
+                os.kill(handle.proc.pid, signal.SIGCONT)
+            w.discard_step(sid_w)
+    finally:
+        r.shutdown()
