@@ -159,7 +159,8 @@ KNOBS: tuple[Knob, ...] = (
          "bytes of deferred (JOIN_ON_FINISH) row copies held (device clones on CUDA, host clones on CPU) "
          "before the oldest write is flushed", scope="client", min=1),
     Knob("copy_chunk_bytes", "int", _pcc_default("copy_chunk_bytes"),
-         "bytes per piece of a deferred write copied into the staging flush region", scope="client", min=1),
+         "bytes of a deferred write per message through the staging flush region (a step's write waits behind "
+         "at most one)", scope="client", min=1),
     Knob("commit_timeout_s", "float", _pcc_default("commit_timeout_s"),
          "how long a client waits for a committer reply", scope="client", min=0, min_exclusive=True),
     Knob("reconnect_timeout_s", "float", _pcc_default("reconnect_timeout_s"),

@@ -84,7 +84,7 @@ class PrefixCacheConfig:
     staging_depth: int = 4
     staging_claim_timeout_s: float = 30.0
     gpu_staging_bytes: int = 1 << 30
-    copy_chunk_bytes: int = 64 << 20
+    copy_chunk_bytes: int = 4 << 20
     commit_timeout_s: float = 30.0
     reconnect_timeout_s: float = 30.0
     """How long a client tries to resume with a restarted committer before every call fails."""

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from manager_helpers import BS, Part, expect, save, small_config, started
+from manager_helpers import BS, Part, build, expect, finished, save, small_config, started
 from omnishm import protocol
-from omnishm.client import OmniPrefixCacheManager
+from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager
 from omnishm.client.link import MAX_IN_FLIGHT, CommitterLink
 from omnishm.client.result_pool import GRAIN, ResultPool
 from omnishm.interface import OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError
@@ -165,3 +165,52 @@ def test_a_reader_materialize_stays_within_commit_timeout_s_when_heartbeats_fill
             w.discard_step(sid_w)
     finally:
         r.shutdown()
+
+
+
+def test_a_deferred_flush_goes_in_copy_chunk_bytes_messages_whose_replies_quiet_steps_do_not_hide(committer_factory):
+    """A finished request's deferred rows are flushed while the engine keeps stepping. Each flush
+    ``StepWrite`` carries at most ``copy_chunk_bytes`` of rows, so the next step's quiet write, which
+    ``save_outputs`` joins on the engine thread, waits behind at most one piece: one message of a whole
+    64 MiB flush region held that join 35-61 ms on the build machine, 4 MiB pieces 0.02 ms. And the
+    engine's quiet sends must not hide a piece's reply from the link's I/O thread (they skipped the
+    EVENTS check): the reply then waited for the I/O thread's tick, a quarter of a heartbeat (2 s here).
+    That is a race; with 256 KiB pieces and 5 ms forwards it hid a reply in most runs."""
+    handle = committer_factory("--heartbeat-s", "8", "--heartbeat-timeout-s", "60")
+    width, count = 1 << 16, 32  # 256 KiB rows
+    cfg = small_config(copy_chunk_bytes=width * 4, commit_timeout_s=30.0)
+    with OmniPrefixCacheManager(cfg, cache=handle.name, autostart=False) as m:
+        m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"big"})))
+        blocks = list(range(8))
+        big = torch.arange(count * width, dtype=torch.float32).view(count, width)
+        m.new_step_starts([started("a", blocks)])
+        h, _, layout, n, _ = build([Part("a", 1, blocks, 0, count)], BS, mm_key=None)
+        m.discard_step(m.save_outputs(h, {"big": big}, num_tokens_unpadded=n, num_tokens_padded=n,
+                                      write_layout=layout))
+        task = m._open[("a", "big")]
+        sizes: list[int] = []
+        send = m._flusher._send
+
+        def recording_send(make):
+            sizes.append(int(np.frombuffer(make(0).counts, dtype="<i8").sum()))
+            return send(make)
+
+        m._flusher._send = recording_send
+        prev = "a"
+        t0 = time.monotonic()
+        for i in range(10_000):  # quiet steps of other requests until the flush is done
+            if task.done.done() or time.monotonic() - t0 > 10:
+                break
+            req, block = f"b{i}", 8 + i % 8
+            m.new_step_starts([finished(prev), started(req, [block])])
+            m.discard_step(save(m, [Part(req, 2, [block], 0, BS)], BS, mm_key=None))
+            prev = req
+            time.sleep(0.005)  # the forward (the step's write is acknowledged by the time the next save joins it)
+        took = time.monotonic() - t0
+        task.done.result(30)
+        assert sizes and max(sizes) == 1 and sum(sizes) == count, sizes  # 32 messages of one 256 KiB row
+        assert took < 1.5, f"a {count}-piece flush took {took:.2f}s beside quiet steps (the I/O thread's tick is 2 s)"
+        kv = m._keys["big"]
+        slots = torch.arange(count)
+        assert torch.equal(kv.commit[slots], kv.claim[slots])
+        assert torch.equal(kv.pool[slots], big)

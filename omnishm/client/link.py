@@ -190,10 +190,11 @@ class CommitterLink(LinkAttach):
         ``request_timeout_s``, then raises); the I/O thread's own heartbeats are not bounded.
         ``ack_marker`` (> 0): a quiet ``StepWrite``, acknowledged by the committer
         storing this marker in ``CTL_ACKED_STEP`` and settled with ``settle``.
-        It usually gets no reply, so it skips the ``EVENTS`` check after the
-        send: a reply its send hid from ``ZMQ_FD`` waits for the I/O thread's
-        next poll tick (at most a quarter of a heartbeat period), unless the
-        caller that waits for the step calls ``wake_if_replied``. A resume does
+        It usually gets no reply, so when no other request is pending it skips
+        the ``EVENTS`` check after the send: a reply its send hid from
+        ``ZMQ_FD`` waits for the I/O thread's next poll tick (at most a quarter
+        of a heartbeat period), unless the caller that waits for the step calls
+        ``wake_if_replied``. A resume does
         not re-send it once the word shows it applied (``_on_resume_reply``,
         ``client/attach.py``).
         """
@@ -218,7 +219,11 @@ class CommitterLink(LinkAttach):
                     try:
                         sock.send(data, zmq.NOBLOCK)
                         sent = True
-                        wake = not ack_marker and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                        # A quiet send skips the EVENTS check (microseconds on the engine thread) only while
+                        # nothing else is pending: else it may take the ZMQ_FD edge of a reply someone waits for
+                        # (a deferred write's piece, an OpenKey), which would then wait for the I/O thread's tick.
+                        wake = (not ack_marker or len(self._pending) > 1) \
+                            and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
                     except zmq.ZMQError:
                         pass  # full (EAGAIN) or closing: the I/O thread sends it or fails it
                 if not sent:

@@ -119,7 +119,9 @@ class Flusher:
     """Copies closed deferred writes through the flush region to the committer.
 
     Runs on its own thread (``omnishm-flusher``), never on the engine thread:
-    it waits for each piece's acknowledgement before reusing the region. A
+    it sends at most ``copy_chunk_bytes`` of rows per ``StepWrite`` (small
+    pieces of a task's steps share one) and waits for each one's
+    acknowledgement before reusing the region. A
     task's ``done`` future completes (or fails) once all its pieces landed.
     Once a piece's outcome is unknown (no reply within ``timeout_s``, or the
     link failed it), the region is never written again: the committer may still
@@ -169,7 +171,10 @@ class Flusher:
         last: P.StepDone | None = None
         pieces: list[tuple[Chunk, int, int]] = []
         row_bytes = max(region[0].numel() * region.element_size(), 1)
-        step = max(1, min(self._rows, self._chunk_bytes // row_bytes))  # copy_chunk_bytes pieces
+        # At most copy_chunk_bytes per StepWrite: the committer applies one message at a time, and the next
+        # step's quiet write (which save_outputs joins on the engine thread) waits behind at most one piece.
+        # A whole 64 MiB region in one message held that join up to 40-60 ms here; 4 MiB pieces, a few ms.
+        step = max(1, min(self._rows, self._chunk_bytes // row_bytes))
         for chunk in task.chunks:
             for lo in range(0, len(chunk.slots), step):
                 pieces.append((chunk, lo, min(len(chunk.slots), lo + step)))
@@ -177,7 +182,7 @@ class Flusher:
         while i < len(pieces):
             used = 0
             batch: list[tuple[Chunk, int, int, int]] = []
-            while i < len(pieces) and used + (pieces[i][2] - pieces[i][1]) <= self._rows:
+            while i < len(pieces) and used + (pieces[i][2] - pieces[i][1]) <= step:
                 chunk, lo, hi = pieces[i]
                 self._to_host(region[self._row0 + used:self._row0 + used + hi - lo], chunk.rows[lo:hi],
                               chunk.freeze)
