@@ -444,6 +444,19 @@ def _replaced_soon(path: Path, ino: int, within_s: float) -> bool:
         time.sleep(0.01)
 
 
+def proc_identity(pid: int) -> str | None:
+    """Start time of a live (not zombie) process ``pid`` from /proc, or None when it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
 def cache_is_live(runtime_dir: Path, cache: str) -> bool:
     """True when some process holds the cache's committer lock."""
     path = lock_path(runtime_dir, cache)

@@ -304,7 +304,7 @@ def test_an_autostarted_committer_nobody_attached_to_exits_when_its_starter_is_g
     other served the whole run and exited. Nobody attaches to it: once the process that started it is
     gone it exits cleanly (lock, socket, segments and log removed), well before the 60 s unused limit."""
     from conftest import unique_cache_name
-    from omnishm.client.committer_process import proc_identity
+    from omnishm.shm import proc_identity
     from omnishm.committer.server import UNUSED_EXIT_S
 
     name = unique_cache_name("spawn")
@@ -324,6 +324,68 @@ def test_an_autostarted_committer_nobody_attached_to_exits_when_its_starter_is_g
     assert proc_identity(int(pid)) is None
     assert shm.list_segments(name) == []
     assert not (runtime / f"{name}.autostart.log").exists(), "it did not stop cleanly (its log was kept)"
+
+
+_SPAWN_AND_DIE = """
+import os, sys
+from pathlib import Path
+from omnishm import shm
+from omnishm.client.committer_process import start_committer
+name, rt = sys.argv[1], Path(sys.argv[2])
+shm.ensure_runtime_dir(rt)
+print(start_committer(name, rt).pid, flush=True)
+os._exit(0)  # gone before its committer imported torch and took the cache lock
+"""
+
+
+def test_an_autostarted_committer_exits_when_its_starter_is_gone_before_it_took_the_lock(tmp_path):
+    """The rank that autostarted a committer is killed before that committer even took the cache lock (the
+    demo killed right after its ranks attached: the slower of two autostarted committers gets the lock only
+    after the other exited). Nobody attaches; it must not hold the lock, socket and owner segment for the
+    60 s unused limit (the starter is not its parent any more when it looks: it is known by pid and start
+    time instead)."""
+    from conftest import unique_cache_name
+    from omnishm.shm import proc_identity
+    from omnishm.committer.server import UNUSED_EXIT_S
+
+    name = unique_cache_name("orphan")
+    runtime = tmp_path / "rt"
+    out = subprocess.run([sys.executable, "-c", _SPAWN_AND_DIE, name, str(runtime)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout)
+    ident = proc_identity(pid)
+    try:
+        # Up (lock held) or already gone; a start under load takes seconds (import torch).
+        deadline = time.monotonic() + 60
+        while not shm.cache_is_live(runtime, name) and proc_identity(pid) is not None \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        gone_by = time.monotonic() + UNUSED_EXIT_S / 3
+        while proc_identity(pid) is not None and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        log = runtime / f"{name}.autostart.log"
+        assert proc_identity(pid) is None, ("an unused committer outlived the client that started it:\n"
+                                            + (log.read_text() if log.exists() else ""))
+    finally:
+        if ident is not None and proc_identity(pid) == ident:  # failed: stop it (it unlinks what it made)
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while proc_identity(pid) == ident and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name)
+    assert shm.list_segments(name) == []
+    assert sorted(p.name for p in runtime.iterdir()) == [], "it did not stop cleanly (lock, socket or log kept)"
+
+
+def test_spawned_by_takes_a_pid_and_optionally_its_start_time():
+    from omnishm.committer.config import build_parser
+
+    assert build_parser().parse_args(["--spawned-by", "12:345"]).spawned_by == (12, "345")
+    assert build_parser().parse_args(["--spawned-by", "12"]).spawned_by == (12, "")
+    assert build_parser().parse_args([]).spawned_by == (0, "")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--spawned-by", "12:x"])
 
 
 def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp_path, monkeypatch):

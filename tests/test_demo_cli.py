@@ -13,6 +13,7 @@ import sys
 import time
 
 from omnishm import shm
+from omnishm.shm import proc_identity
 
 from conftest import RUNTIME_DIR, unique_cache_name
 
@@ -34,15 +35,27 @@ def _start_demo(name: str) -> subprocess.Popen:
     return proc
 
 
-def _ours_running(name: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-f", f"--name {name}"], capture_output=True, text=True).stdout.split()
-    return [pid for pid in out if int(pid) != os.getpid()]
+def _children(pid: int) -> dict[int, str]:
+    """The processes ``pid`` started (its ranks, multiprocessing's resource tracker), by pid and start time:
+    their command lines do not name the cache."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return {int(c): ident for c in out if (ident := proc_identity(int(c))) is not None}
 
 
-def _wait_gone(name: str) -> None:
+def _ours_running(name: str, children: dict[int, str] | None = None) -> list[str]:
+    """The demo and its committers (their command lines name the cache) and ``children`` still running."""
+    # "--": a pattern that starts with "--" is an option to pgrep, which then exits 2 and finds nothing.
+    out = subprocess.run(["pgrep", "-f", "--", f"--name {name}"], capture_output=True, text=True)
+    assert out.returncode in (0, 1), out.stderr
+    pids = [pid for pid in out.stdout.split() if int(pid) != os.getpid()]
+    return pids + [str(pid) for pid, ident in (children or {}).items() if proc_identity(pid) == ident]
+
+
+def _wait_gone(name: str, children: dict[int, str] | None = None) -> None:
     deadline = time.monotonic() + GONE_TIMEOUT_S
-    while _ours_running(name) or shm.list_segments(name) or any(RUNTIME_DIR.glob(f"{name}.*")):
-        assert time.monotonic() < deadline, (f"left after {GONE_TIMEOUT_S}s: processes {_ours_running(name)}, "
+    while _ours_running(name, children) or shm.list_segments(name) or any(RUNTIME_DIR.glob(f"{name}.*")):
+        assert time.monotonic() < deadline, (f"left after {GONE_TIMEOUT_S}s: processes "
+                                             f"{_ours_running(name, children)}, "
                                              f"segments {shm.list_segments(name)}, "
                                              f"files {sorted(RUNTIME_DIR.glob(f'{name}.*'))}")
         time.sleep(0.05)
@@ -51,20 +64,25 @@ def _wait_gone(name: str) -> None:
 def test_sigterm_stops_the_demo_its_ranks_and_their_committer():
     name = unique_cache_name("demo")
     proc = _start_demo(name)
+    children = _children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=GONE_TIMEOUT_S)[0]
     assert proc.returncode == 130, out
     assert "interrupted; ranks stopped, leaked segments 0" in out, out
     assert "Traceback" not in out, out
-    _wait_gone(name)
+    _wait_gone(name, children)
 
 
 def test_ranks_die_with_a_killed_demo_and_leave_nothing():
     name = unique_cache_name("demo")
     proc = _start_demo(name)
+    children = _children(proc.pid)
+    assert len(children) >= 2, children  # its ranks (and multiprocessing's resource tracker)
     proc.kill()
     proc.communicate(timeout=GONE_TIMEOUT_S)
-    _wait_gone(name)  # the ranks got SIGTERM from the kernel (PR_SET_PDEATHSIG), the committer exited idle
+    # The ranks got SIGTERM from the kernel (PR_SET_PDEATHSIG), the committer exited idle; a committer that
+    # took the cache lock only after the ranks were gone exited as soon as it saw its starter gone.
+    _wait_gone(name, children)
 
 
 def test_stopping_a_rank_group_interrupted_before_all_ranks_started():

@@ -44,8 +44,9 @@ import posix_ipc
 
 from omnishm import protocol as P
 from omnishm import shm
-from omnishm.client.committer_process import proc_identity, start_committer
+from omnishm.client.committer_process import start_committer
 from omnishm.interface import OmniPrefixCacheCommitterError
+from omnishm.shm import proc_identity
 from omnishm.versions import cv_step
 
 if TYPE_CHECKING:

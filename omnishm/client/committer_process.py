@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from omnishm.paths import ipc_endpoint
+from omnishm.shm import proc_identity
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,10 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     if endpoint is not None and endpoint != ipc_endpoint(Path(runtime_dir), cache):
         cmd += ["--endpoint", endpoint]
     if exit_when_idle:
-        cmd += ["--exit-when-idle", "--spawned-by", str(os.getpid())]
+        # This process by pid and start time: the committer tells whether it still runs even when it is
+        # gone before the committer looked (then the committer's parent is no longer this pid).
+        me = proc_identity(os.getpid())
+        cmd += ["--exit-when-idle", "--spawned-by", f"{os.getpid()}:{me}" if me else str(os.getpid())]
     log_path = Path(runtime_dir) / f"{cache}.autostart.log"
     log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
     env = {**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)}
@@ -45,16 +49,3 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     threading.Thread(target=proc.wait, name=f"omnishm-reap-{cache}", daemon=True).start()
     logger.info("cache %s: autostarted committer pid %d", cache, proc.pid)
     return proc
-
-
-def proc_identity(pid: int) -> str | None:
-    """Start time of a live (not zombie) process ``pid`` from /proc, or None when it is gone or unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(b")") + 2:].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
-    return fields[19].decode()

@@ -58,7 +58,7 @@ import zmq
 from omnishm import protocol as P
 from omnishm import paths, shm
 from omnishm.client.attach import CONNECTED, DEAD, RECONNECTING, LinkAttach
-from omnishm.client.committer_process import proc_identity
+from omnishm.shm import proc_identity
 from omnishm.interface import OmniPrefixCacheCommitterError
 
 logger = logging.getLogger(__name__)

@@ -43,6 +43,9 @@ class CommitterConfig:
     metrics_host: str = "127.0.0.1"
     spawned_by: int = 0
     """pid of the client process that autostarted this committer (its parent), 0 when not autostarted."""
+    spawned_by_start: str = ""
+    """That process's start time (``shm.proc_identity``) when the client passed one: the committer then
+    tells that very process from a later one under the same pid, whether or not it is still the parent."""
 
     @property
     def ipc_path(self) -> Path | None:
@@ -75,8 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     knobs.add_arguments(parser, SCOPE)
     # Internal, set by a client's autostart (client/committer_process.py), not a knob: an autostarted
     # committer no client attached to exits once the process that started it is gone.
-    parser.add_argument("--spawned-by", type=int, default=0, metavar="PID", help=argparse.SUPPRESS)
+    parser.add_argument("--spawned-by", type=_spawner, default=(0, ""), metavar="PID[:START]", help=argparse.SUPPRESS)
     return parser
+
+
+def _spawner(text: str) -> tuple[int, str]:
+    """``--spawned-by PID[:START]``: the autostarting client's pid and, when given, its start time."""
+    pid, _, start = text.partition(":")
+    if not pid.isdigit() or (start and not start.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected PID or PID:START (digits), got {text!r}")
+    return int(pid), start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +106,7 @@ def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterCo
     that ``prometheus_client`` is importable when metrics were asked for.
     """
     endpoint = check_endpoint(args.endpoint or shm.ipc_endpoint(runtime_dir, args.name))
+    spawned_by, spawned_by_start = getattr(args, "spawned_by", None) or (0, "")
     if args.metrics_port:
         from omnishm.committer.metrics import require_prometheus
 
@@ -104,7 +116,7 @@ def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterCo
                            heartbeat_timeout_s=float(args.heartbeat_timeout_s),
                            exit_when_idle=bool(args.exit_when_idle), prefault=bool(args.prefault),
                            log_level=args.log_level, metrics_port=int(args.metrics_port),
-                           metrics_host=args.metrics_host, spawned_by=int(getattr(args, "spawned_by", 0) or 0))
+                           metrics_host=args.metrics_host, spawned_by=spawned_by, spawned_by_start=spawned_by_start)
 
 
 def setup_logging(level: str) -> None:

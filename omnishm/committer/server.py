@@ -42,6 +42,7 @@ from omnishm.committer.config import EXIT_OK, CommitterConfig
 from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
+from omnishm.shm import proc_identity
 from omnishm.versions import MAX_STEP, make_cv
 
 if TYPE_CHECKING:
@@ -111,9 +112,11 @@ class Committer(Attach):
         self.generation = self.pool.generation
         self.sessions = SessionTable()
         self.started = time.monotonic()
-        self.spawner_pid = cfg.spawned_by if cfg.spawned_by == os.getppid() else 0
-        """The autostarting client's pid while it is this process's parent, else 0 (not autostarted, or
-        started through a launcher that forks: then only ``UNUSED_EXIT_S`` applies)."""
+        self.spawner_pid = cfg.spawned_by if cfg.spawned_by_start or cfg.spawned_by == os.getppid() else 0
+        """The autostarting client's pid, else 0 (not autostarted, or a bare ``--spawned-by PID`` that is not
+        this process's parent, e.g. started through a launcher that forks: then only ``UNUSED_EXIT_S``
+        applies). With its start time (``--spawned-by PID:START``, what autostart passes) the client is
+        known whether or not it is still the parent: it may be gone before this check (``_spawner_alive``)."""
         if cfg.spawned_by and not self.spawner_pid:
             logger.warning("committer %s: --spawned-by %d is not this process's parent (%d); an unused committer "
                            "exits after %.0f s only", cfg.name, cfg.spawned_by, os.getppid(), UNUSED_EXIT_S)
@@ -229,18 +232,26 @@ class Committer(Attach):
         """An ``--exit-when-idle`` committer no writer or reader ever attached to: is it still wanted?
 
         No, once ``UNUSED_EXIT_S`` passed (the client that started it gave up), or once the client
-        process that autostarted it (``--spawned-by``, its parent) is gone: two ranks that both
-        autostart start two committers, and the slower one may get the cache lock only after the
-        other served the whole run and exited; nobody will attach to it (an engine that comes later
-        autostarts its own), so it must not hold the cache's lock, socket and segments for a minute.
+        process that autostarted it (``--spawned-by``, ``_spawner_alive``) is gone: two ranks that
+        both autostart start two committers, and the slower one may get the cache lock only after the
+        other served the whole run and exited (or, the ranks killed, after they are gone too); nobody
+        will attach to it (an engine that comes later autostarts its own), so it must not hold the
+        cache's lock, socket and segments for a minute.
         """
         if time.monotonic() - started > UNUSED_EXIT_S:
             return True
-        if self.spawner_pid and os.getppid() != self.spawner_pid:
+        if self.spawner_pid and not self._spawner_alive():
             logger.info("committer %s: the client process that started it (pid %d) is gone and no client "
                         "attached; exiting", self.name, self.cfg.spawned_by)
             return True
         return False
+
+    def _spawner_alive(self) -> bool:
+        """The client process that autostarted this committer still runs: the process of that pid and
+        start time, or, given a bare pid, this process's parent is still that pid."""
+        if self.cfg.spawned_by_start:
+            return proc_identity(self.spawner_pid) == self.cfg.spawned_by_start
+        return os.getppid() == self.spawner_pid
 
     def serve_pending(self) -> None:
         """Receive what is queued (up to RECV_BATCH per round) and answer each message."""

@@ -105,9 +105,9 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
     except (ValueError, PermissionError) as exc:
         print(f"omnishm committer: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    # Imported only now: a refused start (bad option or name) answers without torch's second. Before the
-    # cache lock, though: a client that autostarted this committer may leave once the lock is held, and
-    # the server checks at start that its parent is that client.
+    # Imported only now: a refused start (bad option or name) answers without torch's second. The client
+    # that autostarted this committer may be gone before the lock is taken (a rank killed right after its
+    # autostart): the server knows it by pid and start time (--spawned-by PID:START), not as its parent.
     import torch
 
     from omnishm.committer import server
