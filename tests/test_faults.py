@@ -310,3 +310,32 @@ def test_clients_that_outlive_a_sigkilled_committer_leave_nothing_when_they_shut
     assert shm.list_segments(handle.name) == [], "the dead committer's segments outlived every client"
     left = [f for f in os.listdir(RUNTIME_DIR) if f.startswith(handle.name + ".")]
     assert left == [], left
+
+
+def test_a_manager_whose_construction_fails_after_the_welcome_says_goodbye(committer_factory, monkeypatch):
+    """Anything that raises in ``OmniPrefixCacheManager(...)`` after the committer welcomed it (a control
+    segment that will not map, a signal's exception) closes its link: the session ends with a goodbye at
+    once, instead of the link's I/O thread heartbeating for it as long as the process lives, and a writer
+    built again right after is welcomed (a cache has one writer)."""
+    import threading
+
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.client import manager as manager_module
+
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+
+    class Unmappable:
+        @staticmethod
+        def attach(*args, **kwargs):
+            raise OSError("injected: the control segment will not map")
+
+    monkeypatch.setattr(manager_module, "Segment", Unmappable)
+    with pytest.raises(OSError, match="injected"):
+        OmniPrefixCacheManager(small_config(), cache=handle.name, autostart=False)
+    monkeypatch.undo()
+    assert not [t.name for t in threading.enumerate() if t.name == f"omnishm-link-{handle.name}"]
+    _until(lambda: [c["role"] for c in _status(handle)["clients"]] in ([], ["admin"]), 10,
+           "the failed client's session to end")
+    with OmniPrefixCacheManager(small_config(), cache=handle.name, autostart=False) as m:
+        assert m.is_writer

@@ -137,6 +137,22 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             reconnect_timeout_s=config.reconnect_timeout_s,
             layout=P.Layout(num_blocks=config.num_blocks, block_size=config.block_size),
             staging_rows=staging_rows)
+        self._flusher: Flusher | None = None
+        self._prefetcher: SerialThread[StepCtx] | None = None
+        self._sender: StepSender | None = None
+        try:
+            self._attach(config, cache, cap)
+        except BaseException:
+            # Welcomed but not built (a segment that will not map, a signal's exception): say goodbye now,
+            # or the link's I/O thread keeps the session (and, for a writer, the cache's one writer seat)
+            # alive with heartbeats for as long as this process lives.
+            self._closed = True
+            self._stop_threads()
+            self._link.close()
+            raise
+
+    def _attach(self, config: PrefixCacheConfig, cache: str, cap: int) -> None:
+        """``__init__`` after the Welcome: map the control segment (and a reader's keys), start the threads."""
         self._link.counters = self.counters
         welcome = self._link.welcome
         self._epoch = welcome.epoch
@@ -151,20 +167,17 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
             self._link.acked_marker = self._acked_word
             self._pages: StagingPages | None = StagingPages(config.staging_depth, cap, cache)
-            self._flusher: Flusher | None = Flusher(
+            self._flusher = Flusher(
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
                 to_host=self._flush_copy, chunk_bytes=config.copy_chunk_bytes,
                 key_index=lambda key: self._keys[key].index, send=self._link.submit,
                 on_task_done=self._on_task_done, timeout_s=config.commit_timeout_s)
-            self._prefetcher: SerialThread[StepCtx] | None = None
-            self._sender: StepSender | None = StepSender(self._link.submit)
+            self._sender = StepSender(self._link.submit)
         else:
             # Readers stage nothing, but the same depth bounds their unconsumed step ids (and the
             # step rows they keep for them).
             self._pages = StagingPages(config.staging_depth, cap, cache)
-            self._flusher = None
             self._prefetcher = SerialThread("omnishm-prefetch", self._prefetch)
-            self._sender = None
             for seg in welcome.keys:
                 self._keys[seg.key] = KeyViews.map(seg, config.num_slots, readonly=True)
 
@@ -481,16 +494,19 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 except OmniPrefixCacheUnmatchError as exc:
                     logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
         finally:
-            if self._flusher is not None:
-                self._flusher.stop()
-            if self._prefetcher is not None:
-                self._prefetcher.stop(self.config.commit_timeout_s)
-            if self._sender is not None:
-                self._sender.stop(self.config.commit_timeout_s)
+            self._stop_threads()
             for reg in self._registrations:  # before the mappings can go away
                 reg.unregister()
             self._registrations.clear()
             self._link.close()
+
+    def _stop_threads(self) -> None:
+        if self._flusher is not None:
+            self._flusher.stop()
+        if self._prefetcher is not None:
+            self._prefetcher.stop(self.config.commit_timeout_s)
+        if self._sender is not None:
+            self._sender.stop(self.config.commit_timeout_s)
 
     def __enter__(self) -> "OmniPrefixCacheManager":
         return self
