@@ -278,9 +278,9 @@ class ReadSide:
         window in which the writer may re-claim a hit slot small; what fails
         here is simply read (and raised) again by materialize.
         """
+        if ctx.prefetch_taken is not None and not ctx.prefetch_taken.acquire(blocking=False):
+            return  # consumed before this thread got to it (``_take_ctx``): nobody waits for these rows
         try:
-            if ctx.prefetch_taken is not None and not ctx.prefetch_taken.acquire(blocking=False):
-                return  # materialize or discard came first: it reads the rows itself, or nobody does
             deadline = self._deadline()
             self._wait_published(ctx.step_id, deadline)
             for req, span in ctx.hits.items():

@@ -54,10 +54,9 @@ class StepCtx:
     prefetched: dict[tuple[ReqId, TensorName], torch.Tensor] = field(default_factory=dict)
     prefetch_done: threading.Event | None = None
     prefetch_taken: threading.Lock | None = None
-    """Reader: taken by whoever comes to the step first, the prefetch thread (it reads the hit rows) or
-    materialize/discard (the prefetch thread, still busy with earlier steps, then skips it)."""
-    prefetch_skipped: bool = False
-    """Set by the materializing thread when it took the step before the prefetch thread (read only by it)."""
+    """Reader: taken once, by whoever comes to the step first: the prefetch thread (it reads the hit rows)
+    or ``_take_ctx`` (the step was consumed while the prefetch thread was still busy with earlier steps:
+    it skips the step, and ``prefetch_done`` is dropped, since nothing will set it)."""
 
 
 class StepLifecycle:
@@ -77,12 +76,8 @@ class StepLifecycle:
         once it has started this step; None when it has none (it failed, is still waiting, or has not started
         this step, being busy with earlier ones: materialize then reads itself, never waiting on those)."""
         if ctx.prefetch_done is None:
-            return None
-        if ctx.prefetch_skipped or ctx.prefetch_taken.acquire(blocking=False):
-            # The prefetch thread has not started this step (earlier steps still hold it up): nothing to
-            # wait for, the caller reads the rows now; the prefetch thread skips the step.
-            ctx.prefetch_skipped = True
-            self.counters["prefetch_dropped"] += 1
+            if ctx.prefetch_taken is not None:  # a prefetch the consumed step got ahead of (``_take_ctx``)
+                self.counters["prefetch_dropped"] += 1
             return None
         ctx.prefetch_done.wait(max(0.0, deadline - time.monotonic()))
         rows = ctx.prefetched.pop((req, key), None)
@@ -114,11 +109,11 @@ class StepLifecycle:
             self._consumed.add(step_id)
             if len(self._consumed) > 4096:
                 self._consumed = {s for s in self._consumed if s > step_id - 2048}
-            return ctx
+        if ctx.prefetch_taken is not None and ctx.prefetch_taken.acquire(blocking=False):
+            ctx.prefetch_done = None  # its prefetch never started and now never will: nothing to wait for
+        return ctx
 
     def _release_ctx(self, ctx: StepCtx) -> None:
-        if ctx.prefetch_taken is not None:
-            ctx.prefetch_taken.acquire(blocking=False)  # consumed: a prefetch not started yet is skipped
         if ctx.hits:  # only steps with hits are pinned (set before the step id was handed out)
             with self._lock:
                 self._unpin_locked(ctx)
