@@ -313,25 +313,23 @@ def test_clients_that_outlive_a_sigkilled_committer_leave_nothing_when_they_shut
 
 
 def test_a_manager_whose_construction_fails_after_the_welcome_says_goodbye(committer_factory, monkeypatch):
-    """Anything that raises in ``OmniPrefixCacheManager(...)`` after the committer welcomed it (a control
-    segment that will not map, a signal's exception) closes its link: the session ends with a goodbye at
-    once, instead of the link's I/O thread heartbeating for it as long as the process lives, and a writer
-    built again right after is welcomed (a cache has one writer)."""
+    """Anything that raises in ``OmniPrefixCacheManager(...)`` after the committer welcomed it (here a
+    signal's ``KeyboardInterrupt`` as the demo's ranks raise it, landing as the manager maps the control
+    segment) closes its link: the session ends with a goodbye at once, instead of the link's I/O thread
+    heartbeating for it as long as the process lives, and a writer built again right after is welcomed
+    (a cache has one writer)."""
     import threading
 
     from manager_helpers import small_config
     from omnishm.client import OmniPrefixCacheManager
-    from omnishm.client import manager as manager_module
 
     handle = committer_factory("--heartbeat-timeout-s", "60")
 
-    class Unmappable:
-        @staticmethod
-        def attach(*args, **kwargs):
-            raise OSError("injected: the control segment will not map")
+    def interrupted(self, *args):
+        raise KeyboardInterrupt("injected: SIGTERM while mapping the control segment")
 
-    monkeypatch.setattr(manager_module, "Segment", Unmappable)
-    with pytest.raises(OSError, match="injected"):
+    monkeypatch.setattr(OmniPrefixCacheManager, "_attach", interrupted)
+    with pytest.raises(KeyboardInterrupt, match="injected"):
         OmniPrefixCacheManager(small_config(), cache=handle.name, autostart=False)
     monkeypatch.undo()
     assert not [t.name for t in threading.enumerate() if t.name == f"omnishm-link-{handle.name}"]
