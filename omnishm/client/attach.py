@@ -37,6 +37,7 @@ import fcntl
 import logging
 import os
 import time
+from concurrent.futures import TimeoutError as FutureTimeout  # builtin TimeoutError only from Python 3.11
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -84,7 +85,7 @@ class LinkAttach:
             fut = self.submit(lambda rid: self._hello_msg(rid, resume=False))
             try:
                 reply = fut.result(timeout=min(remaining, 2.0 if self._autostart else remaining))
-            except TimeoutError:
+            except FutureTimeout:
                 with self._plock:
                     self._pending.clear()
                 continue

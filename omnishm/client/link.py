@@ -48,6 +48,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # builtin TimeoutError only from Python 3.11
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -296,7 +297,7 @@ class CommitterLink(LinkAttach):
         fut = self.submit(make, room_timeout_s=timeout_s)
         try:
             reply = fut.result(timeout=max(deadline - time.monotonic(), 0.0))
-        except TimeoutError as exc:
+        except FutureTimeout as exc:
             with self._plock:
                 self._pending.pop(fut.rid, None)  # type: ignore[attr-defined]
                 self._made_room()

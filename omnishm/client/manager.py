@@ -27,6 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # builtin TimeoutError only from Python 3.11
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -525,7 +526,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
 
         Open deferred writes stay open: they land when their request ends.
         Any thread but the engine thread's hot path; raises on a failed write
-        (at once when one already made the cache sticky-fatal: its writes may never be acknowledged).
+        (at once when one already made the cache sticky-fatal: its writes may never be acknowledged),
+        and ``TimeoutError`` when ``timeout_s`` (default ``commit_timeout_s``) passes first.
         """
         self._check_usable()
         timeout_s = self.config.commit_timeout_s if timeout_s is None else timeout_s
@@ -533,7 +535,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         with self._lock:
             closed = [t for t in self._closing.values()]
         for t in closed:
-            t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
+            try:
+                t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
+            except FutureTimeout:  # the builtin TimeoutError, on Python 3.10 too
+                raise TimeoutError(f"cache {self.cache}: deferred write {t.tid} of request {t.req_id!r} tensor "
+                                   f"{t.key!r} not acknowledged within {timeout_s:.1f}s") from None
         prev = self._prev_write
         if prev is not None:
             # The outcome itself: the done callback that records a failure may not have run yet.

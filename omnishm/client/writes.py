@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # builtin TimeoutError only from Python 3.11
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -196,7 +197,7 @@ class Flusher:
                 slots)
             try:
                 reply = self._send(msg).result(timeout=self._timeout_s)
-            except TimeoutError as exc:
+            except FutureTimeout as exc:
                 self._unsettled = (f"a flush piece of request {task.req_id!r} tensor {task.key!r} was not "
                                    f"acknowledged within commit_timeout_s={self._timeout_s:.1f}s")
                 raise TimeoutError(self._unsettled) from exc
