@@ -19,7 +19,7 @@ import torch
 
 import omnishm.client.reads as reads_mod
 from helpers import loud
-from manager_helpers import Part, expect, extended, finished, quick_config, rows, save, small_config, started
+from manager_helpers import Part, aborted, expect, extended, finished, quick_config, rows, save, small_config, started
 from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
                             OmniPrefixCacheUnmatchError)
 from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
@@ -271,3 +271,49 @@ def test_rows_saved_in_one_shape_are_never_read_back_in_another(mgr):
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tensor 'grid' has rows of shape \(3, 2\)"):
         save(m, [Part("a", 1, [0, 1], 4, 4)], BS, extra_mm={"grid": torch.zeros(4, 3, 2)})
     m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 4)], BS, extra_mm={"grid": torch.ones(4, 2, 3)}))
+
+
+def test_writer_serves_a_hit_whose_rows_are_part_rescued_and_part_landed_during_its_copy(mgr, monkeypatch):
+    """SOAK (2026-12-02; ``omnishm demo --tp 2 --duration-s 120 --seed 203 --lag 1 --num-blocks 32
+    --block-size 8 --max-batched-tokens 64`` once refused one of the writer's own reads as "reused").
+
+    b's hit on block 0 reads deferred rows of one claim version (a's open write, closed and flushed by the
+    hit; the flush is held). Before b's step is consumed, c takes over slots 0-1 of block 0: copy-on-write
+    keeps those two rows. materialize's pool copy finds none of the four committed; the flush lands during
+    that copy and its row source is dropped. Slots 2-3 are now committed in the pool and slots 0-1 are in
+    the rescue, so the writer has every row; it must serve them, not raise "slot reused"."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))
+    m.wait_idle()
+    kv = m._keys["feat"]
+    cv1 = int(kv.claim[2])
+    gate = Gate()
+    m._flusher._send = gate.wrap(m._flusher._send)
+    m.new_step_starts([started("b", [0, 3], hit=4)])  # closes a's open write; its flush is held
+    sid = save(m, [Part("b", 1, [0, 3], 4, 2)], BS)
+    m.new_step_starts([aborted("b"), finished("a"), started("c", [0])])
+    m.discard_step(save(m, [Part("c", 9, [0], 0, 2)], BS))  # slots 0-1 change tenant: rescued
+    assert int(kv.claim[0]) != cv1 and int(kv.claim[2]) == cv1 and int(kv.commit[2]) != cv1
+
+    real = torch.index_select
+    landed = []
+
+    def index_select(src, dim, index, *, out=None):
+        r = real(src, dim, index, out=out)
+        if src is kv.pool and not landed and 2 in index.tolist():
+            gate.open.set()  # the held flush lands right after the copy, and its source is dropped
+            deadline = time.monotonic() + 5
+            while int(kv.commit[2]) != cv1 or int(kv.commit[3]) != cv1 or ("feat", cv1) in m._sources:
+                assert time.monotonic() < deadline, "the flush never landed"
+                time.sleep(0.001)
+            landed.append(True)
+        return r
+
+    proxy = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
+    proxy.index_select = index_select
+    monkeypatch.setattr(reads_mod, "torch", proxy)
+    out = m.materialize(sid, ["b"])
+    assert landed, "the interleaving did not happen"
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 2, mm=True))
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 1, 4, 2))

@@ -344,3 +344,22 @@ def test_a_reader_that_saw_its_writer_leave_refuses_every_later_step_at_once(com
     finally:
         w.shutdown()
         r.shutdown()
+
+
+def test_a_step_with_no_tokens_is_saved_alike_on_writer_and_reader(committer):
+    """SOAK (2026-12-02): the demo's sim schedules 0-token steps when it starves; the writer's save_outputs
+    returns a step id for them, a reader's raised RuntimeError from ``data.reshape(0, -1)`` (a tensor of 0
+    elements cannot infer -1) and killed the rank. Every rank must count the same steps."""
+    with OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg(), cache=committer.name, role="reader", autostart=False) as r:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        ids = []
+        for m in (w, r):
+            m.new_step_starts([])
+            ids.append(save(m, [], BS))
+        assert ids[0] == ids[1]
+        for m, sid in zip((w, r), ids):
+            out = m.materialize(sid, [])
+            assert out.hidden_states == {}

@@ -40,7 +40,7 @@ from omnishm.client.device import DONE, DeviceOps, HostRegistration, StepSender,
 from omnishm.client.link import CommitterLink
 from omnishm.client.reads import ReadSide
 from omnishm.client.result_pool import ResultPool
-from omnishm.client.segments import KeyViews, StagingPages
+from omnishm.client.segments import KeyViews, StagingPages, row_width
 from omnishm.client.serial import SerialThread
 from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle
 from omnishm.client.writer import WriterSide
@@ -339,7 +339,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 ctx.d2h_event = ops.to_host(pairs, freeze_event)
             else:
                 for key, data in immediate.items():
-                    ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, -1))
+                    # An explicit width: reshape(n, -1) cannot infer -1 for a step of 0 tokens.
+                    ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, row_width(tuple(data.shape[1:]))))
             for key, data in deferred.items():
                 ctx.step_rows[key] = data.reshape(n, -1)
             to_flush: list[WriteTask] = []

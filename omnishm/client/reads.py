@@ -174,9 +174,15 @@ class ReadSide:
                     if rows is not None and src.alive:
                         out[sel] = rows
                         break
-                if rescue is not None and all(s in rescue for s in want.tolist()):
-                    out[sel] = torch.stack([rescue[s] for s in want.tolist()])
-                    break
+                if rescue is not None:
+                    kept = torch.tensor([s in rescue for s in want.tolist()], dtype=torch.bool)
+                    if bool(kept.any()):
+                        # Rescued slots are served from the rescue; the others (a deferred write that
+                        # landed after the pool copy, its source dropped) go on to the pool below.
+                        out[sel[kept]] = torch.stack([rescue[s] for s in want[kept].tolist()])
+                        sel, want = sel[~kept], want[~kept]
+                        if len(want) == 0:
+                            break
                 claim = kv.claim[want]
                 if bool((claim != cv).any()):
                     raise self._unmatch(f"slot reused before the read (planned version {cv:#x}, now "
