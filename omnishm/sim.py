@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from omnishm.client.manager import OmniPrefixCacheManager
 
 _MASK = (1 << 61) - 1
+MAX_NEW_TOKENS = 12
+"""A request generates 1 to this many tokens after its prompt."""
 
 
 def _mix(h: int, token: int) -> int:
@@ -186,7 +188,21 @@ class SimEngine:
         self.counter = 0
         self.requests_done = 0
         self.same_step_hits = 0
-        self.max_prompt = max(block_size * 2, max_batched_tokens * 3)
+        self.max_prompt = self.max_prompt_tokens(block_size, max_batched_tokens)
+
+    @staticmethod
+    def max_prompt_tokens(block_size: int, max_batched_tokens: int) -> int:
+        """The longest prompt ``add_request`` makes (longer ones keep their last tokens)."""
+        return max(block_size * 2, max_batched_tokens * 3)
+
+    @classmethod
+    def blocks_for_longest_request(cls, block_size: int, max_batched_tokens: int) -> int:
+        """KV blocks the longest request can hold at once: its prompt plus ``MAX_NEW_TOKENS``.
+
+        With fewer blocks in the cache it is never scheduled in full: it is preempted, re-queued
+        first, and every step after is a step of 0 tokens, for good.
+        """
+        return -(-(cls.max_prompt_tokens(block_size, max_batched_tokens) + MAX_NEW_TOKENS) // block_size)
 
     # ---------------------------------------------------------------- workload
 
@@ -205,7 +221,7 @@ class SimEngine:
         prompt = prompt[-self.max_prompt:] if len(prompt) > self.max_prompt else prompt
         self.counter += 1
         req = SimRequest(req_id=f"req-{self.counter}", tokens=prompt, prompt_len=len(prompt),
-                         max_new=self.rng.randint(1, 12))
+                         max_new=self.rng.randint(1, MAX_NEW_TOKENS))
         if self.rng.random() < self.abort_rate:
             req.abort_at = self.rng.randint(0, 6)
         self.waiting.append(req)

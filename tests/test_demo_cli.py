@@ -116,3 +116,57 @@ def test_the_ranks_take_client_knobs_from_the_environment_and_keep_their_own_siz
     cfg = RankOptions(lag=1, max_batched_tokens=64).prefix_cache_config()
     assert cfg.reconnect_timeout_s == 25.0  # test_chaos relies on this reaching its spawned ranks
     assert (cfg.staging_depth, cfg.staging_capacity_tokens) == (3, 64)  # the demo's lag + 2 and its batch
+
+
+def test_a_cache_too_small_for_the_longest_request_stops_the_demo_before_it_starts_anything():
+    """SOAK (2026-12-02): with fewer KV blocks than the sim's longest request needs, that request is never
+    scheduled in full and the ranks ran 0-token steps for good (1.19M of them in one run)."""
+    from omnishm.sim import SimEngine
+
+    name = unique_cache_name("demo")
+    need = SimEngine.blocks_for_longest_request(8, 64)
+    args = ["--tp", "2", "--steps", "20", "--num-blocks", str(need - 1), "--block-size", "8",
+            "--max-batched-tokens", "64", "--hidden-size", "32", "--mm-width", "8"]
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "demo", "--name", name, *args],
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--num-blocks {need - 1} of --block-size 8 cannot hold the longest request" in proc.stderr
+    assert f"give --num-blocks >= {need}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not shm.list_segments(name) and not list(RUNTIME_DIR.glob(f"{name}.*"))
+
+
+def test_the_sim_keeps_scheduling_with_just_enough_blocks_for_its_longest_request():
+    from omnishm.sim import SimEngine
+
+    bs, budget = 8, 64
+    eng = SimEngine(num_blocks=SimEngine.blocks_for_longest_request(bs, budget), block_size=bs,
+                    max_batched_tokens=budget, width=4, mm_key=None, seed=11, abort_rate=0.0)
+    empty_run = longest_empty_run = 0
+    for _ in range(3000):
+        eng.top_up(4)
+        st = eng.schedule()
+        empty_run = empty_run + 1 if st.num_tokens == 0 else 0
+        longest_empty_run = max(longest_empty_run, empty_run)
+        eng.advance(st)
+    assert eng.requests_done > 100 and longest_empty_run == 0, (eng.requests_done, longest_empty_run)
+
+
+def test_refused_reads_fail_the_demo_only_where_no_read_can_come_late():
+    """SOAK (2026-12-02): a lockstep run with --lag 2 refused 1-3 reader reads in 3000 steps (0 mismatches)
+    and the demo said FAILED; a reader that lags must refuse a hit whose slots changed tenant."""
+    from omnishm.demo.main import passed
+    from omnishm.demo.rank import RankOptions
+
+    def summary(refused: int = 0, **kw) -> dict:
+        return {"mismatches": 0, "failures": {}, "leaked_segments": [],
+                "errors": {"rank1": {"reused": refused}} if refused else {}, **kw}
+
+    lockstep = RankOptions(cache="c", tp=2, steps=10, lockstep=True, lag=0)
+    lagging = RankOptions(cache="c", tp=2, steps=10, lockstep=True, lag=2)
+    drifting = RankOptions(cache="c", tp=2, steps=10, duration_s=5.0, lockstep=False)
+    assert passed(summary(), lockstep) and not passed(summary(refused=1), lockstep)
+    assert passed(summary(refused=3), lagging) and passed(summary(refused=3), drifting)
+    for opts in (lockstep, lagging, drifting):
+        assert not passed(summary(mismatches=1), opts)
+        assert not passed(summary(failures={"rank0": "RuntimeError: x"}), opts)
+        assert not passed(summary(leaked_segments=["omnishm-c-pool"]), opts)
