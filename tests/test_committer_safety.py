@@ -510,3 +510,23 @@ def test_sigterm_during_start_up_stops_cleanly(committer_factory):
             assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
         assert_clean_stop(handle)
         assert "stopped (SIGTERM)" in handle.log(), handle.log()
+
+
+def test_a_socket_that_keeps_saying_hello_as_another_client_cannot_fill_the_log(committer_factory):
+    """SOAK (2026-12-02): each Hello of a new client id on one socket ends the socket's session ("re-hello") and
+    starts another, and both were logged at INFO without a limit: a client doing it in a loop filled the log
+    (the fuzz test's 1,000,000 messages logged 4,849 lines). Each one is still served."""
+    handle = committer_factory(*SLOW)
+    raw = RawClient(handle.endpoint, handle.name)
+    try:
+        for _ in range(300):
+            last = uuid.uuid4().hex
+            assert isinstance(_hello(raw, protocol.ROLE_READER, last, LAYOUT), protocol.Welcome)
+        status = raw.status()
+        # One session, the socket's latest: every earlier one was detached.
+        assert [(c["role"], c["client_id"]) for c in status["clients"]] == [("reader", last)], status["clients"]
+        assert status["log_lines_suppressed"] >= 500, status["log_lines_suppressed"]
+        log = handle.log()
+        assert log.count("(re-hello)") <= 10 and log.count("client attached") + log.count(" attached (pid") <= 12, log
+    finally:
+        raw.close()

@@ -25,6 +25,8 @@ from omnishm.versions import MAX_EPOCH
 logger = logging.getLogger("omnishm.committer")
 
 _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+REHELLO = "re-hello"
+"""Why a session ends when its socket says Hello as another client; its log lines are rate-limited together."""
 
 
 def _short(value: object, limit: int = 80) -> str:
@@ -70,7 +72,7 @@ class Attach:
             previous.last_seen = time.monotonic()
             return self.welcome(msg.rid, previous)
         if previous is not None:  # same socket says Hello again as someone else: start over
-            self.detach(previous, "re-hello")
+            self.detach(previous, REHELLO)
         if msg.role == protocol.ROLE_WRITER and self.sessions.writer is not None:
             w = self.sessions.writer
             return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid})",
@@ -114,9 +116,12 @@ class Attach:
                 return self.refuse(msg, f"cache {self.name} cannot record this writer's epoch in its metadata (see "
                                         f"the committer log); a restart could hand the epoch out again", "meta")
         self.sessions.add(session)
-        logger.log(logging.DEBUG if msg.role == protocol.ROLE_ADMIN else logging.INFO,
-                   "committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
-                   f", epoch {session.epoch}" if session.epoch else "")
+        level = logging.DEBUG if msg.role == protocol.ROLE_ADMIN else logging.INFO
+        args = (self.name, msg.role, msg.client_id, msg.pid, f", epoch {session.epoch}" if session.epoch else "")
+        if previous is not None:  # rate-limited with the detach it follows
+            self.ratelog(level, REHELLO, "committer %s: %s client %s attached (pid %d%s)", *args)
+        else:
+            logger.log(level, "committer %s: %s client %s attached (pid %d%s)", *args)
         return self.welcome(msg.rid, session)
 
     def welcome(self, rid: int, session: Session, resumed: bool = False) -> protocol.Welcome:
@@ -169,7 +174,7 @@ class Attach:
                                    "resume_staging")
         previous = self.sessions.get(identity)
         if previous is not None and previous is not session:
-            self.detach(previous, "re-hello")
+            self.detach(previous, REHELLO)
         if session is None:  # a reader or admin: no state to recover, attach afresh
             session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
                               attached_at=now, last_seen=now)

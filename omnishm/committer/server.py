@@ -37,7 +37,7 @@ import numpy as np
 import zmq
 
 from omnishm import protocol
-from omnishm.committer.attach import Attach
+from omnishm.committer.attach import REHELLO, Attach
 from omnishm.committer.config import EXIT_OK, CommitterConfig
 from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
 from omnishm.committer.pool import CachePool, PoolError
@@ -443,9 +443,13 @@ class Committer(Attach):
         # Only a writer owns staging; any other role's client_id must not reach the writer's segments.
         removed = self.pool.drop_client(session.client_id) if session.role == protocol.ROLE_WRITER else []
         self.obs.departed(session)
-        logger.log(logging.DEBUG if session.role == protocol.ROLE_ADMIN else logging.INFO,
-                   "committer %s: %s client %s detached (%s)%s", self.name, session.role, session.client_id, why,
-                   f", {len(removed)} staging segment(s) unlinked" if removed else "")
+        level = logging.DEBUG if session.role == protocol.ROLE_ADMIN else logging.INFO
+        args = (self.name, session.role, session.client_id, why,
+                f", {len(removed)} staging segment(s) unlinked" if removed else "")
+        if why == REHELLO:  # a socket that keeps saying Hello as someone else must not fill the log
+            self.ratelog(level, REHELLO, "committer %s: %s client %s detached (%s)%s", *args)
+        else:
+            logger.log(level, "committer %s: %s client %s detached (%s)%s", *args)
 
     def reap(self, now: float) -> None:
         """Detach sessions silent beyond the heartbeat timeout: staging unlinked, later writes failed and counted."""
