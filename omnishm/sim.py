@@ -197,7 +197,8 @@ class SimEngine:
 
     @classmethod
     def blocks_for_longest_request(cls, block_size: int, max_batched_tokens: int) -> int:
-        """KV blocks the longest request can hold at once: its prompt plus ``MAX_NEW_TOKENS``.
+        """KV blocks the longest request can hold at once: its prompt plus ``MAX_NEW_TOKENS`` (a preempted
+        request keeps what it generated as prompt, and only the rest of its budget to generate).
 
         With fewer blocks in the cache it is never scheduled in full: it is preempted, re-queued
         first, and every step after is a step of 0 tokens, for good.
@@ -261,7 +262,12 @@ class SimEngine:
         self.alloc.release(victim.blocks)
         victim.blocks = []
         victim.num_computed = 0
-        # Recompute from scratch: the prompt is now everything seen so far.
+        # Recompute from scratch: the prompt is now everything seen so far. What it generated counts against
+        # its budget (as vLLM's max_tokens does), so no request outgrows its prompt + max_new, the length
+        # blocks_for_longest_request sizes the cache for.
+        victim.max_new -= victim.generated
+        if victim.abort_at is not None:
+            victim.abort_at = max(victim.abort_at - victim.generated, 0)
         victim.prompt_len = len(victim.tokens)
         self.waiting.insert(0, victim)
 
