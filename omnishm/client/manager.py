@@ -340,9 +340,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             else:
                 for key, data in immediate.items():
                     # An explicit width: reshape(n, -1) cannot infer -1 for a step of 0 tokens.
-                    ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, row_width(tuple(data.shape[1:]))))
+                    ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, row_width(ctx.row_shapes[key])))
             for key, data in deferred.items():
-                ctx.step_rows[key] = data.reshape(n, -1)
+                ctx.step_rows[key] = data.reshape(n, row_width(ctx.row_shapes[key]))
             to_flush: list[WriteTask] = []
             cvs: list[int] = []
             if self.is_writer and writes:

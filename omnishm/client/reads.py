@@ -175,11 +175,12 @@ class ReadSide:
                         out[sel] = rows
                         break
                 if rescue is not None:
-                    kept = torch.tensor([s in rescue for s in want.tolist()], dtype=torch.bool)
-                    if bool(kept.any()):
+                    rescued = [rescue.get(s) for s in want.tolist()]
+                    if any(r is not None for r in rescued):
                         # Rescued slots are served from the rescue; the others (a deferred write that
                         # landed after the pool copy, its source dropped) go on to the pool below.
-                        out[sel[kept]] = torch.stack([rescue[s] for s in want[kept].tolist()])
+                        kept = torch.tensor([r is not None for r in rescued], dtype=torch.bool)
+                        out[sel[kept]] = torch.stack([r for r in rescued if r is not None])
                         sel, want = sel[~kept], want[~kept]
                         if len(want) == 0:
                             break

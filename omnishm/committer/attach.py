@@ -116,12 +116,10 @@ class Attach:
                 return self.refuse(msg, f"cache {self.name} cannot record this writer's epoch in its metadata (see "
                                         f"the committer log); a restart could hand the epoch out again", "meta")
         self.sessions.add(session)
-        level = logging.DEBUG if msg.role == protocol.ROLE_ADMIN else logging.INFO
-        args = (self.name, msg.role, msg.client_id, msg.pid, f", epoch {session.epoch}" if session.epoch else "")
-        if previous is not None:  # rate-limited with the detach it follows
-            self.ratelog(level, REHELLO, "committer %s: %s client %s attached (pid %d%s)", *args)
-        else:
-            logger.log(level, "committer %s: %s client %s attached (pid %d%s)", *args)
+        self.ratelog(logging.DEBUG if msg.role == protocol.ROLE_ADMIN else logging.INFO,
+                     REHELLO if previous is not None else None,  # limited with the re-hello detach it follows
+                     "committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
+                     f", epoch {session.epoch}" if session.epoch else "")
         return self.welcome(msg.rid, session)
 
     def welcome(self, rid: int, session: Session, resumed: bool = False) -> protocol.Welcome:

@@ -81,7 +81,11 @@ class LogLimiter:
         self._state: dict[str, list[float]] = {}  # reason -> [window start, lines, suppressed]
         self.suppressed = 0
 
-    def __call__(self, level: int, reason: str, msg: str, *args: object, exc_info: bool = False) -> None:
+    def __call__(self, level: int, reason: str | None, msg: str, *args: object, exc_info: bool = False) -> None:
+        """Log ``msg`` under ``reason``'s limit; ``reason=None`` logs it without one."""
+        if reason is None:
+            self.log.log(level, msg, *args, exc_info=exc_info)
+            return
         now = time.monotonic()
         st = self._state.get(reason)
         if st is None or now - st[0] >= self.window_s:
@@ -443,13 +447,11 @@ class Committer(Attach):
         # Only a writer owns staging; any other role's client_id must not reach the writer's segments.
         removed = self.pool.drop_client(session.client_id) if session.role == protocol.ROLE_WRITER else []
         self.obs.departed(session)
-        level = logging.DEBUG if session.role == protocol.ROLE_ADMIN else logging.INFO
-        args = (self.name, session.role, session.client_id, why,
-                f", {len(removed)} staging segment(s) unlinked" if removed else "")
-        if why == REHELLO:  # a socket that keeps saying Hello as someone else must not fill the log
-            self.ratelog(level, REHELLO, "committer %s: %s client %s detached (%s)%s", *args)
-        else:
-            logger.log(level, "committer %s: %s client %s detached (%s)%s", *args)
+        # Limited only for a socket that keeps saying Hello as someone else: it must not fill the log.
+        self.ratelog(logging.DEBUG if session.role == protocol.ROLE_ADMIN else logging.INFO,
+                     REHELLO if why == REHELLO else None, "committer %s: %s client %s detached (%s)%s", self.name,
+                     session.role, session.client_id, why,
+                     f", {len(removed)} staging segment(s) unlinked" if removed else "")
 
     def reap(self, now: float) -> None:
         """Detach sessions silent beyond the heartbeat timeout: staging unlinked, later writes failed and counted."""

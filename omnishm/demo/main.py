@@ -78,9 +78,10 @@ def cli_main(args: argparse.Namespace) -> int:
     need = SimEngine.blocks_for_longest_request(opts.block_size, opts.max_batched_tokens)
     if opts.num_blocks < need:
         # Else the longest request is never scheduled in full, and every step after it is empty, for good.
+        longest = SimEngine.max_prompt_tokens(opts.block_size, opts.max_batched_tokens) + MAX_NEW_TOKENS
         print(f"omnishm demo: --num-blocks {opts.num_blocks} of --block-size {opts.block_size} cannot hold the "
-              f"longest request of --max-batched-tokens {opts.max_batched_tokens} (3 x it plus up to "
-              f"{MAX_NEW_TOKENS} new tokens): give --num-blocks >= {need}", file=sys.stderr)
+              f"longest request of --max-batched-tokens {opts.max_batched_tokens} ({longest} tokens): give "
+              f"--num-blocks >= {need}", file=sys.stderr)
         return 2
     try:
         opts.prefix_cache_config()  # what every rank will build: a bad OMNISHM_* knob stops the demo here
@@ -159,10 +160,7 @@ def passed(summary: dict, opts: RankOptions) -> bool:
     errors = summary["errors"] or {}
     writer_refused = sum(errors.get("rank0", {}).values())
     reader_kinds = {kind for rank, per_rank in errors.items() if rank != "rank0" for kind, n in per_rank.items() if n}
-    if not opts.lockstep:
-        readers_ok = True
-    else:
-        readers_ok = reader_kinds <= ({"reused"} if opts.lag > 0 else set())
+    readers_ok = not opts.lockstep or reader_kinds <= ({"reused"} if opts.lag > 0 else set())
     return summary["mismatches"] == 0 and not summary["failures"] and not summary["leaked_segments"] and \
         writer_refused == 0 and readers_ok
 
