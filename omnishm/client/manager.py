@@ -36,7 +36,7 @@ import torch
 from omnishm import protocol as P
 from omnishm.client.adapter import PrefixCacheEventKind as EventKind
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter
-from omnishm.client.device import DONE, DeviceOps, HostRegistration, StepSender, ops_for
+from omnishm.client.device import DeviceOps, HostRegistration, StepSender, ops_for
 from omnishm.client.link import CommitterLink
 from omnishm.client.reads import ReadSide
 from omnishm.client.result_pool import ResultPool
@@ -551,48 +551,13 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         with self._lock:
             return sorted(self._ctxs)
 
-    # ------------------------------------------------------------------ internals: save
-
-    def _split_outputs(self, hidden: torch.Tensor | None, mm: Mapping[str, Any] | None, n: int, padded: int):
-        immediate: dict[TensorName, torch.Tensor] = {}
-        deferred: dict[TensorName, torch.Tensor] = {}
-        leftover: dict[TensorName, Any] = {}
-        if hidden is not None and self._policy.hidden_key is not None:
-            if hidden.dim() < 1 or hidden.shape[0] not in (n, padded):
-                raise self._unmatch(f"hidden_states has {tuple(hidden.shape)} rows; expected {n} or {padded}",
-                                    key=HIDDEN_KEY, step_id=self._next_step)
-            immediate[HIDDEN_KEY] = hidden if hidden.shape[0] == n else hidden[:n]
-        for key, value in (mm or {}).items():
-            if key == HIDDEN_KEY:
-                raise ValueError(f"mm_outputs may not use the reserved key {HIDDEN_KEY!r}")
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, padded) and n > 0:
-                rows = value if value.shape[0] == n else value[:n]
-                if self._policy.skip_immediate_mm(key):
-                    deferred[key] = rows
-                else:
-                    immediate[key] = rows
-            else:
-                # Leftover: copied now so later overwrites of live (graph) buffers change nothing.
-                leftover[key] = value if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-        return immediate, deferred, leftover
+    # ------------------------------------------------------------------ internals: keys
 
     def _publish_key(self, key: TensorName, kv: KeyViews) -> None:
         """Add a mapped key, any thread. ``_keys`` is replaced, never changed in place: the engine
         thread iterates it (hit plans, absent claims) while a reader's prefetch thread maps keys."""
         with self._lock:
             self._keys = {**self._keys, key: kv}
-
-    # ------------------------------------------------------------------ internals: device copies (step contexts: client/steps.py)
-
-    def _flush_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
-        """Flusher thread: one piece of a deferred write into the flush region (waits its copy)."""
-        assert self._ops is not None
-        self._ops.to_host([(dst, src)], after if after is not None else DONE).synchronize()
-
-    def _read_device_rows(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        if self._ops is None:
-            return rows.index_select(0, index)
-        return self._ops.read_rows(rows, index)
 
     # ------------------------------------------------------------------ errors
 

@@ -81,6 +81,12 @@ class ReadSide:
             arena[key] = dict(zip(plain + hit_reqs, buf.split_with_sizes(sizes + hit_sizes)))
         return arena
 
+    def _read_device_rows(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``rows[index]`` on the host, read from a live row source (a device tensor through the copy ops)."""
+        if self._ops is None:
+            return rows.index_select(0, index)
+        return self._ops.read_rows(rows, index)
+
     def _copy_step_rows(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
         dst.copy_(rows if not rows.is_cuda else self._ops.read_rows(rows))
 

@@ -7,9 +7,11 @@ state of its own. Claim-table writes happen only on the engine thread.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import struct
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,6 +29,7 @@ from omnishm.client.writes import (
     WriteTask,
 )
 from omnishm.interface import (
+    HIDDEN_KEY,
     OmniPrefixCacheCommitterError,
     OmniPrefixCacheUnmatchError,
     ReqId,
@@ -48,6 +51,40 @@ apply takes milliseconds, so the polls add at most a quarter of a millisecond to
 
 class WriterSide:
     """Writes of the writer client (mixin; all state lives in the manager)."""
+
+    def _split_outputs(self, hidden: torch.Tensor | None, mm: Mapping[str, Any] | None, n: int, padded: int
+                       ) -> tuple[dict[TensorName, torch.Tensor], dict[TensorName, torch.Tensor], dict[TensorName, Any]]:
+        """A step's outputs as (immediate, deferred, leftover) by key; engine thread, no lock.
+
+        Raises ``OmniPrefixCacheUnmatchError`` for hidden states of neither ``n`` nor ``padded`` rows and
+        ``ValueError`` for an mm key that is ``HIDDEN_KEY``.
+        """
+        immediate: dict[TensorName, torch.Tensor] = {}
+        deferred: dict[TensorName, torch.Tensor] = {}
+        leftover: dict[TensorName, Any] = {}
+        if hidden is not None and self._policy.hidden_key is not None:
+            if hidden.dim() < 1 or hidden.shape[0] not in (n, padded):
+                raise self._unmatch(f"hidden_states has {tuple(hidden.shape)} rows; expected {n} or {padded}",
+                                    key=HIDDEN_KEY, step_id=self._next_step)
+            immediate[HIDDEN_KEY] = hidden if hidden.shape[0] == n else hidden[:n]
+        for key, value in (mm or {}).items():
+            if key == HIDDEN_KEY:
+                raise ValueError(f"mm_outputs may not use the reserved key {HIDDEN_KEY!r}")
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, padded) and n > 0:
+                rows = value if value.shape[0] == n else value[:n]
+                if self._policy.skip_immediate_mm(key):
+                    deferred[key] = rows
+                else:
+                    immediate[key] = rows
+            else:
+                # Leftover: copied now so later overwrites of live (graph) buffers change nothing.
+                leftover[key] = value if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        return immediate, deferred, leftover
+
+    def _flush_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        """Flusher thread: one piece of a deferred write into the flush region (waits its copy)."""
+        assert self._ops is not None
+        self._ops.to_host([(dst, src)], after if after is not None else DONE).synchronize()
 
     def _ensure_key(self, key: TensorName, rows: torch.Tensor) -> KeyViews:
         kv = self._keys.get(key)
