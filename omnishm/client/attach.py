@@ -101,7 +101,25 @@ class LinkAttach:
                 and not shm.cache_is_live(self.runtime_dir, self.cache):
             shm.ensure_runtime_dir(self.runtime_dir)
             self._last_autostart = now
-            start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint)
+            self._autostarted.append(start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint))
+
+    def _stop_autostart_losers(self, committer_pid: int) -> None:
+        """Stop every committer this link autostarted that is not the one that welcomed it (``committer_pid``).
+
+        Such a committer lost the race for the cache lock (to another rank's, or to a launched one). Usually
+        it is refused at the lock and gone already. But one slowed at start-up (``import torch`` on a core a
+        busy rank shares: seconds) may reach the lock only after the winner served a short-lived cache and
+        exited, and then hold the cache's lock, socket and owner segment with nobody to serve until its
+        spawner exits or ``UNUSED_EXIT_S`` passes (found with a real TP=2 vLLM engine). SIGTERM: stopped
+        during start-up it exits 0 having made nothing; stopped later it unlinks what it made. Called
+        with each ``Welcome``: on the constructing thread for the first, on the I/O thread for a resume's.
+        """
+        losers = [p for p in self._autostarted if p.pid != committer_pid and p.poll() is None]
+        self._autostarted.clear()
+        for proc in losers:
+            logger.info("cache %s: stopping committer pid %d, which this client autostarted and which lost the "
+                        "cache lock to committer pid %d", self.cache, proc.pid, committer_pid)
+            proc.terminate()
 
     def _hello_msg(self, rid: int, resume: bool) -> P.Hello:
         """The ``Hello`` for ``rid``; a resume names the session it resumes (generation, epoch, staging)."""
@@ -115,7 +133,8 @@ class LinkAttach:
 
     def _adopt_welcome(self, welcome: P.Welcome) -> None:
         """Take the heartbeat period and timeout, the committer's identity and the staging names from a
-        ``Welcome`` (the first one, or a resume's on the I/O thread)."""
+        ``Welcome`` (the first one, or a resume's on the I/O thread); stop this link's autostarted losers."""
+        self._stop_autostart_losers(welcome.committer_pid)
         self._heartbeat_s = welcome.heartbeat_s
         self._heartbeat_timeout_s = self._heartbeat_timeout_override or welcome.heartbeat_timeout_s
         self._committer_ident = proc_identity(welcome.committer_pid)

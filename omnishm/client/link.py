@@ -44,6 +44,7 @@ import collections
 import itertools
 import logging
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -156,6 +157,7 @@ class CommitterLink(LinkAttach):
         self._attempt_deadline = 0.0
         self._hello_rid = -1
         self._last_autostart = 0.0
+        self._autostarted: list[subprocess.Popen] = []  # committers this link started, until a Welcome
         self._live_fd = -1
         self._staging_names: set[str] = set()
         self._ctx = zmq.Context.instance()
@@ -353,6 +355,8 @@ class CommitterLink(LinkAttach):
                 self._poller.unregister(self._sock_fd)
                 self._sock.close(linger=0)
             sock = self._ctx.socket(zmq.DEALER)
+            if self.endpoint.startswith("tcp://["):  # ::1 (the committer's ROUTER sets it too)
+                sock.setsockopt(zmq.IPV6, 1)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
             sock.connect(self.endpoint)
