@@ -72,6 +72,8 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if endpoint.startswith("tcp://["):  # ::1: ZeroMQ connects to an IPv6 address only with ZMQ_IPV6
+        sock.setsockopt(zmq.IPV6, 1)
     deadline = time.monotonic() + timeout_s
 
     def call(msg) -> object:

@@ -394,6 +394,8 @@ def manager_connection(**given: Any) -> dict[str, Any]:
     unknown = set(given) - set(_CONNECTION)
     if unknown:
         raise ConfigError(f"manager_connection: {', '.join(sorted(unknown))} not a connection argument")
+    # What the caller gave is checked like a flag (README: every value is checked; tcp only on loopback).
+    given = {k: v if v is None else convert(BY_NAME[_CONNECTION[k]], v, f"argument {k}=") for k, v in given.items()}
     missing = [k for k, v in given.items() if v is None and (k != "endpoint" or given.get("cache") is None)]
     if not missing:
         return dict(given)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
@@ -102,8 +103,9 @@ class PrefixCacheConfig:
             raise ValueError(f"PrefixCacheConfig.result_pool_bytes must be an int >= 0, got {self.result_pool_bytes!r}")
         for name in ("staging_claim_timeout_s", "commit_timeout_s", "reconnect_timeout_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"PrefixCacheConfig.{name} must be a positive number, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"PrefixCacheConfig.{name} must be a positive finite number, got {value!r}")
 
     @property
     def num_slots(self) -> int:

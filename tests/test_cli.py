@@ -112,3 +112,28 @@ def test_ping_entry_point_exit_status(committer_factory):
     proc = subprocess.run([sys.executable, "-m", "omnishm", "ping", "--name", handle.name, "--timeout-s", "1"],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1 and "no committer" in proc.stderr
+
+
+def test_ping_and_a_manager_reach_a_committer_on_ipv6_loopback(committer_factory, capsys):
+    """README/OPERATIONS: tcp is allowed on loopback, 127.0.0.1, ::1 or localhost. The committer binds
+    tcp://[::1]:PORT (its socket sets ZMQ_IPV6); its clients must be able to connect there too."""
+    import socket
+
+    from manager_helpers import small_config
+
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://[::1]:{port}"
+    handle = committer_factory("--endpoint", endpoint, wait=False)
+    deadline = time.monotonic() + 60
+    while "started" not in handle.log():
+        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+        time.sleep(0.1)
+    code, out, err = run(capsys, "ping", "--name", handle.name, "--endpoint", endpoint, "--timeout-s", "10")
+    assert code == 0, err
+    with OmniPrefixCacheManager(small_config(), cache=handle.name, endpoint=endpoint, autostart=False,
+                                connect_timeout_s=10.0) as m:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], 4))
+        m.wait_idle()

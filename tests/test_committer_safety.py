@@ -429,6 +429,51 @@ def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp
     assert not shm.cache_is_live(runtime, name) and shm.list_segments(name) == []
 
 
+def test_an_autostarted_committer_that_lost_the_race_is_stopped_by_its_client(tmp_path, monkeypatch, committer_factory):
+    """Two ranks autostart at once and the other rank's committer welcomes this client while this client's
+    own committer is still starting (slowed here by SIGSTOP; in a real TP=2 vLLM engine by ``import torch``
+    on a core the busy rank shares). The client stops it on the Welcome. Without that, a cache shorter-lived
+    than that start-up (the winner served it and exited) was taken over by the slow committer, which then
+    held the cache's lock, socket and owner segment with nobody to serve until its spawner exited."""
+    from conftest import RUNTIME_DIR, unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager, attach as attach_mod
+
+    name = unique_cache_name("loser")
+    real_start = attach_mod.start_committer  # looked up there at call time (_autostart_if_down)
+    mine: list[subprocess.Popen] = []
+    winner: list = []
+
+    def slow_start_and_another_rank_wins(cache, runtime_dir, **kw):
+        proc = real_start(cache, runtime_dir, **kw)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _catches(proc.pid, signal.SIGTERM):  # its first act; then it imports torch for seconds
+            assert proc.poll() is None and time.monotonic() < deadline
+        os.kill(proc.pid, signal.SIGSTOP)  # long before it could reach the cache lock
+        mine.append(proc)
+        if not winner:
+            winner.append(committer_factory(name=cache))  # the other rank's committer, up and serving
+        return proc
+
+    monkeypatch.setattr(attach_mod, "start_committer", slow_start_and_another_rank_wins)
+    try:
+        m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=RUNTIME_DIR,
+                                   connect_timeout_s=60.0)
+        try:
+            assert len(mine) == 1 and m._link.welcome.committer_pid == winner[0].proc.pid
+        finally:
+            m.shutdown()
+        assert_clean_stop(winner[0])  # the winner is gone, and the cache lock is free ...
+    finally:
+        for proc in mine:
+            os.kill(proc.pid, signal.SIGCONT)  # ... when the slow one goes on
+    (loser,) = mine
+    assert loser.wait(60) == 0
+    log = RUNTIME_DIR / f"{name}.autostart.log"
+    assert not log.exists(), log.read_text()  # stopped cleanly before it started: nothing made, log removed
+    assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
+
+
 def _catches(pid: int, sig: signal.Signals) -> bool:
     """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc/PID/status)."""
     with open(f"/proc/{pid}/status") as f:
@@ -530,3 +575,28 @@ def test_a_socket_that_keeps_saying_hello_as_another_client_cannot_fill_the_log(
         assert log.count("(re-hello)") <= 10 and log.count(" attached (pid") <= 12, log
     finally:
         raw.close()
+
+
+def test_autostart_serves_the_cache_own_socket_whatever_omnishm_endpoint_says(tmp_path, monkeypatch):
+    """README/CLIENT.md: with ``cache`` given and no ``endpoint``, the endpoint is that cache's own socket,
+    whatever OMNISHM_ENDPOINT says. The autostarted committer inherits the runner's environment, so it
+    must be told that endpoint too, or it binds OMNISHM_ENDPOINT and the client never gets a Welcome."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+
+    name = unique_cache_name("autoenv")
+    runtime = tmp_path / "rt"
+    socks = tmp_path / "socks"
+    socks.mkdir(mode=0o700)
+    monkeypatch.setenv("OMNISHM_ENDPOINT", f"ipc://{socks}/someone-else.sock")  # e.g. another stage's
+    m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=runtime,
+                               connect_timeout_s=20.0)
+    try:
+        assert m._link.endpoint == shm.ipc_endpoint(runtime, name)
+    finally:
+        m.shutdown()
+    deadline = time.monotonic() + 30
+    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name) and shm.list_segments(name) == []

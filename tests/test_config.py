@@ -170,3 +170,39 @@ def test_manager_connection_reads_only_the_missing_knobs(monkeypatch):
     monkeypatch.setenv("OMNISHM_NAME", "stageA")
     got = knobs.manager_connection(cache=None, endpoint=None, autostart=False, runtime_dir=None, connect_timeout_s=1.0)
     assert got["cache"] == "stageA" and got["endpoint"] == "ipc:///tmp/elsewhere/stageA.sock"
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"endpoint": "tcp://10.1.1.1:5555"}, r"endpoint.*tcp is allowed only on loopback"),
+    ({"connect_timeout_s": -1.0}, r"connect_timeout_s.*must be > 0"),
+    ({"connect_timeout_s": float("nan")}, r"connect_timeout_s.*finite"),
+])
+def test_manager_connection_checks_the_arguments_it_is_given(given, message):
+    """README: every value is checked, the keyword override too; the trust model: tcp only on loopback.
+    A manager given a routable tcp endpoint must refuse it at once, not send its Hello there for 30 s."""
+    args = {"cache": "stageB", "endpoint": None, "autostart": False, "runtime_dir": None, "connect_timeout_s": 1.0}
+    with pytest.raises(knobs.ConfigError, match=message):
+        knobs.manager_connection(**{**args, **given})
+
+
+def test_committer_refuses_a_runtime_dir_it_cannot_create_with_exit_2_and_no_traceback(tmp_path):
+    """Exit 2 names a refused start (bad options); a runtime dir under a file (or on a read-only or
+    missing mount) is one: a message naming the directory, not a traceback with exit 1."""
+    (tmp_path / "a-file").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", "cfgbad", "--runtime-dir",
+                           str(tmp_path / "a-file" / "rt")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "omnishm committer:" in proc.stderr and "a-file" in proc.stderr
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_prefix_cache_config_refuses_non_finite_timeouts(value):
+    """The knob path refuses them ("nan passes every bound check, inf makes a deadline that never
+    comes"); a PrefixCacheConfig built directly, which the manager takes as given, must too."""
+    from omnishm.interface import PrefixCacheConfig
+
+    with pytest.raises(ValueError, match="commit_timeout_s"):
+        PrefixCacheConfig(num_blocks=16, block_size=4, commit_timeout_s=value)

@@ -183,3 +183,19 @@ def test_refused_reads_fail_the_demo_only_where_no_read_can_come_late():
         assert not passed(summary(mismatches=1), opts)
         assert not passed(summary(failures={"rank0": "RuntimeError: x"}), opts)
         assert not passed(summary(leaked_segments=["omnishm-c-pool"]), opts)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (("--name", "x y"), "--name"),
+    (("--block-size", "0"), "--block-size"),
+    (("--hidden-size", "0"), "--hidden-size"),
+    (("--lag", "-1"), "--lag"),
+])
+def test_bad_demo_arguments_exit_2_with_a_message_before_anything_starts(bad, message):
+    """Wrong input is a usage error (exit 2, naming the argument), like --tp 0 or a too small --num-blocks:
+    not a traceback (--name, --block-size 0), nor a run that fails and blames the cache (--lag -1,
+    --hidden-size 0)."""
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "demo", "--tp", "1", "--steps", "2", *bad],
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and message in proc.stderr

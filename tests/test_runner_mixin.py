@@ -444,3 +444,23 @@ def test_knobs_left_unset_come_from_the_environment(committer, monkeypatch):
         r.prefix_cache_discard(sid)
     finally:
         r.prefix_cache_shutdown()
+
+
+def test_a_name_set_without_an_endpoint_is_that_cache_own_socket_whatever_omnishm_endpoint_says(committer,
+                                                                                                 monkeypatch):
+    """The manager's rule (docs/CLIENT.md): an explicit cache name without an endpoint means that cache's own
+    socket. ``OMNISHM_ENDPOINT`` names another cache's committer here; the mixin used to connect there (and
+    be refused for the cache mismatch) because it resolved the endpoint itself."""
+    from omnishm import paths
+
+    monkeypatch.setenv("OMNISHM_ENDPOINT", paths.ipc_endpoint(None, "some-other-cache"))
+    r = FakeRunner(committer.name, SimpleNamespace())
+    r.tags["a"] = 1
+    try:
+        _, sid = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))
+        m = r.prefix_cache_manager
+        assert m is not None and m.cache == committer.name
+        assert m._link.endpoint == paths.ipc_endpoint(None, committer.name)
+        r.prefix_cache_discard(sid)
+    finally:
+        r.prefix_cache_shutdown()

@@ -26,12 +26,12 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
                     exit_when_idle: bool = True) -> subprocess.Popen:
     """Start an embedded committer for ``cache`` in its own session (it outlives no client).
 
-    ``endpoint``: where the client will connect, passed on unless it is the default
-    ``ipc://RUNTIME_DIR/NAME.sock`` (a committer binds that by itself).
+    ``endpoint``: where the client will connect (default ``ipc://RUNTIME_DIR/NAME.sock``), always passed
+    on as a flag: the committer inherits this process's environment, and an ``OMNISHM_ENDPOINT`` (or an
+    ``endpoint`` in ``$OMNISHM_CONFIG``) there would otherwise win over the default it was meant to bind.
     """
-    cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir)]
-    if endpoint is not None and endpoint != ipc_endpoint(Path(runtime_dir), cache):
-        cmd += ["--endpoint", endpoint]
+    cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir),
+           "--endpoint", endpoint if endpoint is not None else ipc_endpoint(Path(runtime_dir), cache)]
     if exit_when_idle:
         # This process by pid and start time: the committer tells whether it still runs even when it is
         # gone before the committer looked (then the committer's parent is no longer this pid).

@@ -99,8 +99,9 @@ class PrefixCacheRunnerMixin:
     step-id bookkeeping is a single dict ``pop``).
     """
 
-    # None: from OMNISHM_* / the TOML file / the built-in default (omnishm.config.client_settings);
-    # a value set on the class or instance is an explicit override and ranks above them.
+    # None: from OMNISHM_* / the TOML file / the built-in default (omnishm.config.manager_connection);
+    # a value set on the class or instance is an explicit override and ranks above them, and a name set
+    # without an endpoint means that cache's own socket, whatever OMNISHM_ENDPOINT says.
     prefix_cache_name: str | None = None
     prefix_cache_endpoint: str | None = None
     prefix_cache_autostart: bool | None = None
@@ -195,12 +196,11 @@ class PrefixCacheRunnerMixin:
                 logger.warning("omni prefix cache: no model to read a cache policy from; using the default")
         role = self._prefix_cache_role()
         from omnishm.client.manager import OmniPrefixCacheManager
-        from omnishm.config import client_settings
-
-        explicit = {"name": self.prefix_cache_name, "endpoint": self.prefix_cache_endpoint,
-                    "autostart": self.prefix_cache_autostart}
-        kwargs = client_settings(**{k: v for k, v in explicit.items() if v is not None}).manager_kwargs()
-        manager = OmniPrefixCacheManager(config, role=role, eager=self.prefix_cache_eager, **kwargs)
+        # Knobs left at None are resolved by the manager, by its rule: OMNISHM_* and the file, except that
+        # a name set here without an endpoint means that cache's own socket (config.manager_connection).
+        manager = OmniPrefixCacheManager(config, role=role, eager=self.prefix_cache_eager,
+                                         cache=self.prefix_cache_name, endpoint=self.prefix_cache_endpoint,
+                                         autostart=self.prefix_cache_autostart)
         try:
             manager.register_policy(policy)
         except BaseException:
@@ -211,7 +211,7 @@ class PrefixCacheRunnerMixin:
         self._prefix_cache_block_size = config.block_size
         self._prefix_cache_step_req_ids = {}
         self._prefix_cache_initialized = True
-        logger.info("omni prefix cache %r: %s, %d blocks x %d, staging %d x %d tokens", self.prefix_cache_name,
+        logger.info("omni prefix cache %r: %s, %d blocks x %d, staging %d x %d tokens", manager.cache,
                     role, config.num_blocks, config.block_size, config.staging_depth,
                     config.staging_capacity_tokens)
         return manager

@@ -102,8 +102,12 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
         shm.check_cache_name(args.name)
         runtime_dir = shm.ensure_runtime_dir(args.runtime_dir)
         cfg = config_from_args(args, runtime_dir)
-    except (ValueError, PermissionError) as exc:
+    except (ValueError, PermissionError) as exc:  # PermissionError: ours, naming the dir and the rule
         print(f"omnishm committer: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except OSError as exc:  # a runtime dir it cannot create: under a file, on a read-only filesystem
+        print(f"omnishm committer: cannot use runtime dir {args.runtime_dir or shm.default_runtime_dir()}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return EXIT_REFUSED
     # Imported only now: a refused start (bad option or name) answers without torch's second. The client
     # that autostarted this committer may be gone before the lock is taken (a rank killed right after its

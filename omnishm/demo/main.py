@@ -18,19 +18,39 @@ from omnishm.demo.launch import InterruptOnce, RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= ``low`` (wrong input is a usage error, exit 2, naming the argument)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _cache_name(text: str) -> str:
+    try:
+        return shm.check_cache_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=2, help="runner processes (rank 0 writes, others read)")
-    parser.add_argument("--steps", type=int, default=300, help="engine steps per rank")
+    parser.add_argument("--tp", type=_at_least(1), default=2, help="runner processes (rank 0 writes, others read)")
+    parser.add_argument("--steps", type=_at_least(1), default=300, help="engine steps per rank")
     parser.add_argument("--duration-s", type=float, default=None,
                         help="run for this long instead of --steps (ranks then drift apart: no lockstep)")
-    parser.add_argument("--name", default="demo", help="cache (and embedded committer) name")
+    parser.add_argument("--name", type=_cache_name, default="demo", help="cache (and embedded committer) name")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-blocks", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-batched-tokens", type=int, default=256)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--mm-width", type=int, default=16)
-    parser.add_argument("--lag", type=int, default=0, help="steps between save and materialize")
+    parser.add_argument("--num-blocks", type=_at_least(1), default=256)
+    parser.add_argument("--block-size", type=_at_least(1), default=16)
+    parser.add_argument("--max-batched-tokens", type=_at_least(1), default=256)
+    parser.add_argument("--hidden-size", type=_at_least(1), default=256)
+    parser.add_argument("--mm-width", type=_at_least(1), default=16)
+    parser.add_argument("--lag", type=_at_least(0), default=0, help="steps between save and materialize")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="save the outputs from this device (cuda: copy stream, events, pinned staging)")
     parser.add_argument("--timeout-s", type=float, default=600.0)

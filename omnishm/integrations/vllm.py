@@ -137,6 +137,9 @@ class OmniPrefixCacheRunnerHooks:
         # OMNISHM_VLLM_HELD_BYTES, the TOML file, then the defaults, by the committer's rules (omnishm.config).
         settings = client_settings()
         self.cache = cache or settings.name
+        self._cache_given = cache
+        """The name passed in, or None: the manager then resolves name and endpoint from OMNISHM_* and the
+        file; a name given without an endpoint means that cache's own socket (``config.manager_connection``)."""
         self.capture_raw = settings.vllm["vllm_capture_raw"] if capture_raw is None else bool(capture_raw)
         self.held_bytes = settings.vllm["vllm_held_bytes"] if held_bytes is None else int(held_bytes)
         """Bytes of completed rows (``_done`` and ``_raw_done``) kept for the takers; the oldest go beyond it."""
@@ -201,11 +204,9 @@ class OmniPrefixCacheRunnerHooks:
             self.disabled = True
             return None
         self._block_size = cfg.block_size
-        # Endpoint, autostart, runtime dir and connect timeout come from OMNISHM_* / the TOML file.
-        from omnishm.config import client_settings
-
-        kwargs = client_settings(name=self.cache).manager_kwargs()
-        manager = OmniPrefixCacheManager(cfg, role=vllm_runner_role(), **kwargs)
+        # Endpoint, autostart, runtime dir and connect timeout come from OMNISHM_* / the TOML file, by the
+        # manager's rule (a cache name given to install() without an endpoint: that cache's own socket).
+        manager = OmniPrefixCacheManager(cfg, role=vllm_runner_role(), cache=self._cache_given)
         try:
             model = r.get_model() if hasattr(r, "get_model") else getattr(r, "model", None)
             manager.register_policy(ModelCachePolicy.from_model(model))
