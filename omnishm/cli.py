@@ -67,8 +67,17 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
 
     from omnishm import protocol
 
-    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
-        raise CommitterUnavailable(f"no committer for cache {name!r}: socket {endpoint[len('ipc://'):]} does not exist")
+    if endpoint.startswith("ipc://"):
+        from omnishm import shm
+
+        path = Path(endpoint[len("ipc://"):])
+        if not path.exists():
+            raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} does not exist")
+        # The cache's own socket, with nobody holding the lock beside it: a crashed committer's (trap 4).
+        if path.name == f"{name}.sock" and not shm.cache_is_live(path.parent, name):
+            raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} is left over from one that "
+                                       f"is gone (nothing holds the cache lock); `omnishm cleanup --name {name}` "
+                                       f"removes what it left")
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

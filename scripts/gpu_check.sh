@@ -17,6 +17,7 @@ mkdir -p "$OUTDIR"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 failed=()
+before=$(ls /dev/shm | grep '^omnishm' | sort || true)  # a shared host may hold other users' caches
 step() {  # step NAME CMD...: run, log to OUTDIR/NAME.log, remember a failure and go on
     local name=$1; shift
     echo "=== $name: $*"
@@ -38,8 +39,8 @@ rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/bench_cuda.json'; exit \$rc"
 step profile "$PY" scripts/profile_engine.py --device cuda --steps 20 --top 30
 step bench_cpu sh -c "'$PY' -m omnishm bench --only 3,6 --json > '$OUTDIR/bench_cpu.json'; \
 rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/bench_cpu.json'; exit \$rc"
-leftover=$(ls /dev/shm | grep -c '^omnishm' || true)
-echo "omnishm segments left in /dev/shm: $leftover"
+leftover=$(comm -13 <(echo "$before") <(ls /dev/shm | grep '^omnishm' | sort || true) | grep -c . || true)
+echo "omnishm segments this check left in /dev/shm: $leftover"
 [ "$leftover" -eq 0 ] || failed+=(leaks)
 if [ ${#failed[@]} -ne 0 ]; then
     echo "GPU CHECK FAILED: ${failed[*]}"

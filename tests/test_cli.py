@@ -137,3 +137,24 @@ def test_ping_and_a_manager_reach_a_committer_on_ipv6_loopback(committer_factory
         m.new_step_starts([started("a", [0])])
         m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], 4))
         m.wait_idle()
+
+
+def test_ping_names_a_crashed_committers_socket_and_the_command_that_removes_it(committer_factory, capsys):
+    """A SIGKILLed committer leaves its socket file (trap 4); nothing holds the cache lock beside it. ping
+    says so at once, naming ``omnishm cleanup``, instead of waiting its timeout for an answer that cannot
+    come; cleanup then removes what was left."""
+    import signal
+
+    from omnishm import shm
+
+    handle = committer_factory()
+    assert handle.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert shm.socket_path(handle.runtime_dir, handle.name).exists()
+    t0 = time.monotonic()
+    code, _out, err = run(capsys, "ping", "--name", handle.name, "--timeout-s", "30")
+    assert code == 1 and time.monotonic() - t0 < 10, err
+    assert "left over" in err and f"omnishm cleanup --name {handle.name}" in err, err
+    code, _out, err = run(capsys, "cleanup", "--name", handle.name)
+    assert code == 0, err
+    assert not shm.socket_path(handle.runtime_dir, handle.name).exists()
+    assert shm.list_segments(handle.name) == []

@@ -11,9 +11,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from omnishm import shm
-from omnishm.config import ConfigError
+from omnishm.config import ConfigError, manager_connection
 from omnishm.demo.launch import InterruptOnce, RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
 
@@ -187,7 +188,9 @@ def passed(summary: dict, opts: RankOptions) -> bool:
 
 def _wait_for_cleanup(opts: RankOptions, timeout_s: float = 20.0) -> list[str]:
     """The embedded committer exits once the last rank said goodbye; then nothing may remain."""
-    runtime_dir = shm.default_runtime_dir()
+    # Where the ranks' managers looked: OMNISHM_RUNTIME_DIR or the config file's, else the default.
+    runtime_dir = Path(opts.runtime_dir or manager_connection(runtime_dir=None)["runtime_dir"]
+                       or shm.default_runtime_dir())
     deadline = time.monotonic() + timeout_s
     while shm.cache_is_live(runtime_dir, opts.cache) and time.monotonic() < deadline:
         time.sleep(0.05)
