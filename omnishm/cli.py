@@ -261,8 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_external(name: str, argv: list[str]) -> int:
     """Import the subcommand's module now (not at every ``omnishm`` start) and run it."""
+    from omnishm.committer.early_stop import EarlyStop  # standard library only
+
     module, help_text = EXTERNAL_COMMANDS[name]
-    mod = importlib.import_module(module)
+    early = EarlyStop()  # the module imports torch (seconds): a Ctrl-C or SIGTERM then stops it cleanly
+    try:
+        mod = importlib.import_module(module)
+    finally:
+        early.restore()
+    if early.reason:
+        print(f"omnishm {name}: stopped ({early.reason}) before it started", file=sys.stderr)
+        return 130
     parser = argparse.ArgumentParser(prog=f"omnishm {name}", description=help_text)
     if hasattr(mod, "add_arguments"):
         mod.add_arguments(parser)

@@ -173,3 +173,12 @@ class Writer:
     def goodbye(self) -> None:
         assert isinstance(self.raw.goodbye(), protocol.Bye)
         self.raw.close()
+
+
+def catches_signal(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False

@@ -28,7 +28,7 @@ from omnishm.committer import meta
 from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, CachePool
 
 from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
-from helpers import RawClient, Writer, unpack
+from helpers import RawClient, Writer, catches_signal, unpack
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5.0")
@@ -447,7 +447,7 @@ def test_an_autostarted_committer_that_lost_the_race_is_stopped_by_its_client(tm
     def slow_start_and_another_rank_wins(cache, runtime_dir, **kw):
         proc = real_start(cache, runtime_dir, **kw)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _catches(proc.pid, signal.SIGTERM):  # its first act; then it imports torch for seconds
+        while not catches_signal(proc.pid, signal.SIGTERM):  # its first act; then it imports torch for seconds
             assert proc.poll() is None and time.monotonic() < deadline
         os.kill(proc.pid, signal.SIGSTOP)  # long before it could reach the cache lock
         mine.append(proc)
@@ -472,15 +472,6 @@ def test_an_autostarted_committer_that_lost_the_race_is_stopped_by_its_client(tm
     log = RUNTIME_DIR / f"{name}.autostart.log"
     assert not log.exists(), log.read_text()  # stopped cleanly before it started: nothing made, log removed
     assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
-
-
-def _catches(pid: int, sig: signal.Signals) -> bool:
-    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc/PID/status)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    return False
 
 
 _CATCHER_FIRST = """
@@ -510,7 +501,7 @@ def test_sigterm_while_the_committer_imports_stops_cleanly(committer_factory):
     makes nothing: no lock, no segment, no socket."""
     handle = committer_factory(wait=False)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not _catches(handle.proc.pid, signal.SIGTERM):  # busy poll: the handler is the first thing it installs
+    while not catches_signal(handle.proc.pid, signal.SIGTERM):  # busy poll: the handler is the first thing it installs
         assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
     assert not shm.lock_path(RUNTIME_DIR, handle.name).exists()
     assert_clean_stop(handle)
@@ -531,7 +522,7 @@ def test_an_autostarted_committer_stopped_while_starting_removes_its_log(tmp_pat
                                 env={**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)})
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _catches(proc.pid, signal.SIGTERM):
+        while not catches_signal(proc.pid, signal.SIGTERM):
             assert proc.poll() is None and time.monotonic() < deadline
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -18,6 +18,7 @@ from omnishm import shm
 from omnishm.shm import proc_identity
 
 from conftest import RUNTIME_DIR, unique_cache_name
+from helpers import catches_signal
 
 SMALL = ("--tp", "2", "--duration-s", "120", "--num-blocks", "64", "--block-size", "8",
          "--max-batched-tokens", "64", "--hidden-size", "32", "--mm-width", "8")
@@ -199,3 +200,39 @@ def test_bad_demo_arguments_exit_2_with_a_message_before_anything_starts(bad, me
                           capture_output=True, text=True, timeout=START_TIMEOUT_S)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and message in proc.stderr
+
+
+_CATCHER_FIRST = """
+import sys
+from omnishm.committer import early_stop
+installed = early_stop.EarlyStop.__init__
+def init(self):
+    print("torch" in sys.modules, flush=True)
+    installed(self)
+early_stop.EarlyStop.__init__ = init
+from omnishm import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_while_the_demo_imports_stops_it_with_130_and_nothing_started():
+    """README: Ctrl-C or SIGTERM stops the demo with exit 130. The demo's own handler goes in once its modules
+    (and torch, seconds) are imported; a signal before that used to kill it with 143. The catcher now goes in
+    before the import, so the first moment it is caught already counts."""
+    first = subprocess.run([sys.executable, "-c", _CATCHER_FIRST, "demo", "--help"], capture_output=True, text=True,
+                           timeout=START_TIMEOUT_S)
+    assert first.returncode == 0 and first.stdout.split()[:1] == ["False"], first.stdout + first.stderr  # no torch yet
+    proc = subprocess.Popen([sys.executable, "-m", "omnishm", "demo", "--tp", "1", "--steps", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not catches_signal(proc.pid, signal.SIGTERM):  # busy poll: stop it the moment it can be stopped
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=START_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
