@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from typing import Any
@@ -365,9 +366,12 @@ class OmniPrefixCacheRunnerHooks:
         out["cache"] = self.cache
         with self._lock:
             out["held_bytes"] = self._held
+        out["pid"] = os.getpid()
         if self.manager is not None:
             out["manager"] = dict(self.manager.counters)
             out["num_slots"] = self.manager.config.num_slots
+            out["role"] = self.manager.role  # "writer" on TP rank 0 of the last PP stage, else "reader"
+            out["client_id"] = self.manager.client_id  # as the committer's status lists it
         return out
 
 
