@@ -191,7 +191,7 @@ class LinkAttach:
 
     def _lost(self, reason: str) -> None:
         """I/O thread: the committer is gone or forgot us; start resuming (bounded by reconnect_timeout_s)."""
-        if self._state != CONNECTED:
+        if self._state != CONNECTED or self._leaving:  # closing: a no_session answer to a late beat is expected
             return
         now = time.monotonic()
         self.stats["committer_lost"] += 1

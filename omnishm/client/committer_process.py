@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+from omnishm import cpus
 from omnishm.paths import ipc_endpoint
 from omnishm.shm import proc_identity
 
@@ -45,6 +46,8 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
                                 env=env)
     finally:
         log.close()
+    # Not on the starting rank's pinned core, which the rank's busy-waiting main thread keeps (omnishm/cpus.py).
+    cpus.unpin_process(proc.pid)
     # Reap it when it exits so it never lingers as a zombie of the runner.
     threading.Thread(target=proc.wait, name=f"omnishm-reap-{cache}", daemon=True).start()
     logger.info("cache %s: autostarted committer pid %d", cache, proc.pid)

@@ -57,6 +57,7 @@ from typing import Callable
 import msgspec
 import zmq
 
+from omnishm import cpus
 from omnishm import protocol as P
 from omnishm import paths, shm
 from omnishm.client.attach import CONNECTED, DEAD, RECONNECTING, LinkAttach
@@ -144,6 +145,11 @@ class CommitterLink(LinkAttach):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._closed = False
+        self._leaving = False
+        """Set by ``close`` before its Goodbye: from then on the I/O thread sends no heartbeat and loses no
+        session. A heartbeat sent after the Goodbye was answered ``no_session`` (the session is gone), and
+        the I/O thread took that for a lost committer and began to resume, autostarting a committer for the
+        cache it was leaving when the last one had exited."""
         self._dead: str | None = None
         self._state = CONNECTED
         self._welcomed = False
@@ -160,14 +166,17 @@ class CommitterLink(LinkAttach):
         self._autostarted: list[subprocess.Popen] = []  # committers this link started, until a Welcome
         self._live_fd = -1
         self._staging_names: set[str] = set()
-        self._ctx = zmq.Context.instance()
         self._poller = zmq.Poller()
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._sock: zmq.Socket | None = None
         self._sock_fd = -1
-        self._new_socket()
-        self._thread = threading.Thread(target=self._run, name=f"omnishm-link-{cache}", daemon=True)
-        self._thread.start()
+        # libzmq starts its I/O threads with the context's first socket, and they, like the link's I/O
+        # thread, inherit this thread's CPU set: not an engine rank's pinned core (omnishm/cpus.py).
+        with cpus.unpinned():
+            self._ctx = zmq.Context.instance()
+            self._new_socket()
+            self._thread = threading.Thread(target=self._run, name=f"omnishm-link-{cache}", daemon=True)
+            self._thread.start()
         try:
             self.welcome = self._hello(connect_timeout_s)
             self._hold_liveness_lock(self.welcome)
@@ -316,6 +325,7 @@ class CommitterLink(LinkAttach):
     def close(self, *, timeout_s: float = 5.0) -> None:
         if self._closed:
             return
+        self._leaving = True
         if self._dead is None and self._state == CONNECTED:
             try:
                 self.request(lambda rid: P.Goodbye(rid=rid, counters=dict(self.counters)), timeout_s=timeout_s)
@@ -422,7 +432,7 @@ class CommitterLink(LinkAttach):
                     self._reconnect_step(now)
                     next_beat = now + self._heartbeat_s
                     continue
-                if not self._welcomed or self._state != CONNECTED:
+                if not self._welcomed or self._state != CONNECTED or self._leaving:
                     continue
                 next_beat = min(next_beat, now + self._heartbeat_s)  # the period the Welcome set, from the first
                 if now >= next_beat:

@@ -2,7 +2,8 @@
 
 Used by the flusher (deferred writes), the sender (wait a copy event, then
 send) and the reader's prefetcher. ``stop`` lets the items already queued
-finish, bounded by its timeout.
+finish, bounded by its timeout. The thread runs on every allowed CPU, not the
+starting engine rank's pinned core (``omnishm/cpus.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import queue
 import threading
 from typing import Callable, Generic, TypeVar
+
+from omnishm import cpus
 
 T = TypeVar("T")
 _STOP = object()
@@ -20,7 +23,8 @@ class SerialThread(Generic[T]):
         self._handle = handle
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        with cpus.unpinned():
+            self._thread.start()
 
     def put(self, item: T) -> None:
         self._queue.put(item)
