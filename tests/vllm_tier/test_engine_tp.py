@@ -18,7 +18,10 @@ What it found (2026-12-02): each rank autostarts the committer of a new cache, a
 race, pinned to its rank's busy core, could start seconds late, take the lock after the winner served a
 short-lived cache and exited, and hold the cache's lock, socket and owner segment until the engine
 exited (the leak check failed). The client now stops the committers it autostarted once another
-welcomed it (``LinkAttach._stop_autostart_losers``).
+welcomed it (``LinkAttach._stop_autostart_losers``). And the client's threads and the autostarted
+committer inherited the rank's pinned core, where the rank's main thread busy-waits: starved there, a
+Hello sat 10 s in the committer's accept backlog and a rank was reaped about one cache start in thirty
+(the engine died). They now run on every allowed CPU (``omnishm/cpus.py``).
 """
 
 from __future__ import annotations
