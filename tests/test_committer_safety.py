@@ -231,6 +231,15 @@ def test_cleanup_never_removes_a_live_committers_segments_whatever_runtime_dir_i
     writer.goodbye()
 
 
+def assert_idle_committer_exits(runtime, name: str, timeout_s: float = 30.0) -> None:
+    """An ``--exit-when-idle`` committer whose last client left exits (bounded wait) and leaves no segment."""
+    deadline = time.monotonic() + timeout_s
+    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name), "the autostarted committer did not exit when its client left"
+    assert shm.list_segments(name) == []
+
+
 def test_autostart_serves_the_endpoint_the_client_asked_for(tmp_path):
     """An autostarted committer binds the client's own ipc endpoint, and exits (cleanly) when it leaves."""
     from conftest import unique_cache_name
@@ -250,11 +259,7 @@ def test_autostart_serves_the_endpoint_the_client_asked_for(tmp_path):
         m.wait_idle()
     finally:
         m.shutdown()
-    deadline = time.monotonic() + 30
-    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not shm.cache_is_live(runtime, name), "the autostarted committer did not exit when its client left"
-    assert shm.list_segments(name) == []
+    assert_idle_committer_exits(runtime, name)
 
 
 def test_a_client_refuses_a_socket_directory_others_can_write(tmp_path):
@@ -423,10 +428,7 @@ def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp
         assert len(started) == 2 and m._link.welcome.committer_pid == started[1]
     finally:
         m.shutdown()
-    deadline = time.monotonic() + 30
-    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not shm.cache_is_live(runtime, name) and shm.list_segments(name) == []
+    assert_idle_committer_exits(runtime, name)
 
 
 def test_an_autostarted_committer_that_lost_the_race_is_stopped_by_its_client(tmp_path, monkeypatch, committer_factory):
@@ -587,7 +589,4 @@ def test_autostart_serves_the_cache_own_socket_whatever_omnishm_endpoint_says(tm
         assert m._link.endpoint == shm.ipc_endpoint(runtime, name)
     finally:
         m.shutdown()
-    deadline = time.monotonic() + 30
-    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not shm.cache_is_live(runtime, name) and shm.list_segments(name) == []
+    assert_idle_committer_exits(runtime, name)

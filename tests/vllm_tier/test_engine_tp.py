@@ -40,7 +40,7 @@ skip_without_vllm()
 import torch  # noqa: E402
 
 from omnishm.integrations.vllm import decode_results, decode_tensor, external_req_id  # noqa: E402
-from vllm_harness import BLOCK, HIDDEN, Harness, close_llm, make_llm, rand_tokens  # noqa: E402
+from vllm_harness import BLOCK, HIDDEN, Harness, close_llm, compare_rows, make_llm, rand_tokens  # noqa: E402
 from vllm_tier import TIER_COUNTS, unique_cache_name  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -155,15 +155,7 @@ class TPHarness(Harness):
             self.ground_truth(prompt)
             key = tuple(prompt)
             truth = torch.cat([self.gt[key][:hit], self.reader_gt[key][hit:]])
-            counts["requests"] += 1
-            counts["rows"] += len(prompt)
-            counts["hit_requests"] += bool(hit)
-            counts["hit_rows"] += hit
-            if not torch.equal(hidden, truth):
-                diff = (hidden - truth).abs().amax(dim=1)
-                counts["mismatches"] += int((diff != 0).sum())
-                bad.append(f"reader: {rid}: {int((diff != 0).sum())} rows differ (first "
-                           f"{int(torch.nonzero(diff)[0, 0])}, hit {hit}, max |diff| {float(diff.max())})")
+            compare_rows(counts, bad, rid, hidden, truth, hit, who="reader: ")
         for k, v in counts.items():
             TIER_COUNTS[k] += v
         print(f"[{self.cache}] reader rank: requests compared={counts['requests']} rows compared={counts['rows']} "

@@ -53,6 +53,20 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(4, 1000) for _ in range(n)]
 
 
+def compare_rows(counts: dict[str, int], bad: list[str], rid: str, hidden: torch.Tensor, truth: torch.Tensor,
+                 hit: int, who: str = "") -> None:
+    """Count one request's full-prompt rows against ``truth`` (bit for bit); a differing row goes to ``bad``."""
+    counts["requests"] += 1
+    counts["rows"] += len(hidden)
+    counts["hit_requests"] += bool(hit)
+    counts["hit_rows"] += hit
+    if not torch.equal(hidden, truth):
+        diff = (hidden - truth).abs().amax(dim=1)
+        counts["mismatches"] += int((diff != 0).sum())
+        bad.append(f"{who}{rid}: {int((diff != 0).sum())} rows differ (first {int(torch.nonzero(diff)[0, 0])}, "
+                   f"hit {hit}, max |diff| {float(diff.max())})")
+
+
 @dataclass
 class Harness:
     """One engine plus its omnishm hooks, one test at a time (``begin``/``end``)."""
@@ -187,17 +201,7 @@ class Harness:
             assert tuple(hidden.shape) == (len(prompt), HIDDEN), (rid, hidden.shape, len(prompt))
             if rid in cached:
                 assert hit == cached[rid], f"{rid}: omnishm hit {hit} != vLLM num_cached_tokens {cached[rid]}"
-            truth = self.ground_truth(prompt)
-            counts["requests"] += 1
-            counts["rows"] += len(prompt)
-            if hit:
-                counts["hit_requests"] += 1
-                counts["hit_rows"] += hit
-            if not torch.equal(hidden, truth):
-                diff = (hidden - truth).abs().amax(dim=1)
-                counts["mismatches"] += int((diff != 0).sum())
-                bad.append(f"{rid}: {int((diff != 0).sum())} rows differ (first {int(torch.nonzero(diff)[0, 0])},"
-                           f" hit {hit}, max |diff| {float(diff.max())})")
+            compare_rows(counts, bad, rid, hidden, self.ground_truth(prompt), hit)
         for k, v in counts.items():
             TIER_COUNTS[k] += v
         print(f"[{self.cache}] requests compared={counts['requests']} rows compared={counts['rows']} "
