@@ -79,9 +79,14 @@ class LinkAttach:
             self._autostart_if_down(time.monotonic())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if self._autostart and self.endpoint.startswith("ipc://"):
+                    hint = (f"autostart is on: why the committer it started did not answer is in "
+                            f"{self.runtime_dir}/{self.cache}.autostart.log")
+                else:
+                    hint = (f"start one with `omnishm committer --name {self.cache}` (or scripts/launch_committer.sh) "
+                            f"or pass autostart=True")
                 raise OmniPrefixCacheCommitterError(
-                    f"cache {self.cache}: no committer answered at {self.endpoint} within {timeout_s:.1f}s; "
-                    f"start one with `scripts/launch_committer.sh --name {self.cache}` or pass autostart=True")
+                    f"cache {self.cache}: no committer answered at {self.endpoint} within {timeout_s:.1f}s; {hint}")
             fut = self.submit(lambda rid: self._hello_msg(rid, resume=False))
             try:
                 reply = fut.result(timeout=min(remaining, 2.0 if self._autostart else remaining))
