@@ -40,8 +40,9 @@ def _runtime_dir(arg: str | None) -> Path:
 TARGET_KNOBS = ("name", "runtime_dir", "endpoint")
 
 
-def resolve_target(args: argparse.Namespace) -> tuple[str, str]:
-    """(cache name, endpoint) from flags > ``OMNISHM_*`` > config file > defaults. Raises ConfigError.
+def resolve_target(args: argparse.Namespace) -> tuple[str, str, Path]:
+    """(cache name, endpoint, runtime dir) from flags > ``OMNISHM_*`` > config file > defaults. Raises
+    ConfigError.
 
     Same runtime-dir and socket rules as everywhere (``omnishm.paths``), without importing torch.
     """
@@ -50,16 +51,19 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str]:
     flags = {k: getattr(args, k, None) for k in TARGET_KNOBS}
     r = knobs.resolve("both", flags, config_file=getattr(args, "config", None), names=TARGET_KNOBS)
     name, endpoint = r["name"], r["endpoint"]
+    runtime_dir = Path(r["runtime_dir"]) if r["runtime_dir"] else paths.default_runtime_dir()
     if not endpoint:
-        endpoint = paths.ipc_endpoint(Path(r["runtime_dir"]) if r["runtime_dir"] else None, name)
-    return name, endpoint
+        endpoint = paths.ipc_endpoint(runtime_dir, name)
+    return name, endpoint, runtime_dir
 
 
 def admin_request(name: str, endpoint: str, request_factory: Callable[[int], object] | None,
-                  timeout_s: float) -> object:
+                  timeout_s: float, runtime_dir: Path | None = None) -> object:
     """Attach as admin, send ``request_factory(rid)`` (if any), say goodbye; returns the reply.
 
-    Raises CommitterUnavailable when nothing answers within ``timeout_s`` (overall).
+    Raises CommitterUnavailable when nothing answers within ``timeout_s`` (overall), and at once when
+    ``endpoint`` is the cache's own socket in ``runtime_dir`` (where its lock lives) and nothing holds
+    that lock: a crashed committer's socket.
     """
     import time
 
@@ -74,7 +78,8 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         if not path.exists():
             raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} does not exist")
         # The cache's own socket, with nobody holding the lock beside it: a crashed committer's (trap 4).
-        if path.name == f"{name}.sock" and not shm.cache_is_live(path.parent, name):
+        if runtime_dir is not None and path == paths.socket_path(runtime_dir, name) \
+                and not shm.cache_is_live(runtime_dir, name):
             raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} is left over from one that "
                                        f"is gone (nothing holds the cache lock); `omnishm cleanup --name {name}` "
                                        f"removes what it left")
@@ -155,12 +160,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     from omnishm.config import ConfigError
 
     try:
-        name, endpoint = resolve_target(args)
+        name, endpoint, runtime_dir = resolve_target(args)
     except ConfigError as exc:
         print(f"omnishm status: {exc}", file=sys.stderr)
         return 2
     try:
-        reply = admin_request(name, endpoint, lambda rid: protocol.StatusRequest(rid=rid), args.timeout_s)
+        reply = admin_request(name, endpoint, lambda rid: protocol.StatusRequest(rid=rid), args.timeout_s,
+                              runtime_dir)
     except CommitterUnavailable as exc:
         print(f"omnishm status: {exc}", file=sys.stderr)
         return 1
@@ -178,13 +184,13 @@ def cmd_ping(args: argparse.Namespace) -> int:
     from omnishm.config import ConfigError
 
     try:
-        name, endpoint = resolve_target(args)
+        name, endpoint, runtime_dir = resolve_target(args)
     except ConfigError as exc:
         print(f"omnishm ping: {exc}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     try:
-        welcome = admin_request(name, endpoint, None, args.timeout_s)
+        welcome = admin_request(name, endpoint, None, args.timeout_s, runtime_dir)
     except CommitterUnavailable as exc:
         print(f"omnishm ping: {exc}", file=sys.stderr)
         return 1

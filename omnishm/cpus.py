@@ -21,20 +21,21 @@ from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
-_EVERY_CPU = frozenset(range(os.cpu_count() or 1))
-"""Every CPU of the machine; the kernel keeps of it what the process's cpuset allows."""
+_EVERY_CPU = frozenset(range(max(1024, 4 * (os.cpu_count() or 1))))
+"""CPU ids enough for any machine: the kernel keeps of them the online CPUs the process's cpuset allows.
+Not ``range(os.cpu_count())``: that counts online CPUs, not ids (``nosmt`` leaves ids 0, 2, 4, ...), and
+from Python 3.13 ``PYTHON_CPU_COUNT`` may set it to anything. A ``taskset`` on the engine is widened too;
+a cgroup cpuset is not."""
 
 
 @contextlib.contextmanager
 def unpinned() -> Iterator[None]:
-    """The calling thread runs on every allowed CPU inside the block, so threads it starts there inherit
-    that; it gets its own CPU set back after. A no-op where affinity cannot be read or set."""
+    """The calling thread runs on every allowed CPU inside the block, so threads and processes it starts
+    there inherit that; it gets its own CPU set back after (never a smaller one). A no-op where affinity
+    cannot be read or set."""
     try:
         own = os.sched_getaffinity(0)  # the calling thread's set (Linux: pid 0 is the calling thread)
-        if own >= _EVERY_CPU:
-            own = None
-        else:
-            os.sched_setaffinity(0, _EVERY_CPU)
+        os.sched_setaffinity(0, _EVERY_CPU | own)
     except (AttributeError, OSError) as exc:  # no affinity on this platform, or a cpuset refusing it
         logger.debug("omnishm threads keep the caller's CPU set: %s", exc)
         own = None
@@ -42,13 +43,7 @@ def unpinned() -> Iterator[None]:
         yield
     finally:
         if own is not None:
-            os.sched_setaffinity(0, own)
-
-
-def unpin_process(pid: int) -> None:
-    """Let process ``pid`` (an autostarted committer, just spawned: no threads of its own yet) run on every
-    allowed CPU instead of the pinned set it inherited from the rank that started it. Best effort."""
-    try:
-        os.sched_setaffinity(pid, _EVERY_CPU)
-    except (AttributeError, OSError) as exc:
-        logger.debug("autostarted committer pid %d keeps its inherited CPU set: %s", pid, exc)
+            try:
+                os.sched_setaffinity(0, own)
+            except OSError as exc:  # a cpuset shrank meanwhile: keep what the kernel allows
+                logger.warning("cannot give this thread its CPU set %s back: %s", sorted(own), exc)

@@ -383,6 +383,19 @@ def lock_path(runtime_dir: Path, cache: str) -> Path:
     return Path(runtime_dir) / f"{cache}.lock"
 
 
+def _flock_within(fd: int, patience_s: float) -> bool:
+    """``LOCK_EX`` on ``fd``, retried for ``patience_s``: a ``cache_is_live`` probe (a client's autostart
+    check, ``omnishm ping``) holds ``LOCK_SH`` for microseconds and must not make a starting committer refuse."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
 
 @dataclass
 class CacheLock:
@@ -397,9 +410,7 @@ class CacheLock:
         path = lock_path(runtime_dir, cache)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _flock_within(fd, 0.2):  # a live committer holds it for good; a probe for microseconds
                 ino = os.fstat(fd).st_ino
                 os.close(fd)
                 if _replaced_soon(path, ino, 0.2):

@@ -158,3 +158,20 @@ def test_ping_names_a_crashed_committers_socket_and_the_command_that_removes_it(
     assert code == 0, err
     assert not shm.socket_path(handle.runtime_dir, handle.name).exists()
     assert shm.list_segments(handle.name) == []
+
+
+def test_ping_reaches_a_live_committer_whose_ipc_socket_lives_outside_the_runtime_dir(committer_factory, capsys,
+                                                                                       tmp_path):
+    """The crashed-socket check applies only to the cache's own socket in the runtime dir, where its lock
+    lives: a live committer on ``ipc://OTHER/NAME.sock`` must be pinged, not called left over (review)."""
+    name = unique_cache_name("elsewhere")
+    other = tmp_path / "socks"
+    other.mkdir(mode=0o700)
+    endpoint = f"ipc://{other}/{name}.sock"
+    handle = committer_factory("--endpoint", endpoint, name=name, wait=False)
+    deadline = time.monotonic() + 60
+    while "started" not in handle.log():
+        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+        time.sleep(0.1)
+    code, out, err = run(capsys, "ping", "--name", name, "--endpoint", endpoint, "--timeout-s", "10")
+    assert code == 0, err

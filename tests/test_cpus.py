@@ -53,3 +53,23 @@ def test_the_clients_threads_and_its_autostarted_committer_run_on_every_cpu(monk
     while shm.cache_is_live(RUNTIME_DIR, name) and time.monotonic() < deadline:  # the committer exits when idle
         time.sleep(0.05)
     assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
+
+
+def test_unpinned_never_narrows_the_callers_cpu_set(monkeypatch):
+    """``os.cpu_count()`` counts online CPUs, not ids (``nosmt`` leaves 0, 2, 4, ...; ``PYTHON_CPU_COUNT`` from
+    3.13): a CPU set built from it could move a thread off its own CPU. Simulated: ids {0, 1}, one counted."""
+    from omnishm import cpus
+
+    every = os.sched_getaffinity(0)
+    if len(every) < 2:
+        pytest.skip("one CPU: nothing to pin away from")
+    monkeypatch.setattr(cpus, "_EVERY_CPU", frozenset({min(every)}))
+    pinned = {max(every)}
+    os.sched_setaffinity(0, pinned)
+    try:
+        with cpus.unpinned():
+            inside = os.sched_getaffinity(0)
+        after = os.sched_getaffinity(0)
+    finally:
+        os.sched_setaffinity(0, every)
+    assert inside >= pinned and after == pinned

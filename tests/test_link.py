@@ -97,3 +97,19 @@ def test_a_closing_link_sends_no_heartbeat_after_its_goodbye_and_loses_no_sessio
         lost += link.stats["committer_lost"]
     assert lost == 0
     assert "no_session" not in handle.log(), handle.log()
+
+
+def test_close_ends_at_once_when_its_goodbye_is_answered_no_session(committer_factory):
+    """The committer was restarted (SIGKILL, then a start that adopts the cache) and the link has not noticed
+    yet (heartbeats every 30 s). close()'s Goodbye reaches the new committer, which answers no_session; that
+    answer completes the Goodbye instead of being taken for a lost session, so close() does not wait out its
+    timeout (review of the closing-link change)."""
+    first = committer_factory("--heartbeat-s", "30", "--heartbeat-timeout-s", "120")
+    link = CommitterLink(cache=first.name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
+                         staging_rows=0)
+    first.proc.kill()
+    first.proc.wait()
+    committer_factory("--heartbeat-s", "30", "--heartbeat-timeout-s", "120", name=first.name)  # adopts the cache
+    t0 = time.monotonic()
+    link.close()
+    assert time.monotonic() - t0 < 2.0

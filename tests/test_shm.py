@@ -108,3 +108,27 @@ def test_cache_name_checked():
     for bad in ("", "a.b", "a/b", "x" * 65, "sp ace"):
         with pytest.raises(ValueError):
             shm.check_cache_name(bad)
+
+
+def test_a_momentary_lock_probe_does_not_make_a_starting_committer_refuse():
+    """``cache_is_live`` takes ``LOCK_SH`` on the cache lock for a moment (a client's autostart check, ``omnishm
+    ping`` of a stale socket); a committer whose ``LOCK_EX`` lands then must wait it out, not refuse to start
+    as if another committer ran (review)."""
+    import fcntl
+    import threading
+
+    from conftest import RUNTIME_DIR, unique_cache_name
+
+    name = unique_cache_name("probe")
+    shm.ensure_runtime_dir(RUNTIME_DIR)
+    path = shm.lock_path(RUNTIME_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # a probe in flight ...
+    threading.Timer(0.05, os.close, (fd,)).start()  # ... that ends 50 ms later
+    lock = shm.CacheLock.acquire(RUNTIME_DIR, name, "g")
+    try:
+        assert lock is not None, "refused while only a probe held the lock"
+    finally:
+        if lock is not None:
+            lock.release(remove=True)
+        path.unlink(missing_ok=True)

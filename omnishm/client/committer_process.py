@@ -41,14 +41,15 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     log_path = Path(runtime_dir) / f"{cache}.autostart.log"
     log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
     env = {**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)}
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                env=env)
-    finally:
-        log.close()
-    # Not on the starting rank's pinned core, which the rank's busy-waiting main thread keeps (omnishm/cpus.py).
-    cpus.unpin_process(proc.pid)
-    # Reap it when it exits so it never lingers as a zombie of the runner.
-    threading.Thread(target=proc.wait, name=f"omnishm-reap-{cache}", daemon=True).start()
+    # Started unpinned: not on the starting rank's core, which its busy-waiting main thread keeps
+    # (omnishm/cpus.py); a child inherits its parent's CPU set at fork, every thread of it included.
+    with cpus.unpinned():
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                    env=env)
+        finally:
+            log.close()
+        # Reap it when it exits so it never lingers as a zombie of the runner.
+        threading.Thread(target=proc.wait, name=f"omnishm-reap-{cache}", daemon=True).start()
     logger.info("cache %s: autostarted committer pid %d", cache, proc.pid)
     return proc

@@ -501,7 +501,7 @@ class CommitterLink(LinkAttach):
                 if reply.rid == self._hello_rid:
                     self._on_resume_reply(reply)
                 continue  # anything else answers a socket we gave up
-            if isinstance(reply, P.Error) and reply.code == "no_session" and self._welcomed:
+            if isinstance(reply, P.Error) and reply.code == "no_session" and self._welcomed and not self._leaving:
                 # A restarted committer that does not know this socket (or we were reaped): resume, then re-send.
                 self._lost(f"committer does not know this session ({reply.message})")
                 return
