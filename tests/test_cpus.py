@@ -17,6 +17,7 @@ from manager_helpers import small_config
 
 from omnishm import shm
 from omnishm.client import OmniPrefixCacheManager
+from omnishm.shm import proc_identity
 
 
 def _affinity(tid: int) -> set[int]:
@@ -28,7 +29,7 @@ def test_the_clients_threads_and_its_autostarted_committer_run_on_every_cpu(monk
     if len(every) < 2:
         pytest.skip("one CPU: nothing to pin away from")
     name = unique_cache_name("cpus")
-    seen: dict[str, set[int]] = {}
+    seen: dict = {}
     errors: list[BaseException] = []
 
     def rank() -> None:  # a rank's main thread, pinned like vLLM pins it
@@ -40,6 +41,7 @@ def test_the_clients_threads_and_its_autostarted_committer_run_on_every_cpu(monk
                 seen["link"] = _affinity(m._link._thread.native_id)
                 seen["flusher"] = _affinity(m._flusher._thread._thread.native_id)
                 seen["committer"] = _affinity(m._link.welcome.committer_pid)
+                seen["pid"] = m._link.welcome.committer_pid
         except BaseException as exc:  # re-raised on the test's thread
             errors.append(exc)
 
@@ -50,8 +52,9 @@ def test_the_clients_threads_and_its_autostarted_committer_run_on_every_cpu(monk
     assert seen["rank"] == {min(every)}  # the engine's own pinning is left as it was
     assert seen["link"] == seen["flusher"] == seen["committer"] == every, seen
     deadline = time.monotonic() + 30
-    while shm.cache_is_live(RUNTIME_DIR, name) and time.monotonic() < deadline:  # the committer exits when idle
+    while proc_identity(seen["pid"]) is not None and time.monotonic() < deadline:  # it exits when idle
         time.sleep(0.05)
+    assert proc_identity(seen["pid"]) is None  # gone, its log removed after its lock
     assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
 
 
