@@ -6,9 +6,8 @@ thread then busy-waits on those cores: on its input queue between steps and in t
 threads there (the link's I/O thread, libzmq's I/O thread, the flusher, the sender, the prefetcher) and an
 autostarted committer would share that core with the spin. Measured with a real TP=2 engine on a 2-vCPU
 machine, they then got so little of it that a reader's Hello waited about 10 s in the committer's accept
-backlog (``ss``: the connection queued, 3.9 KB unread on the writer's), a step stalled for 10 s, and in
-about one of thirty cache starts a rank's heartbeats stopped until the committer reaped it and the engine
-died. These threads mostly sleep, so they run on every CPU the process may use; the engine's own threads
+backlog (``ss``: the connection queued, 3.9 KB unread on the writer's), a step stalled for 10 s, and once
+in 96 cache starts a rank's heartbeats stopped until the committer reaped it and the engine died. These threads mostly sleep, so they run on every CPU the process may use; the engine's own threads
 keep their pinning.
 """
 

@@ -20,8 +20,8 @@ short-lived cache and exited, and hold the cache's lock, socket and owner segmen
 exited (the leak check failed). The client now stops the committers it autostarted once another
 welcomed it (``LinkAttach._stop_autostart_losers``). And the client's threads and the autostarted
 committer inherited the rank's pinned core, where the rank's main thread busy-waits: starved there, a
-Hello sat 10 s in the committer's accept backlog and a rank was reaped about one cache start in thirty
-(the engine died). They now run on every allowed CPU (``omnishm/cpus.py``).
+Hello sat 10 s in the committer's accept backlog, and a rank was reaped (the engine died) in 3 of 7
+runs of this module. They now run on every allowed CPU (``omnishm/cpus.py``).
 """
 
 from __future__ import annotations
