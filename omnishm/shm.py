@@ -110,6 +110,21 @@ OWNER = "owner"
 """The segment a committer holds an exclusive ``flock`` on for as long as it serves its generation."""
 
 
+def _flock_within(fd: int, patience_s: float) -> bool:
+    """``LOCK_EX`` on ``fd``, retried for ``patience_s``: the probes (``cache_is_live``: a client's autostart
+    check, ``omnishm ping``; ``generation_owned``) hold their lock for microseconds, and a committer that
+    takes the cache lock or an owner segment must wait them out, not take them for a live holder."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+
 class GenerationOwner:
     """A committer's claim on its generation, visible host-wide (whatever its runtime dir).
 
@@ -138,16 +153,13 @@ class GenerationOwner:
             seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600, size=0)
             try:
                 os.fchmod(seg.fd, 0o600)
-                fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(seg.fd)
-                if time.monotonic() >= deadline:
-                    return None
-                time.sleep(0.005)
-                continue
+                locked = _flock_within(seg.fd, deadline - time.monotonic())
             except BaseException:
                 os.close(seg.fd)
                 raise
+            if not locked:
+                os.close(seg.fd)
+                return None
             # A sweeper may have unlinked the name between our open and flock: a lock on an
             # unlinked segment guards nothing, so take it again on the current one.
             try:
@@ -381,20 +393,6 @@ def check_socket_path(path: Path) -> None:
 
 def lock_path(runtime_dir: Path, cache: str) -> Path:
     return Path(runtime_dir) / f"{cache}.lock"
-
-
-def _flock_within(fd: int, patience_s: float) -> bool:
-    """``LOCK_EX`` on ``fd``, retried for ``patience_s``: a ``cache_is_live`` probe (a client's autostart
-    check, ``omnishm ping``) holds ``LOCK_SH`` for microseconds and must not make a starting committer refuse."""
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
 
 
 @dataclass

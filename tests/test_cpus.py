@@ -20,10 +20,6 @@ from omnishm.client import OmniPrefixCacheManager
 from omnishm.shm import proc_identity
 
 
-def _affinity(tid: int) -> set[int]:
-    return os.sched_getaffinity(tid)
-
-
 def test_the_clients_threads_and_its_autostarted_committer_run_on_every_cpu(monkeypatch):
     every = os.sched_getaffinity(0)
     if len(every) < 2:
@@ -38,9 +34,9 @@ def test_the_clients_threads_and_its_autostarted_committer_run_on_every_cpu(monk
             with OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=RUNTIME_DIR,
                                         connect_timeout_s=60.0) as m:
                 seen["rank"] = os.sched_getaffinity(0)
-                seen["link"] = _affinity(m._link._thread.native_id)
-                seen["flusher"] = _affinity(m._flusher._thread._thread.native_id)
-                seen["committer"] = _affinity(m._link.welcome.committer_pid)
+                seen["link"] = os.sched_getaffinity(m._link._thread.native_id)
+                seen["flusher"] = os.sched_getaffinity(m._flusher._thread._thread.native_id)
+                seen["committer"] = os.sched_getaffinity(m._link.welcome.committer_pid)
                 seen["pid"] = m._link.welcome.committer_pid
         except BaseException as exc:  # re-raised on the test's thread
             errors.append(exc)

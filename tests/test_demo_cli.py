@@ -187,6 +187,7 @@ def test_refused_reads_fail_the_demo_only_where_no_read_can_come_late():
 
 
 @pytest.mark.parametrize("bad, message", [
+    (("--tp", "0"), "--tp"),
     (("--name", "x y"), "--name"),
     (("--block-size", "0"), "--block-size"),
     (("--hidden-size", "0"), "--hidden-size"),

@@ -92,7 +92,10 @@ def test_a_closing_link_sends_no_heartbeat_after_its_goodbye_and_loses_no_sessio
     for _ in range(40):
         link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
                              staging_rows=0)
-        time.sleep(0.02)  # a few heartbeats in flight, as in a running engine
+        deadline = time.monotonic() + 10
+        while link.heartbeats_sent < 2:  # heartbeats flowing, as in a running engine
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         link.close()
         lost += link.stats["committer_lost"]
     assert lost == 0

@@ -91,9 +91,6 @@ def cli_main(args: argparse.Namespace) -> int:
                        max_batched_tokens=args.max_batched_tokens, width=args.hidden_size,
                        mm_width=args.mm_width, lag=args.lag, lockstep=args.duration_s is None,
                        device=args.device)
-    if opts.tp < 1:
-        print("omnishm demo: --tp must be >= 1", file=sys.stderr)
-        return 2
     from omnishm.sim import MAX_NEW_TOKENS, SimEngine  # torch: only once the demo runs
 
     need = SimEngine.blocks_for_longest_request(opts.block_size, opts.max_batched_tokens)

@@ -40,8 +40,8 @@ skip_without_vllm()
 import torch  # noqa: E402
 
 from omnishm.integrations.vllm import decode_results, decode_tensor, external_req_id  # noqa: E402
-from vllm_harness import BLOCK, HIDDEN, Harness, close_llm, compare_rows, make_llm, rand_tokens  # noqa: E402
-from vllm_tier import TIER_COUNTS, unique_cache_name  # noqa: E402
+from vllm_harness import BLOCK, HIDDEN, Harness, close_llm, compare_rows, make_llm, rand_tokens, report_rows  # noqa: E402
+from vllm_tier import unique_cache_name  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -156,26 +156,17 @@ class TPHarness(Harness):
             key = tuple(prompt)
             truth = torch.cat([self.gt[key][:hit], self.reader_gt[key][hit:]])
             compare_rows(counts, bad, rid, hidden, truth, hit, who="reader: ")
-        for k, v in counts.items():
-            TIER_COUNTS[k] += v
-        print(f"[{self.cache}] reader rank: requests compared={counts['requests']} rows compared={counts['rows']} "
-              f"hit rows={counts['hit_rows']} mismatches={counts['mismatches']}; ranks' no-hit rows "
-              f"{'bit-identical' if self.ranks_agree else 'differ'}")
-        assert not bad, "\n".join(bad)
-        return counts
+        return report_rows(counts, bad, f"{self.cache}, reader rank", f"; ranks' no-hit rows "
+                           f"{'bit-identical' if self.ranks_agree else 'differ'}")
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    old = os.environ.get(BIND_ENV)
-    if old is None:
-        os.environ[BIND_ENV] = omp_bind_per_rank()  # read by the engine-core process vLLM spawns
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        if BIND_ENV not in os.environ:
+            mp.setenv(BIND_ENV, omp_bind_per_rank())  # read by the engine-core process vLLM spawns
         llm = make_llm(tiny_model_dir, multiprocess=True, cache=unique_cache_name("tp"),
                        num_gpu_blocks_override=NUM_BLOCKS, tensor_parallel_size=TP)
-    finally:
-        if old is None:
-            os.environ.pop(BIND_ENV, None)
     try:
         assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == TP
         yield {"harness": TPHarness(llm), "first": True}

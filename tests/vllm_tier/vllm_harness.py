@@ -67,6 +67,17 @@ def compare_rows(counts: dict[str, int], bad: list[str], rid: str, hidden: torch
                    f"hit {hit}, max |diff| {float(diff.max())})")
 
 
+def report_rows(counts: dict[str, int], bad: list[str], label: str, extra: str = "") -> dict[str, int]:
+    """Add one check's counts to the tier's totals, print them, and fail on any differing row."""
+    for k, v in counts.items():
+        TIER_COUNTS[k] += v
+    print(f"[{label}] requests compared={counts['requests']} rows compared={counts['rows']} "
+          f"hit requests={counts['hit_requests']} hit rows={counts['hit_rows']} "
+          f"mismatches={counts['mismatches']}{extra}")
+    assert not bad, "\n".join(bad)
+    return counts
+
+
 @dataclass
 class Harness:
     """One engine plus its omnishm hooks, one test at a time (``begin``/``end``)."""
@@ -202,10 +213,4 @@ class Harness:
             if rid in cached:
                 assert hit == cached[rid], f"{rid}: omnishm hit {hit} != vLLM num_cached_tokens {cached[rid]}"
             compare_rows(counts, bad, rid, hidden, self.ground_truth(prompt), hit)
-        for k, v in counts.items():
-            TIER_COUNTS[k] += v
-        print(f"[{self.cache}] requests compared={counts['requests']} rows compared={counts['rows']} "
-              f"hit requests={counts['hit_requests']} hit rows={counts['hit_rows']} "
-              f"mismatches={counts['mismatches']}")
-        assert not bad, "\n".join(bad)
-        return counts
+        return report_rows(counts, bad, self.cache)
