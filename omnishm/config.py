@@ -175,9 +175,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("vllm_capture_raw", "bool", False,
          "vLLM extension: also keep no-hit prompts' rows read from the runner (a check; a second copy)",
          scope="client"),
+    Knob("vllm_omni", "bool", False,
+         "vllm-omni: its model runners build omnishm's drop-in cache (vLLM plugin, read in every vLLM process)",
+         scope="client"),
 )
 
-VLLM_KNOBS = ("vllm_held_bytes", "vllm_capture_raw")
+VLLM_KNOBS = ("vllm_held_bytes", "vllm_capture_raw", "vllm_omni")
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 PREFIX_CACHE_KNOBS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
                       "copy_chunk_bytes", "commit_timeout_s", "reconnect_timeout_s", "result_pool_bytes")

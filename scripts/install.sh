@@ -15,3 +15,9 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     --extra-index-url "${OMNISHM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
 "$PY" -m pip install -q -e ".[test]"
+# vllm-omni's own prefix cache is the comparison arm of `omnishm bench` (figures 3 and 6) and the
+# oracle of tests/test_vllm_omni_oracle.py. Only its prefix-cache package is loaded, which imports no
+# vllm, so it goes in without its dependencies, and only where no vllm-omni is installed (yours stays).
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm_omni') is None)"; then
+  "$PY" -m pip install -q --no-deps "vllm-omni==0.30.0"
+fi

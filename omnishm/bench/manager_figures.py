@@ -19,8 +19,9 @@ from omnishm.bench.common import Cleanup, Memcpy, ProcessCommitter, Row, Stats, 
 from omnishm.client import OmniPrefixCacheManager, PrefixCacheConfig
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheRequestEvent as E
-from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
+from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWrite, PrefixCacheWriteLayout
 from omnishm.client.result_pool import ResultPool
+from omnishm.bench.vllm_omni_arm import VllmOmniManager, same_results, vllm_omni_version
 
 BS = 16
 BLOCK = 5
@@ -43,7 +44,7 @@ def _layout(parts: list[tuple[str, list[int], int, int]]) -> PrefixCacheWriteLay
     return PrefixCacheWriteLayout(tuple(writes), torch.cat(slots))
 
 
-def _save(m: OmniPrefixCacheManager, parts: list[tuple[str, list[int], int, int]], hidden: torch.Tensor,
+def _save(m: Any, parts: list[tuple[str, list[int], int, int]], hidden: torch.Tensor,
           mm: dict[str, torch.Tensor] | None = None, layout: PrefixCacheWriteLayout | None = None) -> int:
     layout = layout or _layout(parts)
     n = layout.num_tokens
@@ -51,16 +52,16 @@ def _save(m: OmniPrefixCacheManager, parts: list[tuple[str, list[int], int, int]
                           num_tokens_padded=n, write_layout=layout)
 
 
-def _fill(m: OmniPrefixCacheManager, req: str, blocks: list[int], tokens: int, chunk: int, rows: torch.Tensor,
+def _fill(m: Any, req: str, blocks: list[int], tokens: int, chunk: int, rows: torch.Tensor,
           mm: dict[str, torch.Tensor] | None = None) -> None:
     """Write ``tokens`` rows of ``req`` (and of each ``mm`` key) in chunks, then finish it (rows land)."""
     for first in range(0, tokens, chunk):
         count = min(chunk, tokens - first)
         ev = E(K.STARTED, req, 0, tuple(blocks)) if first == 0 else E(K.EXTENDED, req, first, ())
-        m.new_step_starts([ev])
+        m.new_step_starts(PrefixCacheStep((ev,), {req: count}))
         part_mm = {k: v[first:first + count] for k, v in (mm or {}).items()}
         m.discard_step(_save(m, [(req, blocks, first, count)], rows[first:first + count], part_mm))
-    m.new_step_starts([E(K.FINISHED, req)])
+    m.new_step_starts(PrefixCacheStep((E(K.FINISHED, req),), {}))
     m.wait_idle()
 
 
@@ -183,27 +184,34 @@ class _EngineArm:
     """One manager and the bookkeeping of a repeated mixed step (prefill chunk + hit + decodes)."""
 
     def __init__(self, cleanup: Cleanup, size: EngineSize, in_process: bool, device: str = "cpu",
-                 eager: bool = False):
+                 eager: bool = False, vllm_omni: bool = False):
         self.size = size
-        tag = "inproc-eager" if eager else "inproc"
-        self.com: Any = ThreadCommitter(cleanup, tag) if in_process else ProcessCommitter(cleanup, "engine")
         step_tokens = size.prefill_tokens + BS + size.decodes
         self.prefix_blocks = list(range(size.hit_tokens // BS))
         self.ring0 = len(self.prefix_blocks)
         self.ring_len = 3 * (-(-step_tokens // BS) + size.decodes + 2)
-        cfg = PrefixCacheConfig(num_blocks=self.ring0 + self.ring_len, block_size=BS,
-                                staging_capacity_tokens=step_tokens, staging_depth=2, commit_timeout_s=60.0,
-                                staging_claim_timeout_s=60.0)
-        try:
-            self.m = OmniPrefixCacheManager(cfg, cache=self.com.name, endpoint=self.com.endpoint, autostart=False,
-                                            runtime_dir=self.com.runtime_dir, eager=eager)
-        except BaseException:
-            self.com.stop()
-            raise
+        num_blocks = self.ring0 + self.ring_len
+        self.com: Any = None
+        if vllm_omni:
+            self.m: Any = VllmOmniManager(num_blocks=num_blocks, block_size=BS, staging_capacity_tokens=step_tokens,
+                                          staging_depth=2)
+        else:
+            tag = "inproc-eager" if eager else "inproc"
+            self.com = ThreadCommitter(cleanup, tag) if in_process else ProcessCommitter(cleanup, "engine")
+            cfg = PrefixCacheConfig(num_blocks=num_blocks, block_size=BS, staging_capacity_tokens=step_tokens,
+                                    staging_depth=2, commit_timeout_s=60.0, staging_claim_timeout_s=60.0)
+            try:
+                self.m = OmniPrefixCacheManager(cfg, cache=self.com.name, endpoint=self.com.endpoint,
+                                                autostart=False, runtime_dir=self.com.runtime_dir, eager=eager)
+            except BaseException:
+                self.com.stop()
+                raise
         self.next_block = 0
-        self.hidden = torch.randn(step_tokens, size.width).to(torch.bfloat16).to(device)
-        self.mm = {"mm_feat": torch.randn(step_tokens, 64).to(device)}
+        gen = torch.Generator().manual_seed(3)  # every arm the same rows: their results are compared
+        self.hidden = torch.randn(step_tokens, size.width, generator=gen).to(torch.bfloat16).to(device)
+        self.mm = {"mm_feat": torch.randn(step_tokens, 64, generator=gen).to(device)}
         self.save_s = 0.0
+        self.last: Any = None
         self.prev: list[str] = []
         self.i = 0
 
@@ -237,13 +245,13 @@ class _EngineArm:
             db = self.blocks(1)
             events.append(E(K.STARTED, d, 0, tuple(db)))
             parts.append((d, db, 0, 1))
-        self.m.new_step_starts(events)
+        self.m.new_step_starts(PrefixCacheStep(tuple(events), {p[0]: p[3] for p in parts}))
         self.prev = [p[0] for p in parts]
         layout = _layout(parts)  # the runner's write layout: built before the clock starts
         t0 = time.perf_counter()
         sid = _save(self.m, parts, self.hidden, self.mm, layout)
         t1 = time.perf_counter()
-        self.m.materialize(sid, self.prev)
+        self.last = self.m.materialize(sid, self.prev)
         t2 = time.perf_counter()
         self.save_s = t1 - t0
         return t2 - t0
@@ -252,7 +260,8 @@ class _EngineArm:
         try:
             self.m.shutdown()
         finally:
-            self.com.stop()
+            if self.com is not None:
+                self.com.stop()
 
 
 def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> list[Row]:
@@ -265,11 +274,14 @@ def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> li
     a synchronize (the sampler's), and the engine thread only launches the staging copies.
     """
     reps, a, b = calibrate_forward(size.forward_ms, device)
+    omni = vllm_omni_version()
     arms: list[_EngineArm] = []
     try:
         arms.append(_EngineArm(cleanup, size, in_process=False, device=device))
         arms.append(_EngineArm(cleanup, size, in_process=True, device=device))
         arms.append(_EngineArm(cleanup, size, in_process=True, device=device, eager=True))
+        if omni is not None:
+            arms.append(_EngineArm(cleanup, size, in_process=True, device=device, vllm_omni=True))
         for arm in arms:
             arm.prepare()
         times: list[list[float]] = [[] for _ in arms]
@@ -281,13 +293,25 @@ def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> li
                 if i >= 2:
                     times[k].append(dt)
                     saves[k].append(arm.save_s)
+            if i == 0 and omni is not None:
+                same_results(arms[0].last, arms[-1].last, arms[0].prev, "figure 3")
     finally:
         for arm in arms:
             arm.close()
-    v, rf, eager = (Stats.of(np.array(t) * 1e3) for t in times)
+    v, rf, eager, *theirs = (Stats.of(np.array(t) * 1e3) for t in times)
     save_ms = [float(np.median(x)) * 1e3 for x in saves]
     tokens = size.prefill_tokens + (BS if size.hit_tokens else 0) + size.decodes
     where = "" if device == "cpu" else f", outputs on {device}"
+    extra_rows = []
+    if theirs:
+        mode = "eager" if arms[-1].m.eager else "threaded"
+        extra_rows.append(Row(
+            "3", f"  variant: the same omnishm arm against vllm-omni {omni}'s own in-process cache",
+            "ms", v, f"vllm_omni OmniPrefixCacheManager ({mode}), same steps and rows", theirs[0],
+            v.median / theirs[0].median, "-", None,
+            note=f"its save_outputs {save_ms[3]:.2f} ms; its materialized rows equal omnishm's",
+            extra={"device": device, "save_ms": save_ms[0], "reference_save_ms": save_ms[3],
+                   "vllm_omni": omni, "vllm_omni_mode": mode}))
     return [Row("3", f"engine thread per step: save+materialize, {tokens} tok x {size.width} bf16 "
                      f"(prefill {size.prefill_tokens}, hit {size.hit_tokens}+{BS}, {size.decodes} decodes{where})",
                 "ms", v, "same manager, committer as a thread of this process", rf, v.median / rf.median, "<= 0.5",
@@ -299,7 +323,8 @@ def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> li
                 "ms", v, "committer thread, eager: save_outputs waits the pool write", eager,
                 v.median / eager.median, "-", None,
                 note=f"eager save_outputs {save_ms[2]:.2f} ms: the pool write on the calling thread",
-                extra={"device": device, "save_ms": save_ms[0], "reference_save_ms": save_ms[2]})]
+                extra={"device": device, "save_ms": save_ms[0], "reference_save_ms": save_ms[2]}),
+            *extra_rows]
 
 
 # ---------------------------------------------------------------- figure 6
@@ -386,12 +411,15 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
     ``_update_states``). On ``cuda`` the outputs live on the device.
     """
     reps, a, b = calibrate_forward(size.forward_ms, device)
-    on, off, low = no_hit_engine(size), no_hit_engine(size), no_hit_engine(size)
+    on, off, low, theirs = no_hit_engine(size), no_hit_engine(size), no_hit_engine(size), no_hit_engine(size)
     cfg = PrefixCacheConfig(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
                             staging_depth=2, commit_timeout_s=60.0, staging_claim_timeout_s=60.0)
-    times: dict[Any, list[float]] = {on: [], off: [], low: []}
+    times: dict[Any, list[float]] = {on: [], off: [], low: [], theirs: []}
     t_mgr = []
     hits = 0
+    omni = vllm_omni_version() if device == "cpu" else None
+    vm = (VllmOmniManager(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
+                          staging_depth=2) if omni is not None else None)
     floor = _FloorArm(cleanup, size.max_batched_tokens)
     try:
         with ProcessCommitter(cleanup, "overhead") as com:
@@ -401,7 +429,7 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                 # Blocks of consecutive steps per arm, the arms in rotation: what a step leaves behind
                 # (the committer's reply, handled by the link's I/O thread) lands in the same arm's next
                 # step, as in a real engine, not in another arm's. A block's first step is not counted.
-                arms = (on, off, low)
+                arms = (on, off, low) if vm is None else (on, off, low, theirs)
                 for i in range(-(-size.steps // (BLOCK - 1)) * len(arms) + len(arms)):
                     eng = arms[i % len(arms)]
                     for j in range(BLOCK):
@@ -417,6 +445,8 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                             t1 = time.perf_counter()
                             m.new_step_starts(st.step)
                             mgr = time.perf_counter() - t1
+                        elif eng is theirs:
+                            vm.new_step_starts(st.step)
                         _forward(reps, a, b)
                         sizes = [w.num_tokens for w in st.layout.writes]
                         if eng is on:
@@ -426,6 +456,10 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                             out = m.materialize(sid, [w.req_id for w in st.layout.writes])
                             mgr += time.perf_counter() - t1
                             hits += sum(out.num_hit_tokens.values())
+                        elif eng is theirs:
+                            sid = vm.save_outputs(hidden, mm, num_tokens_unpadded=st.num_tokens,
+                                                  num_tokens_padded=st.num_tokens, write_layout=st.layout)
+                            vm.materialize(sid, [w.req_id for w in st.layout.writes])
                         elif eng is low:
                             floor.step({"hidden": hidden, **mm}, sizes)
                         else:
@@ -446,6 +480,8 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                 m.shutdown()
     finally:
         floor.close()
+        if vm is not None:
+            vm.shutdown()
     if hits:
         raise RuntimeError(f"figure 6: {hits} hit tokens in a 0%-hit run")
     v, rf, fl = (Stats.of(np.array(times[e]) * 1e3) for e in (on, off, low))
@@ -465,4 +501,15 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                      "message and the copy out (no bookkeeping)", "ms", fl, ref_name, rf, fl.median / rf.median,
                 "-", None, note=f"what any design with a staging page and a committer process pays; median of "
                                 f"per-step ratios {paired_floor:.3f}",
-                extra={"device": device, "paired_ratio": paired_floor})]
+                extra={"device": device, "paired_ratio": paired_floor}),
+            *([] if vm is None else [_their_overhead_row(omni, times[theirs], times[off], rf, ref_name)])]
+
+
+def _their_overhead_row(version: str, theirs: list[float], off: list[float], rf: Stats, ref_name: str) -> Row:
+    """Figure 6's row for vllm-omni's own in-process cache, fed the same steps as the cache-on arm."""
+    v = Stats.of(np.array(theirs) * 1e3)
+    paired = float(np.median(np.array(theirs) / np.array(off)))
+    return Row("6", f"  variant: vllm-omni {version}'s own in-process cache in the same loop, 0% hits",
+               "ms", v, ref_name, rf, v.median / rf.median, "-", None,
+               note=f"vllm_omni OmniPrefixCacheManager (eager: its mode without CUDA); median of per-step "
+                    f"ratios {paired:.3f}", extra={"device": "cpu", "paired_ratio": paired, "vllm_omni": version})

@@ -1,6 +1,23 @@
 """Integrations of omnishm with serving engines.
 
 ``omnishm.integrations.vllm`` runs the omni prefix cache inside a vLLM v1 engine
-through vLLM's public ``worker_extension_cls`` hook. Nothing here imports vllm
+through vLLM's public ``worker_extension_cls`` hook; ``omnishm.integrations.vllm_omni``
+puts vllm-omni's own model runners on an omnishm cache. Nothing here imports vllm
 at module scope (the import invariant).
 """
+
+from __future__ import annotations
+
+
+def vllm_omni_plugin() -> None:
+    """vLLM ``general_plugins`` entry point, run in every vLLM process: with the ``vllm_omni`` knob on
+    (``OMNISHM_VLLM_OMNI=1`` or the config file), vllm-omni's runners build omnishm's drop-in cache.
+
+    Raises ``omnishm.config.ConfigError`` for a bad value of the knob.
+    """
+    from omnishm.config import client_settings
+
+    if client_settings().vllm["vllm_omni"]:
+        from omnishm.integrations.vllm_omni import install
+
+        install()

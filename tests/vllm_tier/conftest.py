@@ -27,6 +27,9 @@ os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 VLLM_RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="omnishm-vllm-test-"))
 os.environ["OMNISHM_RUNTIME_DIR"] = str(VLLM_RUNTIME_DIR)
 os.environ["OMNISHM_VLLM_CAPTURE_RAW"] = "1"  # the ground truth: rows read straight from the runner
+# vllm-omni (installed without its dependencies for test_vllm_omni_runner.py) registers a vLLM plugin that
+# patches vLLM for its own models. The tier's engines are plain vLLM: only these general plugins load.
+os.environ.setdefault("VLLM_PLUGINS", "omnishm_vllm_omni,lora_filesystem_resolver,lora_hf_hub_resolver")
 
 from vllm_tier import TIER_COUNTS, wait_clean  # noqa: E402
 

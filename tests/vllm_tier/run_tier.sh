@@ -19,6 +19,11 @@ fi
 "$VPY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VPY" -m pip install --quiet --no-deps -e "$ROOT"
 "$VPY" -m pip install --quiet pyzmq msgspec posix_ipc pytest pytest-timeout
+# vllm-omni's own runner glue and cache, for test_vllm_omni_runner.py (its prefix-cache code needs none of its
+# dependencies; conftest.py keeps its vLLM plugin from loading into the tier's engines).
+if ! "$VPY" -m pip show vllm-omni 2>/dev/null | grep -q '^Version: 0\.30\.0$'; then
+    "$VPY" -m pip install --quiet --no-deps "vllm-omni==0.30.0"
+fi
 
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 VLLM_USE_V2_MODEL_RUNNER=0

@@ -47,15 +47,24 @@ def prefix_rows(tokens: list[int]) -> torch.Tensor:
     return out
 
 
+class BlockTables(list):
+    """vLLM's ``MultiGroupBlockTable``: indexable by KV group, and its ``block_tables``."""
+
+    @property
+    def block_tables(self) -> list:
+        return list(self)
+
+
 class FakeBatch:
-    """Duck-typed InputBatch for ``FullAttentionGroupView``: req_ids, computed counts, CPU block table."""
+    """Duck-typed InputBatch for the group views (omnishm's and vllm-omni's): req_ids and their index,
+    computed counts, CPU block table."""
 
     def __init__(self, max_reqs: int, max_blocks: int) -> None:
         self.req_ids: list[str | None] = []
+        self.req_id_to_index: dict[str, int] = {}
         self.num_computed_tokens_cpu = np.zeros(max_reqs, dtype=np.int32)
         table = torch.zeros((max_reqs, max_blocks), dtype=torch.int32)
-        self.block_table = SimpleNamespace(block_tables=[SimpleNamespace(
-            block_table=SimpleNamespace(cpu=table), block_size=BLOCK)])
+        self.block_table = BlockTables([SimpleNamespace(block_table=SimpleNamespace(cpu=table), block_size=BLOCK)])
         self.table = table
 
 
@@ -86,6 +95,7 @@ class FakeRunner:
         # Batch order: vLLM's is its own; any order is valid as long as rows follow it.
         order = sorted(so.num_scheduled_tokens, key=lambda r: (hash(r) & 0xFF, r))
         self.batch.req_ids = list(order)
+        self.batch.req_id_to_index = {r: i for i, r in enumerate(order)}
         self.batch.table.zero_()
         for row, rid in enumerate(order):
             blocks = self.blocks[rid]
@@ -103,6 +113,11 @@ class FakeRunner:
 
 @pytest.fixture(scope="module")
 def vllm_config(tiny_model_dir):
+    return engine_config(tiny_model_dir)
+
+
+def engine_config(tiny_model_dir):
+    """The engine config every scheduler-driven test of this tier uses (the scheduler reads it)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=str(tiny_model_dir), block_size=BLOCK, enable_prefix_caching=True, max_model_len=512,

@@ -1,0 +1,163 @@
+"""vllm-omni's own in-process prefix cache as a benchmark arm (figures 3 and 6).
+
+The figures' goals are set against an in-process design built from omnishm's code; users compare
+against the cache they run today, ``vllm_omni.core.prefix_cache.OmniPrefixCacheManager``. When
+vllm-omni is installed (``pip install --no-deps vllm-omni==0.30.0`` is enough) the figures add a
+row against it, fed the same steps.
+
+Only its prefix-cache package is loaded (``omnishm.integrations.vllm_omni.load_prefix_cache``).
+The scheduler output and the group view are the two vLLM objects that manager reads; the ones
+here carry exactly the fields it reads, built from the same steps the omnishm arm gets.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnishm.client.adapter import PrefixCacheEventKind as K
+from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
+from omnishm.integrations.vllm_omni import load_prefix_cache
+
+logger = logging.getLogger(__name__)
+
+
+def vllm_omni_version() -> str | None:
+    """The installed vllm-omni's version once its prefix cache loads, else None (the reason is logged)."""
+    try:
+        return load_prefix_cache()[1]
+    except ImportError as exc:
+        logger.warning("no vllm-omni arm in figures 3 and 6: %s", exc)
+        return None
+
+
+def same_results(ours: Any, theirs: Any, req_ids: list[str], what: str) -> None:
+    """Raise RuntimeError unless vllm-omni's materialize served exactly omnishm's rows.
+
+    omnishm nests ``mm_outputs`` request first, vllm-omni tensor name first.
+    """
+    for req in req_ids:
+        pairs = [("hidden states", ours.hidden_states[req], (theirs.hidden_states or {}).get(req))]
+        pairs += [(key, val, theirs.mm_outputs.get(key, {}).get(req)) for key, val in ours.mm_outputs[req].items()]
+        for key, a, b in pairs:
+            if b is None or a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                got = "nothing" if b is None else f"{tuple(b.shape)} {b.dtype}"
+                raise RuntimeError(f"{what}: vllm-omni's {key} for {req} differ from omnishm's "
+                                   f"({tuple(a.shape)} {a.dtype} against {got})")
+
+
+@dataclass
+class NewRequest:
+    """The fields of vLLM's ``NewRequestData`` that the caches read."""
+
+    req_id: str
+    num_computed_tokens: int
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class CachedRequests:
+    """The fields of vLLM V1's ``CachedRequestData`` that the caches read (one list entry per request)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """The fields of vLLM V1's ``SchedulerOutput`` that the caches read."""
+
+    scheduled_new_reqs: list[NewRequest]
+    scheduled_cached_reqs: CachedRequests
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+class BatchView:
+    """Stands in for vllm-omni's ``FullAttentionGroupView``: the batch order and the step's slots.
+
+    The slots are the ones the omnishm arm gets in its write layout, set before the clock starts
+    (the omnishm arm's layout is built there too), so neither arm's time includes deriving them.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.req_ids: list[str] = []
+        self.slots = torch.empty(0, dtype=torch.int64)
+
+    def set_step(self, layout: PrefixCacheWriteLayout) -> None:
+        self.req_ids = [w.req_id for w in layout.writes]
+        self.slots = layout.slots
+
+    def batch_req_ids(self) -> list[str]:
+        return list(self.req_ids)
+
+    def step_slots_cpu(self, req_ids: list[str], num_scheduled: dict[str, int]) -> torch.Tensor:
+        return self.slots
+
+
+def scheduler_output(step: PrefixCacheStep) -> SchedulerOutput:
+    """What vLLM V1 would send for an omnishm step.
+
+    A started request is new (with its hit); a resumed one is a cached request marked resumed, with
+    its whole new block list; a running one a cached request; finished and aborted ids are finished.
+    """
+    new, cached, finished = [], CachedRequests(), set()
+    for ev in step.events:
+        if ev.kind in (K.FINISHED, K.ABORTED):
+            finished.add(ev.req_id)
+        elif ev.kind in (K.STARTED, K.REPLACED):
+            new.append(NewRequest(ev.req_id, ev.num_computed_tokens, (list(ev.block_ids),)))
+        else:
+            cached.req_ids.append(ev.req_id)
+            cached.num_computed_tokens.append(ev.num_computed_tokens)
+            cached.new_block_ids.append((list(ev.block_ids),) if ev.block_ids or ev.kind is K.RESUMED else None)
+            if ev.kind is K.RESUMED:
+                cached.resumed_req_ids.add(ev.req_id)
+    counts = dict(step.num_scheduled_tokens)
+    return SchedulerOutput(new, cached, counts, sum(counts.values()), finished)
+
+
+class VllmOmniManager:
+    """vllm-omni's manager driven with omnishm's step objects (the benchmark's arms call both alike)."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, staging_capacity_tokens: int, staging_depth: int,
+                 eager: bool | None = None):
+        pc, self.version = load_prefix_cache()
+        cfg = pc.PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size,
+                                   staging_capacity_tokens=staging_capacity_tokens, staging_depth=staging_depth,
+                                   staging_claim_timeout_s=60.0)
+        self.view = BatchView(block_size)
+        self.m: Any = pc.OmniPrefixCacheManager(cfg, self.view, eager=eager)
+        self.eager = bool(self.m._controller._eager)
+        self.hidden_key = pc.HIDDEN_KEY
+
+    def new_step_starts(self, step: PrefixCacheStep) -> None:
+        self.m.new_step_starts(scheduler_output(step))
+
+    def save_outputs(self, hidden: torch.Tensor, mm: dict[str, torch.Tensor], *, num_tokens_unpadded: int,
+                     num_tokens_padded: int, write_layout: PrefixCacheWriteLayout) -> int:
+        """``write_layout`` only feeds the view (see ``BatchView``); vllm-omni's save does not take one."""
+        self.view.set_step(write_layout)
+        return self.m.save_outputs(hidden, mm, num_tokens_unpadded=num_tokens_unpadded,
+                                   num_tokens_padded=num_tokens_padded)
+
+    def materialize(self, step_id: int, req_ids: list[str]) -> Any:
+        return self.m.materialize(step_id, req_ids)
+
+    def discard_step(self, step_id: int) -> None:
+        self.m.discard_step(step_id)
+
+    def wait_idle(self) -> None:
+        """Every write the manager queued has landed in its pool (threaded mode; eager writes at once)."""
+        ctl = self.m._controller
+        ctl.join(list(ctl._tasks))
+
+    def shutdown(self) -> None:
+        self.m.shutdown()

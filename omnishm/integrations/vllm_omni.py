@@ -1,0 +1,302 @@
+"""vllm-omni's own model runners on an omnishm cache: a drop-in for its ``OmniPrefixCacheManager``.
+
+vllm-omni 0.30.0 builds its in-process cache in ``PrefixCacheRunnerMixin._ensure_omni_prefix_cache``
+as ``OmniPrefixCacheManager(config, view)``, a name that method looks up in its own module at call
+time. ``install()`` rebinds that name to ``VllmOmniPrefixCacheManager``, which takes the same
+arguments, has the same methods and returns the same results, but keeps the cache in an omnishm
+committer shared by every TP rank. Enable it in every worker process, before the first step:
+
+    OMNISHM_VLLM_OMNI=1 vllm-omni serve ...   # the vLLM plugin entry point calls install()
+
+or call ``omnishm.integrations.vllm_omni.install()`` yourself. The cache is named by
+``$OMNISHM_NAME`` (default ``"default"``): give each stage of a pipeline (thinker, talker) its own.
+
+What changes against vllm-omni's manager (docs/CLIENT.md, section 2):
+
+- the cache is a committer process (autostarted by default), TP rank 0 of the last PP stage writes
+  it and the other ranks read it;
+- where vllm-omni would serve zeros or a shorter prefix (mm rows never written, fewer block ids than
+  the hit), this raises ``OmniPrefixCacheUnmatchError``;
+- ``aborted_req_ids`` also close a request's writes.
+
+Kept as vllm-omni does it: a resumed (preempted) request is not a hit, only ``scheduled_new_reqs``
+carry hits; ``mm_outputs`` is tensor name -> request -> value; ``hidden_states`` is None when the
+model does not cache them; values that are not per-token rows of at least 2 dimensions are leftover,
+cut per request by vllm-omni's own ``to_payload_element``; an ``mm_outputs`` key named ``HIDDEN_KEY``
+is ignored. Errors are vllm-omni's classes (the omnishm error is their ``__cause__``).
+
+Threads: ``new_step_starts`` and ``save_outputs`` on the engine thread; ``materialize`` and
+``discard_step`` on any thread, as vllm-omni's (``_lock`` covers the saved-step table only).
+Import invariant: neither vllm nor vllm_omni is imported at module scope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import sys
+import threading
+import types
+from typing import Any, Mapping, NamedTuple
+
+import torch
+
+from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAdapter, PrefixCacheStep,
+                                    PrefixCacheWrite, PrefixCacheWriteLayout)
+from omnishm.client.manager import OmniPrefixCacheManager
+from omnishm.client.runner_mixin import vllm_runner_role
+from omnishm.config import load_prefix_cache_config
+from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheStagingTimeoutError,
+                               OmniPrefixCacheUnmatchError, ReqId, StepId)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VllmOmniPrefixCacheManager", "install", "load_prefix_cache"]
+
+PACKAGE = "vllm-omni"
+
+_VO_FIELDS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
+              "copy_chunk_bytes")
+
+
+def load_prefix_cache() -> tuple[types.ModuleType, str]:
+    """``(vllm_omni.core.prefix_cache, version)``; raises ImportError when vllm-omni is absent.
+
+    vllm-omni keeps that subpackage importable without vllm (its own import invariant); its top-level
+    package is not (it patches vllm and registers model configs). So when ``vllm_omni`` is not
+    imported yet (a benchmark or a test, not a vllm-omni process), its package is entered without
+    running its ``__init__``: a stand-in for it stays in ``sys.modules``. Main thread.
+    """
+    name = "vllm_omni.core.prefix_cache"
+    if "vllm_omni" not in sys.modules:
+        spec = importlib.util.find_spec("vllm_omni")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(f"{PACKAGE} is not installed (pip install --no-deps {PACKAGE}==0.30.0)")
+        parent = types.ModuleType("vllm_omni")
+        parent.__path__ = list(spec.submodule_search_locations)
+        sys.modules["vllm_omni"] = parent
+    return importlib.import_module(name), importlib.metadata.version(PACKAGE)
+
+
+class _Saved(NamedTuple):
+    """What materialize needs beyond omnishm's own step: vllm-omni's batch order and its leftovers."""
+
+    spans: dict[ReqId, tuple[int, int]]  # every batch request (0-token ones too): (start, count)
+    n: int
+    leftover: dict[str, Any]
+    leftover_event: Any  # CUDA event of the leftover copies, or None
+    empty: dict[str, torch.Tensor]  # key -> a 0-row tensor of its row shape (0-token requests)
+    hidden: bool  # hidden states were cached this step
+
+
+class VllmOmniPrefixCacheManager:
+    """vllm-omni 0.30.0's ``OmniPrefixCacheManager`` interface over an omnishm ``OmniPrefixCacheManager``.
+
+    ``config`` is vllm-omni's ``PrefixCacheConfig`` (read by field: ``num_blocks``, ``block_size``
+    and the staging knobs, which ``OMNISHM_*`` settings override); ``view`` its group view
+    (``batch_req_ids()``, ``step_slots_cpu(req_ids, num_scheduled)``). ``cache``, ``role`` and the
+    connection keywords go to omnishm's manager (default: ``$OMNISHM_NAME``, the rank's role from
+    vLLM's parallel state, an autostarted committer). Raises vllm-omni's ``OmniPrefixCacheUnmatchError``
+    when no committer answers.
+    """
+
+    def __init__(self, config: Any, view: Any, *, eager: bool | None = None, cache: str | None = None,
+                 role: str | None = None, **connection: Any):
+        self._vo, self.version = load_prefix_cache()
+        derived = {k: getattr(config, k) for k in _VO_FIELDS if getattr(config, k, None) is not None}
+        cfg = load_prefix_cache_config(int(config.num_blocks), int(config.block_size), derived=derived)
+        self._view = view
+        self._adapter = PrefixCacheSchedulerAdapter()
+        self._num_scheduled: dict[ReqId, int] = {}
+        self._hidden = True
+        self._lock = threading.Lock()
+        self._saved: dict[StepId, _Saved] = {}
+        with self._errors():
+            self._m = OmniPrefixCacheManager(cfg, cache=cache, role=role or vllm_runner_role(), eager=eager,
+                                             **connection)
+
+    @property
+    def manager(self) -> OmniPrefixCacheManager:
+        """The omnishm manager underneath (counters, ``wait_idle``, ``cache``)."""
+        return self._m
+
+    def register_policy(self, policy: Any) -> None:
+        """vllm-omni's ``ModelCachePolicy`` (``needs_full_hidden_states``, ``deferred_keys``); before the first save."""
+        self._hidden = bool(getattr(policy, "needs_full_hidden_states", True))
+        self._m.register_policy(ModelCachePolicy(cache_hidden=self._hidden,
+                                                 deferred_keys=frozenset(getattr(policy, "deferred_keys", ()))))
+
+    def new_step_starts(self, scheduler_output: Any) -> None:
+        """vLLM's ``SchedulerOutput`` of one real step; engine thread, before ``_update_states``."""
+        step = self._adapter.translate_scheduler_output(scheduler_output)
+        # vllm-omni registers hits of scheduled_new_reqs only: a resumed request gets this step's rows.
+        events = tuple(dataclasses.replace(ev, kind=PrefixCacheEventKind.REPLACED)
+                       if ev.kind is PrefixCacheEventKind.RESUMED else ev for ev in step.events)
+        self._num_scheduled = dict(step.num_scheduled_tokens)
+        with self._errors():
+            self._m.new_step_starts(PrefixCacheStep(events, step.num_scheduled_tokens))
+
+    def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None, *,
+                     num_tokens_unpadded: int, num_tokens_padded: int) -> StepId:
+        """Save the step (vllm-omni's signature); returns the step id to materialize or discard once."""
+        n, padded = int(num_tokens_unpadded), int(num_tokens_padded)
+        order = list(self._view.batch_req_ids())
+        counts = {r: int(self._num_scheduled.get(r, 0)) for r in order}
+        spans, writes, start = {}, [], 0
+        for r in order:
+            spans[r] = (start, counts[r])
+            if counts[r] > 0:
+                writes.append(PrefixCacheWrite(r, start, counts[r]))
+            start += counts[r]
+        slots = self._view.step_slots_cpu(order, counts) if n > 0 else torch.empty(0, dtype=torch.int64)
+        if int(slots.numel()) != n:
+            raise self._vo.OmniPrefixCacheUnmatchError(
+                f"slot mapping covers {int(slots.numel())} of {n} scheduled tokens; CPU-side slot derivation "
+                "out of sync with the batch")
+        rows: dict[str, torch.Tensor] = {}
+        leftover: dict[str, Any] = {}
+        for key, value in (mm_outputs or {}).items():
+            if key == HIDDEN_KEY:
+                continue  # vllm-omni ignores it too
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and int(value.shape[0]) in (n, padded) and n:
+                rows[key] = value
+            else:
+                leftover[key] = value
+        hidden = None
+        if self._hidden and hidden_states is not None and n:
+            if hidden_states.dim() < 2 or hidden_states.shape[0] < n:
+                raise self._vo.OmniPrefixCacheUnmatchError(
+                    f"hidden_states has {int(hidden_states.shape[0]) if hidden_states.dim() else 0} rows, need {n}")
+            hidden = hidden_states[:n]
+        leftover, event = _snapshot(leftover)
+        with self._errors():
+            sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=n, num_tokens_padded=padded,
+                                       write_layout=PrefixCacheWriteLayout(tuple(writes), slots))
+        empty = {key: v.new_empty((0, *v.shape[1:]), device="cpu") for key, v in rows.items()}
+        if hidden is not None:
+            empty[HIDDEN_KEY] = hidden.new_empty((0, *hidden.shape[1:]), device="cpu")
+        with self._lock:
+            self._saved[sid] = _Saved(spans, n, leftover, event, empty, hidden is not None)
+        return sid
+
+    def materialize(self, step_id: StepId, req_ids: list[ReqId]) -> Any:
+        """vllm-omni's ``StageCacheOutputs(hidden_states, mm_outputs)``; consumes ``step_id`` once. Any thread."""
+        req_ids = list(req_ids)
+        with self._lock:
+            saved = self._saved.get(step_id)
+            if saved is not None:
+                outside = [r for r in req_ids if r not in saved.spans]
+                if outside:  # the step stays unconsumed, as omnishm's own materialize leaves it
+                    raise self._vo.OmniPrefixCacheUnmatchError(
+                        f"materialize(step {step_id}) got req ids outside the save snapshot: {sorted(outside)[:8]}")
+                del self._saved[step_id]
+        with self._errors():  # an unknown or consumed id raises here
+            out = self._m.materialize(step_id, req_ids if saved is None else
+                                      [r for r in req_ids if saved.spans[r][1] > 0])
+        assert saved is not None
+        hidden = None
+        if saved.hidden:
+            hidden = {r: out.hidden_states[r] if r in out.hidden_states else saved.empty[HIDDEN_KEY] for r in req_ids}
+        mm: dict[str, dict[ReqId, Any]] = {}
+        for key in saved.empty:
+            if key != HIDDEN_KEY:
+                mm[key] = {r: out.mm_outputs[r][key] if r in out.mm_outputs else saved.empty[key] for r in req_ids}
+        if saved.leftover:
+            if saved.leftover_event is not None:
+                saved.leftover_event.synchronize()
+            from vllm_omni.utils.mm_outputs import to_payload_element  # imports vllm, as vllm-omni's does here
+
+            order = list(saved.spans)
+            for key, value in saved.leftover.items():
+                mm[key] = {}
+                for r in req_ids:
+                    start, count = saved.spans[r]
+                    mm[key][r] = to_payload_element(value, order.index(r), start=start, end=start + count,
+                                                    pass_lists_through=True, seq_len=saved.n)
+        return self._vo.StageCacheOutputs(hidden_states=hidden, mm_outputs=mm)
+
+    def discard_step(self, step_id: StepId) -> None:
+        """Consume ``step_id`` without reading it (the write still lands). Any thread."""
+        with self._errors():
+            self._m.discard_step(step_id)
+        with self._lock:
+            self._saved.pop(step_id, None)  # only once omnishm took the id: a wrong id changes nothing
+
+    def shutdown(self) -> None:
+        """Land open writes and detach from the committer (idempotent)."""
+        self._m.shutdown()
+
+    def _errors(self) -> "_Translate":
+        return _Translate(self._vo)
+
+
+class _Translate:
+    """Re-raise omnishm's cache errors as vllm-omni's classes, so a vllm-omni ``except`` catches them."""
+
+    def __init__(self, vo: types.ModuleType):
+        self._vo = vo
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, OmniPrefixCacheStagingTimeoutError):
+            raise self._vo.OmniPrefixCacheStagingTimeoutError(str(exc)) from exc
+        if isinstance(exc, OmniPrefixCacheUnmatchError):
+            raise self._vo.OmniPrefixCacheUnmatchError(str(exc)) from exc
+        return False
+
+
+def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """CPU copies of the leftover values (tensors inside lists and dicts too), and a CUDA event after them.
+
+    Device tensors go to pinned memory without blocking the engine thread; materialize waits the event.
+    """
+    event = None
+    cuda = False
+
+    def copy(v: Any) -> Any:
+        nonlocal cuda
+        if isinstance(v, torch.Tensor):
+            if v.is_cuda:
+                cuda = True
+                dst = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                return dst.copy_(v, non_blocking=True)
+            return v.clone()
+        if isinstance(v, dict):
+            return {k: copy(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [copy(x) for x in v]
+        if isinstance(v, tuple):
+            return tuple(copy(x) for x in v)
+        return v
+
+    out = {k: copy(v) for k, v in values.items()}
+    if cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return out, event
+
+
+def install() -> bool:
+    """Make vllm-omni's runners build ``VllmOmniPrefixCacheManager``; True when installed.
+
+    Rebinds ``vllm_omni.core.prefix_cache.runner_mixin.OmniPrefixCacheManager`` (looked up when the
+    runner builds its cache, so call this before the first step). Idempotent; logs and returns False
+    when vllm-omni is not installed.
+    """
+    try:
+        load_prefix_cache()
+        mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
+    except ImportError as exc:
+        logger.warning("omnishm: vllm-omni's runner mixin cannot be imported (%s); its cache is unchanged", exc)
+        return False
+    if mixin.OmniPrefixCacheManager is not VllmOmniPrefixCacheManager:
+        mixin.OmniPrefixCacheManager = VllmOmniPrefixCacheManager
+        logger.info("omnishm: vllm-omni's omni prefix cache now runs on omnishm (%s)", mixin.__name__)
+    return True
+
+

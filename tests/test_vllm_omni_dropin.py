@@ -1,0 +1,232 @@
+"""``omnishm.integrations.vllm_omni``: vllm-omni's runners on an omnishm cache, against vllm-omni's own cache.
+
+The drop-in (``VllmOmniPrefixCacheManager``, over a real committer process) and vllm-omni 0.30.0's
+``OmniPrefixCacheManager`` (eager, its mode without CUDA) get the same vLLM V1 scheduler outputs, the
+same group view and the same outputs; every ``materialize`` must return the same structure and the
+same tensors. vllm-omni is installed without its dependencies by ``scripts/install.sh``; its values
+that need vllm at materialize (leftover mm) are covered by the vLLM tier
+(``tests/vllm_tier/test_vllm_omni_runner.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from omnishm.bench.vllm_omni_arm import BatchView, CachedRequests, NewRequest, SchedulerOutput, scheduler_output
+from omnishm.client.adapter import PrefixCacheEventKind as K
+from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
+from omnishm.config import ConfigError
+from omnishm.integrations import vllm_omni_plugin
+from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, install, load_prefix_cache
+from omnishm.sim import SimEngine, truth_rows
+
+VO, VERSION = load_prefix_cache()
+
+
+def same(a: Any, b: Any, where: str) -> None:
+    """Equal structure (dict keys, list lengths, None) and bit-equal tensors of the same dtype."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), \
+            f"{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    elif isinstance(a, dict) or isinstance(b, dict):
+        assert isinstance(a, dict) and isinstance(b, dict) and set(a) == set(b), f"{where}: {a!r:.200} vs {b!r:.200}"
+        for k in a:
+            same(a[k], b[k], f"{where}[{k}]")
+    elif isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: {type(a)} vs {type(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def managers(committer, num_blocks: int, cap: int, policy: Any = None) -> tuple[Any, Any, BatchView]:
+    cfg = VO.PrefixCacheConfig(num_blocks=num_blocks, block_size=16, staging_capacity_tokens=cap, staging_depth=2,
+                               staging_claim_timeout_s=10.0)
+    view = BatchView(16)
+    theirs = VO.OmniPrefixCacheManager(cfg, view, eager=True)
+    ours = VllmOmniPrefixCacheManager(cfg, view, cache=committer.name, autostart=False, role="writer")
+    if policy is not None:
+        theirs.register_policy(policy)
+        ours.register_policy(policy)
+    return ours, theirs, view
+
+
+def test_random_workload_with_preemption_same_outputs_as_vllm_omni(committer):
+    """Hits, same-step hits, chunked prefill, aborts, preemption and block reuse; materialize late, in any order."""
+    rng = random.Random(5)
+    blocks, cap = 40, 96
+    eng = SimEngine(num_blocks=blocks, block_size=16, max_batched_tokens=cap, width=16, mm_width=4, seed=5,
+                    abort_rate=0.1)
+    ours, theirs, view = managers(committer, blocks, cap)
+    stats: Counter = Counter()
+    pending: list = []
+
+    def consume(item: tuple) -> None:
+        sid, their_sid, st, resumed = item
+        reqs = [r for r in st.layout.req_ids if rng.random() < 0.9]
+        got, want = ours.materialize(sid, reqs), theirs.materialize(their_sid, reqs)
+        same(got.hidden_states, want.hidden_states, f"step {sid} hidden")
+        same(got.mm_outputs, want.mm_outputs, f"step {sid} mm")
+        for r in reqs:
+            hit, first, count = st.positions[r]
+            hs = st.hashes[r]
+            # A resumed request gets this step's rows only, as vllm-omni serves it.
+            keep = hs[first:first + count] if r in resumed else hs[:hit] + hs[first:first + count]
+            assert torch.equal(got.hidden_states[r], truth_rows(keep, 16)), (sid, r, st.positions[r])
+            stats["rows"] += len(keep)
+            stats["hit_tokens"] += 0 if r in resumed else hit
+
+    try:
+        for _ in range(250):
+            eng.top_up(3)
+            st = eng.schedule()
+            so = scheduler_output(st.step)
+            resumed = {ev.req_id for ev in st.step.events if ev.kind is K.RESUMED}
+            stats["resumed"] += len(resumed)
+            ours.new_step_starts(so)
+            theirs.new_step_starts(so)
+            view.set_step(st.layout)
+            kw = dict(num_tokens_unpadded=st.num_tokens, num_tokens_padded=st.num_tokens)
+            item = (ours.save_outputs(st.hidden, dict(st.mm), **kw), theirs.save_outputs(st.hidden, dict(st.mm), **kw),
+                    st, resumed)
+            pending.append(item)
+            eng.advance(st)
+            while pending and (len(pending) >= 2 or rng.random() < 0.5):  # staging_depth 2: late, out of order
+                consume(pending.pop(rng.randrange(len(pending))))
+        while pending:
+            consume(pending.pop())
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+    print(f"\nvllm-omni drop-in: {stats['rows']} rows, {stats['hit_tokens']} hit tokens, {stats['resumed']} resumes, "
+          f"{eng.alloc.reuses} block reuses")
+    assert stats["rows"] > 10_000 and stats["hit_tokens"] > 1_000
+    assert stats["resumed"] > 0 and eng.alloc.reuses > 50
+
+
+def _step(view: BatchView, batch: list[tuple[str, int, list[int], int]], *, new: tuple = (),
+          finished: tuple = ()) -> SchedulerOutput:
+    """batch: (req, first position, blocks, count); ``new``: (req, hit, blocks) started this step."""
+    writes, slots, start = [], [], 0
+    for req, first, blk, count in batch:
+        if count:
+            writes.append(PrefixCacheWrite(req, start, count))
+            pos = torch.arange(first, first + count)
+            slots.append(torch.tensor(blk)[pos // 16] * 16 + pos % 16)
+            start += count
+    view.set_step(PrefixCacheWriteLayout(tuple(writes), torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)))
+    view.req_ids = [b[0] for b in batch]  # 0-token requests stay in the batch order
+    counts = {b[0]: b[3] for b in batch}
+    running = [b for b in batch if b[0] not in {n[0] for n in new}]
+    return SchedulerOutput([NewRequest(r, hit, (list(blk),)) for r, hit, blk in new],
+                           CachedRequests([b[0] for b in running], set(), [None] * len(running),
+                                          [b[1] for b in running]),
+                           counts, sum(counts.values()), set(finished))
+
+
+def _both(ours: Any, theirs: Any, view: BatchView, so: SchedulerOutput, hidden: torch.Tensor | None,
+          mm: dict, n: int, padded: int) -> tuple[Any, Any]:
+    ours.new_step_starts(so)
+    theirs.new_step_starts(so)
+    return (ours.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=padded),
+            theirs.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=padded))
+
+
+def test_padded_steps_zero_token_requests_and_hits_match_vllm_omni(committer_factory):
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        a_blocks, b_blocks = [0, 1], [2, 3]
+        # Step 1: "a" prefills 20 tokens, "z" is in the batch with 0 tokens; hidden and mm padded to 24 rows.
+        h = torch.randn(24, 8)
+        mm = {"feat": torch.randn(24, 6), "codes": torch.arange(20.0).reshape(20, 1)}  # codes: unpadded
+        so = _step(view, [("a", 0, a_blocks, 20), ("z", 0, [4], 0)], new=(("a", 0, a_blocks), ("z", 0, [4])))
+        sids = _both(ours, theirs, view, so, h, mm, 20, 24)
+        got, want = ours.materialize(sids[0], ["a", "z"]), theirs.materialize(sids[1], ["a", "z"])
+        same(got, want, "padded step")
+        assert got.hidden_states["z"].shape == (0, 8) and got.mm_outputs["feat"]["a"].shape == (20, 6)
+        # Step 2: "a" finishes; "b" hits a's first block (16 tokens) and computes 4 more.
+        so = _step(view, [("b", 16, [0] + b_blocks[1:], 4)], new=(("b", 16, [0, 3]),), finished=("a",))
+        h2 = torch.randn(4, 8)
+        mm2 = {"feat": torch.randn(4, 6), "codes": torch.arange(4.0).reshape(4, 1)}
+        sids = _both(ours, theirs, view, so, h2, mm2, 4, 4)
+        got, want = ours.materialize(sids[0], ["b"]), theirs.materialize(sids[1], ["b"])
+        same(got, want, "hit")
+        assert torch.equal(got.hidden_states["b"], torch.cat([h[:16], h2]))
+        # Unknown and consumed step ids raise vllm-omni's own error class.
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError):
+            ours.materialize(sids[0], ["b"])
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError):
+            ours.discard_step(999)
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_hidden_opt_out_gives_none_as_vllm_omni_does(committer_factory):
+    policy = VO.ModelCachePolicy(needs_full_hidden_states=False)
+    ours, theirs, view = managers(committer_factory(), 8, 32, policy)
+    try:
+        so = _step(view, [("a", 0, [0, 1], 18)], new=(("a", 0, [0, 1]),))
+        sids = _both(ours, theirs, view, so, torch.randn(18, 8), {"feat": torch.randn(18, 4)}, 18, 18)
+        got, want = ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"])
+        assert got.hidden_states is None and want.hidden_states is None
+        same(got.mm_outputs, want.mm_outputs, "opt-out mm")
+        # A request outside the save snapshot raises vllm-omni's class; the step is still there to consume.
+        sids = _both(ours, theirs, view, _step(view, [("a", 18, [0, 1], 1)]), torch.randn(1, 8),
+                     {"feat": torch.randn(1, 4)}, 1, 1)
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="outside the save snapshot"):
+            ours.materialize(sids[0], ["nope"])
+        ours.discard_step(sids[0])
+        theirs.discard_step(sids[1])
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_install_makes_vllm_omnis_runner_build_the_dropin(monkeypatch):
+    mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
+    monkeypatch.setattr(mixin, "OmniPrefixCacheManager", mixin.OmniPrefixCacheManager)  # restored afterwards
+    monkeypatch.delenv("OMNISHM_VLLM_OMNI", raising=False)
+    vllm_omni_plugin()  # the vLLM plugin entry point: nothing without OMNISHM_VLLM_OMNI
+    assert mixin.OmniPrefixCacheManager is VO.OmniPrefixCacheManager
+    monkeypatch.setenv("OMNISHM_VLLM_OMNI", "1")
+    vllm_omni_plugin()
+    assert mixin.OmniPrefixCacheManager is VllmOmniPrefixCacheManager
+    assert install() is True and mixin.OmniPrefixCacheManager is VllmOmniPrefixCacheManager
+    monkeypatch.setenv("OMNISHM_VLLM_OMNI", "maybe")
+    with pytest.raises(ConfigError, match="OMNISHM_VLLM_OMNI"):
+        vllm_omni_plugin()
+
+
+def test_where_vllm_omni_serves_zeros_or_a_short_prefix_the_dropin_raises(committer_factory):
+    ours, theirs, view = managers(committer_factory(), 8, 32)
+    try:
+        # "a" writes 16 rows of hidden states only; "feat" appears from step 2 on.
+        so = _step(view, [("a", 0, [0], 16)], new=(("a", 0, [0]),))
+        h = torch.randn(16, 8)
+        sids = _both(ours, theirs, view, so, h, {}, 16, 16)
+        ours.discard_step(sids[0])
+        theirs.discard_step(sids[1])
+        # "b" hits a's block; its "feat" rows behind the hit were never written.
+        so = _step(view, [("b", 16, [0, 1], 2)], new=(("b", 16, [0, 1]),), finished=("a",))
+        sids = _both(ours, theirs, view, so, torch.randn(2, 8), {"feat": torch.randn(2, 4)}, 2, 2)
+        want = theirs.materialize(sids[1], ["b"])
+        assert torch.equal(want.mm_outputs["feat"]["b"][:16], torch.zeros(16, 4))  # vllm-omni: zeros
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError) as err:
+            ours.materialize(sids[0], ["b"])
+        assert "feat" in str(err.value) and "b" in str(err.value)
+        # A hit of 32 tokens that carries one block id: vllm-omni shortens it, the drop-in refuses it.
+        so = _step(view, [("c", 32, [0, 1, 2], 1)], new=(("c", 32, [0]),), finished=("b",))
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="block ids"):
+            ours.new_step_starts(so)
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
