@@ -56,3 +56,29 @@ def test_host_register_chunks_and_unregister():
         assert not reg.pinned
     finally:
         seg.unlink()
+
+
+def test_reader_materialize_waits_for_its_deferred_clones(committer):
+    """A reader with only deferred keys (a talker policy: no hidden states): its rows are device clones,
+    and materialize must wait for them, not race the kernel queue that produced them."""
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3)
+    policy = ModelCachePolicy(cache_hidden=False, deferred_keys=frozenset({"feat"}))
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False, role="reader") as r:
+        for m in (w, r):
+            m.register_policy(policy)
+        for i in range(20):
+            req = f"a{i}"
+            _, _, layout, n, pad = build([Part(req, 1, [0, 1], 0, 8)], BS)
+            big = torch.randn(2048, 2048, device="cuda")
+            for _ in range(20):  # a long kernel queue ahead of the rows on the compute stream
+                big = big @ big / 2048
+            feat = torch.full((n, 4), float(i), device="cuda") + big[:n, :4] * 0
+            sids = []
+            for m in (w, r):
+                m.new_step_starts([started(req, [0, 1])] + ([finished(f"a{i - 1}")] if i else []))
+                sids.append(m.save_outputs(None, {"feat": feat}, num_tokens_unpadded=n, num_tokens_padded=pad,
+                                           write_layout=layout))
+            w.discard_step(sids[0])
+            out = r.materialize(sids[1], [req])  # no synchronize in between
+            assert torch.equal(out.mm_outputs[req]["feat"], torch.full((n, 4), float(i))), i

@@ -21,7 +21,7 @@ from omnishm import shm
 from omnishm.client import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.group_view import PrefixCacheConfigError
-from omnishm.client.runner_mixin import PrefixCacheRunnerMixin
+from omnishm.client.runner_mixin import PrefixCacheRunnerMixin, replica_cache_name
 
 BS = 4
 NUM_BLOCKS = 16
@@ -409,6 +409,34 @@ def test_role_is_writer_without_vllm_and_follows_tp_pp_rank_with_it(monkeypatch)
     assert r._prefix_cache_role() == "reader"
     r.prefix_cache_role = "writer"  # explicit knob wins
     assert r._prefix_cache_role() == "writer"
+
+
+def test_each_data_parallel_replica_gets_its_own_cache_name(monkeypatch):
+    """DP replicas have separate KV caches: one name for all would make their TP rank 0s two writers."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vllm absent
+    assert replica_cache_name("thinker") == "thinker" and replica_cache_name(None) is None
+
+    def fake_vllm(initialized: bool, dp_rank: int, dp_size: int) -> None:
+        ps = ModuleType("vllm.distributed.parallel_state")
+        ps.model_parallel_is_initialized = lambda: initialized
+        ps.get_dp_group = lambda: SimpleNamespace(rank_in_group=dp_rank, world_size=dp_size)
+        dist = ModuleType("vllm.distributed")
+        dist.parallel_state = ps
+        vllm = ModuleType("vllm")
+        vllm.distributed = dist
+        for name, mod in (("vllm", vllm), ("vllm.distributed", dist), ("vllm.distributed.parallel_state", ps)):
+            monkeypatch.setitem(sys.modules, name, mod)
+
+    fake_vllm(True, 0, 1)
+    assert replica_cache_name("thinker") == "thinker" and replica_cache_name(None) is None
+    fake_vllm(False, 1, 2)  # groups not initialised: single-process tools
+    assert replica_cache_name("thinker") == "thinker"
+    fake_vllm(True, 1, 2)
+    assert replica_cache_name("thinker") == "thinker-dp1"
+    monkeypatch.setenv("OMNISHM_NAME", "talker")
+    assert replica_cache_name(None) == "talker-dp1"
+    monkeypatch.delenv("OMNISHM_NAME")
+    assert replica_cache_name(None) == "default-dp1"
 
 
 def test_a_timed_out_save_does_not_burn_a_step_id(runner):

@@ -26,7 +26,7 @@ from omnishm.integrations import vllm_omni_plugin
 from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, install, load_prefix_cache
 from omnishm.sim import SimEngine, truth_rows
 
-VO, VERSION = load_prefix_cache()
+VO, VERSION = load_prefix_cache(standin=True)
 
 
 def same(a: Any, b: Any, where: str) -> None:
@@ -204,6 +204,10 @@ def test_install_makes_vllm_omnis_runner_build_the_dropin(monkeypatch):
     monkeypatch.setenv("OMNISHM_VLLM_OMNI", "maybe")
     with pytest.raises(ConfigError, match="OMNISHM_VLLM_OMNI"):
         vllm_omni_plugin()
+    # It runs in every vLLM process: a bad value of another knob is not its to refuse.
+    monkeypatch.delenv("OMNISHM_VLLM_OMNI")
+    monkeypatch.setenv("OMNISHM_STAGING_DEPTH", "abc")
+    vllm_omni_plugin()
 
 
 def test_where_vllm_omni_serves_zeros_or_a_short_prefix_the_dropin_raises(committer_factory):
@@ -227,6 +231,26 @@ def test_where_vllm_omni_serves_zeros_or_a_short_prefix_the_dropin_raises(commit
         so = _step(view, [("c", 32, [0, 1, 2], 1)], new=(("c", 32, [0]),), finished=("b",))
         with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="block ids"):
             ours.new_step_starts(so)
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_a_negative_span_and_a_malformed_output_are_what_vllm_omni_makes_of_them(committer_factory):
+    """vLLM can schedule a negative span (vllm-omni's runner then skips the step after new_step_starts)."""
+    ours, theirs, view = managers(committer_factory(), 8, 32)
+    try:
+        so = _step(view, [("a", 0, [0], 4)], new=(("a", 0, [0]),))
+        so.num_scheduled_tokens = {"a": -1}
+        ours.new_step_starts(so)
+        theirs.new_step_starts(so)
+        so = _step(view, [("a", 0, [0], 4)])
+        sids = _both(ours, theirs, view, so, torch.randn(4, 8), {}, 4, 4)
+        same(ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"]), "after a negative span")
+        bad = _step(view, [("b", 0, [1], 2)], new=(("b", 0, [1]),))
+        bad.scheduled_cached_reqs.req_ids.append("a")  # one list longer than the others
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="scheduler output"):
+            ours.new_step_starts(bad)
     finally:
         ours.shutdown()
         theirs.shutdown()

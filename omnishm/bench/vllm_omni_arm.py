@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 def vllm_omni_version() -> str | None:
     """The installed vllm-omni's version once its prefix cache loads, else None (the reason is logged)."""
     try:
-        return load_prefix_cache()[1]
+        return load_prefix_cache(standin=True)[1]
     except ImportError as exc:
         logger.warning("no vllm-omni arm in figures 3 and 6: %s", exc)
         return None
@@ -129,7 +129,7 @@ class VllmOmniManager:
 
     def __init__(self, *, num_blocks: int, block_size: int, staging_capacity_tokens: int, staging_depth: int,
                  eager: bool | None = None):
-        pc, self.version = load_prefix_cache()
+        pc, self.version = load_prefix_cache(standin=True)
         cfg = pc.PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size,
                                    staging_capacity_tokens=staging_capacity_tokens, staging_depth=staging_depth,
                                    staging_claim_timeout_s=60.0)

@@ -341,6 +341,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 for key, data in immediate.items():
                     # An explicit width: reshape(n, -1) cannot infer -1 for a step of 0 tokens.
                     ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, row_width(ctx.row_shapes[key])))
+                if ctx.d2h_event is None:
+                    # Only deferred keys (device clones): materialize's read must wait for the clones.
+                    ctx.d2h_event = freeze_event
             for key, data in deferred.items():
                 ctx.step_rows[key] = data.reshape(n, row_width(ctx.row_shapes[key]))
             to_flush: list[WriteTask] = []

@@ -90,6 +90,42 @@ def vllm_runner_role() -> str:
     return "writer" if tp_rank == 0 and last_pp else "reader"
 
 
+def vllm_dp_rank() -> int | None:
+    """This engine's data-parallel rank when vLLM runs more than one DP replica, else None.
+
+    Read from vLLM's parallel state at call time (vllm imported here); None when vllm is absent or its
+    groups are not initialised.
+    """
+    try:
+        from vllm.distributed import parallel_state as ps
+    except ImportError:
+        return None
+    try:
+        if not ps.model_parallel_is_initialized():
+            return None
+        group = ps.get_dp_group()
+        return int(group.rank_in_group) if int(group.world_size) > 1 else None
+    except (AssertionError, AttributeError, RuntimeError):
+        return None
+
+
+def replica_cache_name(cache: str | None) -> str | None:
+    """The cache name for this engine replica: ``cache`` unless vLLM runs DP > 1, then ``<name>-dp<rank>``.
+
+    DP replicas have separate KV caches (each its own block ids), so each needs its own omnishm cache;
+    one name for all would make their TP rank 0s two writers of one cache. With ``cache`` None the
+    name is ``OMNISHM_NAME`` / the file's (``default``). Raises ConfigError for a bad name setting.
+    """
+    rank = vllm_dp_rank()
+    if rank is None:
+        return cache
+    if cache is None:
+        from omnishm.config import resolve
+
+        cache = resolve("client", {}, names=("name",)).values["name"]
+    return f"{cache}-dp{rank}"
+
+
 class PrefixCacheRunnerMixin:
     """Omni prefix cache hooks for a GPUModelRunner-like object. See the module docstring.
 
@@ -199,8 +235,8 @@ class PrefixCacheRunnerMixin:
         # Knobs left at None are resolved by the manager, by its rule: OMNISHM_* and the file, except that
         # a name set here without an endpoint means that cache's own socket (config.manager_connection).
         manager = OmniPrefixCacheManager(config, role=role, eager=self.prefix_cache_eager,
-                                         cache=self.prefix_cache_name, endpoint=self.prefix_cache_endpoint,
-                                         autostart=self.prefix_cache_autostart)
+                                         cache=replica_cache_name(self.prefix_cache_name),
+                                         endpoint=self.prefix_cache_endpoint, autostart=self.prefix_cache_autostart)
         try:
             manager.register_policy(policy)
         except BaseException:

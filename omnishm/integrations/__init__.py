@@ -13,11 +13,12 @@ def vllm_omni_plugin() -> None:
     """vLLM ``general_plugins`` entry point, run in every vLLM process: with the ``vllm_omni`` knob on
     (``OMNISHM_VLLM_OMNI=1`` or the config file), vllm-omni's runners build omnishm's drop-in cache.
 
-    Raises ``omnishm.config.ConfigError`` for a bad value of the knob.
+    Reads that knob alone (a bad value of another knob is not this plugin's to refuse in every vLLM
+    process); raises ``omnishm.config.ConfigError`` for a bad value of it.
     """
-    from omnishm.config import client_settings
+    from omnishm.config import resolve
 
-    if client_settings().vllm["vllm_omni"]:
+    if resolve("client", {}, names=("vllm_omni",)).values["vllm_omni"]:
         from omnishm.integrations.vllm_omni import install
 
         install()

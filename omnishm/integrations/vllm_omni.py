@@ -47,7 +47,7 @@ import torch
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAdapter, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
 from omnishm.client.manager import OmniPrefixCacheManager
-from omnishm.client.runner_mixin import vllm_runner_role
+from omnishm.client.runner_mixin import replica_cache_name, vllm_runner_role
 from omnishm.config import load_prefix_cache_config
 from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheStagingTimeoutError,
                                OmniPrefixCacheUnmatchError, ReqId, StepId)
@@ -62,22 +62,29 @@ _VO_FIELDS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout
               "copy_chunk_bytes")
 
 
-def load_prefix_cache() -> tuple[types.ModuleType, str]:
+def load_prefix_cache(*, standin: bool = False) -> tuple[types.ModuleType, str]:
     """``(vllm_omni.core.prefix_cache, version)``; raises ImportError when vllm-omni is absent.
 
-    vllm-omni keeps that subpackage importable without vllm (its own import invariant); its top-level
-    package is not (it patches vllm and registers model configs). So when ``vllm_omni`` is not
-    imported yet (a benchmark or a test, not a vllm-omni process), its package is entered without
-    running its ``__init__``: a stand-in for it stays in ``sys.modules``. Main thread.
+    A vllm-omni process has imported ``vllm_omni`` already; otherwise it is imported here, which needs
+    vllm. ``standin=True`` (benchmarks and tests, without vllm): vllm-omni keeps its prefix-cache
+    subpackage importable without vllm (its own import invariant) but not its top-level package (it
+    patches vllm and registers model configs), so that package is entered without running its
+    ``__init__``, and the stand-in stays in ``sys.modules`` for the rest of the process. Main thread.
     """
     name = "vllm_omni.core.prefix_cache"
-    if "vllm_omni" not in sys.modules:
+    if standin and "vllm_omni" not in sys.modules:
         spec = importlib.util.find_spec("vllm_omni")
         if spec is None or not spec.submodule_search_locations:
             raise ImportError(f"{PACKAGE} is not installed (pip install --no-deps {PACKAGE}==0.30.0)")
         parent = types.ModuleType("vllm_omni")
         parent.__path__ = list(spec.submodule_search_locations)
         sys.modules["vllm_omni"] = parent
+        try:
+            return importlib.import_module(name), importlib.metadata.version(PACKAGE)
+        except BaseException:
+            for mod in [m for m in sys.modules if m == "vllm_omni" or m.startswith("vllm_omni.")]:
+                del sys.modules[mod]
+            raise
     return importlib.import_module(name), importlib.metadata.version(PACKAGE)
 
 
@@ -115,8 +122,8 @@ class VllmOmniPrefixCacheManager:
         self._lock = threading.Lock()
         self._saved: dict[StepId, _Saved] = {}
         with self._errors():
-            self._m = OmniPrefixCacheManager(cfg, cache=cache, role=role or vllm_runner_role(), eager=eager,
-                                             **connection)
+            self._m = OmniPrefixCacheManager(cfg, cache=replica_cache_name(cache), role=role or vllm_runner_role(),
+                                             eager=eager, **connection)
 
     @property
     def manager(self) -> OmniPrefixCacheManager:
@@ -125,19 +132,24 @@ class VllmOmniPrefixCacheManager:
 
     def register_policy(self, policy: Any) -> None:
         """vllm-omni's ``ModelCachePolicy`` (``needs_full_hidden_states``, ``deferred_keys``); before the first save."""
-        self._hidden = bool(getattr(policy, "needs_full_hidden_states", True))
-        self._m.register_policy(ModelCachePolicy(cache_hidden=self._hidden,
+        hidden = bool(getattr(policy, "needs_full_hidden_states", True))
+        self._m.register_policy(ModelCachePolicy(cache_hidden=hidden,
                                                  deferred_keys=frozenset(getattr(policy, "deferred_keys", ()))))
+        self._hidden = hidden  # only once omnishm took it: a refused policy changes nothing
 
     def new_step_starts(self, scheduler_output: Any) -> None:
         """vLLM's ``SchedulerOutput`` of one real step; engine thread, before ``_update_states``."""
-        step = self._adapter.translate_scheduler_output(scheduler_output)
+        try:
+            step = self._adapter.translate_scheduler_output(scheduler_output)
+        except (ValueError, TypeError) as exc:  # a malformed output; the adapter's state is unchanged
+            raise self._vo.OmniPrefixCacheUnmatchError(f"scheduler output: {exc}") from exc
         # vllm-omni registers hits of scheduled_new_reqs only: a resumed request gets this step's rows.
         events = tuple(dataclasses.replace(ev, kind=PrefixCacheEventKind.REPLACED)
                        if ev.kind is PrefixCacheEventKind.RESUMED else ev for ev in step.events)
-        self._num_scheduled = dict(step.num_scheduled_tokens)
+        # vLLM can schedule a negative span (vllm-omni's runner skips such a step after this call): none.
+        self._num_scheduled = {r: max(int(c), 0) for r, c in step.num_scheduled_tokens.items()}
         with self._errors():
-            self._m.new_step_starts(PrefixCacheStep(events, step.num_scheduled_tokens))
+            self._m.new_step_starts(PrefixCacheStep(events, self._num_scheduled))
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None, *,
                      num_tokens_unpadded: int, num_tokens_padded: int) -> StepId:
@@ -205,12 +217,14 @@ class VllmOmniPrefixCacheManager:
             if key != HIDDEN_KEY:
                 mm[key] = {r: out.mm_outputs[r][key] if r in out.mm_outputs else saved.empty[key] for r in req_ids}
         if saved.leftover:
+            leftover = saved.leftover
             if saved.leftover_event is not None:
                 saved.leftover_event.synchronize()
+                leftover = _unpinned(leftover)  # the payload must not hold (and keep) pinned pages
             from vllm_omni.utils.mm_outputs import to_payload_element  # imports vllm, as vllm-omni's does here
 
             order = list(saved.spans)
-            for key, value in saved.leftover.items():
+            for key, value in leftover.items():
                 mm[key] = {}
                 for r in req_ids:
                     start, count = saved.spans[r]
@@ -265,8 +279,8 @@ def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
                 cuda = True
                 dst = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
                 return dst.copy_(v, non_blocking=True)
-            return v.clone()
-        if isinstance(v, dict):
+            return v.clone() if v.device.type == "cpu" else v.detach().to("cpu")
+        if isinstance(v, Mapping):
             return {k: copy(x) for k, x in v.items()}
         if isinstance(v, list):
             return [copy(x) for x in v]
@@ -279,6 +293,19 @@ def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         event = torch.cuda.Event()
         event.record()
     return out, event
+
+
+def _unpinned(value: Any) -> Any:
+    """``value`` with every pinned tensor (in lists, tuples and dicts too) cloned into pageable memory."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_pinned() else value
+    if isinstance(value, dict):
+        return {k: _unpinned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpinned(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_unpinned(v) for v in value)
+    return value
 
 
 def install() -> bool:

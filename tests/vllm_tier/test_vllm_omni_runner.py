@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 def _runner_class() -> type:
     from omnishm.integrations.vllm_omni import load_prefix_cache
 
-    load_prefix_cache()
+    load_prefix_cache(standin=True)
     mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
 
     class Runner(mixin.PrefixCacheRunnerMixin):
@@ -77,7 +77,7 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
 
     from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, install, load_prefix_cache
 
-    vo, _ = load_prefix_cache()
+    vo, _ = load_prefix_cache(standin=True)
     mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
     original = mixin.OmniPrefixCacheManager
     monkeypatch.setattr(mixin, "OmniPrefixCacheManager", original)  # restored after the test
