@@ -382,22 +382,29 @@ def test_shutdown_leaves_nothing_behind(committer_factory):
         r.prefix_cache_materialize(sid)
 
 
+def fake_parallel_state(monkeypatch, **functions) -> None:
+    """A ``vllm.distributed.parallel_state`` with these functions in ``sys.modules`` for one test (vllm is not
+    installed in the main suite)."""
+    ps = ModuleType("vllm.distributed.parallel_state")
+    for name, fn in functions.items():
+        setattr(ps, name, fn)
+    dist = ModuleType("vllm.distributed")
+    dist.parallel_state = ps
+    vllm = ModuleType("vllm")
+    vllm.distributed = dist
+    for name, mod in (("vllm", vllm), ("vllm.distributed", dist), ("vllm.distributed.parallel_state", ps)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
 def test_role_is_writer_without_vllm_and_follows_tp_pp_rank_with_it(monkeypatch):
     r = FakeRunner("unused")
     monkeypatch.setitem(sys.modules, "vllm", None)  # vllm absent
     assert r._prefix_cache_role() == "writer"
 
     def fake_vllm(initialized: bool, tp_rank: int, last_pp: bool) -> None:
-        ps = ModuleType("vllm.distributed.parallel_state")
-        ps.model_parallel_is_initialized = lambda: initialized
-        ps.get_tensor_model_parallel_rank = lambda: tp_rank
-        ps.get_pp_group = lambda: SimpleNamespace(is_last_rank=last_pp)
-        dist = ModuleType("vllm.distributed")
-        dist.parallel_state = ps
-        vllm = ModuleType("vllm")
-        vllm.distributed = dist
-        for name, mod in (("vllm", vllm), ("vllm.distributed", dist), ("vllm.distributed.parallel_state", ps)):
-            monkeypatch.setitem(sys.modules, name, mod)
+        fake_parallel_state(monkeypatch, model_parallel_is_initialized=lambda: initialized,
+                            get_tensor_model_parallel_rank=lambda: tp_rank,
+                            get_pp_group=lambda: SimpleNamespace(is_last_rank=last_pp))
 
     fake_vllm(False, 1, True)
     assert r._prefix_cache_role() == "writer"  # groups not initialised: single-process tools
@@ -417,15 +424,8 @@ def test_each_data_parallel_replica_gets_its_own_cache_name(monkeypatch):
     assert replica_cache_name("thinker") == "thinker" and replica_cache_name(None) is None
 
     def fake_vllm(initialized: bool, dp_rank: int, dp_size: int) -> None:
-        ps = ModuleType("vllm.distributed.parallel_state")
-        ps.model_parallel_is_initialized = lambda: initialized
-        ps.get_dp_group = lambda: SimpleNamespace(rank_in_group=dp_rank, world_size=dp_size)
-        dist = ModuleType("vllm.distributed")
-        dist.parallel_state = ps
-        vllm = ModuleType("vllm")
-        vllm.distributed = dist
-        for name, mod in (("vllm", vllm), ("vllm.distributed", dist), ("vllm.distributed.parallel_state", ps)):
-            monkeypatch.setitem(sys.modules, name, mod)
+        fake_parallel_state(monkeypatch, model_parallel_is_initialized=lambda: initialized,
+                            get_dp_group=lambda: SimpleNamespace(rank_in_group=dp_rank, world_size=dp_size))
 
     fake_vllm(True, 0, 1)
     assert replica_cache_name("thinker") == "thinker" and replica_cache_name(None) is None
