@@ -11,7 +11,9 @@ that need vllm at materialize (leftover mm) are covered by the vLLM tier
 from __future__ import annotations
 
 import importlib
+import queue
 import random
+import threading
 from collections import Counter
 from typing import Any
 
@@ -59,11 +61,12 @@ def managers(committer, num_blocks: int, cap: int, policy: Any = None) -> tuple[
     return ours, theirs, view
 
 
-def test_random_workload_with_preemption_same_outputs_as_vllm_omni(committer):
-    """Hits, same-step hits, chunked prefill, aborts, preemption and block reuse; materialize late, in any order."""
-    rng = random.Random(5)
+def _random_workload(committer, seed: int, consumer: "queue.Queue | None") -> Counter:
+    """250 sim steps into both managers; consumed late and out of order on this thread, or, with a
+    ``consumer`` queue, one step late on another thread (vllm-omni's async output thread)."""
+    rng, crng = random.Random(seed), random.Random(seed + 1)
     blocks, cap = 40, 96
-    eng = SimEngine(num_blocks=blocks, block_size=16, max_batched_tokens=cap, width=16, mm_width=4, seed=5,
+    eng = SimEngine(num_blocks=blocks, block_size=16, max_batched_tokens=cap, width=16, mm_width=4, seed=seed,
                     abort_rate=0.1)
     ours, theirs, view = managers(committer, blocks, cap)
     stats: Counter = Counter()
@@ -71,7 +74,7 @@ def test_random_workload_with_preemption_same_outputs_as_vllm_omni(committer):
 
     def consume(item: tuple) -> None:
         sid, their_sid, st, resumed = item
-        reqs = [r for r in st.layout.req_ids if rng.random() < 0.9]
+        reqs = [r for r in st.layout.req_ids if crng.random() < 0.9]
         got, want = ours.materialize(sid, reqs), theirs.materialize(their_sid, reqs)
         same(got.hidden_states, want.hidden_states, f"step {sid} hidden")
         same(got.mm_outputs, want.mm_outputs, f"step {sid} mm")
@@ -84,7 +87,20 @@ def test_random_workload_with_preemption_same_outputs_as_vllm_omni(committer):
             stats["rows"] += len(keep)
             stats["hit_tokens"] += 0 if r in resumed else hit
 
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        while (item := consumer.get()) is not None:
+            try:
+                consume(item)
+            except BaseException as exc:  # handed to the test thread, which raises it
+                errors.append(exc)
+                return
+
+    thread = threading.Thread(target=drain, daemon=True) if consumer is not None else None
     try:
+        if thread is not None:
+            thread.start()
         for _ in range(250):
             eng.top_up(3)
             st = eng.schedule()
@@ -97,19 +113,39 @@ def test_random_workload_with_preemption_same_outputs_as_vllm_omni(committer):
             kw = dict(num_tokens_unpadded=st.num_tokens, num_tokens_padded=st.num_tokens)
             item = (ours.save_outputs(st.hidden, dict(st.mm), **kw), theirs.save_outputs(st.hidden, dict(st.mm), **kw),
                     st, resumed)
-            pending.append(item)
             eng.advance(st)
+            if consumer is not None:
+                consumer.put(item)
+                assert not errors, errors
+                continue
+            pending.append(item)
             while pending and (len(pending) >= 2 or rng.random() < 0.5):  # staging_depth 2: late, out of order
                 consume(pending.pop(rng.randrange(len(pending))))
         while pending:
             consume(pending.pop())
     finally:
+        if thread is not None:
+            consumer.put(None)
+            thread.join(60)
         ours.shutdown()
         theirs.shutdown()
+    if errors:
+        raise errors[0]
     print(f"\nvllm-omni drop-in: {stats['rows']} rows, {stats['hit_tokens']} hit tokens, {stats['resumed']} resumes, "
           f"{eng.alloc.reuses} block reuses")
     assert stats["rows"] > 10_000 and stats["hit_tokens"] > 1_000
     assert stats["resumed"] > 0 and eng.alloc.reuses > 50
+    return stats
+
+
+def test_random_workload_with_preemption_same_outputs_as_vllm_omni(committer):
+    """Hits, same-step hits, chunked prefill, aborts, preemption and block reuse; materialize late, in any order."""
+    _random_workload(committer, 5, None)
+
+
+def test_materialize_on_another_thread_one_step_late(committer_factory):
+    """vllm-omni's async output thread materializes step N while the engine thread saves step N+1."""
+    _random_workload(committer_factory(), 7, queue.Queue(maxsize=1))
 
 
 def _step(view: BatchView, batch: list[tuple[str, int, list[int], int]], *, new: tuple = (),
