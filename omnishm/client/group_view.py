@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from array import array
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -109,9 +110,9 @@ class FullAttentionGroupView:
             return getter()
         return torch.as_tensor(buf)
 
-    def _blocks_per_row(self) -> torch.Tensor | None:
-        counts = getattr(self._group_table(), "num_blocks_per_row", None)
-        return None if counts is None else torch.as_tensor(counts)
+    def _blocks_per_row(self) -> Any:
+        """vLLM's per-row block counts (a numpy array or a tensor), or None when the table has none."""
+        return getattr(self._group_table(), "num_blocks_per_row", None)
 
     def _rows(self) -> tuple[list[ReqId], list[int]]:
         ids: list[ReqId] = []
@@ -156,38 +157,39 @@ class FullAttentionGroupView:
             counts_list = [int(n) for n in num_scheduled_tokens]
             if len(counts_list) != len(ids):
                 raise unmatch(f"{len(counts_list)} scheduled-token counts for {len(ids)} batch requests")
-        if not counts_list:
-            return torch.empty(0, dtype=torch.int64)
-        counts = torch.tensor(counts_list, dtype=torch.int64)
-        if bool((counts < 0).any()):
+        if any(n < 0 for n in counts_list):
             raise unmatch(f"negative scheduled-token count in {counts_list}")
-        total = int(counts.sum())
-        if total == 0:
+        if not sum(counts_list):
             return torch.empty(0, dtype=torch.int64)
-
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        computed = torch.as_tensor(self.input_batch.num_computed_tokens_cpu)[rows_t].to(torch.int64)
-        req_of_tok = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        pos = computed[req_of_tok] + torch.arange(total, dtype=torch.int64) - starts[req_of_tok]
-        bs = self.block_size
-        block_idx = torch.div(pos, bs, rounding_mode="floor")
-
+        # Plain Python over block runs: this runs right after the forward, where each torch or numpy call
+        # on small arrays costs tens of microseconds of cold code (a vectorised version of this took about
+        # 0.7 ms for a decode batch of 8 requests; this about 0.1 ms).
         table = self._block_table_cpu()
-        width = table.shape[1]
-        limit = torch.full((len(rows),), width, dtype=torch.int64)
+        width = int(table.shape[1])
+        tab = table.numpy()  # a view of the CPU block table
+        computed = self.input_batch.num_computed_tokens_cpu
         per_row = self._blocks_per_row()
-        if per_row is not None:
-            limit = torch.minimum(limit, per_row[rows_t].to(torch.int64))
-        outside = block_idx >= limit[req_of_tok]
-        if bool(outside.any()):
-            tok = int(torch.nonzero(outside)[0, 0])
-            r = int(req_of_tok[tok])
-            raise unmatch(
-                f"position {int(pos[tok])} (block {int(block_idx[tok])}) is outside the block-table "
-                f"row of batch row {rows[r]} ({int(limit[r])} blocks, block_size {bs})", req_id=ids[r])
-        block_ids = table[rows_t[req_of_tok], block_idx].to(torch.int64)
-        return block_ids * bs + (pos - block_idx * bs)
+        bs = self.block_size
+        out = array("q")
+        for rid, row, n in zip(ids, rows, counts_list):
+            if not n:
+                continue
+            pos = int(computed[row])
+            end = pos + n
+            limit = width if per_row is None else min(width, int(per_row[row]))
+            if (end - 1) // bs >= limit:
+                first = max(pos, limit * bs)
+                raise unmatch(
+                    f"position {first} (block {first // bs}) is outside the block-table row of batch row {row} "
+                    f"({limit} blocks, block_size {bs})", req_id=rid)
+            blocks = tab[row]
+            while pos < end:
+                b = pos // bs
+                stop = min(end, (b + 1) * bs)
+                base = (int(blocks[b]) - b) * bs  # slot = block id * bs + (pos - b * bs)
+                out.extend(range(base + pos, base + stop))
+                pos = stop
+        return torch.frombuffer(out, dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------

@@ -126,6 +126,7 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
                 mixin.OmniPrefixCacheManager = original
                 theirs._prefix_cache_step_begin(so)
                 assert isinstance(ours.omni_prefix_cache, VllmOmniPrefixCacheManager)
+                assert ours.omni_prefix_cache._ours is not None  # slots from omnishm's view of the same batch
                 assert isinstance(theirs.omni_prefix_cache, original)
             else:
                 ours._prefix_cache_step_begin(so)
