@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
 from omnishm.integrations.vllm_omni import load_prefix_cache
+
+if TYPE_CHECKING:
+    from omnishm.sim import SimStep
 
 logger = logging.getLogger(__name__)
 
@@ -124,27 +129,63 @@ def scheduler_output(step: PrefixCacheStep) -> SchedulerOutput:
     return SchedulerOutput(new, cached, counts, sum(counts.values()), finished)
 
 
+class BlockTables(list):
+    """vLLM's ``MultiGroupBlockTable``: indexable by KV group, and its ``block_tables``."""
+
+    @property
+    def block_tables(self) -> list:
+        return list(self)
+
+
+class InputBatch:
+    """The fields of vLLM's ``InputBatch`` that the group views read (omnishm's and vllm-omni's), kept
+    from the simulated engine's steps as vLLM's ``_update_states`` keeps them (not a cache's cost)."""
+
+    def __init__(self, max_reqs: int, max_blocks: int, block_size: int):
+        self.table = torch.zeros((max_reqs, max_blocks), dtype=torch.int32)
+        self.block_table = BlockTables([SimpleNamespace(block_table=SimpleNamespace(cpu=self.table),
+                                                        block_size=block_size)])
+        self.req_ids: list[str] = []
+        self.req_id_to_index: dict[str, int] = {}
+        self.num_computed_tokens_cpu = np.zeros(max_reqs, dtype=np.int32)
+
+    def update(self, step: "SimStep", blocks: dict[str, list[int]]) -> None:
+        """The batch of ``step``, in its write layout's order; ``blocks``: each request's block list."""
+        self.req_ids = [w.req_id for w in step.layout.writes]
+        self.req_id_to_index = {r: i for i, r in enumerate(self.req_ids)}
+        for row, rid in enumerate(self.req_ids):
+            ids = blocks[rid]
+            self.table[row, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            self.num_computed_tokens_cpu[row] = step.positions[rid][1]
+
+
 class VllmOmniManager:
-    """vllm-omni's manager driven with omnishm's step objects (the benchmark's arms call both alike)."""
+    """vllm-omni's manager driven with omnishm's step objects (the benchmark's arms call both alike).
+
+    With ``batch`` it reads the step's slots through vllm-omni's own group view over that batch, as in
+    its runner; without, from the write layout (``BatchView``).
+    """
 
     def __init__(self, *, num_blocks: int, block_size: int, staging_capacity_tokens: int, staging_depth: int,
-                 eager: bool | None = None):
+                 eager: bool | None = None, batch: InputBatch | None = None):
         pc, self.version = load_prefix_cache(standin=True)
         cfg = pc.PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size,
                                    staging_capacity_tokens=staging_capacity_tokens, staging_depth=staging_depth,
                                    staging_claim_timeout_s=60.0)
-        self.view = BatchView(block_size)
+        self.view: Any = BatchView(block_size) if batch is None else pc.FullAttentionGroupView(batch, block_size)
         self.m: Any = pc.OmniPrefixCacheManager(cfg, self.view, eager=eager)
         self.eager = bool(self.m._controller._eager)
         self.hidden_key = pc.HIDDEN_KEY
 
-    def new_step_starts(self, step: PrefixCacheStep) -> None:
-        self.m.new_step_starts(scheduler_output(step))
+    def new_step_starts(self, step: PrefixCacheStep | SchedulerOutput) -> None:
+        self.m.new_step_starts(scheduler_output(step) if isinstance(step, PrefixCacheStep) else step)
 
     def save_outputs(self, hidden: torch.Tensor, mm: dict[str, torch.Tensor], *, num_tokens_unpadded: int,
-                     num_tokens_padded: int, write_layout: PrefixCacheWriteLayout) -> int:
-        """``write_layout`` only feeds the view (see ``BatchView``); vllm-omni's save does not take one."""
-        self.view.set_step(write_layout)
+                     num_tokens_padded: int, write_layout: PrefixCacheWriteLayout | None = None) -> int:
+        """``write_layout`` only feeds a ``BatchView``; vllm-omni's save does not take one."""
+        if isinstance(self.view, BatchView):
+            assert write_layout is not None
+            self.view.set_step(write_layout)
         return self.m.save_outputs(hidden, mm, num_tokens_unpadded=num_tokens_unpadded,
                                    num_tokens_padded=num_tokens_padded)
 

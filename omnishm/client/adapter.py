@@ -113,9 +113,14 @@ class PrefixCacheRequestEvent:
             raise ValueError(f"unknown prefix-cache event kind {self.kind!r}")
         if not isinstance(self.req_id, str) or not self.req_id:
             raise ValueError(f"req_id must be a non-empty str, got {self.req_id!r}")
-        object.__setattr__(self, "num_computed_tokens",
-                           _nonneg_int(self.num_computed_tokens, f"{self.req_id}: num_computed_tokens"))
-        blocks = tuple(_nonneg_int(b, f"{self.req_id}: block id") for b in self.block_ids)
+        n = self.num_computed_tokens
+        if type(n) is not int or n < 0:
+            object.__setattr__(self, "num_computed_tokens", _nonneg_int(n, f"{self.req_id}: num_computed_tokens"))
+        blocks = tuple(self.block_ids)
+        # vLLM's block ids are plain ints: one pass over them, not a checked call per id (a long prompt
+        # carries hundreds, and this runs on the engine thread every step).
+        if blocks and not (all(type(b) is int for b in blocks) and min(blocks) >= 0):
+            blocks = tuple(_nonneg_int(b, f"{self.req_id}: block id") for b in blocks)
         object.__setattr__(self, "block_ids", blocks)
         if self.kind in _END_KINDS and (self.num_computed_tokens or blocks):
             raise ValueError(f"{self.kind.name} event for {self.req_id} must carry only the id")
