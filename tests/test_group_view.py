@@ -162,3 +162,15 @@ def test_token_accounting():
         check_prefix_cache_token_accounting(9, 16, {"a": 4, "b": 6})
     with pytest.raises(OmniPrefixCacheUnmatchError, match="num_tokens_padded=8"):
         check_prefix_cache_token_accounting(10, 8, {"a": 4, "b": 6})
+
+
+def test_slots_follow_the_table_in_place_and_a_replaced_table():
+    """The view keeps a numpy view of the table between calls: edits in place and a new table tensor are
+    seen (vLLM writes the table in place every step; its table has a numpy view, so it cannot be resized)."""
+    batch = make_batch(32, [("a", 0, [3])], width=2)
+    view = FullAttentionGroupView(batch, 32)
+    assert view.step_slots_cpu([2]).tolist() == [96, 97]
+    batch.block_table.block_tables[0].block_table.cpu[0, 0] = 5  # _update_states writes in place
+    assert view.step_slots_cpu([2]).tolist() == [160, 161]
+    batch.block_table.block_tables[0].block_table.cpu = torch.tensor([[7, 8]], dtype=torch.int32)  # replaced
+    assert view.step_slots_cpu([2]).tolist() == [224, 225]

@@ -79,6 +79,8 @@ class FullAttentionGroupView:
         self.input_batch = input_batch
         self.block_size = block_size
         self.group_index = group_index
+        self._table: torch.Tensor | None = None
+        self._table_np: Any = None
         table = self._group_table()
         table_block_size = getattr(table, "block_size", None)
         if table_block_size is not None and int(table_block_size) != block_size:
@@ -165,8 +167,11 @@ class FullAttentionGroupView:
         # on small arrays costs tens of microseconds of cold code (a vectorised version of this took about
         # 0.7 ms for a decode batch of 8 requests; this about 0.1 ms).
         table = self._block_table_cpu()
-        width = int(table.shape[1])
-        tab = table.numpy()  # a view of the CPU block table
+        # vLLM keeps one table tensor: its numpy view is made once (again if it is replaced or resized).
+        if table is not self._table or tuple(table.shape) != self._table_np.shape:
+            self._table, self._table_np = table, table.numpy()
+        tab = self._table_np
+        width = int(tab.shape[1])
         computed = self.input_batch.num_computed_tokens_cpu
         per_row = self._blocks_per_row()
         bs = self.block_size
