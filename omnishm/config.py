@@ -376,7 +376,7 @@ class ClientSettings:
     connect_timeout_s: float
     prefix_cache: dict[str, Any]
     vllm: dict[str, Any] = field(default_factory=dict)
-    """The vLLM extension's own knobs (``VLLM_KNOBS``)."""
+    """The vLLM integrations' own knobs (``VLLM_KNOBS``): the extension's and the vllm-omni plugin's."""
 
     def manager_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``OmniPrefixCacheManager`` besides the config and role."""

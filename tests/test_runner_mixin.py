@@ -22,6 +22,7 @@ from omnishm.client import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchE
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.group_view import PrefixCacheConfigError
 from omnishm.client.runner_mixin import PrefixCacheRunnerMixin, replica_cache_name
+from omnishm.config import ConfigError
 
 BS = 4
 NUM_BLOCKS = 16
@@ -437,6 +438,8 @@ def test_each_data_parallel_replica_gets_its_own_cache_name(monkeypatch):
     assert replica_cache_name(None) == "talker-dp1"
     monkeypatch.delenv("OMNISHM_NAME")
     assert replica_cache_name(None) == "default-dp1"
+    with pytest.raises(ConfigError, match="data-parallel replicas"):  # one endpoint cannot serve every replica
+        replica_cache_name("thinker", "ipc:///tmp/thinker.sock")
 
 
 def test_a_timed_out_save_does_not_burn_a_step_id(runner):

@@ -15,26 +15,33 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
-from omnishm.bench.vllm_omni_arm import VllmOmniManager, same_results
-from omnishm.client import OmniPrefixCacheManager, PrefixCacheConfig
+from omnishm.bench.vllm_omni_arm import VllmOmniOwnCache, same_results
+from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.sim import SimEngine
 
 STEPS = 300
 
 
-def test_every_step_serves_the_rows_vllm_omni_serves(committer):
+@pytest.mark.parametrize("deferred", [False, True], ids=["join-next-step", "mm-deferred"])
+def test_every_step_serves_the_rows_vllm_omni_serves(committer_factory, deferred):
+    """``deferred``: the multimodal key is written when its request ends (JOIN_ON_FINISH), as talkers do."""
     bs, cap, blocks = 16, 96, 400  # live requests need at most 8 x 19 blocks: nothing is preempted
     cfg = PrefixCacheConfig(num_blocks=blocks, block_size=bs, staging_capacity_tokens=cap, staging_depth=2,
                             staging_claim_timeout_s=10.0, commit_timeout_s=10.0)
     eng = SimEngine(num_blocks=blocks, block_size=bs, max_batched_tokens=cap, width=32, mm_width=4, seed=24,
                     abort_rate=0.1)
-    theirs = VllmOmniManager(num_blocks=blocks, block_size=bs, staging_capacity_tokens=cap, staging_depth=2)
+    theirs = VllmOmniOwnCache(num_blocks=blocks, block_size=bs, staging_capacity_tokens=cap, staging_depth=2)
+    committer = committer_factory()
     stats: Counter = Counter()
     try:
         with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as ours:
+            if deferred:
+                ours.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feat"})))
+                theirs.m.register_policy(type(theirs.m._policy)(deferred_keys=frozenset({"mm_feat"})))
             for _ in range(STEPS):
                 eng.top_up(3)
                 st = eng.schedule()

@@ -16,6 +16,8 @@ import torch
 import zmq
 
 from omnishm.bench.common import Cleanup, Memcpy, ProcessCommitter, Row, Stats, ThreadCommitter, prefaulted, timed
+from omnishm.bench.vllm_omni_arm import (InputBatch, VllmOmniOwnCache, same_results, scheduler_output,
+                                         vllm_omni_version)
 from omnishm.client import OmniPrefixCacheManager, PrefixCacheConfig
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheRequestEvent as E
@@ -23,8 +25,6 @@ from omnishm.client.adapter import (PrefixCacheSchedulerAdapter, PrefixCacheStep
                                     PrefixCacheWriteLayout)
 from omnishm.client.group_view import FullAttentionGroupView
 from omnishm.client.result_pool import ResultPool
-from omnishm.bench.vllm_omni_arm import (InputBatch, VllmOmniManager, same_results, scheduler_output,
-                                         vllm_omni_version)
 
 BS = 16
 BLOCK = 5
@@ -196,7 +196,7 @@ class _EngineArm:
         num_blocks = self.ring0 + self.ring_len
         self.com: Any = None
         if vllm_omni:
-            self.m: Any = VllmOmniManager(num_blocks=num_blocks, block_size=BS, staging_capacity_tokens=step_tokens,
+            self.m: Any = VllmOmniOwnCache(num_blocks=num_blocks, block_size=BS, staging_capacity_tokens=step_tokens,
                                           staging_depth=2)
         else:
             tag = "inproc-eager" if eager else "inproc"
@@ -296,8 +296,8 @@ def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> li
                 if i >= 2:
                     times[k].append(dt)
                     saves[k].append(arm.save_s)
-            if i == 0 and omni is not None:
-                same_results(arms[0].last, arms[-1].last, arms[0].prev, "figure 3")
+            if omni is not None:  # every step, outside the timed calls
+                same_results(arms[0].last, arms[-1].last, arms[0].prev, f"figure 3, step {i}")
     finally:
         for arm in arms:
             arm.close()
@@ -427,7 +427,7 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
     t_mgr, t_hooks = [], []
     hits = 0
     omni = vllm_omni_version() if device == "cpu" else None
-    vm = (VllmOmniManager(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
+    vm = (VllmOmniOwnCache(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
                           staging_depth=2, batch=batches[theirs]) if omni is not None else None)
     floor = _FloorArm(cleanup, size.max_batched_tokens)
     try:
@@ -525,14 +525,15 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                 "-", None, note=f"what any design with a staging page and a committer process pays; median of "
                                 f"per-step ratios {paired_floor:.3f}",
                 extra={"device": device, "paired_ratio": paired_floor}),
-            *([] if vm is None else [_their_overhead_row(omni, times[theirs], times[off], rf, ref_name)])]
+            *([] if vm is None else [_their_overhead_row(omni, vm.eager, times[theirs], times[off], rf, ref_name)])]
 
 
-def _their_overhead_row(version: str, theirs: list[float], off: list[float], rf: Stats, ref_name: str) -> Row:
+def _their_overhead_row(version: str, eager: bool, theirs: list[float], off: list[float], rf: Stats,
+                        ref_name: str) -> Row:
     """Figure 6's row for vllm-omni's own in-process cache, fed the same steps as the cache-on arm."""
     v = Stats.of(np.array(theirs) * 1e3)
     paired = float(np.median(np.array(theirs) / np.array(off)))
     return Row("6", f"  variant: vllm-omni {version}'s own in-process cache in the same loop, 0% hits",
                "ms", v, ref_name, rf, v.median / rf.median, "-", None,
-               note=f"vllm_omni OmniPrefixCacheManager (eager: its mode without CUDA); median of per-step "
-                    f"ratios {paired:.3f}", extra={"device": "cpu", "paired_ratio": paired, "vllm_omni": version})
+               note=f"vllm_omni OmniPrefixCacheManager ({'eager: its mode without CUDA' if eager else 'threaded'}); "
+                    f"median of per-step ratios {paired:.3f}", extra={"device": "cpu", "paired_ratio": paired, "vllm_omni": version})

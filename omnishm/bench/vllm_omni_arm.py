@@ -45,6 +45,8 @@ def same_results(ours: Any, theirs: Any, req_ids: list[str], what: str) -> None:
     omnishm nests ``mm_outputs`` request first, vllm-omni tensor name first.
     """
     for req in req_ids:
+        if set(ours.mm_outputs[req]) != {key for key, per_req in theirs.mm_outputs.items() if req in per_req}:
+            raise RuntimeError(f"{what}: vllm-omni's multimodal keys for {req} differ from omnishm's")
         pairs = [("hidden states", ours.hidden_states[req], (theirs.hidden_states or {}).get(req))]
         pairs += [(key, val, theirs.mm_outputs.get(key, {}).get(req)) for key, val in ours.mm_outputs[req].items()]
         for key, a, b in pairs:
@@ -159,8 +161,9 @@ class InputBatch:
             self.num_computed_tokens_cpu[row] = step.positions[rid][1]
 
 
-class VllmOmniManager:
-    """vllm-omni's manager driven with omnishm's step objects (the benchmark's arms call both alike).
+class VllmOmniOwnCache:
+    """vllm-omni's own in-process cache (its ``OmniPrefixCacheManager``), driven with omnishm's step objects
+    so the benchmark's arms call both alike. Not omnishm's drop-in (``omnishm.integrations.vllm_omni``).
 
     With ``batch`` it reads the step's slots through vllm-omni's own group view over that batch, as in
     its runner; without, from the write layout (``BatchView``).

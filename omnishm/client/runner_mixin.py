@@ -109,19 +109,25 @@ def vllm_dp_rank() -> int | None:
         return None
 
 
-def replica_cache_name(cache: str | None) -> str | None:
+def replica_cache_name(cache: str | None, endpoint: str | None = None) -> str | None:
     """The cache name for this engine replica: ``cache`` unless vLLM runs DP > 1, then ``<name>-dp<rank>``.
 
     DP replicas have separate KV caches (each its own block ids), so each needs its own omnishm cache;
     one name for all would make their TP rank 0s two writers of one cache. With ``cache`` None the
-    name is ``OMNISHM_NAME`` / the file's (``default``). Raises ConfigError for a bad name setting.
+    name is ``OMNISHM_NAME`` / the file's (``default``). Each replica's cache is served on its own
+    socket (autostarted, or ``omnishm committer --name <name>-dp<rank>``), so an explicit ``endpoint``
+    under DP > 1 is refused. Raises ConfigError for that and for a bad name setting.
     """
     rank = vllm_dp_rank()
     if rank is None:
         return cache
-    if cache is None:
-        from omnishm.config import resolve
+    from omnishm.config import ConfigError, resolve
 
+    if endpoint is not None:
+        raise ConfigError(f"vLLM runs data-parallel replicas: each needs its own cache (<name>-dp<rank>) on its own "
+                          f"socket, so an explicit endpoint ({endpoint}) cannot serve them; leave it unset and "
+                          f"autostart, or launch `omnishm committer --name <name>-dp<rank>` per replica")
+    if cache is None:
         cache = resolve("client", {}, names=("name",)).values["name"]
     return f"{cache}-dp{rank}"
 
@@ -235,7 +241,7 @@ class PrefixCacheRunnerMixin:
         # Knobs left at None are resolved by the manager, by its rule: OMNISHM_* and the file, except that
         # a name set here without an endpoint means that cache's own socket (config.manager_connection).
         manager = OmniPrefixCacheManager(config, role=role, eager=self.prefix_cache_eager,
-                                         cache=replica_cache_name(self.prefix_cache_name),
+                                         cache=replica_cache_name(self.prefix_cache_name, self.prefix_cache_endpoint),
                                          endpoint=self.prefix_cache_endpoint, autostart=self.prefix_cache_autostart)
         try:
             manager.register_policy(policy)

@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["VllmOmniPrefixCacheManager", "install", "load_prefix_cache"]
 
 PACKAGE = "vllm-omni"
+SUPPORTED = "0.30.0"
+"""The vllm-omni release whose API the drop-in takes (its tests compare against that release)."""
 
 _VO_FIELDS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
               "copy_chunk_bytes")
@@ -81,12 +83,20 @@ def load_prefix_cache(*, standin: bool = False) -> tuple[types.ModuleType, str]:
         parent.__path__ = list(spec.submodule_search_locations)
         sys.modules["vllm_omni"] = parent
         try:
-            return importlib.import_module(name), importlib.metadata.version(PACKAGE)
+            return importlib.import_module(name), _version()
         except BaseException:
             for mod in [m for m in sys.modules if m == "vllm_omni" or m.startswith("vllm_omni.")]:
                 del sys.modules[mod]
             raise
-    return importlib.import_module(name), importlib.metadata.version(PACKAGE)
+    return importlib.import_module(name), _version()
+
+
+def _version() -> str:
+    """The installed vllm-omni's version; a source checkout without package metadata reads its version module."""
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return str(getattr(importlib.import_module("vllm_omni.version"), "__version__", "unknown"))
 
 
 class _Saved(NamedTuple):
@@ -124,15 +134,16 @@ class VllmOmniPrefixCacheManager:
         self._lock = threading.Lock()
         self._saved: dict[StepId, _Saved] = {}
         with self._errors():
-            self._m = OmniPrefixCacheManager(cfg, cache=replica_cache_name(cache), role=role or vllm_runner_role(),
-                                             eager=eager, **connection)
+            self._m = OmniPrefixCacheManager(cfg, cache=replica_cache_name(cache, connection.get("endpoint")),
+                                             role=role or vllm_runner_role(), eager=eager, **connection)
 
     @staticmethod
     def _own_view(view: Any) -> FullAttentionGroupView | None:
         """omnishm's group view over the batch vllm-omni's view reads, or None to ask vllm-omni's.
 
-        The same slots (the drop-in tests compare them), from one pass over block runs instead of a few
-        torch calls per request: about 0.13 ms instead of 0.36 ms for 8 requests right after a forward.
+        The same slots (tests/vllm_tier/test_vllm_omni_runner.py compares the results), from one pass over
+        block runs instead of a few torch calls per request: about 0.13 ms instead of 0.36 ms for 8 requests
+        right after a forward.
         """
         batch, block_size = getattr(view, "_input_batch", None), getattr(view, "block_size", None)
         if batch is None or not isinstance(block_size, int):
@@ -231,7 +242,8 @@ class VllmOmniPrefixCacheManager:
         with self._errors():  # an unknown or consumed id raises here
             out = self._m.materialize(step_id, req_ids if saved is None else
                                       [r for r in req_ids if saved.spans[r][1] > 0])
-        assert saved is not None
+        if saved is None:  # omnishm's materialize raised for an id the drop-in never saved: not reached
+            raise self._vo.OmniPrefixCacheUnmatchError(f"materialize(step {step_id}): no such saved step")
         hidden = None
         if saved.hidden:
             hidden = {r: out.hidden_states[r] if r in out.hidden_states else saved.empty[HIDDEN_KEY] for r in req_ids}
@@ -344,9 +356,10 @@ def install() -> bool:
     except ImportError as exc:
         logger.warning("omnishm: vllm-omni's runner mixin cannot be imported (%s); its cache is unchanged", exc)
         return False
+    version = _version()
+    if version != SUPPORTED:
+        logger.warning("omnishm: the drop-in follows vllm-omni %s; this is %s", SUPPORTED, version)
     if mixin.OmniPrefixCacheManager is not VllmOmniPrefixCacheManager:
         mixin.OmniPrefixCacheManager = VllmOmniPrefixCacheManager
         logger.info("omnishm: vllm-omni's omni prefix cache now runs on omnishm (%s)", mixin.__name__)
     return True
-
-

@@ -27,9 +27,21 @@ os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 VLLM_RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="omnishm-vllm-test-"))
 os.environ["OMNISHM_RUNTIME_DIR"] = str(VLLM_RUNTIME_DIR)
 os.environ["OMNISHM_VLLM_CAPTURE_RAW"] = "1"  # the ground truth: rows read straight from the runner
+
+
+def _plugins_but_vllm_omnis() -> str:
+    """Every vLLM plugin installed here except vllm-omni's (VLLM_PLUGINS is an allow-list)."""
+    from importlib.metadata import entry_points
+
+    groups = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.io_processor_plugins",
+              "vllm.stat_logger_plugins", "vllm.endpoint_plugins")
+    return ",".join(sorted({ep.name for g in groups for ep in entry_points(group=g)
+                            if not ep.value.startswith("vllm_omni")}))
+
+
 # vllm-omni (installed without its dependencies for test_vllm_omni_runner.py) registers a vLLM plugin that
-# patches vLLM for its own models. The tier's engines are plain vLLM: only these general plugins load.
-os.environ.setdefault("VLLM_PLUGINS", "omnishm_vllm_omni,lora_filesystem_resolver,lora_hf_hub_resolver")
+# patches vLLM for its own models. The tier's engines are plain vLLM: every other plugin loads.
+os.environ.setdefault("VLLM_PLUGINS", _plugins_but_vllm_omnis())
 
 from vllm_tier import TIER_COUNTS, wait_clean  # noqa: E402
 

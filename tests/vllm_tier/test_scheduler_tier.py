@@ -24,6 +24,7 @@ skip_without_vllm()
 
 import torch  # noqa: E402
 
+from omnishm.bench.vllm_omni_arm import BlockTables  # noqa: E402
 from vllm_tier import TIER_COUNTS, unique_cache_name  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
@@ -45,14 +46,6 @@ def prefix_rows(tokens: list[int]) -> torch.Tensor:
         a = ((h & 0xFFFFFFFF) ^ (_AR * 40503)) & 0x7FFFFFFF
         out[p] = ((a * 1103515245 + 12345) & 0x7FFFFFFF).to(torch.float32) / float(1 << 31)
     return out
-
-
-class BlockTables(list):
-    """vLLM's ``MultiGroupBlockTable``: indexable by KV group, and its ``block_tables``."""
-
-    @property
-    def block_tables(self) -> list:
-        return list(self)
 
 
 class FakeBatch:

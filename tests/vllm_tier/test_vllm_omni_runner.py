@@ -75,9 +75,10 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, install, load_prefix_cache
+    from omnishm.integrations.vllm_omni import SUPPORTED, VllmOmniPrefixCacheManager, install, load_prefix_cache
 
-    vo, _ = load_prefix_cache(standin=True)
+    vo, version = load_prefix_cache(standin=True)
+    assert version == SUPPORTED, f"this test compares against vllm-omni {SUPPORTED}, found {version}"
     mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
     original = mixin.OmniPrefixCacheManager
     monkeypatch.setattr(mixin, "OmniPrefixCacheManager", original)  # restored after the test
@@ -174,3 +175,4 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
     TIER_COUNTS["scheduler_steps"] += counts["steps"]
     print(f"vllm-omni runner on omnishm: {counts}")
     assert counts["hit_rows"] > 300 and counts["aborted"] > 0 and counts["preempted"] > 0, counts
+    assert counts["resumed"] > 0, counts  # V1 resumes reached both caches (neither counts them as hits)
