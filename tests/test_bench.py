@@ -37,5 +37,6 @@ def test_bench_quick_json_reports_every_figure_with_reference_and_ratio():
     # vllm-omni's own in-process cache (scripts/install.sh installs it) is an arm of figures 3 and 6.
     theirs = {r["figure"] for r in rows if "vllm-omni" in r["name"]}
     assert theirs == {"3", "6"}, "no vllm-omni rows: " + proc.stderr[-2000:]
+    assert any("drop-in" in r["name"] for r in rows if r["figure"] == "6")  # omnishm behind vllm-omni's calls
     bench_segments = [s for s in set(shm.list_segments()) - before if shm.parse_segment_name(s)[0].startswith("bench")]
     assert bench_segments == []

@@ -7,6 +7,7 @@ way a model runner does: ``new_step_starts``, ``save_outputs``,
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from omnishm.client.adapter import (PrefixCacheSchedulerAdapter, PrefixCacheStep
                                     PrefixCacheWriteLayout)
 from omnishm.client.group_view import FullAttentionGroupView
 from omnishm.client.result_pool import ResultPool
+from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager
 
 BS = 16
 BLOCK = 5
@@ -417,10 +419,10 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
     leaves). On ``cuda`` the outputs live on the device.
     """
     reps, a, b = calibrate_forward(size.forward_ms, device)
-    on, off, low, theirs = no_hit_engine(size), no_hit_engine(size), no_hit_engine(size), no_hit_engine(size)
+    on, off, low, theirs, dropin = (no_hit_engine(size) for _ in range(5))
     cfg = PrefixCacheConfig(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
                             staging_depth=2, commit_timeout_s=60.0, staging_claim_timeout_s=60.0)
-    times: dict[Any, list[float]] = {on: [], off: [], low: [], theirs: []}
+    times: dict[Any, list[float]] = {on: [], off: [], low: [], theirs: [], dropin: []}
     batches = {eng: InputBatch(16, 64, BS) for eng in times}
     adapter = PrefixCacheSchedulerAdapter()
     view = FullAttentionGroupView(batches[on], BS)
@@ -428,17 +430,25 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
     hits = 0
     omni = vllm_omni_version() if device == "cpu" else None
     vm = (VllmOmniOwnCache(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
-                          staging_depth=2, batch=batches[theirs]) if omni is not None else None)
+                           staging_depth=2, batch=batches[theirs]) if omni is not None else None)
+    dm: Any = None
     floor = _FloorArm(cleanup, size.max_batched_tokens)
     try:
-        with ProcessCommitter(cleanup, "overhead") as com:
+        with contextlib.ExitStack() as stack:
+            com = stack.enter_context(ProcessCommitter(cleanup, "overhead"))
             m = OmniPrefixCacheManager(cfg, cache=com.name, endpoint=com.endpoint, autostart=False,
                                        runtime_dir=com.runtime_dir)
+            if vm is not None:  # omnishm through the vllm-omni drop-in, its slots from vllm-omni's view
+                com2 = stack.enter_context(ProcessCommitter(cleanup, "dropin"))
+                dm = VllmOmniPrefixCacheManager(
+                    vm.config, type(vm.view)(batches[dropin], BS), cache=com2.name, endpoint=com2.endpoint,
+                    autostart=False, runtime_dir=com2.runtime_dir, role="writer")
+                stack.callback(dm.shutdown)
             try:
                 # Blocks of consecutive steps per arm, the arms in rotation: what a step leaves behind
                 # (the committer's reply, handled by the link's I/O thread) lands in the same arm's next
                 # step, as in a real engine, not in another arm's. A block's first step is not counted.
-                arms = (on, off, low) if vm is None else (on, off, low, theirs)
+                arms = (on, off, low) if vm is None else (on, off, low, theirs, dropin)
                 for i in range(-(-size.steps // (BLOCK - 1)) * len(arms) + len(arms)):
                     eng = arms[i % len(arms)]
                     for j in range(BLOCK):
@@ -460,6 +470,8 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                             mgr, hooks = t3 - t2, t2 - t1
                         elif eng is theirs:
                             vm.new_step_starts(so)
+                        elif eng is dropin:
+                            dm.new_step_starts(so)
                         batches[eng].update(st, {r.req_id: r.blocks for r in eng.running})  # vLLM's _update_states
                         _forward(reps, a, b)
                         sizes = [w.num_tokens for w in st.layout.writes]
@@ -478,6 +490,10 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                             sid = vm.save_outputs(hidden, mm, num_tokens_unpadded=st.num_tokens,
                                                   num_tokens_padded=st.num_tokens)
                             vm.materialize(sid, [w.req_id for w in st.layout.writes])
+                        elif eng is dropin:
+                            sid = dm.save_outputs(hidden, mm, num_tokens_unpadded=st.num_tokens,
+                                                  num_tokens_padded=st.num_tokens)
+                            dm.materialize(sid, [w.req_id for w in st.layout.writes])
                         elif eng is low:
                             floor.step({"hidden": hidden, **mm}, sizes)
                         else:
@@ -525,7 +541,8 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                 "-", None, note=f"what any design with a staging page and a committer process pays; median of "
                                 f"per-step ratios {paired_floor:.3f}",
                 extra={"device": device, "paired_ratio": paired_floor}),
-            *([] if vm is None else [_their_overhead_row(omni, vm.eager, times[theirs], times[off], rf, ref_name)])]
+            *([] if vm is None else [_their_overhead_row(omni, vm.eager, times[theirs], times[off], rf, ref_name),
+                                     _dropin_overhead_row(omni, times[dropin], times[off], rf, ref_name)])]
 
 
 def _their_overhead_row(version: str, eager: bool, theirs: list[float], off: list[float], rf: Stats,
@@ -537,3 +554,13 @@ def _their_overhead_row(version: str, eager: bool, theirs: list[float], off: lis
                "ms", v, ref_name, rf, v.median / rf.median, "-", None,
                note=f"vllm_omni OmniPrefixCacheManager ({'eager: its mode without CUDA' if eager else 'threaded'}); "
                     f"median of per-step ratios {paired:.3f}", extra={"device": "cpu", "paired_ratio": paired, "vllm_omni": version})
+
+
+def _dropin_overhead_row(version: str, dropin: list[float], off: list[float], rf: Stats, ref_name: str) -> Row:
+    """Figure 6's row for omnishm behind the vllm-omni drop-in: what ``OMNISHM_VLLM_OMNI=1`` runs."""
+    v = Stats.of(np.array(dropin) * 1e3)
+    paired = float(np.median(np.array(dropin) / np.array(off)))
+    return Row("6", f"  variant: omnishm through the vllm-omni {version} drop-in in the same loop, 0% hits",
+               "ms", v, ref_name, rf, v.median / rf.median, "-", None,
+               note=f"VllmOmniPrefixCacheManager over a committer process, vllm-omni's calls and group view; "
+                    f"median of per-step ratios {paired:.3f}", extra={"device": "cpu", "paired_ratio": paired})

@@ -175,6 +175,8 @@ class VllmOmniOwnCache:
         cfg = pc.PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size,
                                    staging_capacity_tokens=staging_capacity_tokens, staging_depth=staging_depth,
                                    staging_claim_timeout_s=60.0)
+        self.config = cfg
+        """vllm-omni's ``PrefixCacheConfig`` of this cache (the drop-in arm takes the same)."""
         self.view: Any = BatchView(block_size) if batch is None else pc.FullAttentionGroupView(batch, block_size)
         self.m: Any = pc.OmniPrefixCacheManager(cfg, self.view, eager=eager)
         self.eager = bool(self.m._controller._eager)
