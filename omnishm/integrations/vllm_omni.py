@@ -32,6 +32,7 @@ Import invariant: neither vllm nor vllm_omni is imported at module scope.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
@@ -40,7 +41,7 @@ import logging
 import sys
 import threading
 import types
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -255,15 +256,15 @@ class VllmOmniPrefixCacheManager:
             leftover = saved.leftover
             if saved.leftover_event is not None:
                 saved.leftover_event.synchronize()
-                leftover = _unpinned(leftover)  # the payload must not hold (and keep) pinned pages
+                leftover = _map_tensors(_unpin, leftover)
             from vllm_omni.utils.mm_outputs import to_payload_element  # imports vllm, as vllm-omni's does here
 
-            order = list(saved.spans)
+            index = {r: i for i, r in enumerate(saved.spans)}  # batch order
             for key, value in leftover.items():
                 mm[key] = {}
                 for r in req_ids:
                     start, count = saved.spans[r]
-                    mm[key][r] = to_payload_element(value, order.index(r), start=start, end=start + count,
+                    mm[key][r] = to_payload_element(value, index[r], start=start, end=start + count,
                                                     pass_lists_through=True, seq_len=saved.n)
         return self._vo.StageCacheOutputs(hidden_states=hidden, mm_outputs=mm)
 
@@ -278,69 +279,55 @@ class VllmOmniPrefixCacheManager:
         """Land open writes and detach from the committer (idempotent)."""
         self._m.shutdown()
 
-    def _errors(self) -> "_Translate":
-        return _Translate(self._vo)
-
-
-class _Translate:
-    """Re-raise omnishm's cache errors as vllm-omni's classes, so a vllm-omni ``except`` catches them."""
-
-    def __init__(self, vo: types.ModuleType):
-        self._vo = vo
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
-        if isinstance(exc, OmniPrefixCacheStagingTimeoutError):
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Re-raise omnishm's cache errors as vllm-omni's classes, so a vllm-omni ``except`` catches them."""
+        try:
+            yield
+        except OmniPrefixCacheStagingTimeoutError as exc:
             raise self._vo.OmniPrefixCacheStagingTimeoutError(str(exc)) from exc
-        if isinstance(exc, OmniPrefixCacheUnmatchError):
+        except OmniPrefixCacheUnmatchError as exc:
             raise self._vo.OmniPrefixCacheUnmatchError(str(exc)) from exc
-        return False
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, inside mappings, lists and tuples too."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: _map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_tensors(fn, v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(fn, v) for v in value)
+    return value
 
 
 def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """CPU copies of the leftover values (tensors inside lists and dicts too), and a CUDA event after them.
+    """CPU copies of the leftover values, and a CUDA event after them (None when nothing was on CUDA).
 
     Device tensors go to pinned memory without blocking the engine thread; materialize waits the event.
     """
-    event = None
     cuda = False
 
-    def copy(v: Any) -> Any:
+    def copy(t: torch.Tensor) -> torch.Tensor:
         nonlocal cuda
-        if isinstance(v, torch.Tensor):
-            if v.is_cuda:
-                cuda = True
-                dst = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-                return dst.copy_(v, non_blocking=True)
-            return v.clone() if v.device.type == "cpu" else v.detach().to("cpu")
-        if isinstance(v, Mapping):
-            return {k: copy(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [copy(x) for x in v]
-        if isinstance(v, tuple):
-            return tuple(copy(x) for x in v)
-        return v
+        if t.is_cuda:
+            cuda = True
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return t.clone() if t.device.type == "cpu" else t.detach().to("cpu")
 
-    out = {k: copy(v) for k, v in values.items()}
+    out = _map_tensors(copy, values)
+    event = None
     if cuda:
         event = torch.cuda.Event()
         event.record()
     return out, event
 
 
-def _unpinned(value: Any) -> Any:
-    """``value`` with every pinned tensor (in lists, tuples and dicts too) cloned into pageable memory."""
-    if isinstance(value, torch.Tensor):
-        return value.clone() if value.is_pinned() else value
-    if isinstance(value, dict):
-        return {k: _unpinned(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_unpinned(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_unpinned(v) for v in value)
-    return value
+def _unpin(t: torch.Tensor) -> torch.Tensor:
+    """A pageable copy of a pinned tensor (the payload must not hold, and keep, pinned pages)."""
+    return t.clone() if t.is_pinned() else t
 
 
 def install() -> bool:
