@@ -130,6 +130,24 @@ def test_resumed_carries_full_new_block_list_in_every_vllm_shape(shape):
     assert step.events == (Ev(K.RESUMED, "p", 32, (9, 4, 12)), Ev(K.EXTENDED, "q", 20, (6,)))
 
 
+def test_flat_block_id_lists_of_vllm_0_8_are_group_0():
+    """Before the hybrid allocator, vLLM sent one flat ``list[int]`` of block ids (one KV group)."""
+    ad = PrefixCacheSchedulerAdapter()
+    new = SimpleNamespace(req_id="p", num_computed_tokens=32, block_ids=[4, np.int64(9), 12])
+    step = ad.translate_scheduler_output(sched(new=[new], nst={"p": 9}))
+    assert step.events == (Ev(K.STARTED, "p", 32, (4, 9, 12)),)
+    old = [SimpleNamespace(req_id="p", resumed_from_preemption=False, new_block_ids=[], num_computed_tokens=41),
+           SimpleNamespace(req_id="q", resumed_from_preemption=True, new_block_ids=[7], num_computed_tokens=0)]
+    step = ad.translate_scheduler_output(sched(cached_reqs=old, nst={"p": 1, "q": 3}))
+    assert step.events == (Ev(K.RESUMED, "q", 0, (7,)), Ev(K.EXTENDED, "p", 41, ()))
+    # a flat list has no second group, and the adapter's state is left as it was
+    with pytest.raises(ValueError, match="flat block id list is KV group 0 only"):
+        PrefixCacheSchedulerAdapter(group_index=1).translate_scheduler_output(sched(new=[new], nst={"p": 9}))
+    with pytest.raises(ValueError, match="no KV group 1"):
+        PrefixCacheSchedulerAdapter(group_index=1).translate_scheduler_output(
+            sched(new=[SimpleNamespace(req_id="p", num_computed_tokens=0, block_ids=[])], nst={"p": 1}))
+
+
 def test_v2_runner_resume_sent_as_new_after_preempted_req_ids():
     ad = PrefixCacheSchedulerAdapter()
     ad.translate_scheduler_output(sched(new=[new_req("p", 0, [1, 2]), new_req("q", 0, [3])],

@@ -177,9 +177,23 @@ class PrefixCacheWriteLayout:
 
 
 def _group_blocks(per_group: Any, group_index: int, req_id: ReqId) -> tuple[int, ...]:
-    """Block ids of one KV group from vLLM's ``tuple[list[int], ...]`` (None -> ())."""
+    """Block ids of one KV group from vLLM's ``tuple[list[int], ...]`` (None -> ()).
+
+    A flat list of ints is the one KV group of vLLM before the hybrid allocator (0.8 and older:
+    ``block_ids: list[int]``); it names group 0 only. Raises ``ValueError`` for a group the ids do not have.
+    """
     if per_group is None:
         return ()
+    if not len(per_group):
+        if group_index == 0:
+            return ()  # a flat list with no new blocks
+        raise ValueError(f"{req_id}: block ids have no KV group {group_index}: {per_group!r}")
+    first = per_group[0]
+    if isinstance(first, int) or (hasattr(first, "__index__") and not hasattr(first, "__iter__")):
+        if group_index:
+            raise ValueError(f"{req_id}: a flat block id list is KV group 0 only, not group {group_index}: "
+                             f"{per_group!r}")
+        return tuple(per_group)
     try:
         return tuple(per_group[group_index])
     except IndexError:
