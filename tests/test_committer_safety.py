@@ -416,7 +416,11 @@ def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp
         assert other is not None
         try:
             proc = real_start(cache, runtime_dir, **kw)
-            assert proc.wait(60) == 2, "a committer started while another held the lock"
+            deadline = time.monotonic() + 60
+            while proc.alive() and time.monotonic() < deadline:  # not its child: no exit status to wait for
+                time.sleep(0.05)
+            log = (runtime_dir / f"{cache}.autostart.log").read_text()
+            assert not proc.alive() and "refusing to start a second one" in log, log
         finally:
             other.release(remove=True)  # ... which exits before this client's Hello reached it
         started.append(proc.pid)
@@ -444,14 +448,14 @@ def test_an_autostarted_committer_that_lost_the_race_is_stopped_by_its_client(tm
 
     name = unique_cache_name("loser")
     real_start = attach_mod.start_committer  # looked up there at call time (_autostart_if_down)
-    mine: list[subprocess.Popen] = []
+    mine: list = []
     winner: list = []
 
     def slow_start_and_another_rank_wins(cache, runtime_dir, **kw):
         proc = real_start(cache, runtime_dir, **kw)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not catches_signal(proc.pid, signal.SIGTERM):  # its first act; then it imports torch for seconds
-            assert proc.poll() is None and time.monotonic() < deadline
+            assert proc.alive() and time.monotonic() < deadline
         os.kill(proc.pid, signal.SIGSTOP)  # long before it could reach the cache lock
         mine.append(proc)
         if not winner:
@@ -471,7 +475,10 @@ def test_an_autostarted_committer_that_lost_the_race_is_stopped_by_its_client(tm
         for proc in mine:
             os.kill(proc.pid, signal.SIGCONT)  # ... when the slow one goes on
     (loser,) = mine
-    assert loser.wait(60) == 0
+    deadline = time.monotonic() + 60
+    while loser.alive() and time.monotonic() < deadline:  # not this process's child: no exit status
+        time.sleep(0.05)
+    assert not loser.alive()
     log = RUNTIME_DIR / f"{name}.autostart.log"
     assert not log.exists(), log.read_text()  # stopped cleanly before it started: nothing made, log removed
     assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []

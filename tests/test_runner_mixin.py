@@ -432,6 +432,7 @@ def test_each_data_parallel_replica_gets_its_own_cache_name(monkeypatch):
     assert replica_cache_name("thinker") == "thinker" and replica_cache_name(None) is None
     fake_vllm(False, 1, 2)  # groups not initialised: single-process tools
     assert replica_cache_name("thinker") == "thinker"
+    # A MoE model: the replicas form a DP group. Replica 0 keeps the name, the others get -dp<index>.
     fake_vllm(True, 1, 2)
     assert replica_cache_name("thinker") == "thinker-dp1"
     monkeypatch.setenv("OMNISHM_NAME", "talker")
@@ -440,6 +441,41 @@ def test_each_data_parallel_replica_gets_its_own_cache_name(monkeypatch):
     assert replica_cache_name(None) == "default-dp1"
     with pytest.raises(ConfigError, match="data-parallel replicas"):  # one endpoint cannot serve every replica
         replica_cache_name("thinker", "ipc:///tmp/thinker.sock")
+    fake_vllm(True, 0, 2)
+    assert replica_cache_name("thinker") == "thinker" and replica_cache_name(None) is None
+    with pytest.raises(ConfigError, match="data-parallel replicas"):
+        replica_cache_name("thinker", "ipc:///tmp/thinker.sock")
+    # A dense model: vLLM runs each replica as an independent engine of DP size 1 (its DP group has one
+    # rank); only the runner's ParallelConfig.data_parallel_index still tells the replica.
+    fake_vllm(True, 0, 1)
+    assert replica_cache_name("thinker", parallel_config=SimpleNamespace(data_parallel_index=2)) == "thinker-dp2"
+    assert replica_cache_name(None, parallel_config=SimpleNamespace(data_parallel_index=1)) == "default-dp1"
+    assert replica_cache_name("thinker", parallel_config=SimpleNamespace(data_parallel_index=0)) == "thinker"
+    assert replica_cache_name("thinker", parallel_config=SimpleNamespace()) == "thinker"
+    with pytest.raises(ConfigError, match="data-parallel replicas"):
+        replica_cache_name("thinker", "ipc:///tmp/thinker.sock", parallel_config=SimpleNamespace(data_parallel_index=1))
+    monkeypatch.setitem(sys.modules, "vllm", None)  # the runner's config is enough without vllm's groups
+    assert replica_cache_name("t", parallel_config=SimpleNamespace(data_parallel_index=3)) == "t-dp3"
+
+
+def test_a_dense_model_dp_replica_writes_its_own_cache(committer_factory):
+    """vLLM runs replica k of a dense model as an independent engine of DP size 1: only its runner's
+    ``parallel_config.data_parallel_index`` says k, and the mixin's manager attaches to ``<name>-dp<k>``
+    (autostart off: no other cache would answer)."""
+    from conftest import unique_cache_name
+
+    base = unique_cache_name()
+    committer_factory(name=f"{base}-dp1")
+    r = FakeRunner(base, SimpleNamespace())
+    r.vllm_config.parallel_config.data_parallel_index = 1
+    try:
+        r.tags["a"] = 1
+        _, sid = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 2}))
+        assert r.prefix_cache_manager.cache == f"{base}-dp1"
+        out = r.prefix_cache_materialize(sid)
+        assert torch.equal(out.hidden_states["a"], rows(1, range(2)))
+    finally:
+        r.prefix_cache_shutdown()
 
 
 def test_a_timed_out_save_does_not_burn_a_step_id(runner):

@@ -240,6 +240,8 @@ def test_hidden_opt_out_gives_none_as_vllm_omni_does(committer_factory):
 def test_install_makes_vllm_omnis_runner_build_the_dropin(monkeypatch):
     mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
     monkeypatch.setattr(mixin, "OmniPrefixCacheManager", mixin.OmniPrefixCacheManager)  # restored afterwards
+    monkeypatch.setattr(mixin.PrefixCacheRunnerMixin, "_ensure_omni_prefix_cache",
+                        mixin.PrefixCacheRunnerMixin._ensure_omni_prefix_cache)
     monkeypatch.delenv("OMNISHM_VLLM_OMNI", raising=False)
     vllm_omni_plugin()  # the vLLM plugin entry point: nothing without OMNISHM_VLLM_OMNI
     assert mixin.OmniPrefixCacheManager is VO.OmniPrefixCacheManager

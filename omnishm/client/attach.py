@@ -119,7 +119,7 @@ class LinkAttach:
         during start-up it exits 0 having made nothing; stopped later it unlinks what it made. Called
         with each ``Welcome``: on the constructing thread for the first, on the I/O thread for a resume's.
         """
-        losers = [p for p in self._autostarted if p.pid != committer_pid and p.poll() is None]
+        losers = [p for p in self._autostarted if p.pid != committer_pid and p.alive()]
         self._autostarted.clear()
         for proc in losers:
             logger.info("cache %s: stopping committer pid %d, which this client autostarted and which lost the "

@@ -1,19 +1,20 @@
 """The committer as a process seen from a client: start one (autostart), and tell whether it still lives.
 
-``start_committer`` starts an embedded committer in its own session with its
-log in the runtime dir; the committer removes the log when it stops cleanly,
-so a failed start keeps it with the reason. ``proc_identity`` is how a link
-notices its committer died between two heartbeats (a zombie, or another
-process under the same pid, counts as gone).
+``start_committer`` starts an embedded committer, detached from the client's
+process tree, with its log in the runtime dir; the committer removes the log
+when it stops cleanly, so a failed start keeps it with the reason.
+``proc_identity`` is how a link notices its committer died between two
+heartbeats (a zombie, or another process under the same pid, counts as gone).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
-import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from omnishm import cpus
@@ -22,34 +23,78 @@ from omnishm.shm import proc_identity
 
 logger = logging.getLogger(__name__)
 
+_DETACH = '"$@" </dev/null >>"$0" 2>&1 & echo $!'
+"""``sh -c`` script: run the command in the background with its output appended to the log (``$0``), print
+its pid, exit. The command's parent is then gone at once, so it is re-parented to init (or a subreaper)."""
+_LAUNCH_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class AutostartedCommitter:
+    """A committer this process started: not its child (see ``start_committer``), so known by pid and
+    start time (``ident``, ``proc_identity``) rather than by a ``Popen``. Any thread."""
+
+    cache: str
+    pid: int
+    ident: str | None
+
+    def alive(self) -> bool:
+        """The process of that pid and start time still runs (not a zombie)."""
+        return self.ident is not None and proc_identity(self.pid) == self.ident
+
+    def terminate(self) -> None:
+        """SIGTERM, unless the process is gone (its pid may belong to another process by now)."""
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
 
 def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = None,
-                    exit_when_idle: bool = True) -> subprocess.Popen:
-    """Start an embedded committer for ``cache`` in its own session (it outlives no client).
+                    exit_when_idle: bool = True) -> AutostartedCommitter:
+    """Start an embedded committer for ``cache``, detached from this process's tree (it outlives no client).
+
+    Detached: started by a shell that exits at once, in a session of its own, so the committer is no
+    descendant of this process. vLLM 0.32 stops ``vllm serve`` by SIGKILLing every descendant of its
+    engine processes once its shutdown timeout (0 s by default) passes
+    (``vllm.utils.system_utils.kill_process_tree``); a committer among them died with the cache's
+    segments, socket and lock still there (found with a real ``--data-parallel-size 2`` server). Detached,
+    it outlives the kill, reaps its silent clients after its heartbeat timeout and, being
+    ``--exit-when-idle``, exits and unlinks everything.
 
     ``endpoint``: where the client will connect (default ``ipc://RUNTIME_DIR/NAME.sock``), always passed
     on as a flag: the committer inherits this process's environment, and an ``OMNISHM_ENDPOINT`` (or an
     ``endpoint`` in ``$OMNISHM_CONFIG``) there would otherwise win over the default it was meant to bind.
+    Raises ``OSError`` when the committer cannot be launched.
     """
     cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir),
            "--endpoint", endpoint if endpoint is not None else ipc_endpoint(Path(runtime_dir), cache)]
     if exit_when_idle:
-        # This process by pid and start time: the committer tells whether it still runs even when it is
-        # gone before the committer looked (then the committer's parent is no longer this pid).
+        # This process by pid and start time: the committer is never its child, and tells whether it
+        # still runs by both (a pid alone may be reused).
         me = proc_identity(os.getpid())
         cmd += ["--exit-when-idle", "--spawned-by", f"{os.getpid()}:{me}" if me else str(os.getpid())]
     log_path = Path(runtime_dir) / f"{cache}.autostart.log"
-    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))  # private before sh appends
     env = {**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)}
     # Started unpinned: not on the starting rank's core, which its busy-waiting main thread keeps
     # (omnishm/cpus.py); a child inherits its parent's CPU set at fork, every thread of it included.
     with cpus.unpinned():
-        try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        launcher = subprocess.Popen(["/bin/sh", "-c", _DETACH, str(log_path), *cmd], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                     env=env)
-        finally:
-            log.close()
-        # Reap it when it exits so it never lingers as a zombie of the runner.
-        threading.Thread(target=proc.wait, name=f"omnishm-reap-{cache}", daemon=True).start()
-    logger.info("cache %s: autostarted committer pid %d", cache, proc.pid)
-    return proc
+        try:
+            out, err = launcher.communicate(timeout=_LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.communicate()
+            raise OSError(f"cache {cache}: the committer's launcher did not return within "
+                          f"{_LAUNCH_TIMEOUT_S:.0f}s") from None
+    try:
+        pid = int(out)
+    except ValueError:
+        raise OSError(f"cache {cache}: the committer could not be launched (sh exited {launcher.returncode}): "
+                      f"{err.decode(errors='replace').strip() or out!r}") from None
+    logger.info("cache %s: autostarted committer pid %d", cache, pid)
+    return AutostartedCommitter(cache, pid, proc_identity(pid))

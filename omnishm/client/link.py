@@ -44,7 +44,6 @@ import collections
 import itertools
 import logging
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -61,6 +60,7 @@ from omnishm import cpus
 from omnishm import protocol as P
 from omnishm import paths, shm
 from omnishm.client.attach import CONNECTED, DEAD, RECONNECTING, LinkAttach
+from omnishm.client.committer_process import AutostartedCommitter
 from omnishm.shm import proc_identity
 from omnishm.interface import OmniPrefixCacheCommitterError
 
@@ -163,7 +163,7 @@ class CommitterLink(LinkAttach):
         self._attempt_deadline = 0.0
         self._hello_rid = -1
         self._last_autostart = 0.0
-        self._autostarted: list[subprocess.Popen] = []  # committers this link started, until a Welcome
+        self._autostarted: list[AutostartedCommitter] = []  # committers this link started, until a Welcome
         self._live_fd = -1
         self._staging_names: set[str] = set()
         self._poller = zmq.Poller()

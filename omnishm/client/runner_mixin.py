@@ -90,12 +90,23 @@ def vllm_runner_role() -> str:
     return "writer" if tp_rank == 0 and last_pp else "reader"
 
 
-def vllm_dp_rank() -> int | None:
-    """This engine's data-parallel rank when vLLM runs more than one DP replica, else None.
+def vllm_dp_rank(parallel_config: Any = None) -> int | None:
+    """This engine's data-parallel replica index when vLLM runs more than one DP replica, else None.
 
-    Read from vLLM's parallel state at call time (vllm imported here); None when vllm is absent or its
-    groups are not initialised.
+    Two ways vLLM 0.32 runs DP replicas, and both are seen here:
+
+    - a MoE model: the replicas form a DP process group (``get_dp_group()``, world size > 1);
+    - a dense model: each replica is an independent engine, reset to DP size 1 and DP rank 0
+      (``ParallelConfig.reconfigure_for_independent_dp_rank``). Only
+      ``parallel_config.data_parallel_index`` (the runner's ``ParallelConfig``) still holds its
+      index, so replica 0 of a dense model cannot be told from a lone engine: None for it.
+
+    vllm is imported here, never at module scope; None when it is absent or its groups are not
+    initialised and ``parallel_config`` names no replica.
     """
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if isinstance(index, int) and not isinstance(index, bool) and index > 0:
+        return index
     try:
         from vllm.distributed import parallel_state as ps
     except ImportError:
@@ -109,27 +120,41 @@ def vllm_dp_rank() -> int | None:
         return None
 
 
-def replica_cache_name(cache: str | None, endpoint: str | None = None) -> str | None:
-    """The cache name for this engine replica: ``cache`` unless vLLM runs DP > 1, then ``<name>-dp<rank>``.
+def replica_cache_name(cache: str | None, endpoint: str | None = None, *,
+                       parallel_config: Any = None) -> str | None:
+    """The cache name for this engine replica: ``cache`` for a lone engine and DP replica 0, else
+    ``<name>-dp<index>``.
 
     DP replicas have separate KV caches (each its own block ids), so each needs its own omnishm cache;
-    one name for all would make their TP rank 0s two writers of one cache. With ``cache`` None the
-    name is ``OMNISHM_NAME`` / the file's (``default``). Each replica's cache is served on its own
-    socket (autostarted, or ``omnishm committer --name <name>-dp<rank>``), so an explicit ``endpoint``
-    under DP > 1 is refused. Raises ConfigError for that and for a bad name setting.
+    one name for all would make their TP rank 0s two writers of one cache. Replica 0 keeps the plain
+    name because a dense model's replica 0 looks like a lone engine (``vllm_dp_rank``; pass the
+    runner's ``parallel_config``). With ``cache`` None the name is ``OMNISHM_NAME`` / the file's
+    (``default``). Each replica's cache is served on its own socket (autostarted, or ``omnishm
+    committer --name <name>-dp<index>``), so an explicit ``endpoint`` is refused wherever DP shows.
+    Raises ConfigError for that and for a bad name setting.
     """
-    rank = vllm_dp_rank()
+    rank = vllm_dp_rank(parallel_config)
     if rank is None:
         return cache
     from omnishm.config import ConfigError, resolve
 
     if endpoint is not None:
-        raise ConfigError(f"vLLM runs data-parallel replicas: each needs its own cache (<name>-dp<rank>) on its own "
-                          f"socket, so an explicit endpoint ({endpoint}) cannot serve them; leave it unset and "
-                          f"autostart, or launch `omnishm committer --name <name>-dp<rank>` per replica")
+        raise ConfigError(f"vLLM runs data-parallel replicas: each needs its own cache (<name>-dp<index>) on its "
+                          f"own socket, so an explicit endpoint ({endpoint}) cannot serve them; leave it unset "
+                          f"and autostart, or launch `omnishm committer --name <name>-dp<index>` per replica "
+                          f"(replica 0: <name>)")
+    if not rank:
+        return cache
     if cache is None:
         cache = resolve("client", {}, names=("name",)).values["name"]
     return f"{cache}-dp{rank}"
+
+
+def runner_parallel_config(runner: Any) -> Any:
+    """A vLLM runner's ``ParallelConfig`` (``vllm_config.parallel_config`` or its own), or None."""
+    vllm_config = getattr(runner, "vllm_config", None)
+    found = getattr(vllm_config, "parallel_config", None) if vllm_config is not None else None
+    return found if found is not None else getattr(runner, "parallel_config", None)
 
 
 class PrefixCacheRunnerMixin:
@@ -240,8 +265,9 @@ class PrefixCacheRunnerMixin:
         from omnishm.client.manager import OmniPrefixCacheManager
         # Knobs left at None are resolved by the manager, by its rule: OMNISHM_* and the file, except that
         # a name set here without an endpoint means that cache's own socket (config.manager_connection).
-        manager = OmniPrefixCacheManager(config, role=role, eager=self.prefix_cache_eager,
-                                         cache=replica_cache_name(self.prefix_cache_name, self.prefix_cache_endpoint),
+        cache = replica_cache_name(self.prefix_cache_name, self.prefix_cache_endpoint,
+                                   parallel_config=runner_parallel_config(self))
+        manager = OmniPrefixCacheManager(config, role=role, eager=self.prefix_cache_eager, cache=cache,
                                          endpoint=self.prefix_cache_endpoint, autostart=self.prefix_cache_autostart)
         try:
             manager.register_policy(policy)

@@ -30,7 +30,7 @@ worker assigns ``self.model_runner`` (in ``init_device``) the extension wraps
 The manager is built on the first real step (the KV-cache config is known
 then), with ``autostart=True`` (an embedded committer) and the cache named by
 ``$OMNISHM_NAME`` (or its alias ``$OMNISHM_CACHE``, or the TOML ``name``; default ``"default"``;
-``<name>-dp<rank>`` for each replica under data parallelism). Call
+``<name>-dp<k>`` for data-parallel replica k > 0, ``runner_mixin.replica_cache_name``). Call
 ``llm.collective_rpc("omnishm_shutdown")`` before the engine goes away: it
 detaches from the committer (which exits when idle and removes its segments)
 and removes the hooks. ``omnishm_install`` re-installs them; do it only on a
@@ -208,7 +208,8 @@ class OmniPrefixCacheRunnerHooks:
         self._block_size = cfg.block_size
         # Endpoint, autostart, runtime dir and connect timeout come from OMNISHM_* / the TOML file, by the
         # manager's rule (a cache name given to install() without an endpoint: that cache's own socket).
-        manager = OmniPrefixCacheManager(cfg, role=vllm_runner_role(), cache=replica_cache_name(self._cache_given))
+        cache = replica_cache_name(self._cache_given, parallel_config=vc.parallel_config)
+        manager = OmniPrefixCacheManager(cfg, role=vllm_runner_role(), cache=cache)
         self.cache = manager.cache
         try:
             model = r.get_model() if hasattr(r, "get_model") else getattr(r, "model", None)

@@ -33,7 +33,9 @@ Import invariant: neither vllm nor vllm_omni is imported at module scope.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -49,7 +51,7 @@ from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAd
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
 from omnishm.client.group_view import FullAttentionGroupView
 from omnishm.client.manager import OmniPrefixCacheManager
-from omnishm.client.runner_mixin import replica_cache_name, vllm_runner_role
+from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, vllm_runner_role
 from omnishm.config import load_prefix_cache_config
 from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheStagingTimeoutError,
                                OmniPrefixCacheUnmatchError, ReqId, StepId)
@@ -61,6 +63,11 @@ __all__ = ["VllmOmniPrefixCacheManager", "install", "load_prefix_cache"]
 PACKAGE = "vllm-omni"
 SUPPORTED = "0.30.0"
 """The vllm-omni release whose API the drop-in takes (its tests compare against that release)."""
+
+_BUILDING: contextvars.ContextVar[Any] = contextvars.ContextVar("omnishm_vllm_omni_runner", default=None)
+"""The vllm-omni runner whose ``_ensure_omni_prefix_cache`` is building its cache (``install`` wraps it):
+vllm-omni hands the manager only its config and group view, and a DP replica's cache name needs the
+runner's ``ParallelConfig`` (``replica_cache_name``)."""
 
 _VO_FIELDS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
               "copy_chunk_bytes")
@@ -118,12 +125,13 @@ class VllmOmniPrefixCacheManager:
     and the staging knobs, which ``OMNISHM_*`` settings override); ``view`` its group view
     (``batch_req_ids()``, ``step_slots_cpu(req_ids, num_scheduled)``). ``cache``, ``role`` and the
     connection keywords go to omnishm's manager (default: ``$OMNISHM_NAME``, the rank's role from
-    vLLM's parallel state, an autostarted committer). Raises vllm-omni's ``OmniPrefixCacheUnmatchError``
-    when no committer answers.
+    vLLM's parallel state, an autostarted committer). ``parallel_config`` (default: that of the runner
+    whose ``_ensure_omni_prefix_cache`` builds this, once ``install`` ran) names a DP replica's cache
+    (``replica_cache_name``). Raises vllm-omni's ``OmniPrefixCacheUnmatchError`` when no committer answers.
     """
 
     def __init__(self, config: Any, view: Any, *, eager: bool | None = None, cache: str | None = None,
-                 role: str | None = None, **connection: Any):
+                 role: str | None = None, parallel_config: Any = None, **connection: Any):
         self._vo, self.version = load_prefix_cache()
         derived = {k: getattr(config, k) for k in _VO_FIELDS if getattr(config, k, None) is not None}
         cfg = load_prefix_cache_config(int(config.num_blocks), int(config.block_size), derived=derived)
@@ -134,9 +142,12 @@ class VllmOmniPrefixCacheManager:
         self._hidden = True
         self._lock = threading.Lock()
         self._saved: dict[StepId, _Saved] = {}
+        if parallel_config is None:
+            parallel_config = runner_parallel_config(_BUILDING.get())
         with self._errors():
-            self._m = OmniPrefixCacheManager(cfg, cache=replica_cache_name(cache, connection.get("endpoint")),
-                                             role=role or vllm_runner_role(), eager=eager, **connection)
+            cache = replica_cache_name(cache, connection.get("endpoint"), parallel_config=parallel_config)
+            self._m = OmniPrefixCacheManager(cfg, cache=cache, role=role or vllm_runner_role(), eager=eager,
+                                             **connection)
 
     @staticmethod
     def _own_view(view: Any) -> FullAttentionGroupView | None:
@@ -349,4 +360,26 @@ def install() -> bool:
     if mixin.OmniPrefixCacheManager is not VllmOmniPrefixCacheManager:
         mixin.OmniPrefixCacheManager = VllmOmniPrefixCacheManager
         logger.info("omnishm: vllm-omni's omni prefix cache now runs on omnishm (%s)", mixin.__name__)
+    _expose_runner(mixin.PrefixCacheRunnerMixin)
     return True
+
+
+def _expose_runner(mixin_cls: type) -> None:
+    """Wrap ``mixin_cls._ensure_omni_prefix_cache`` so the manager it builds sees the runner (``_BUILDING``).
+
+    Idempotent; the wrapper only sets and resets the context variable around vllm-omni's own method.
+    """
+    orig = mixin_cls._ensure_omni_prefix_cache
+    if getattr(orig, "__omnishm_wrapped__", False):
+        return
+
+    @functools.wraps(orig)
+    def _ensure_omni_prefix_cache(self: Any) -> Any:
+        token = _BUILDING.set(self)
+        try:
+            return orig(self)
+        finally:
+            _BUILDING.reset(token)
+
+    _ensure_omni_prefix_cache.__omnishm_wrapped__ = True  # type: ignore[attr-defined]
+    mixin_cls._ensure_omni_prefix_cache = _ensure_omni_prefix_cache

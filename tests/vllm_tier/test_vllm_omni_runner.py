@@ -3,7 +3,8 @@
 Two runners built on vllm-omni 0.30.0's ``PrefixCacheRunnerMixin`` run the same steps of a real vLLM
 ``Scheduler`` (shared prefixes, chunked prefill, aborts, preemption and V1 resumes, freed blocks
 reused): one builds vllm-omni's in-process cache, the other, after ``omnishm.integrations.vllm_omni.install()``
-(what ``OMNISHM_VLLM_OMNI=1`` does), the drop-in over an autostarted committer. Each step's
+(what ``OMNISHM_VLLM_OMNI=1`` does), the drop-in over an autostarted committer; that runner is replica 1 of a
+dense model under vLLM data parallelism, so its cache is ``<name>-dp1``. Each step's
 ``_prefix_cache_materialize`` must return the same hidden states and the same multimodal payload,
 leftover values included (a 1-D per-token tensor, a per-request list, a tensor of another length,
 a nested dict), which vllm-omni cuts per request with its ``to_payload_element`` (it imports vllm).
@@ -13,6 +14,7 @@ vllm-omni is installed without its dependencies (``run_tier.sh``).
 from __future__ import annotations
 
 import importlib
+import os
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -82,6 +84,8 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
     mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
     original = mixin.OmniPrefixCacheManager
     monkeypatch.setattr(mixin, "OmniPrefixCacheManager", original)  # restored after the test
+    monkeypatch.setattr(mixin.PrefixCacheRunnerMixin, "_ensure_omni_prefix_cache",
+                        mixin.PrefixCacheRunnerMixin._ensure_omni_prefix_cache)  # install() wraps it
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: SimpleNamespace(is_last_rank=True))
     monkeypatch.setenv("OMNISHM_NAME", unique_cache_name("vo"))
 
@@ -98,6 +102,13 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
     fake = FakeRunner(max_blocks=512 // BLOCK)  # one batch, as vLLM's _update_states keeps it, read by both
     theirs = Runner(cfg, kv_cfg, fake.batch)
     ours = Runner(cfg, kv_cfg, fake.batch)
+    # The drop-in's runner is replica 1 of a dense model under vLLM DP: an independent engine of DP size 1
+    # (vLLM's own reconfiguration), whose cache must be <name>-dp1, not its replica 0's.
+    from vllm.config import ParallelConfig
+
+    ours.parallel_config = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
+    ours.parallel_config.reconfigure_for_independent_dp_rank()
+    assert ours.parallel_config.data_parallel_size == 1 and ours.parallel_config.data_parallel_index == 1
 
     rng = random.Random(3)
     families = [[rng.randrange(4, 1000) for _ in range(rng.randrange(70, 200))] for _ in range(5)]
@@ -128,6 +139,7 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
                 theirs._prefix_cache_step_begin(so)
                 assert isinstance(ours.omni_prefix_cache, VllmOmniPrefixCacheManager)
                 assert ours.omni_prefix_cache._ours is not None  # slots from omnishm's view of the same batch
+                assert ours.omni_prefix_cache._m.cache == os.environ["OMNISHM_NAME"] + "-dp1"
                 assert isinstance(theirs.omni_prefix_cache, original)
             else:
                 ours._prefix_cache_step_begin(so)
