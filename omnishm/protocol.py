@@ -154,6 +154,9 @@ class Welcome(msgspec.Struct, tag="welcome"):
 class Refused(msgspec.Struct, tag="refused"):
     rid: int
     reason: str
+    retry_after_s: float = 0.0
+    """> 0: what is in the way is a client silent for a while, which the committer reaps once its heartbeat
+    timeout passes (a killed engine's writer, say): the same Hello may succeed after about this long."""
 
 
 class KeyOpened(msgspec.Struct, tag="key_opened"):

@@ -258,6 +258,40 @@ def test_install_makes_vllm_omnis_runner_build_the_dropin(monkeypatch):
     vllm_omni_plugin()
 
 
+def test_the_manager_vllm_omni_builds_sees_its_runner_for_the_dp_replica_name():
+    """``install`` wraps vllm-omni's ``_ensure_omni_prefix_cache`` once; while it runs, the drop-in reads the
+    runner's ``ParallelConfig`` (a dense model's DP replica 1: ``<name>-dp1``), and afterwards no runner is set,
+    also when the method raised."""
+    from types import SimpleNamespace
+
+    from omnishm.client.runner_mixin import runner_parallel_config
+    from omnishm.integrations import vllm_omni as dropin
+
+    seen: list[Any] = []
+
+    class Mixin:
+        def _ensure_omni_prefix_cache(self) -> None:
+            seen.append(runner_parallel_config(dropin._BUILDING.get()))
+            if getattr(self, "fail", False):
+                raise RuntimeError("gate refused")
+
+    dropin._expose_runner(Mixin)
+    wrapped = Mixin._ensure_omni_prefix_cache
+    dropin._expose_runner(Mixin)
+    assert Mixin._ensure_omni_prefix_cache is wrapped  # idempotent
+    runner = Mixin()
+    runner.parallel_config = SimpleNamespace(data_parallel_index=1)
+    runner._ensure_omni_prefix_cache()
+    assert seen[-1] is runner.parallel_config and dropin._BUILDING.get() is None
+    runner.fail = True
+    with pytest.raises(RuntimeError, match="gate refused"):
+        runner._ensure_omni_prefix_cache()
+    assert dropin._BUILDING.get() is None
+    from omnishm.client.runner_mixin import replica_cache_name
+
+    assert replica_cache_name("talker", parallel_config=seen[-1]) == "talker-dp1"
+
+
 def test_where_vllm_omni_serves_zeros_or_a_short_prefix_the_dropin_raises(committer_factory):
     ours, theirs, view = managers(committer_factory(), 8, 32)
     try:

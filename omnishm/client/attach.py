@@ -69,9 +69,11 @@ class LinkAttach:
         """Constructing thread: the first ``Hello``, retried (autostarting when allowed) until ``timeout_s``.
 
         Returns the ``Welcome``; raises ``OmniPrefixCacheCommitterError`` when no committer answered in
-        time or one refused this client.
+        time or one refused this client (a refusal marked retryable, ``Refused.retry_after_s``, only
+        once ``timeout_s`` passed).
         """
         deadline = time.monotonic() + timeout_s
+        refused = ""  # the latest retryable refusal
         while True:
             # Again while nothing holds the cache lock: the committer this client started may have lost
             # the lock to another rank's, which then exited before this Hello reached it (nobody had
@@ -79,7 +81,13 @@ class LinkAttach:
             self._autostart_if_down(time.monotonic())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if self._autostart and self.endpoint.startswith("ipc://"):
+                if refused:
+                    raise OmniPrefixCacheCommitterError(
+                        f"cache {self.cache}: committer refused this {self.role} until {timeout_s:.1f}s passed: "
+                        f"{refused}")
+                if self._autostart_error:
+                    hint = f"autostart is on, and the committer could not be launched: {self._autostart_error}"
+                elif self._autostart and self.endpoint.startswith("ipc://"):
                     hint = (f"autostart is on: why the committer it started did not answer is in "
                             f"{self.runtime_dir}/{self.cache}.autostart.log")
                 else:
@@ -96,6 +104,15 @@ class LinkAttach:
                 continue
             if isinstance(reply, P.Welcome):
                 return reply
+            if isinstance(reply, P.Refused) and reply.retry_after_s > 0:
+                # In the way: a client silent for a while (an engine killed and started again at once, before
+                # the committer reaped its writer); it is reaped within the committer's heartbeat timeout.
+                if not refused:
+                    logger.info("cache %s: committer refused this %s for now (%s); trying again for up to %.1fs",
+                                self.cache, self.role, reply.reason, deadline - time.monotonic())
+                refused = reply.reason
+                time.sleep(max(0.0, min(reply.retry_after_s, 1.0, deadline - time.monotonic())))
+                continue
             reason = reply.reason if isinstance(reply, P.Refused) else f"{reply.code}: {reply.message}"
             raise OmniPrefixCacheCommitterError(f"cache {self.cache}: committer refused this {self.role}: {reason}")
 
@@ -106,7 +123,11 @@ class LinkAttach:
                 and not shm.cache_is_live(self.runtime_dir, self.cache):
             shm.ensure_runtime_dir(self.runtime_dir)
             self._last_autostart = now
-            self._autostarted.append(start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint))
+            try:
+                self._autostarted.append(start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint))
+            except OSError as exc:  # on the I/O thread too (a resume): the link's deadlines fail what waits
+                self._autostart_error = str(exc)
+                logger.warning("cache %s: cannot autostart a committer: %s", self.cache, exc)
 
     def _stop_autostart_losers(self, committer_pid: int) -> None:
         """Stop every committer this link autostarted that is not the one that welcomed it (``committer_pid``).

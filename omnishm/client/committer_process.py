@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +24,13 @@ from omnishm.shm import proc_identity
 
 logger = logging.getLogger(__name__)
 
+SHELL = "/bin/sh"
 _DETACH = '"$@" </dev/null >>"$0" 2>&1 & echo $!'
 """``sh -c`` script: run the command in the background with its output appended to the log (``$0``), print
-its pid, exit. The command's parent is then gone at once, so it is re-parented to init (or a subreaper)."""
-_LAUNCH_TIMEOUT_S = 30.0
+its pid, exit. The command's parent is then gone at once, so it is re-parented to init (or the nearest
+subreaper). As a background job of a non-interactive shell it starts with SIGINT and SIGQUIT ignored;
+the committer installs its own SIGINT handler first thing (``omnishm.committer.main``)."""
+_LAUNCH_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,8 @@ class AutostartedCommitter:
 
 def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = None,
                     exit_when_idle: bool = True) -> AutostartedCommitter:
-    """Start an embedded committer for ``cache``, detached from this process's tree (it outlives no client).
+    """Start an embedded committer for ``cache``, detached from this process's tree (``--exit-when-idle``:
+    it exits once its clients left or were reaped).
 
     Detached: started by a shell that exits at once, in a session of its own, so the committer is no
     descendant of this process. vLLM 0.32 stops ``vllm serve`` by SIGKILLing every descendant of its
@@ -81,20 +86,43 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     # Started unpinned: not on the starting rank's core, which its busy-waiting main thread keeps
     # (omnishm/cpus.py); a child inherits its parent's CPU set at fork, every thread of it included.
     with cpus.unpinned():
-        launcher = subprocess.Popen(["/bin/sh", "-c", _DETACH, str(log_path), *cmd], stdin=subprocess.DEVNULL,
+        launcher = subprocess.Popen([SHELL, "-c", _DETACH, str(log_path), *cmd], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                     env=env)
-        try:
-            out, err = launcher.communicate(timeout=_LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.communicate()
-            raise OSError(f"cache {cache}: the committer's launcher did not return within "
-                          f"{_LAUNCH_TIMEOUT_S:.0f}s") from None
+    try:
+        out, err = launcher.communicate(timeout=_LAUNCH_TIMEOUT_S)  # the shell exits once it forked
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.communicate()
+        raise OSError(f"cache {cache}: the committer's launcher ({SHELL}) did not return within "
+                      f"{_LAUNCH_TIMEOUT_S:.0f}s") from None
     try:
         pid = int(out)
     except ValueError:
-        raise OSError(f"cache {cache}: the committer could not be launched (sh exited {launcher.returncode}): "
+        raise OSError(f"cache {cache}: the committer could not be launched ({SHELL} exited {launcher.returncode}): "
                       f"{err.decode(errors='replace').strip() or out!r}") from None
+    if err.strip():
+        logger.warning("cache %s: the committer's launcher said: %s", cache, err.decode(errors="replace").strip())
+    if _parent_of(pid) == os.getpid():
+        # This process is a subreaper (prctl PR_SET_CHILD_SUBREAPER): the orphan came back to it, and only
+        # it can reap the committer when it exits.
+        threading.Thread(target=_reap, args=(pid,), name=f"omnishm-reap-{cache}", daemon=True).start()
     logger.info("cache %s: autostarted committer pid %d", cache, pid)
     return AutostartedCommitter(cache, pid, proc_identity(pid))
+
+
+def _parent_of(pid: int) -> int:
+    """``pid``'s parent pid from /proc, or 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass

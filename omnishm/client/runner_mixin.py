@@ -130,8 +130,11 @@ def replica_cache_name(cache: str | None, endpoint: str | None = None, *,
     name because a dense model's replica 0 looks like a lone engine (``vllm_dp_rank``; pass the
     runner's ``parallel_config``). With ``cache`` None the name is ``OMNISHM_NAME`` / the file's
     (``default``). Each replica's cache is served on its own socket (autostarted, or ``omnishm
-    committer --name <name>-dp<index>``), so an explicit ``endpoint`` is refused wherever DP shows.
-    Raises ConfigError for that and for a bad name setting.
+    committer --name <name>-dp<index>``), so an explicit ``endpoint`` argument is refused wherever DP
+    shows (not one from ``OMNISHM_ENDPOINT`` or the file: replica 0 then uses it, and a replica k > 0,
+    having a name of its own, its own socket; a dense model's replica 0 cannot be told from a lone engine,
+    so there an ``endpoint`` argument is accepted and only the replicas k > 0 refuse it). Raises
+    ConfigError for that and for a bad name setting.
     """
     rank = vllm_dp_rank(parallel_config)
     if rank is None:

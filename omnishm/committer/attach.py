@@ -38,11 +38,20 @@ def _short(value: object, limit: int = 80) -> str:
 class Attach:
     """Hello and resume handling (mixin of ``Committer``; all state lives there)."""
 
-    def refuse(self, msg: protocol.Hello, reason: str, counter: str) -> protocol.Refused:
+    def refuse(self, msg: protocol.Hello, reason: str, counter: str, retry_after_s: float = 0.0) -> protocol.Refused:
         self.rejected[f"hello_{counter}"] += 1
         self.ratelog(logging.WARNING, f"hello_{counter}", "committer %s: refused %s client %s (pid %s): %s",
                      self.name, _short(msg.role, 20), _short(msg.client_id, 70), msg.pid, reason)
-        return protocol.Refused(rid=msg.rid, reason=reason)
+        return protocol.Refused(rid=msg.rid, reason=reason, retry_after_s=retry_after_s)
+
+    def _reaped_soon(self, sessions: list[Session]) -> float:
+        """Seconds until the last of ``sessions`` is reaped when every one of them has been silent for over two
+        heartbeat periods (each heartbeats every ``heartbeat_s``: likely a killed process), else 0."""
+        now = time.monotonic()
+        silent = [now - s.last_seen for s in sessions]
+        if not silent or min(silent) <= 2 * self.cfg.heartbeat_s:
+            return 0.0
+        return max(0.1, self.cfg.heartbeat_timeout_s - min(silent))
 
     def on_hello(self, identity: bytes, msg: protocol.Hello) -> msgspec.Struct:
         if msg.protocol != protocol.PROTOCOL_VERSION:
@@ -75,13 +84,18 @@ class Attach:
             self.detach(previous, REHELLO)
         if msg.role == protocol.ROLE_WRITER and self.sessions.writer is not None:
             w = self.sessions.writer
+            # A writer silent for a while is likely a killed engine's (an engine restarted at once): retryable.
             return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid})",
-                               "second_writer")
+                               "second_writer", self._reaped_soon([w]))
         if msg.role != protocol.ROLE_ADMIN:
             if msg.layout is not None:
                 mismatch = self.pool.layout_mismatch(msg.layout)
                 if mismatch is not None:
-                    return self.refuse(msg, f"layout mismatch: {mismatch}", "layout")
+                    # Retryable only while every client is silent: once reaped, an --exit-when-idle committer
+                    # exits and the next start takes the new layout.
+                    return self.refuse(msg, f"layout mismatch: {mismatch}", "layout",
+                                       self._reaped_soon([c for c in self.sessions if c.is_data_client])
+                                       if self.cfg.exit_when_idle else 0.0)
                 try:
                     self.pool.set_layout(msg.layout)
                 except PoolError as exc:

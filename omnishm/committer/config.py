@@ -42,10 +42,11 @@ class CommitterConfig:
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     spawned_by: int = 0
-    """pid of the client process that autostarted this committer (its parent), 0 when not autostarted."""
+    """pid of the client process that autostarted this committer, 0 when not autostarted. Not its parent:
+    autostart detaches it (``client/committer_process.py``)."""
     spawned_by_start: str = ""
     """That process's start time (``shm.proc_identity``) when the client passed one: the committer then
-    tells that very process from a later one under the same pid, whether or not it is still the parent."""
+    tells that very process from a later one under the same pid. Without it, only a parent is recognised."""
 
     @property
     def ipc_path(self) -> Path | None:
