@@ -118,9 +118,15 @@ class LinkAttach:
 
     def _autostart_if_down(self, now: float) -> None:
         """Start an embedded committer when this link may (``autostart``, an ipc endpoint), nothing holds
-        the cache lock, and the last start was over 5 s ago (a start under load takes seconds)."""
+        the cache lock, the last start was over 5 s ago, and no committer this link started still runs.
+
+        A start under load takes seconds (``import torch``); one still starting is waited for, not joined
+        by another: each more importing torch on a machine that vLLM's busy-waiting processes already fill
+        slowed the first one further (seen: four committers started for one cache of a TP=2 engine).
+        """
         if self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0 \
-                and not shm.cache_is_live(self.runtime_dir, self.cache):
+                and not shm.cache_is_live(self.runtime_dir, self.cache) \
+                and not any(p.alive() for p in self._autostarted):
             shm.ensure_runtime_dir(self.runtime_dir)
             self._last_autostart = now
             try:
