@@ -58,6 +58,16 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _writer_silence(name: str, runtime: Path) -> float:
+    """Seconds since the committer of ``name`` last heard from its writer (its status, asked as admin)."""
+    from omnishm import protocol
+    from omnishm.cli import admin_request
+
+    reply = admin_request(name, shm.ipc_endpoint(runtime, name), lambda rid: protocol.StatusRequest(rid=rid), 5.0,
+                          runtime)
+    return max(c["last_seen_s_ago"] for c in reply.status["clients"] if c["role"] == "writer")
+
+
 def _kill_process_tree(pid: int) -> None:
     """What vLLM's ``kill_process_tree`` does: SIGKILL every descendant, then the process."""
     for child in _descendants(pid):
@@ -135,7 +145,11 @@ def test_an_engine_started_again_at_once_attaches_once_the_killed_writer_is_reap
     try:
         rank = _Rank(name, runtime, heartbeat_timeout_s=3.0)
         rank.kill_tree()
-        time.sleep(0.5)  # silent for over two heartbeat periods, far from reaped
+        # Until the committer has heard nothing from the killed writer for over two heartbeat periods (0.4 s);
+        # it reaps it only after 3 s.
+        deadline = time.monotonic() + 10
+        while _writer_silence(name, runtime) <= 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert rank.committer_alive()
         t0 = time.monotonic()
         m = OmniPrefixCacheManager(small_config(num_blocks=num_blocks), cache=name, role=role, autostart=True,

@@ -154,7 +154,8 @@ def replica_cache_name(cache: str | None, endpoint: str | None = None, *,
 
 
 def runner_parallel_config(runner: Any) -> Any:
-    """A vLLM runner's ``ParallelConfig`` (``vllm_config.parallel_config`` or its own), or None."""
+    """A vLLM runner's ``ParallelConfig`` (``vllm_config.parallel_config`` or its own), or None. For a
+    runner this module does not mix into (vllm-omni's); the mixin reads it like its other configs."""
     vllm_config = getattr(runner, "vllm_config", None)
     found = getattr(vllm_config, "parallel_config", None) if vllm_config is not None else None
     return found if found is not None else getattr(runner, "parallel_config", None)
@@ -269,7 +270,7 @@ class PrefixCacheRunnerMixin:
         # Knobs left at None are resolved by the manager, by its rule: OMNISHM_* and the file, except that
         # a name set here without an endpoint means that cache's own socket (config.manager_connection).
         cache = replica_cache_name(self.prefix_cache_name, self.prefix_cache_endpoint,
-                                   parallel_config=runner_parallel_config(self))
+                                   parallel_config=src("parallel_config"))
         manager = OmniPrefixCacheManager(config, role=role, eager=self.prefix_cache_eager, cache=cache,
                                          endpoint=self.prefix_cache_endpoint, autostart=self.prefix_cache_autostart)
         try:
