@@ -18,7 +18,7 @@ from omnishm import protocol, shm
 from omnishm.committer.config import check_endpoint
 
 from conftest import RUNTIME_DIR, unique_cache_name
-from helpers import Writer, bits, pack, random_rows, unpack
+from helpers import RawClient, Writer, bits, pack, random_rows, unpack
 
 LAYOUT = protocol.Layout(num_blocks=16, block_size=4)  # the shared committer's layout: 64 slots
 NUM_SLOTS = 64
@@ -400,3 +400,25 @@ def test_committer_refuses_non_loopback_tcp_via_cli_and_script():
     proc = subprocess.run(["bash", str(script), "--name", name, "--endpoint", "tcp://10.1.2.3:5555"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 2 and "'10.1.2.3'" in proc.stderr
+
+
+def test_a_stalled_committer_loop_is_logged_and_counted(committer_factory):
+    """A committer frozen (SIGSTOP here; starved of CPU in the vLLM tier) for longer than two heartbeat periods
+    says so on waking, in its log and in its status: its clients then saw it silent, and whether a client's
+    resume came from the committer's stall or its own (which its link logs) is told apart by these lines."""
+    handle = committer_factory("--heartbeat-s", "0.2", "--heartbeat-timeout-s", "30")
+    client = RawClient(handle.endpoint, handle.name)
+    try:
+        assert isinstance(client.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+        assert client.status()["loop_stalls"] == 0
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            while time.monotonic() - stopped < 2.0:  # the stall: over max(1 s, 2 heartbeats)
+                time.sleep(0.05)
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        assert client.status()["loop_stalls"] == 1
+        assert "its loop did not run for" in handle.log(), handle.log()
+    finally:
+        client.close()

@@ -10,7 +10,10 @@ import threading
 import time
 
 from omnishm import protocol
+from omnishm.client import OmniPrefixCacheManager
 from omnishm.client.link import CommitterLink
+
+from manager_helpers import Part, extended, save, small_config, started
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 
@@ -80,6 +83,43 @@ def test_a_client_that_went_silent_is_told_so_not_that_the_committer_was_lost(co
         assert f"pid {handle.proc.pid}, still running" in link.dead and "reaped" in link.dead, link.dead
     finally:
         link.close()
+
+
+def test_a_stall_of_this_clients_own_io_thread_is_not_taken_for_a_silent_committer(committer_factory):
+    """The writer's I/O thread stalls (a starved or frozen engine process; here its socket lock is held) with a
+    quiet step write pending, which the committer acknowledges in the control word, never by a reply. No
+    heartbeat left during the stall, so none was answered; the link used to count the quiet write as a
+    request left unanswered and declared the committer lost, then resumed. Seen in the vLLM tier: "writer
+    client ... resumed" in a committer's log with nothing wrong on its side, 10 to 30 s into a test on a
+    2-vCPU machine full of vLLM's busy-waiting processes. The client here judges silence after 0.5 s, the
+    committer reaps after 30 s: the stall is long only to this client."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "30")
+    m = OmniPrefixCacheManager(small_config(), cache=handle.name, endpoint=handle.endpoint, autostart=False)
+    try:
+        link = m._link
+        link._heartbeat_timeout_s = 0.5
+        m.new_step_starts([started("a", [0, 1])])
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], 4))
+        quiet = [e for e in link._pending.values() if e.marker]
+        assert quiet  # settled from the control word by the next step, not before
+        with link._slock:
+            deadline = time.monotonic() + 10
+            while time.monotonic() - quiet[0].sent_at < 4 * link._heartbeat_timeout_s:  # the stall
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        beats = link.heartbeats_sent
+        deadline = time.monotonic() + 10
+        while link.heartbeats_sent < beats + 10:  # a second of heartbeats after the stall, each answered
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert link.stats["committer_lost"] == 0 and link.stats["resume_attempts"] == 0, link.stats
+        assert link.stats["io_stalls"] == 1, link.stats  # and it said so
+        assert "resumed" not in handle.log(), handle.log()
+        m.new_step_starts([extended("a", 8, (2,))])
+        m.discard_step(save(m, [Part("a", 1, [0, 1, 2], 8, 2)], 4))
+        m.wait_idle(timeout_s=10)
+    finally:
+        m.shutdown()
 
 
 def test_a_closing_link_sends_no_heartbeat_after_its_goodbye_and_loses_no_session(committer_factory):

@@ -19,11 +19,14 @@ Liveness, both ways. The I/O thread sends a ``Heartbeat`` (carrying the
 client's counters) every ``heartbeat_s`` the committer asked for; the
 committer reaps a client silent for its ``heartbeat_timeout_s`` and answers
 each heartbeat with a ``HeartbeatAck``. The link declares its committer lost
-when (a) nothing came back for ``heartbeat_timeout_s`` while a request was
-outstanding, (b) the committer's process is gone (``/proc/PID/stat``, checked
-every heartbeat; zombie or a new process under the pid counts as gone), or
-(c) the committer answers ``no_session`` (a restarted committer that does not
-know this socket, or we were reaped).
+when (a) nothing came back for ``heartbeat_timeout_s`` while a request it
+answers was outstanding (a heartbeat, say; a quiet ``StepWrite`` gets no reply,
+so it does not count, and a stall of this process, which sends no heartbeat
+meanwhile, is not the committer's silence: ``_note_stall`` logs it), (b) the
+committer's process is gone (``/proc/PID/stat``, checked every heartbeat;
+zombie or a new process under the pid counts as gone), or (c) the committer
+answers ``no_session`` (a restarted committer that does not know this socket,
+or we were reaped).
 
 Losing the committer is not yet an error: the link resumes the session
 (``Hello(resume=True)`` on a fresh socket, then every unanswered request but
@@ -411,12 +414,14 @@ class CommitterLink(LinkAttach):
     def _run(self) -> None:
         """I/O thread: receives, heartbeats, the outbox, losing and resuming the committer."""
         next_beat = time.monotonic() + self._heartbeat_s
+        ran_at = time.monotonic()
         try:
             while not self._closed:
                 tick = 20 if self._state == RECONNECTING else max(1, int(self._heartbeat_s * 250))
                 if self._readable():
                     tick = 0  # ZMQ_FD only signals edges: a reply already queued would not wake the poll
                 events = dict(self._poller.poll(timeout=tick))
+                ran_at = self._note_stall(ran_at, tick)
                 if self._wake_r.fileno() in events:
                     try:
                         while self._wake_r.recv(4096):
@@ -454,8 +459,11 @@ class CommitterLink(LinkAttach):
                         self._lost(f"committer process {self.welcome.committer_pid} is gone")
                         continue
                 if now - self._last_heard > self._heartbeat_timeout_s:
+                    # Only a request the committer answers counts: a quiet StepWrite is acknowledged in the
+                    # control word, never by a reply, and after a stall of this thread (no heartbeat left
+                    # meanwhile, so none came back) it was taken for an unanswered request.
                     with self._plock:
-                        oldest = min((e.sent_at for e in self._pending.values()), default=now)
+                        oldest = min((e.sent_at for e in self._pending.values() if not e.marker), default=now)
                     if now - oldest > self._heartbeat_timeout_s:
                         self._lost(f"no answer for {now - self._last_heard:.1f}s (heartbeat timeout "
                                    f"{self._heartbeat_timeout_s:.1f}s)")
@@ -465,6 +473,22 @@ class CommitterLink(LinkAttach):
                     self._poller.unregister(self._sock_fd)
                     self._sock.close(linger=0)
                     self._sock = None
+
+    def _note_stall(self, ran_at: float, tick_ms: int) -> float:
+        """I/O thread, after each poll: log and count a loop that did not run for far longer than its poll
+        tick (the process starved of CPU or frozen, or the GIL or a lock held elsewhere). Returns the time now.
+
+        Silence is judged on heartbeats, and none left while this thread stood still: such a stall is this
+        process's, not the committer's, and the warning says so when the committer then reaps this client.
+        """
+        now = time.monotonic()
+        stalled = now - ran_at - tick_ms / 1000
+        if stalled > max(1.0, 2 * self._heartbeat_s):
+            self.stats["io_stalls"] += 1
+            logger.warning("cache %s: this process's omnishm link thread did not run for %.1f s (the process was "
+                           "starved of CPU or frozen, or the GIL or a lock of this client held elsewhere); the "
+                           "committer's heartbeat timeout is %.1f s", self.cache, stalled, self._heartbeat_timeout_s)
+        return now
 
     def _readable(self) -> bool:
         with self._slock:

@@ -56,6 +56,9 @@ CLIENT_COUNTERS: dict[str, str] = {
     "prefetch_dropped": "hit spans the prefetch did not have (read in materialize instead)",
     "result_blocks_reused": "materialize results placed in recycled, pre-faulted host memory",
     "result_blocks_faulted": "materialize results that needed a new host block (first-touch page faults)",
+    "link_committer_lost": "times a client found its committer silent, gone or not knowing its session",
+    "link_io_stalls": "times a client's link thread did not run for over max(1 s, 2 heartbeats) (its process starved "
+                      "or frozen)",
 }
 """Cumulative client counters exported as ``omnishm_client_<name>_total{role}`` (others are ignored)."""
 CLIENT_GAUGES: dict[str, str] = {

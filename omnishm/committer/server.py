@@ -127,6 +127,8 @@ class Committer(Attach):
         self.epoch = self.pool.max_epoch
         self.ratelog = LogLimiter(logger)
         self.tids_failed_reaped = 0
+        self.loop_stalls = 0
+        """Times this loop did not run for over max(1 s, 2 heartbeat periods) (the process starved or frozen)."""
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
             for client_id, epoch in self.pool.writer_epochs.items():
@@ -189,10 +191,11 @@ class Committer(Attach):
         tick_ms = int(1000 * self.tick_s)
         logger.info("committer %s started: pid %d, generation %s, endpoint %s", self.name, os.getpid(),
                     self.generation, self.cfg.endpoint)
-        started = time.monotonic()
+        started = ran_at = time.monotonic()
         try:
             while not self.stopping:
                 poller.poll(max(tick_ms, 10))
+                ran_at = self._note_stall(ran_at, max(tick_ms, 10))
                 try:
                     while wake_r.recv(512):
                         pass
@@ -453,6 +456,21 @@ class Committer(Attach):
                      session.role, session.client_id, why,
                      f", {len(removed)} staging segment(s) unlinked" if removed else "")
 
+    def _note_stall(self, ran_at: float, tick_ms: int) -> float:
+        """Log and count a loop that did not run for far longer than its poll tick; returns the time now.
+
+        Its clients then heard nothing from it for as long: each sees a silent committer (and resumes)
+        once that passes their heartbeat timeout. A client's own stalls are logged by its link.
+        """
+        now = time.monotonic()
+        stalled = now - ran_at - tick_ms / 1000
+        if stalled > max(1.0, 2 * self.cfg.heartbeat_s):
+            self.loop_stalls += 1
+            logger.warning("committer %s: its loop did not run for %.1f s (the process was starved of CPU or "
+                           "frozen); clients judge silence after %.1f s", self.name, stalled,
+                           self.cfg.heartbeat_timeout_s)
+        return now
+
     def reap(self, now: float) -> None:
         """Detach sessions silent beyond the heartbeat timeout: staging unlinked, later writes failed and counted."""
         for session in self.sessions.expired(now, self.cfg.heartbeat_timeout_s):
@@ -471,6 +489,7 @@ class Committer(Attach):
             "name": self.name, "generation": self.generation, "pid": os.getpid(),
             "instance": self.instance, "adopted": self.pool.adopted, "clients_resumed": self.sessions.resumed,
             "tids_failed_reaped": self.tids_failed_reaped, "log_lines_suppressed": self.ratelog.suppressed,
+            "loop_stalls": self.loop_stalls,
             "endpoint": self.cfg.endpoint, "uptime_s": round(now - self.started, 3),
             "layout": None if layout is None else {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
                                                    "num_slots": self.pool.num_slots},

@@ -12,6 +12,7 @@ import gc
 import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -34,7 +35,11 @@ def make_llm(model_dir: Any, *, multiprocess: bool, cache: str, **overrides: Any
     os.environ["OMNISHM_CACHE"] = cache
     kw = dict(ENGINE_KW)
     kw.update(overrides)
-    return LLM(model=str(model_dir), worker_extension_cls=EXTENSION_CLS, **kw)
+    llm = LLM(model=str(model_dir), worker_extension_cls=EXTENSION_CLS, **kw)
+    # vLLM's LLM.__repr__ asks every worker for its model (collective_rpc) and, with the engine dead,
+    # waits forever: pytest's failure report reprs the locals of a failed test and then hung CI.
+    llm._cached_repr = f"<vllm.LLM {Path(model_dir).name}, omnishm cache {cache}>"
+    return llm
 
 
 def close_llm(llm: Any) -> dict[str, Any]:
