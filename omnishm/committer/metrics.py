@@ -331,6 +331,8 @@ class _SnapshotCollector:
                     [([role], by_role.get(role, 0)) for role in protocol.ROLES])
         yield CounterMetricFamily("omnishm_clients_reaped_total", "clients detached for heartbeat silence",
                                   value=st["clients_reaped"])
+        yield CounterMetricFamily("omnishm_loop_stalls_total", "times the committer loop answered nothing for over "
+                                  "max(1 s, 2 heartbeat periods)", value=st["loop_stalls"])
         mem: dict[str, list[float]] = {}
         for c in st["clients"]:
             acc = mem.setdefault(c["role"], [0.0, 0.0])

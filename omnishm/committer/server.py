@@ -128,7 +128,7 @@ class Committer(Attach):
         self.ratelog = LogLimiter(logger)
         self.tids_failed_reaped = 0
         self.loop_stalls = 0
-        """Times this loop did not run for over max(1 s, 2 heartbeat periods) (the process starved or frozen)."""
+        """Times this loop did not come back to its poll for over max(1 s, 2 heartbeat periods)."""
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
             for client_id, epoch in self.pool.writer_epochs.items():
@@ -457,7 +457,8 @@ class Committer(Attach):
                      f", {len(removed)} staging segment(s) unlinked" if removed else "")
 
     def _note_stall(self, ran_at: float, tick_ms: int) -> float:
-        """Log and count a loop that did not run for far longer than its poll tick; returns the time now.
+        """Log and count a loop that did not come back to its poll for far longer than its tick (starved,
+        frozen, or one request as long: opening a large key with ``--prefault``); returns the time now.
 
         Its clients then heard nothing from it for as long: each sees a silent committer (and resumes)
         once that passes their heartbeat timeout. A client's own stalls are logged by its link.
@@ -466,9 +467,9 @@ class Committer(Attach):
         stalled = now - ran_at - tick_ms / 1000
         if stalled > max(1.0, 2 * self.cfg.heartbeat_s):
             self.loop_stalls += 1
-            logger.warning("committer %s: its loop did not run for %.1f s (the process was starved of CPU or "
-                           "frozen); clients judge silence after %.1f s", self.name, stalled,
-                           self.cfg.heartbeat_timeout_s)
+            logger.warning("committer %s: its loop answered nothing for %.1f s (the process was starved of CPU "
+                           "or frozen, or one request took that long); clients judge silence after %.1f s",
+                           self.name, stalled, self.cfg.heartbeat_timeout_s)
         return now
 
     def reap(self, now: float) -> None:
