@@ -418,7 +418,7 @@ def test_a_stalled_committer_loop_is_logged_and_counted(committer_factory):
                 time.sleep(0.05)
         finally:
             os.kill(handle.proc.pid, signal.SIGCONT)
-        assert client.status()["loop_stalls"] == 1
+        assert client.status()["loop_stalls"] >= 1
         assert "its loop answered nothing for" in handle.log(), handle.log()
     finally:
         client.close()

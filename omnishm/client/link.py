@@ -458,6 +458,7 @@ class CommitterLink(LinkAttach):
                             proc_identity(self.welcome.committer_pid) != self._committer_ident:
                         self._lost(f"committer process {self.welcome.committer_pid} is gone")
                         continue
+                ran_at = self._note_stall(ran_at, 0)  # a stall inside this pass (a lock held elsewhere, say)
                 if now - self._last_heard > self._heartbeat_timeout_s:
                     # Only a request the committer answers counts: a quiet StepWrite is acknowledged in the
                     # control word, never by a reply, and after a stall of this thread (no heartbeat left
@@ -475,19 +476,25 @@ class CommitterLink(LinkAttach):
                     self._sock = None
 
     def _note_stall(self, ran_at: float, tick_ms: int) -> float:
-        """I/O thread, after each poll: log and count a loop that did not run for far longer than its poll
-        tick (the process starved of CPU or frozen, or the GIL or a lock held elsewhere). Returns the time now.
+        """I/O thread, after each poll and before the silence check: log and count a loop that did not run for
+        far longer than ``tick_ms`` since ``ran_at`` (the process starved of CPU or frozen, or the GIL or a
+        lock held elsewhere). Returns the time now.
 
         Silence is judged on heartbeats, and none left while this thread stood still: such a stall is this
-        process's, not the committer's, and the warning says so when the committer then reaps this client.
+        process's, not the committer's. The committer's silence is judged again from the stall's end, and
+        the warning says what happened when the committer then reaps this client.
         """
         now = time.monotonic()
         stalled = now - ran_at - tick_ms / 1000
         if stalled > max(1.0, 2 * self._heartbeat_s):
             self.stats["io_stalls"] += 1
+            # Silence is not judged over time this thread did not listen: in a frozen process libzmq's own
+            # thread stood still too, so a reply to a request sent before may not even be readable yet.
+            self._last_heard = max(self._last_heard, now)
             logger.warning("cache %s: this process's omnishm link thread did not run for %.1f s (the process was "
-                           "starved of CPU or frozen, or the GIL or a lock of this client held elsewhere); the "
-                           "committer's heartbeat timeout is %.1f s", self.cache, stalled, self._heartbeat_timeout_s)
+                           "starved of CPU or frozen, the GIL or a lock of this client was held elsewhere, or an "
+                           "autostart took that long); the committer's heartbeat timeout is %.1f s",
+                           self.cache, stalled, self._heartbeat_timeout_s)
         return now
 
     def _readable(self) -> bool:

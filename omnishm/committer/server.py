@@ -128,6 +128,7 @@ class Committer(Attach):
         self.ratelog = LogLimiter(logger)
         self.tids_failed_reaped = 0
         self.loop_stalls = 0
+        self._answered_at = time.monotonic()  # when the loop last answered (a batch served, or a poll came back)
         """Times this loop did not come back to its poll for over max(1 s, 2 heartbeat periods)."""
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
@@ -191,11 +192,11 @@ class Committer(Attach):
         tick_ms = int(1000 * self.tick_s)
         logger.info("committer %s started: pid %d, generation %s, endpoint %s", self.name, os.getpid(),
                     self.generation, self.cfg.endpoint)
-        started = ran_at = time.monotonic()
+        started = self._answered_at = time.monotonic()
         try:
             while not self.stopping:
                 poller.poll(max(tick_ms, 10))
-                ran_at = self._note_stall(ran_at, max(tick_ms, 10))
+                self._note_stall(max(tick_ms, 10))
                 try:
                     while wake_r.recv(512):
                         pass
@@ -281,7 +282,8 @@ class Committer(Attach):
                     self.flush_replies()
             self.flush_replies()
             self.queue_depth = 0
-            self.obs.batch_done(len(batch), received_at, time.monotonic())
+            self._answered_at = time.monotonic()
+            self.obs.batch_done(len(batch), received_at, self._answered_at)
 
     def handle_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -456,21 +458,22 @@ class Committer(Attach):
                      session.role, session.client_id, why,
                      f", {len(removed)} staging segment(s) unlinked" if removed else "")
 
-    def _note_stall(self, ran_at: float, tick_ms: int) -> float:
-        """Log and count a loop that did not come back to its poll for far longer than its tick (starved,
-        frozen, or one request as long: opening a large key with ``--prefault``); returns the time now.
+    def _note_stall(self, tick_ms: int) -> None:
+        """Loop thread, after each poll: log and count a time, far longer than the poll's tick, in which it
+        answered nothing (it last answered after a batch of ``serve_pending`` or a poll): the process
+        starved or frozen, or one request as long (opening a large key with ``--prefault``).
 
         Its clients then heard nothing from it for as long: each sees a silent committer (and resumes)
         once that passes their heartbeat timeout. A client's own stalls are logged by its link.
         """
         now = time.monotonic()
-        stalled = now - ran_at - tick_ms / 1000
+        stalled = now - self._answered_at - tick_ms / 1000
+        self._answered_at = now
         if stalled > max(1.0, 2 * self.cfg.heartbeat_s):
             self.loop_stalls += 1
             logger.warning("committer %s: its loop answered nothing for %.1f s (the process was starved of CPU "
                            "or frozen, or one request took that long); clients judge silence after %.1f s",
                            self.name, stalled, self.cfg.heartbeat_timeout_s)
-        return now
 
     def reap(self, now: float) -> None:
         """Detach sessions silent beyond the heartbeat timeout: staging unlinked, later writes failed and counted."""
