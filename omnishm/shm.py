@@ -453,17 +453,30 @@ def _replaced_soon(path: Path, ino: int, within_s: float) -> bool:
         time.sleep(0.01)
 
 
-def proc_identity(pid: int) -> str | None:
-    """Start time of a live (not zombie) process ``pid`` from /proc, or None when it is gone or unknown."""
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state [0], ppid [1], start time [19]), or
+    None when the process is gone or unknown. The name may hold spaces and parentheses: it ends at the last ')'."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
     except OSError:
         return None
     fields = text[text.rfind(b")") + 2:].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+    return fields if len(fields) >= 20 else None
+
+
+def proc_identity(pid: int) -> str | None:
+    """Start time of a live (not zombie) process ``pid`` from /proc, or None when it is gone or unknown."""
+    fields = _proc_stat(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):
         return None
     return fields[19].decode()
+
+
+def proc_parent(pid: int) -> int:
+    """Parent pid of process ``pid`` (a zombie's too) from /proc, or 0 when it is gone or unknown."""
+    fields = _proc_stat(pid)
+    return 0 if fields is None else int(fields[1])
 
 
 def cache_is_live(runtime_dir: Path, cache: str) -> bool:

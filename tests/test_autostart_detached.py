@@ -186,12 +186,11 @@ ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPE
 sys.path.insert(0, sys.argv[3])
 from manager_helpers import small_config
 from omnishm.client import OmniPrefixCacheManager
-from omnishm.shm import proc_identity
+from omnishm.shm import proc_parent
 m = OmniPrefixCacheManager(small_config(), cache=sys.argv[1], autostart=True, runtime_dir=sys.argv[2],
                            connect_timeout_s=60.0)
 pid = m._link.welcome.committer_pid
-with open(f"/proc/{pid}/stat") as f:
-    assert int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid(), "not re-parented to this subreaper"
+assert proc_parent(pid) == os.getpid(), "not re-parented to this subreaper"
 m.shutdown()
 deadline = time.monotonic() + 30
 while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:  # a zombie keeps its /proc entry

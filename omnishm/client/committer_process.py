@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omnishm import cpus
 from omnishm.paths import ipc_endpoint
-from omnishm.shm import proc_identity
+from omnishm.shm import proc_identity, proc_parent
 
 logger = logging.getLogger(__name__)
 
@@ -103,22 +103,12 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
                       f"{err.decode(errors='replace').strip() or out!r}") from None
     if err.strip():
         logger.warning("cache %s: the committer's launcher said: %s", cache, err.decode(errors="replace").strip())
-    if _parent_of(pid) == os.getpid():
+    if proc_parent(pid) == os.getpid():
         # This process is a subreaper (prctl PR_SET_CHILD_SUBREAPER): the orphan came back to it, and only
         # it can reap the committer when it exits.
         threading.Thread(target=_reap, args=(pid,), name=f"omnishm-reap-{cache}", daemon=True).start()
     logger.info("cache %s: autostarted committer pid %d", cache, pid)
     return AutostartedCommitter(cache, pid, proc_identity(pid))
-
-
-def _parent_of(pid: int) -> int:
-    """``pid``'s parent pid from /proc, or 0 when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    return int(stat[stat.rindex(b")") + 2:].split()[1])
 
 
 def _reap(pid: int) -> None:

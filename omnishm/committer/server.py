@@ -128,8 +128,8 @@ class Committer(Attach):
         self.ratelog = LogLimiter(logger)
         self.tids_failed_reaped = 0
         self.loop_stalls = 0
+        """Times the loop answered nothing for over max(1 s, 2 heartbeat periods) (``_note_stall``)."""
         self._answered_at = time.monotonic()  # when the loop last answered (a batch served, or a poll came back)
-        """Times this loop did not come back to its poll for over max(1 s, 2 heartbeat periods)."""
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
             for client_id, epoch in self.pool.writer_epochs.items():
