@@ -160,9 +160,10 @@ def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: b
     return handle
 
 
-def assert_clean_stop(handle: CommitterHandle) -> None:
-    """SIGTERM, exit 0, and nothing of that cache left in /dev/shm or the runtime dir."""
-    rc = handle.stop(signal.SIGTERM)
+def assert_clean_stop(handle: CommitterHandle, sig: int = signal.SIGTERM) -> None:
+    """``sig`` (a stop signal: SIGTERM by default), exit 0, and nothing of that cache left in /dev/shm or the
+    runtime dir."""
+    rc = handle.stop(sig)
     assert rc == 0, f"committer {handle.name} exited {rc}:\n{handle.log()}"
     assert shm.list_segments(handle.name) == [], handle.log()
     left = [f for f in os.listdir(RUNTIME_DIR) if _cache_of_file(f) == handle.name]
@@ -175,8 +176,9 @@ def committer_factory(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("committer-logs")
     started: list[CommitterHandle] = []
 
-    def factory(*extra: str, name: str | None = None, wait: bool = True) -> CommitterHandle:
-        handle = start_committer(log_dir, name, *extra, wait=wait)
+    def factory(*extra: str, name: str | None = None, wait: bool = True,
+                python_args: tuple[str, ...] = ("-m", "omnishm.committer")) -> CommitterHandle:
+        handle = start_committer(log_dir, name, *extra, wait=wait, python_args=python_args)
         started.append(handle)
         return handle
 

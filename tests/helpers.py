@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from dataclasses import dataclass, field
 
@@ -173,6 +174,13 @@ class Writer:
     def goodbye(self) -> None:
         assert isinstance(self.raw.goodbye(), protocol.Bye)
         self.raw.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def catches_signal(pid: int, sig: int) -> bool:

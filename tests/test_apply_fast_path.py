@@ -49,7 +49,15 @@ def _message(rng: random.Random, step: int, tid0: int) -> tuple[protocol.StepWri
     starts = list(np.cumsum([r0] + counts[:-1]))
     slots = rng.sample(range(NUM_SLOTS), sum(counts))
     cvs = [make_cv(1, step, j + 1) for j in range(nw)]
-    tids = list(range(tid0, tid0 + nw))
+    tids = list(range(tid0, tid0 + nw))  # the manager's: consecutive, from one counter
+    shape = rng.random()
+    if shape < 0.15:  # increasing with gaps
+        tids = sorted(rng.sample(range(tid0, tid0 + 8 * nw), nw))
+    elif shape < 0.25:  # any order, repeats allowed (the reply's done_tids must still be the sorted set)
+        tids = [rng.randrange(tid0, tid0 + nw) for _ in range(nw)]
+    elif shape < 0.3:  # consecutive up to the largest int64: a run that would pass it must not wrap
+        top = (1 << 63) - 1 - rng.randrange(2)
+        tids = list(range(top - nw + 1, top + 1))
     nk = len(keys)
     msg = protocol.StepWrite(
         rid=step, step=step, keys=keys, key_idx=b"".join(pack([k] * nw) for k in range(nk)),

@@ -18,7 +18,7 @@ from omnishm import protocol, shm
 from omnishm.committer.config import check_endpoint
 
 from conftest import RUNTIME_DIR, unique_cache_name
-from helpers import RawClient, Writer, bits, pack, random_rows, unpack
+from helpers import RawClient, Writer, bits, catches_signal, pack, random_rows, unpack
 
 LAYOUT = protocol.Layout(num_blocks=16, block_size=4)  # the shared committer's layout: 64 slots
 NUM_SLOTS = 64
@@ -420,5 +420,24 @@ def test_a_stalled_committer_loop_is_logged_and_counted(committer_factory):
             os.kill(handle.proc.pid, signal.SIGCONT)
         assert client.status()["loop_stalls"] >= 1
         assert "its loop answered nothing for" in handle.log(), handle.log()
+    finally:
+        client.close()
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_committer_goes_on(committer_factory):
+    """``kill -USR1`` is how an operator sees where a committer that stalls stands: its threads' stacks land in
+    its log (the loop's poll among them), and it keeps serving, then stops cleanly."""
+    handle = committer_factory()
+    client = RawClient(handle.endpoint, handle.name)
+    try:
+        assert isinstance(client.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+        assert catches_signal(handle.proc.pid, signal.SIGUSR1)
+        os.kill(handle.proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while "most recent call first" not in handle.log():
+            assert time.monotonic() < deadline, handle.log()
+            time.sleep(0.02)
+        assert client.status()["steps_applied"] == 0  # still answering
+        assert "server.py" in handle.log() and "in run" in handle.log(), handle.log()
     finally:
         client.close()

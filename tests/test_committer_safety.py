@@ -558,6 +558,44 @@ def test_sigterm_during_start_up_stops_cleanly(committer_factory):
         assert "stopped (SIGTERM)" in handle.log(), handle.log()
 
 
+_IGNORING = """
+import signal, sys
+for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)  # as a non-interactive shell starts a job in the background (&), and nohup
+from omnishm.committer import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGINT], ids=lambda s: s.name)
+def test_a_hangup_or_quit_stops_the_committer_cleanly_even_when_it_started_with_them_ignored(committer_factory, sig):
+    """SIGHUP (a closed terminal) and SIGQUIT (Ctrl-\\) used to end the committer by their default action, with
+    every segment left in /dev/shm until the next start of that name; a committer started with SIGINT and SIGQUIT
+    ignored (a shell's background job) could not be stopped by them at all. Each now stops it like SIGTERM: the
+    segments it made for a writer's key unlinked, exit 0."""
+    handle = committer_factory(*SLOW, python_args=("-c", _IGNORING))
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    try:
+        writer.open_key("k", "float32", 4)
+        assert shm.list_segments(handle.name)
+        assert_clean_stop(handle, sig)
+    finally:
+        writer.raw.close()
+    assert f"stopped ({sig.name})" in handle.log(), handle.log()
+
+
+def test_a_hangup_while_the_committer_starts_stops_it_cleanly(committer_factory):
+    """The start-up catcher (``early_stop.EarlyStop``) takes every stop signal, SIGHUP too: one sent as soon as the
+    cache lock exists exits 0 and leaves nothing."""
+    handle = committer_factory(wait=False)
+    lock = shm.lock_path(RUNTIME_DIR, handle.name)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not lock.exists():  # busy poll: the window after the lock is a few milliseconds
+        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+    assert_clean_stop(handle, signal.SIGHUP)
+    assert "stopped (SIGHUP)" in handle.log(), handle.log()
+
+
 def test_a_socket_that_keeps_saying_hello_as_another_client_cannot_fill_the_log(committer_factory):
     """SOAK (2026-12-02): each Hello of a new client id on one socket ends the socket's session ("re-hello") and
     starts another, and both were logged at INFO without a limit: a client doing it in a loop filled the log

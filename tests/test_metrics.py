@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import RawClient
+from helpers import RawClient, free_port
 from manager_helpers import Part, extended, save, started
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,12 +20,6 @@ from omnishm.committer.metrics import ClientCounterTotals, ThroughputRing
 BS = 4
 NUM_BLOCKS = 16
 POLL_TIMEOUT_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str) -> tuple[int, str]:

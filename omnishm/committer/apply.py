@@ -49,6 +49,9 @@ class StepRejected(Exception):
 _max = np.maximum.reduce  # the ufunc itself: ndarray.max() adds two Python frames per call
 _min = np.minimum.reduce
 _and = np.logical_and.reduce
+_I8 = np.dtype("<i8")  # dtype objects, not strings: a string is parsed again at every call (~0.5 us)
+_U8 = np.dtype("<u8")
+_MAX_I8 = (1 << 63) - 1
 
 
 def _ints(buf: bytes, what: str, step: int) -> np.ndarray:
@@ -222,26 +225,27 @@ class StepApply:
               or msg.counts != one_counts * nk or msg.slots != one_slots * nk
               or msg.key_idx != b"".join(k.to_bytes(8, "little") * (per // 8) for k in range(nk))):
             return None
-        cvs = np.frombuffer(one_cvs, dtype="<i8")
-        counts = np.frombuffer(one_counts, dtype="<i8")
-        src_rows = np.frombuffer(one_src, dtype="<i8")
-        slots = np.frombuffer(one_slots, dtype="<i8")
+        cvs = np.frombuffer(one_cvs, dtype=_I8)
+        counts = np.frombuffer(one_counts, dtype=_I8)
+        src_rows = np.frombuffer(one_src, dtype=_I8)
+        slots = np.frombuffer(one_slots, dtype=_I8)
         total = len(slots)
-        rows = min(staging.rows for staging in stagings)
-        r0 = int(src_rows[0])
+        rows = stagings[0].rows if nk == 1 else min(staging.rows for staging in stagings)
+        r0 = src_rows.item(0)
         # 0 <= counts <= total (negative counts are huge as uint64) also rules out int64 overflow below.
-        if int(_max(counts.view(np.uint64))) > total or int(_min(cvs)) <= 0 or not 0 <= r0 <= rows:
+        if int(_max(counts.view(_U8))) > total or int(_min(cvs)) <= 0 or not 0 <= r0 <= rows:
             return None
         ends = src_rows + counts
-        r1 = int(ends[-1])
+        r1 = ends.item(-1)
         # Staged in entry order: entry i+1 starts where entry i ends, so the step's rows are r0..r1
-        # (which bounds every entry's rows) and the counts sum to r1 - r0.
+        # (which bounds every entry's rows) and the counts sum to r1 - r0. Compared as bytes: one
+        # memcmp instead of two slices, a comparison and a reduction.
         n1 = per // 8
-        if r1 > rows or r1 - r0 != total or (n1 > 1 and not bool(_and(src_rows[1:] == ends[:-1]))):
+        if r1 > rows or r1 - r0 != total or (n1 > 1 and ends[:-1].tobytes() != one_src[8:]):
             return None
-        if total and int(_max(slots.view(np.uint64))) >= self.num_slots:
+        if total and int(_max(slots.view(_U8))) >= self.num_slots:
             return None
-        tids = np.frombuffer(one_tids, dtype="<i8")
+        tids = np.frombuffer(one_tids, dtype=_I8)
         written = skipped = 0
         if total:
             row_cv = cvs.repeat(counts)
@@ -269,13 +273,22 @@ class StepApply:
                 written += n_ok
             self.rows_skipped += skipped
         # Distinct tids: increasing tids (the manager's order) are already their own sorted set.
-        done = one_tids if n1 == 1 or bool(_and(tids[1:] > tids[:-1])) else _unique_tids(tids, 1)
+        done = one_tids if n1 == 1 or _increasing(tids, one_tids) else _unique_tids(tids, 1)
         self.steps_applied += 1
         self.apply_seconds += time.perf_counter() - t0
         return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=done, rows_written=written,
                                  rows_skipped=skipped)
 
     # ------------------------------------------------------------ status and teardown
+
+
+def _increasing(tids: np.ndarray, packed: bytes) -> bool:
+    """Whether ``tids`` (``packed`` as bytes) strictly increase. The manager numbers a step's writes from
+    one counter, so they are consecutive: that is one bytes comparison with the run they would be."""
+    first, n = tids.item(0), len(tids)
+    if 0 <= first <= _MAX_I8 - n and np.arange(first, first + n, dtype=_I8).tobytes() == packed:
+        return True
+    return bool(_and(tids[1:] > tids[:-1]))
 
 
 def _unique_tids(tids: np.ndarray, num_keys: int) -> bytes:

@@ -2,8 +2,8 @@
 
 Single-threaded: one loop owns the socket, the ``SessionTable`` and the
 ``CachePool``. Signals only set a flag and write a byte to a wakeup socket
-(``signal.set_wakeup_fd``) that the poller watches, so SIGTERM/SIGINT end the
-poll at once; the loop then handles what it already received, replies, and
+(``signal.set_wakeup_fd``) that the poller watches, so a stop signal
+(``early_stop.STOP_SIGNALS``: SIGTERM, SIGINT, SIGHUP, SIGQUIT) ends the poll at once; the loop then handles what it already received, replies, and
 unlinks every segment it made.
 
 Bad input never kills the loop: a frame that does not decode, has the wrong
@@ -39,6 +39,7 @@ import zmq
 from omnishm import protocol
 from omnishm.committer.attach import REHELLO, Attach
 from omnishm.committer.config import EXIT_OK, CommitterConfig
+from omnishm.committer.early_stop import STOP_SIGNALS
 from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
@@ -182,7 +183,7 @@ class Committer(Attach):
         wake_r.setblocking(False)
         wake_w.setblocking(False)
         old_fd = signal.set_wakeup_fd(wake_w.fileno())
-        old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         if early_stop is not None and early_stop.reason:
             self.stopping = True
             self.stop_reason = early_stop.reason

@@ -6,13 +6,17 @@ adopts the segments of a cache whose clients are still attached
 (``committer/meta.py``) instead of sweeping them, so those clients resume; any
 other leftovers of a previous committer are swept. On a clean stop it unlinks
 every segment it made and removes its autostart log (``client/committer_process.py``).
+SIGUSR1 writes every thread's Python stack to its log and it goes on serving
+(``_enable_stack_dumps``).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -92,9 +96,23 @@ def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         setup_logging(args.log_level)
+        _enable_stack_dumps()
         return _start(args, early)
     finally:
         early.restore()
+
+
+def _enable_stack_dumps() -> None:
+    """``kill -USR1 PID`` writes the stack of every thread to stderr (the committer's log) and the committer goes
+    on serving: the way to see where a committer that stalls or stops answering stands. A fatal signal (SIGSEGV,
+    SIGABRT, ...) writes them too before the process dies. Both are ``faulthandler``'s, run in C: they need
+    neither the GIL nor the loop. Main thread, once per process; skipped when stderr is not a file."""
+    try:
+        stderr = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return
+    faulthandler.enable(file=stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True, chain=False)
 
 
 def _start(args: argparse.Namespace, early: EarlyStop) -> int:

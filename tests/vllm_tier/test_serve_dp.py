@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from vllm_tier import skip_without_vllm  # noqa: E402
 skip_without_vllm()
 
 from omnishm.integrations.vllm import EXTENSION_CLS  # noqa: E402
+from helpers import free_port  # noqa: E402
 from test_engine_tp import BIND_ENV, omp_bind_per_rank  # noqa: E402
 from vllm_tier import runtime_dir, unique_cache_name, wait_clean  # noqa: E402
 
@@ -41,12 +41,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
 DP = 2
 START_TIMEOUT_S = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +73,7 @@ def _wait_ready(server: subprocess.Popen, port: int, log_path: Any) -> None:
 
 def test_each_dp_replica_of_vllm_serve_writes_its_own_cache_and_a_stop_leaves_nothing(tiny_model_dir, tmp_path):
     name = unique_cache_name("serve")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMNISHM_NAME": name, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            # The autostarted committers inherit these: they reap the killed workers after 2 s, not 10.
            "OMNISHM_HEARTBEAT_S": "0.2", "OMNISHM_HEARTBEAT_TIMEOUT_S": "2.0"}
