@@ -267,10 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_external(name: str, argv: list[str]) -> int:
     """Import the subcommand's module now (not at every ``omnishm`` start) and run it."""
+    import signal
+
     from omnishm.committer.early_stop import EarlyStop  # standard library only
 
     module, help_text = EXTERNAL_COMMANDS[name]
-    early = EarlyStop()  # the module imports torch (seconds): a Ctrl-C or SIGTERM then stops it cleanly
+    # The module imports torch (seconds): a Ctrl-C or SIGTERM then stops it cleanly. Only those two: the
+    # demo's own handler (demo/launch.py) takes the same two once it runs.
+    early = EarlyStop((signal.SIGTERM, signal.SIGINT))
     try:
         mod = importlib.import_module(module)
     finally:

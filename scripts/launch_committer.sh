@@ -9,7 +9,7 @@
 # Every option is also an OMNISHM_<OPTION> variable or a TOML key (see README, Configuration);
 # `scripts/launch_committer.sh --help` lists them with their defaults.
 #
-# SIGTERM, SIGINT, SIGHUP and SIGQUIT stop it cleanly (every segment unlinked, exit 0). Exit 2: another committer
+# SIGTERM, SIGINT, SIGHUP (unless started under nohup) and SIGQUIT stop it cleanly (every segment unlinked, exit 0). Exit 2: another committer
 # already holds that cache name. PYTHON overrides the interpreter (default python3).
 set -euo pipefail
 exec "${PYTHON:-python3}" -m omnishm.committer "$@"

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from omnishm import protocol, shm
+from omnishm.committer import apply as apply_module
+from omnishm.committer.apply import _increasing
 from omnishm.committer.pool import CachePool
 from omnishm.versions import make_cv
 
@@ -58,6 +60,8 @@ def _message(rng: random.Random, step: int, tid0: int) -> tuple[protocol.StepWri
     elif shape < 0.3:  # consecutive up to the largest int64: a run that would pass it must not wrap
         top = (1 << 63) - 1 - rng.randrange(2)
         tids = list(range(top - nw + 1, top + 1))
+    elif shape < 0.33:  # negative, from the smallest int64 (the general path takes any int64)
+        tids = list(range(-(1 << 63), -(1 << 63) + nw))
     nk = len(keys)
     msg = protocol.StepWrite(
         rid=step, step=step, keys=keys, key_idx=b"".join(pack([k] * nw) for k in range(nk)),
@@ -150,3 +154,24 @@ def test_the_fast_path_applies_exactly_what_the_general_path_applies():
         for pool in (fast, slow):
             pool.close()
             assert shm.list_segments(pool.name) == []
+
+
+def test_increasing_takes_the_consecutive_run_by_bytes_and_decides_like_the_elementwise_check(monkeypatch):
+    """``_increasing`` (the fast path's tid check): a consecutive run is recognised by one bytes comparison, and
+    every answer equals the elementwise ``tids[1:] > tids[:-1]`` check it replaced."""
+    top, bottom = (1 << 63) - 1, -(1 << 63)
+    cases = [[1, 2, 3], [7, 8], [top - 1, top], [top - 2, top - 1], [-2, -1], [bottom, bottom + 1], [5, 5],
+             [3, 2], [1, 3, 2], [1, 5, 9], [0, 1, 1], [2, 1, 0], [bottom, top]]
+    rng = random.Random(7)
+    cases += [sorted(rng.sample(range(-50, 50), rng.randint(2, 9))) for _ in range(200)]
+    cases += [[rng.randrange(-5, 5) for _ in range(rng.randint(2, 6))] for _ in range(200)]
+    for tids in cases:
+        arr = np.array(tids, dtype="<i8")
+        assert _increasing(arr, arr.tobytes()) == bool((arr[1:] > arr[:-1]).all()), tids
+    # The manager's case (consecutive tids) never reaches the elementwise check.
+    def elementwise(*_a):
+        raise AssertionError("the elementwise check ran for a consecutive run")
+
+    monkeypatch.setattr(apply_module, "_and", elementwise)
+    run = np.arange(40, 48, dtype="<i8")
+    assert _increasing(run, run.tobytes())

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -402,15 +403,33 @@ def test_committer_refuses_non_loopback_tcp_via_cli_and_script():
     assert proc.returncode == 2 and "'10.1.2.3'" in proc.stderr
 
 
-def test_a_stalled_committer_loop_is_logged_and_counted(committer_factory):
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_a_stalled_committer_loop_is_logged_and_counted(committer_factory, busy):
     """A committer frozen (SIGSTOP here; starved of CPU in the vLLM tier) for longer than two heartbeat periods
     says so on waking, in its log and in its status: its clients then saw it silent, and whether a client's
-    resume came from the committer's stall or its own (which its link logs) is told apart by these lines."""
+    resume came from the committer's stall or its own (which its link logs) is told apart by these lines.
+
+    Busy: a second client keeps it answering, so the stop mostly lands while it handles a batch, not in its
+    poll; the first status after the stall still counts it (it once answered 0 there and lost the stall)."""
     handle = committer_factory("--heartbeat-s", "0.2", "--heartbeat-timeout-s", "30")
     client = RawClient(handle.endpoint, handle.name)
+    other = RawClient(handle.endpoint, handle.name)
+    done = threading.Event()
+    answered: list[int] = []
+
+    def keep_busy() -> None:
+        while not done.is_set():
+            answered.append(other.status()["loop_stalls"])
+
+    thread = threading.Thread(target=keep_busy, daemon=True)
     try:
         assert isinstance(client.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+        assert isinstance(other.hello(protocol.ROLE_ADMIN), protocol.Welcome)
         assert client.status()["loop_stalls"] == 0
+        if busy:
+            thread.start()
+            while len(answered) < 50:
+                time.sleep(0.01)
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
             stopped = time.monotonic()
@@ -421,7 +440,11 @@ def test_a_stalled_committer_loop_is_logged_and_counted(committer_factory):
         assert client.status()["loop_stalls"] >= 1
         assert "its loop answered nothing for" in handle.log(), handle.log()
     finally:
+        done.set()
+        if thread.is_alive():
+            thread.join(timeout=30)
         client.close()
+        other.close()
 
 
 def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_committer_goes_on(committer_factory):

@@ -488,9 +488,9 @@ _CATCHER_FIRST = """
 import sys
 from omnishm.committer import early_stop
 installed = early_stop.EarlyStop.__init__
-def init(self):
+def init(self, *args):
     print("torch" in sys.modules, "omnishm.committer.server" in sys.modules, flush=True)
-    installed(self)
+    installed(self, *args)
 early_stop.EarlyStop.__init__ = init
 from omnishm.committer import main
 sys.exit(main(sys.argv[1:]))
@@ -558,22 +558,38 @@ def test_sigterm_during_start_up_stops_cleanly(committer_factory):
         assert "stopped (SIGTERM)" in handle.log(), handle.log()
 
 
-_IGNORING = """
+_BACKGROUND_JOB = """
 import signal, sys
-for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
-    signal.signal(sig, signal.SIG_IGN)  # as a non-interactive shell starts a job in the background (&), and nohup
+for sig in (signal.SIGINT, signal.SIGQUIT):
+    signal.signal(sig, signal.SIG_IGN)  # as a non-interactive shell starts a job in the background (&)
+from omnishm.committer import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+_NOHUP = """
+import signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
 from omnishm.committer import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
+def _ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (``SigIgn`` in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigIgn:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGINT], ids=lambda s: s.name)
-def test_a_hangup_or_quit_stops_the_committer_cleanly_even_when_it_started_with_them_ignored(committer_factory, sig):
-    """SIGHUP (a closed terminal) and SIGQUIT (Ctrl-\\) used to end the committer by their default action, with
-    every segment left in /dev/shm until the next start of that name; a committer started with SIGINT and SIGQUIT
-    ignored (a shell's background job) could not be stopped by them at all. Each now stops it like SIGTERM: the
-    segments it made for a writer's key unlinked, exit 0."""
-    handle = committer_factory(*SLOW, python_args=("-c", _IGNORING))
+def test_a_hangup_or_quit_stops_the_committer_cleanly_also_as_a_background_job(committer_factory, sig):
+    """SIGHUP (a closed terminal) and SIGQUIT (Ctrl-\\) used to end the committer by their default action, like a
+    crash, with every segment left in /dev/shm for the next start of that name; a committer started with SIGINT and
+    SIGQUIT ignored (a shell's background job) could not be stopped by them at all. Each now stops it like SIGTERM:
+    the segments it made for a writer's key unlinked, exit 0."""
+    handle = committer_factory(*SLOW, python_args=("-c", _BACKGROUND_JOB))
     writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
     try:
         writer.open_key("k", "float32", 4)
@@ -584,16 +600,33 @@ def test_a_hangup_or_quit_stops_the_committer_cleanly_even_when_it_started_with_
     assert f"stopped ({sig.name})" in handle.log(), handle.log()
 
 
-def test_a_hangup_while_the_committer_starts_stops_it_cleanly(committer_factory):
+def test_a_committer_started_under_nohup_keeps_running_through_a_hangup(committer_factory):
+    """An ignored SIGHUP is a choice (nohup): the committer keeps it, outlives the hangup with its cache, and still
+    stops cleanly on SIGTERM."""
+    handle = committer_factory(*SLOW, python_args=("-c", _NOHUP))
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    try:
+        writer.open_key("k", "float32", 4)
+        assert _ignores(handle.proc.pid, signal.SIGHUP) and not catches_signal(handle.proc.pid, signal.SIGHUP)
+        assert catches_signal(handle.proc.pid, signal.SIGTERM)
+        handle.proc.send_signal(signal.SIGHUP)
+        assert writer.raw.status()["keys"][0]["name"] == "k"  # still serving, its cache still there
+        assert handle.proc.poll() is None and shm.list_segments(handle.name)
+        assert_clean_stop(handle)
+    finally:
+        writer.raw.close()
+    assert "stopped (SIGTERM)" in handle.log(), handle.log()
+
+
+def test_a_hangup_while_the_committer_imports_stops_it_cleanly(committer_factory):
     """The start-up catcher (``early_stop.EarlyStop``) takes every stop signal, SIGHUP too: one sent as soon as the
-    cache lock exists exits 0 and leaves nothing."""
+    committer catches it (it then still imports torch, about a second) exits 0 and makes nothing."""
     handle = committer_factory(wait=False)
-    lock = shm.lock_path(RUNTIME_DIR, handle.name)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not lock.exists():  # busy poll: the window after the lock is a few milliseconds
+    while not catches_signal(handle.proc.pid, signal.SIGHUP):  # busy poll: the catcher is the first thing it installs
         assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
     assert_clean_stop(handle, signal.SIGHUP)
-    assert "stopped (SIGHUP)" in handle.log(), handle.log()
+    assert "stopped (SIGHUP) before it started" in handle.log(), handle.log()
 
 
 def test_a_socket_that_keeps_saying_hello_as_another_client_cannot_fill_the_log(committer_factory):

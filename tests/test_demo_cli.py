@@ -207,9 +207,9 @@ _CATCHER_FIRST = """
 import sys
 from omnishm.committer import early_stop
 installed = early_stop.EarlyStop.__init__
-def init(self):
+def init(self, *args):
     print("torch" in sys.modules, flush=True)
-    installed(self)
+    installed(self, *args)
 early_stop.EarlyStop.__init__ = init
 from omnishm import cli
 sys.exit(cli.main(sys.argv[1:]))

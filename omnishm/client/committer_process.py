@@ -29,7 +29,8 @@ _DETACH = '"$@" </dev/null >>"$0" 2>&1 & echo $!'
 """``sh -c`` script: run the command in the background with its output appended to the log (``$0``), print
 its pid, exit. The command's parent is then gone at once, so it is re-parented to init (or the nearest
 subreaper). As a background job of a non-interactive shell it starts with SIGINT and SIGQUIT ignored;
-the committer installs its own SIGINT handler first thing (``omnishm.committer.main``)."""
+the committer installs its own handlers for them first thing (``omnishm.committer.main``,
+``committer/early_stop.py``)."""
 _LAUNCH_TIMEOUT_S = 10.0
 
 

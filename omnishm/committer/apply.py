@@ -24,6 +24,7 @@ detailed pass run, to name the first offending entry in the error.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,8 @@ _and = np.logical_and.reduce
 _I8 = np.dtype("<i8")  # dtype objects, not strings: a string is parsed again at every call (~0.5 us)
 _U8 = np.dtype("<u8")
 _MAX_I8 = (1 << 63) - 1
+_LITTLE_ENDIAN = sys.byteorder == "little"
+"""The fast path compares computed int64s with the wire's little-endian bytes; elsewhere it stands aside."""
 
 
 def _ints(buf: bytes, what: str, step: int) -> np.ndarray:
@@ -199,6 +202,8 @@ class StepApply:
         key's part: ~10 numpy calls per step, plus ~5 per key, whatever the
         number of entries.
         """
+        if not _LITTLE_ENDIAN:
+            return None
         nk = len(msg.keys)
         states = []
         stagings = []

@@ -9,36 +9,65 @@ action (exit 143, or a stale lock file and segments once they exist).
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-"""Each stops the committer cleanly (answer what came in, unlink every segment, exit 0).
+"""Each stops the committer cleanly (answer what came in, unlink every segment, exit 0), like SIGTERM.
 
-SIGHUP and SIGQUIT too: their default actions end the process without its cleanup, which leaves
-the segments in ``/dev/shm`` until the next start of that name sweeps them. A closed terminal sends
-SIGHUP, Ctrl-\\ sends SIGQUIT, and a shell that starts a job in the background (``&``, non-interactive)
-starts it with SIGINT and SIGQUIT ignored: a handler of our own also makes those work again.
+Their default actions end the process like a crash: the segments stay in ``/dev/shm`` for the next
+start of that name (adopted while clients are still attached, else swept), and nothing stops them if
+no committer is started again. A closed terminal sends SIGHUP, Ctrl-\\ sends SIGQUIT, and a shell
+that starts a job in the background (``&``, non-interactive) starts it with SIGINT and SIGQUIT
+ignored: a handler of our own makes those stop it again. SIGHUP is not a reload: a supervisor that
+sends it to reopen logs stops the committer and its cache (``stop_signals`` spares ``nohup``).
 """
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """``STOP_SIGNALS`` less SIGHUP when this process was started with SIGHUP ignored.
+
+    An ignored SIGHUP is a choice someone made (``nohup``, ``trap '' HUP``): the committer keeps it and
+    outlives the terminal. An ignored SIGINT or SIGQUIT is what every background job of a shell gets,
+    so those are taken over. Read it before any handler of ours is installed. Main thread.
+    """
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        return tuple(sig for sig in STOP_SIGNALS if sig != signal.SIGHUP)
+    return STOP_SIGNALS
+
+
+def install(signals: tuple[signal.Signals, ...], handler: Any) -> dict[signal.Signals, Any]:
+    """Set ``handler`` for each of ``signals``; returns the previous handlers for ``restore``. Main thread."""
+    return {sig: signal.signal(sig, handler) for sig in signals}
+
+
+def restore(old: dict[signal.Signals, Any]) -> None:
+    """Put back the handlers ``install`` returned. One that was not set from Python (``None``) is left
+    as it is now: ``signal.signal`` cannot take it back."""
+    for sig, handler in old.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
 class EarlyStop:
-    """A stop signal (``STOP_SIGNALS``) that arrives before the loop runs (imports, lock taken, segments being made).
+    """A stop signal (``signals``) that arrives before the loop runs (imports, lock taken, segments being made).
 
     The signal is only remembered; ``Committer.run`` reads it once its own
-    handlers are in place and stops at once, through the same cleanup as any
-    stop, and a start that has not reached the loop returns 0 at its next
-    check. ``restore`` puts the previous handlers back. Main thread only.
+    handlers (for the same ``signals``) are in place and stops at once,
+    through the same cleanup as any stop, and a start that has not reached
+    the loop returns 0 at its next check. ``restore`` puts the previous
+    handlers back. ``signals`` defaults to ``stop_signals()``. Main thread only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] | None = None) -> None:
         self.reason = ""
-        self._old = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        self.signals = stop_signals() if signals is None else signals
+        self._old = install(self.signals, self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.reason = self.reason or signal.Signals(signum).name
 
     def restore(self) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+        restore(self._old)
 
 
-__all__ = ["EarlyStop", "STOP_SIGNALS"]
+__all__ = ["EarlyStop", "STOP_SIGNALS", "install", "restore", "stop_signals"]

@@ -3,7 +3,8 @@
 Single-threaded: one loop owns the socket, the ``SessionTable`` and the
 ``CachePool``. Signals only set a flag and write a byte to a wakeup socket
 (``signal.set_wakeup_fd``) that the poller watches, so a stop signal
-(``early_stop.STOP_SIGNALS``: SIGTERM, SIGINT, SIGHUP, SIGQUIT) ends the poll at once; the loop then handles what it already received, replies, and
+(``early_stop.STOP_SIGNALS``: SIGTERM, SIGINT, SIGHUP, SIGQUIT) ends the poll
+at once; the loop then handles what it already received, replies, and
 unlinks every segment it made.
 
 Bad input never kills the loop: a frame that does not decode, has the wrong
@@ -39,7 +40,7 @@ import zmq
 from omnishm import protocol
 from omnishm.committer.attach import REHELLO, Attach
 from omnishm.committer.config import EXIT_OK, CommitterConfig
-from omnishm.committer.early_stop import STOP_SIGNALS
+from omnishm.committer.early_stop import install, restore, stop_signals
 from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
@@ -152,6 +153,7 @@ class Committer(Attach):
         self.sock: zmq.Socket | None = None
         # At least once a second, so metrics snapshots and /health stay fresh on an idle cache.
         self.tick_s = max(0.01, min(1.0, cfg.heartbeat_s, cfg.heartbeat_timeout_s / 4))
+        self._poll_ms = max(int(1000 * self.tick_s), 10)
         self.obs = Observability(self, tick_s=self.tick_s)
 
     # ------------------------------------------------------------ loop
@@ -183,21 +185,21 @@ class Committer(Attach):
         wake_r.setblocking(False)
         wake_w.setblocking(False)
         old_fd = signal.set_wakeup_fd(wake_w.fileno())
-        old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        signals = early_stop.signals if early_stop is not None else stop_signals()
+        old_handlers = install(signals, self._on_signal)
         if early_stop is not None and early_stop.reason:
             self.stopping = True
             self.stop_reason = early_stop.reason
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
-        tick_ms = int(1000 * self.tick_s)
         logger.info("committer %s started: pid %d, generation %s, endpoint %s", self.name, os.getpid(),
                     self.generation, self.cfg.endpoint)
         started = self._answered_at = time.monotonic()
         try:
             while not self.stopping:
-                poller.poll(max(tick_ms, 10))
-                self._note_stall(max(tick_ms, 10))
+                poller.poll(self._poll_ms)
+                self._note_stall()
                 try:
                     while wake_r.recv(512):
                         pass
@@ -222,8 +224,7 @@ class Committer(Attach):
                 self.serve_pending()
         finally:
             signal.set_wakeup_fd(old_fd)
-            for sig, handler in old_handlers.items():
-                signal.signal(sig, handler)
+            restore(old_handlers)
             wake_r.close()
             wake_w.close()
         return EXIT_OK
@@ -274,6 +275,9 @@ class Committer(Attach):
                     break
             if not batch:
                 return
+            # Before answering any of it, so that a status request in this batch counts a stall that the
+            # next poll would only have seen after this batch (the process stopped between two batches).
+            self._note_stall()
             received_at = time.monotonic()
             replies = self.replies
             for i, frames in enumerate(batch):
@@ -283,7 +287,7 @@ class Committer(Attach):
                     self.flush_replies()
             self.flush_replies()
             self.queue_depth = 0
-            self._answered_at = time.monotonic()
+            self._note_stall()  # one inside this batch: a frozen process, or one request that long
             self.obs.batch_done(len(batch), received_at, self._answered_at)
 
     def handle_frames(self, frames: list[bytes]) -> None:
@@ -459,16 +463,18 @@ class Committer(Attach):
                      session.role, session.client_id, why,
                      f", {len(removed)} staging segment(s) unlinked" if removed else "")
 
-    def _note_stall(self, tick_ms: int) -> None:
-        """Loop thread, after each poll: log and count a time, far longer than the poll's tick, in which it
-        answered nothing (it last answered after a batch of ``serve_pending`` or a poll): the process
-        starved or frozen, or one request as long (opening a large key with ``--prefault``).
+    def _note_stall(self) -> None:
+        """Loop thread, after each poll and before and after each batch of ``serve_pending``: log and count a
+        time, far longer than the poll's tick, in which it answered nothing (since the last of these checks):
+        the process starved or frozen, or one request as long (opening a large key with ``--prefault``).
+        Each stall is counted once, wherever in the loop the process stood still: each check consumes the
+        time since the one before.
 
         Its clients then heard nothing from it for as long: each sees a silent committer (and resumes)
         once that passes their heartbeat timeout. A client's own stalls are logged by its link.
         """
         now = time.monotonic()
-        stalled = now - self._answered_at - tick_ms / 1000
+        stalled = now - self._answered_at - self._poll_ms / 1000
         self._answered_at = now
         if stalled > max(1.0, 2 * self.cfg.heartbeat_s):
             self.loop_stalls += 1

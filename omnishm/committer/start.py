@@ -20,7 +20,7 @@ import signal
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -93,26 +93,39 @@ def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
     (and torch) was imported; one is installed here when the caller brought none. Restored on return.
     """
     early = early or EarlyStop()
+    undo_dumps = None
     try:
         args = build_parser().parse_args(argv)
         setup_logging(args.log_level)
-        _enable_stack_dumps()
+        undo_dumps = _enable_stack_dumps()
         return _start(args, early)
     finally:
+        if undo_dumps is not None:
+            undo_dumps()
         early.restore()
 
 
-def _enable_stack_dumps() -> None:
+def _enable_stack_dumps() -> Callable[[], None] | None:
     """``kill -USR1 PID`` writes the stack of every thread to stderr (the committer's log) and the committer goes
     on serving: the way to see where a committer that stalls or stops answering stands. A fatal signal (SIGSEGV,
     SIGABRT, ...) writes them too before the process dies. Both are ``faulthandler``'s, run in C: they need
-    neither the GIL nor the loop. Main thread, once per process; skipped when stderr is not a file."""
+    neither the GIL nor the loop. Main thread; skipped when stderr is not a file. Returns what undoes it, for a
+    ``main`` that returns into a process that lives on (a test calling it in-process), or None."""
     try:
         stderr = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
-        return
-    faulthandler.enable(file=stderr, all_threads=True)
+        return None
+    was_enabled = faulthandler.is_enabled()
+    if not was_enabled:
+        faulthandler.enable(file=stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True, chain=False)
+
+    def undo() -> None:
+        faulthandler.unregister(signal.SIGUSR1)
+        if not was_enabled:
+            faulthandler.disable()
+
+    return undo
 
 
 def _start(args: argparse.Namespace, early: EarlyStop) -> int:
