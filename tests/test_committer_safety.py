@@ -669,3 +669,43 @@ def test_autostart_serves_the_cache_own_socket_whatever_omnishm_endpoint_says(tm
     finally:
         m.shutdown()
     assert_idle_committer_exits(runtime, name)
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["unused", "writer-attached"])
+def test_an_autostarted_committer_stopped_with_a_writer_attached_warns_and_keeps_its_log(tmp_path, attached):
+    """A stop signal takes the cache from the clients attached: the committer says so as a warning, and an
+    autostarted one then keeps its log after its clean stop (exit 0, every segment unlinked), where whoever
+    looks for why a rank lost its committer finds it. Stopped with nobody attached it removes its log."""
+    from conftest import unique_cache_name
+
+    name = unique_cache_name("warned")
+    runtime = tmp_path / "rt"
+    shm.ensure_runtime_dir(runtime)
+    log_path = runtime / f"{name}.autostart.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
+                                 str(runtime)], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)})
+    writer = None
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (runtime / f"{name}.sock").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        if attached:
+            writer = Writer(shm.ipc_endpoint(runtime, name), name, LAYOUT, 4)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if writer is not None:
+            writer.raw.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert shm.list_segments(name) == []
+    if attached:
+        text = log_path.read_text()
+        assert "WARNING" in text and "stopped (SIGTERM) with 1 client(s) attached, which lose the cache" in text, text
+        assert sorted(os.listdir(runtime)) == [log_path.name]
+    else:
+        assert sorted(os.listdir(runtime)) == []

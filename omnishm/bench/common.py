@@ -212,7 +212,9 @@ class ThreadCommitter:
             poller.register(c.sock, zmq.POLLIN)
             self._ready.set()
             while not self._stop.is_set():
-                if poller.poll(20):
+                ready = poller.poll(20)
+                c.note_stall()  # as the process's loop does: an idle poll is not a stall
+                if ready:
                     c.serve_pending()
                 c.reap(time.monotonic())
         except BaseException as exc:  # reported by start/stop; the thread must not die silently

@@ -130,7 +130,7 @@ class Committer(Attach):
         self.ratelog = LogLimiter(logger)
         self.tids_failed_reaped = 0
         self.loop_stalls = 0
-        """Times the loop answered nothing for over max(1 s, 2 heartbeat periods) (``_note_stall``)."""
+        """Times the loop answered nothing for over max(1 s, 2 heartbeat periods) (``note_stall``)."""
         self._answered_at = time.monotonic()  # when the loop last answered (a batch served, or a poll came back)
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
@@ -199,7 +199,7 @@ class Committer(Attach):
         try:
             while not self.stopping:
                 poller.poll(self._poll_ms)
-                self._note_stall()
+                self.note_stall()
                 try:
                     while wake_r.recv(512):
                         pass
@@ -277,7 +277,7 @@ class Committer(Attach):
                 return
             # Before answering any of it, so that a status request in this batch counts a stall that the
             # next poll would only have seen after this batch (the process stopped between two batches).
-            self._note_stall()
+            self.note_stall()
             received_at = time.monotonic()
             replies = self.replies
             for i, frames in enumerate(batch):
@@ -287,7 +287,7 @@ class Committer(Attach):
                     self.flush_replies()
             self.flush_replies()
             self.queue_depth = 0
-            self._note_stall()  # one inside this batch: a frozen process, or one request that long
+            self.note_stall()  # one inside this batch: a frozen process, or one request that long
             self.obs.batch_done(len(batch), received_at, self._answered_at)
 
     def handle_frames(self, frames: list[bytes]) -> None:
@@ -463,7 +463,7 @@ class Committer(Attach):
                      session.role, session.client_id, why,
                      f", {len(removed)} staging segment(s) unlinked" if removed else "")
 
-    def _note_stall(self) -> None:
+    def note_stall(self) -> None:
         """Loop thread, after each poll and before and after each batch of ``serve_pending``: log and count a
         time, far longer than the poll's tick, in which it answered nothing (since the last of these checks):
         the process starved or frozen, or one request as long (opening a large key with ``--prefault``).

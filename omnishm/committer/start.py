@@ -5,7 +5,8 @@ same cache (the lock file names the holder) or an endpoint it cannot bind. It
 adopts the segments of a cache whose clients are still attached
 (``committer/meta.py``) instead of sweeping them, so those clients resume; any
 other leftovers of a previous committer are swept. On a clean stop it unlinks
-every segment it made and removes its autostart log (``client/committer_process.py``).
+every segment it made and removes its autostart log (``client/committer_process.py``),
+unless it logged a warning (``_Warned``).
 SIGUSR1 writes every thread's Python stack to its log and it goes on serving
 (``_enable_stack_dumps``).
 """
@@ -94,15 +95,31 @@ def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
     """
     early = early or EarlyStop()
     undo_dumps = None
+    warned = _Warned()
+    logging.getLogger("omnishm").addHandler(warned)
     try:
         args = build_parser().parse_args(argv)
         setup_logging(args.log_level)
         undo_dumps = _enable_stack_dumps()
-        return _start(args, early)
+        return _start(args, early, warned)
     finally:
+        logging.getLogger("omnishm").removeHandler(warned)
         if undo_dumps is not None:
             undo_dumps()
         early.restore()
+
+
+class _Warned(logging.Handler):
+    """Notes that this committer logged a warning or worse: its autostart log is then kept after a clean stop
+    too (``_drop_autostart_log``), since it says something an operator will look for (a stall, a reply
+    dropped, a stop that took the cache from attached clients). Any thread; it only sets a flag."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen = True
 
 
 def _enable_stack_dumps() -> Callable[[], None] | None:
@@ -128,7 +145,7 @@ def _enable_stack_dumps() -> Callable[[], None] | None:
     return undo
 
 
-def _start(args: argparse.Namespace, early: EarlyStop) -> int:
+def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
     try:
         shm.check_cache_name(args.name)
         runtime_dir = shm.ensure_runtime_dir(args.runtime_dir)
@@ -149,7 +166,7 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
 
     if early.reason:  # stopped before anything was made: nothing to clean up but an autostart log
         logger.info("committer %s stopped (%s) before it started", cfg.name, early.reason)
-        _drop_autostart_log(runtime_dir, cfg.name, EXIT_OK)
+        _drop_autostart_log(runtime_dir, cfg.name, EXIT_OK, warned.seen)
         return EXIT_OK
     generation = uuid.uuid4().hex[:8]
     lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
@@ -192,6 +209,7 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
         print(f"omnishm committer: cannot bind {cfg.endpoint}: {exc}", file=sys.stderr)
         code = EXIT_REFUSED
     finally:
+        attached = committer.sessions.data_clients() if committer is not None else 0
         # An adopted cache this committer never served still has clients waiting to resume: it is
         # left for the next start to adopt again (an unlink here would lose their unacknowledged writes).
         leave = adopted is not None and not served
@@ -203,16 +221,20 @@ def _start(args: argparse.Namespace, early: EarlyStop) -> int:
                            "committer to adopt", cfg.name, adopted.generation)
         lock.release(remove=True)
     if committer is not None:
-        logger.info("committer %s stopped (%s): %d segment(s) unlinked", cfg.name,
-                    committer.stop_reason or "error", len(removed))
-    _drop_autostart_log(runtime_dir, cfg.name, code)
+        if attached:  # its clients lose the cache: worth a warning, and the log is kept
+            logger.warning("committer %s stopped (%s) with %d client(s) attached, which lose the cache: %d "
+                           "segment(s) unlinked", cfg.name, committer.stop_reason or "error", attached, len(removed))
+        else:
+            logger.info("committer %s stopped (%s): %d segment(s) unlinked", cfg.name,
+                        committer.stop_reason or "error", len(removed))
+    _drop_autostart_log(runtime_dir, cfg.name, code, warned.seen)
     return code
 
 
-def _drop_autostart_log(runtime_dir: Path, name: str, code: int) -> None:
-    """An embedded committer's log is kept only when it did not stop cleanly (it says why)."""
+def _drop_autostart_log(runtime_dir: Path, name: str, code: int, warned: bool = False) -> None:
+    """An embedded committer's log is kept when it did not stop cleanly or logged a warning (it says why)."""
     path = os.environ.get("OMNISHM_AUTOSTART_LOG")
-    if code != 0 or not path or Path(path) != Path(runtime_dir) / f"{name}.autostart.log":
+    if code != 0 or warned or not path or Path(path) != Path(runtime_dir) / f"{name}.autostart.log":
         return
     try:
         Path(path).unlink()

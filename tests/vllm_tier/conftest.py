@@ -58,7 +58,22 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if exitstatus != 0:
+        _show_committer_logs(session.config)
     shutil.rmtree(VLLM_RUNTIME_DIR, ignore_errors=True)
+
+
+def _show_committer_logs(config, lines: int = 40) -> None:
+    """The end of every autostarted committer's log, before the runtime dir goes: a failure's message names its
+    log (``NAME.autostart.log``), which would otherwise be gone when CI's output is read."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None:
+        return
+    for log in sorted(VLLM_RUNTIME_DIR.glob("*.autostart.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        tr.write_sep("-", f"{log.name} (last {len(tail)} lines)")
+        for line in tail:
+            tr.write_line(line)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
