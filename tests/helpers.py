@@ -183,10 +183,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def catches_signal(pid: int, sig: int) -> bool:
-    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc/PID/status)."""
+def _signal_mask_has(pid: int, sig: int, mask: str) -> bool:
+    """Whether ``sig`` is in the mask ``mask`` (``SigCgt``, ``SigIgn``) of /proc/PID/status."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("SigCgt:"):
+            if line.startswith(mask + ":"):
                 return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     return False
+
+
+def catches_signal(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig``."""
+    return _signal_mask_has(pid, sig, "SigCgt")
+
+
+def ignores_signal(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig``."""
+    return _signal_mask_has(pid, sig, "SigIgn")

@@ -18,6 +18,7 @@ import sys
 import time
 import types
 import uuid
+from pathlib import Path
 
 import posix_ipc
 import pytest
@@ -28,7 +29,7 @@ from omnishm.committer import meta
 from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, CachePool
 
 from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
-from helpers import RawClient, Writer, catches_signal, unpack
+from helpers import RawClient, Writer, catches_signal, ignores_signal, unpack
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5.0")
@@ -518,11 +519,9 @@ def test_sigterm_while_the_committer_imports_stops_cleanly(committer_factory):
     assert "stopped (SIGTERM) before it started" in handle.log(), handle.log()
 
 
-def test_an_autostarted_committer_stopped_while_starting_removes_its_log(tmp_path):
-    """Stopped before it started (exit 0), an autostarted committer removes its autostart log like any clean stop."""
-    from conftest import unique_cache_name
-
-    name = unique_cache_name("early")
+def _start_as_autostarted(name: str, tmp_path: Path) -> tuple[Path, Path, subprocess.Popen]:
+    """A committer of ``name`` in its own runtime dir, its output in ``NAME.autostart.log`` there, told so as an
+    autostarting client tells it (``OMNISHM_AUTOSTART_LOG``). Returns the runtime dir, the log and the process."""
     runtime = tmp_path / "rt"
     shm.ensure_runtime_dir(runtime)
     log_path = runtime / f"{name}.autostart.log"
@@ -530,6 +529,15 @@ def test_an_autostarted_committer_stopped_while_starting_removes_its_log(tmp_pat
         proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
                                  str(runtime)], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)})
+    return runtime, log_path, proc
+
+
+def test_an_autostarted_committer_stopped_while_starting_removes_its_log(tmp_path):
+    """Stopped before it started (exit 0), an autostarted committer removes its autostart log like any clean stop."""
+    from conftest import unique_cache_name
+
+    name = unique_cache_name("early")
+    runtime, log_path, proc = _start_as_autostarted(name, tmp_path)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not catches_signal(proc.pid, signal.SIGTERM):
@@ -574,15 +582,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _ignores(pid: int, sig: int) -> bool:
-    """Whether process ``pid`` ignores ``sig`` (``SigIgn`` in /proc/PID/status)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("SigIgn:"):
-                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    return False
-
-
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGINT], ids=lambda s: s.name)
 def test_a_hangup_or_quit_stops_the_committer_cleanly_also_as_a_background_job(committer_factory, sig):
     """SIGHUP (a closed terminal) and SIGQUIT (Ctrl-\\) used to end the committer by their default action, like a
@@ -607,7 +606,7 @@ def test_a_committer_started_under_nohup_keeps_running_through_a_hangup(committe
     writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
     try:
         writer.open_key("k", "float32", 4)
-        assert _ignores(handle.proc.pid, signal.SIGHUP) and not catches_signal(handle.proc.pid, signal.SIGHUP)
+        assert ignores_signal(handle.proc.pid, signal.SIGHUP) and not catches_signal(handle.proc.pid, signal.SIGHUP)
         assert catches_signal(handle.proc.pid, signal.SIGTERM)
         handle.proc.send_signal(signal.SIGHUP)
         assert writer.raw.status()["keys"][0]["name"] == "k"  # still serving, its cache still there
@@ -679,13 +678,7 @@ def test_an_autostarted_committer_stopped_with_a_writer_attached_warns_and_keeps
     from conftest import unique_cache_name
 
     name = unique_cache_name("warned")
-    runtime = tmp_path / "rt"
-    shm.ensure_runtime_dir(runtime)
-    log_path = runtime / f"{name}.autostart.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
-                                 str(runtime)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)})
+    runtime, log_path, proc = _start_as_autostarted(name, tmp_path)
     writer = None
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
