@@ -428,7 +428,9 @@ def test_a_stalled_committer_loop_is_logged_and_counted(committer_factory, busy)
         assert client.status()["loop_stalls"] == 0
         if busy:
             thread.start()
-            while len(answered) < 50:
+            deadline = time.monotonic() + 30
+            while len(answered) < 50:  # it answers the other client in a loop before the stop
+                assert thread.is_alive() and time.monotonic() < deadline, answered
                 time.sleep(0.01)
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:

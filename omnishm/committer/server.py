@@ -131,7 +131,7 @@ class Committer(Attach):
         self.tids_failed_reaped = 0
         self.loop_stalls = 0
         """Times the loop answered nothing for over max(1 s, 2 heartbeat periods) (``note_stall``)."""
-        self._answered_at = time.monotonic()  # when the loop last answered (a batch served, or a poll came back)
+        self._answered_at = time.monotonic()  # the last stall check (``note_stall``): after a poll, around a batch
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
             for client_id, epoch in self.pool.writer_epochs.items():
@@ -278,7 +278,7 @@ class Committer(Attach):
             # Before answering any of it, so that a status request in this batch counts a stall that the
             # next poll would only have seen after this batch (the process stopped between two batches).
             self.note_stall()
-            received_at = time.monotonic()
+            received_at = self._answered_at  # the check's own clock reading
             replies = self.replies
             for i, frames in enumerate(batch):
                 self.queue_depth = len(batch) - i - 1
