@@ -1,4 +1,4 @@
-"""The CPUs omnishm's own threads run on, and those of a committer a client autostarts.
+"""The CPUs omnishm's own threads run on, and the CPUs and memory policy of a committer a client autostarts.
 
 vLLM's CPU worker pins each TP rank's threads to that rank's cores (``VLLM_CPU_OMP_THREADS_BIND``), and a
 thread inherits the CPU set of the thread that starts it, a process that of its parent. The rank's main
@@ -9,14 +9,27 @@ machine, they then got so little of it that a reader's Hello waited about 10 s i
 backlog (``ss``: the connection queued, 3.9 KB unread on the writer's), a step stalled for 10 s, and once
 in 96 cache starts a rank's heartbeats stopped until the committer reaped it and the engine died. These threads mostly sleep, so they run on every CPU the process may use; the engine's own threads
 keep their pinning.
+
+A CPU set is not all a process inherits from a rank: vLLM also sets OpenMP's binding variables there
+(``GOMP_CPU_AFFINITY`` to the rank's cores, torch's libgomp in ``LD_PRELOAD``), and libgomp binds the thread
+that loads it, at ``import torch`` or at exec when preloaded. An autostarted committer started with them ran
+pinned to its rank's first core however wide its CPU set was at fork: on a 2-vCPU machine its loop stood
+still for 25.8 s beside the rank's spin, and the other rank's Hello went unanswered until the engine died
+(the TP=2 tier's intermittent failure). So it starts without them (``unbound_env``). The rank's NUMA
+memory binding (``MPOL_BIND`` to the rank's node, set by vLLM's CPU worker) is inherited the same way, and
+an autostarted committer drops it first thing (``default_memory_policy``): else the whole pool it first
+touches lands on one rank's node, and cannot grow once that node is full while others are free.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
-from collections.abc import Iterator
+import platform
+import sys
+from collections.abc import Iterator, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +38,37 @@ _EVERY_CPU = frozenset(range(max(1024, 4 * (os.cpu_count() or 1))))
 Not ``range(os.cpu_count())``: that counts online CPUs, not ids (``nosmt`` leaves ids 0, 2, 4, ...), and
 from Python 3.13 ``PYTHON_CPU_COUNT`` may set it to anything. A ``taskset`` on the engine is widened too;
 a cgroup cpuset is not."""
+
+OPENMP_BINDING = ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY")
+"""OpenMP's thread-binding variables (libgomp; ``KMP_AFFINITY`` is Intel's libiomp5). Each pins the thread
+that loads the runtime to the first CPU it names, whatever CPU set the process started with."""
+
+
+def unbound_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without OpenMP's binding variables: for a process a rank starts that must run on every CPU
+    (an autostarted committer). ``LD_PRELOAD`` stays: a preloaded libgomp binds nothing without them."""
+    return {k: v for k, v in env.items() if k not in OPENMP_BINDING}
+
+
+SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "riscv64": 237, "ppc64le": 261, "ppc64": 261, "s390x": 270}
+"""``set_mempolicy``'s system call number by machine (glibc has no wrapper; libnuma may not be installed)."""
+MPOL_DEFAULT = 0
+
+
+def default_memory_policy() -> bool:
+    """The calling thread, and every thread and process it starts after, allocates by the system's default
+    NUMA policy (the node of the CPU that first touches a page), whatever policy it inherited. An
+    autostarted committer calls it on its main thread before it starts any other. Returns False, logged at
+    debug, where it cannot be set (not Linux, no NUMA support, an unknown machine)."""
+    nr = SET_MEMPOLICY.get(platform.machine())
+    if nr is None or not sys.platform.startswith("linux"):
+        logger.debug("memory policy left as inherited: no set_mempolicy number for %s", platform.machine())
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(ctypes.c_long(nr), MPOL_DEFAULT, None, ctypes.c_ulong(0)) != 0:
+        logger.debug("memory policy left as inherited: set_mempolicy: %s", os.strerror(ctypes.get_errno()))
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
-from omnishm import shm
+from omnishm import cpus, shm
 from omnishm.committer import meta
 from omnishm.committer.config import (
     EXIT_OK,
@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         setup_logging(args.log_level)
+        if os.environ.get("OMNISHM_AUTOSTART_LOG"):
+            # Started by a rank (client/committer_process.py), whose NUMA binding it inherited: the pool must
+            # not land on that one rank's node (omnishm/cpus.py). Before any thread starts: the policy is a
+            # thread's, and threads inherit it. A committer you launch keeps yours (numactl).
+            cpus.default_memory_policy()
         undo_dumps = _enable_stack_dumps()
         return _start(args, early, warned)
     finally:

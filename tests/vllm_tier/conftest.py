@@ -29,11 +29,11 @@ os.environ["OMNISHM_RUNTIME_DIR"] = str(VLLM_RUNTIME_DIR)
 os.environ["OMNISHM_VLLM_CAPTURE_RAW"] = "1"  # the ground truth: rows read straight from the runner
 # The autostarted committers inherit this. On a 2-vCPU machine full of vLLM's busy-waiting processes, clients
 # resumed sessions with committers that logged nothing wrong (2 of 5 runs of the multiprocess and TP modules on
-# 2026-12-02). One cause is fixed: a stall of the client's own I/O thread, with a quiet step write pending, was
-# taken for the committer's silence (tests/test_link.py). Which process stood still is not known (not seen again
-# in two runs, one with a CPU hog beside it); both the link and the committer now log a stall of theirs. A
-# client stalled past the timeout is reaped, which the tier does not test, so it tolerates 30 s.
-# test_serve_dp.py sets its own.
+# 2026-12-02). Two causes are fixed: a stall of the client's own I/O thread, with a quiet step write pending, was
+# taken for the committer's silence (tests/test_link.py), and the autostarted committer ran pinned to its rank's
+# busy core by the rank's OpenMP variables (its loop stood still for 25.8 s; docs/FAULTS.md, tests/test_cpus.py).
+# Both the link and the committer log a stall of theirs. A client stalled past the timeout is reaped, which the
+# tier does not test, so it tolerates 30 s. test_serve_dp.py sets its own.
 os.environ.setdefault("OMNISHM_HEARTBEAT_TIMEOUT_S", "30")
 
 
