@@ -566,8 +566,19 @@ def test_sigterm_during_start_up_stops_cleanly(committer_factory):
         assert "stopped (SIGTERM)" in handle.log(), handle.log()
 
 
+# A terminal's hangup reaches what it started: these committers start with SIGHUP at its default, also when
+# this test run itself was started under nohup (its children would inherit the ignored SIGHUP, which the
+# committer keeps, as test_a_committer_started_under_nohup_keeps_running_through_a_hangup shows).
+_HANGUP_REACHES = """
+import signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+from omnishm.committer import main
+sys.exit(main(sys.argv[1:]))
+"""
+
 _BACKGROUND_JOB = """
 import signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 for sig in (signal.SIGINT, signal.SIGQUIT):
     signal.signal(sig, signal.SIG_IGN)  # as a non-interactive shell starts a job in the background (&)
 from omnishm.committer import main
@@ -620,7 +631,7 @@ def test_a_committer_started_under_nohup_keeps_running_through_a_hangup(committe
 def test_a_hangup_while_the_committer_imports_stops_it_cleanly(committer_factory):
     """The start-up catcher (``early_stop.EarlyStop``) takes every stop signal, SIGHUP too: one sent as soon as the
     committer catches it (it then still imports torch, about a second) exits 0 and makes nothing."""
-    handle = committer_factory(wait=False)
+    handle = committer_factory(wait=False, python_args=("-c", _HANGUP_REACHES))
     deadline = time.monotonic() + START_TIMEOUT_S
     while not catches_signal(handle.proc.pid, signal.SIGHUP):  # busy poll: the catcher is the first thing it installs
         assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
