@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import platform
@@ -40,14 +41,22 @@ from Python 3.13 ``PYTHON_CPU_COUNT`` may set it to anything. A ``taskset`` on t
 a cgroup cpuset is not."""
 
 OPENMP_BINDING = ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY")
-"""OpenMP's thread-binding variables (libgomp; ``KMP_AFFINITY`` is Intel's libiomp5). Each pins the thread
-that loads the runtime to the first CPU it names, whatever CPU set the process started with."""
+"""OpenMP's thread-binding variables (``KMP_AFFINITY`` is Intel's libiomp5). Each binds the thread that loads
+the runtime, at exec when it is preloaded or at ``import torch``: ``GOMP_CPU_AFFINITY`` and ``KMP_AFFINITY``
+to the first CPU they name, ``OMP_PROC_BIND`` with ``OMP_PLACES`` to the first place; whatever CPU set the
+process started with. libgomp 13 and newer also read ``OMP_PROC_BIND`` and ``OMP_PLACES`` with a device
+suffix (``_ALL``, ``_DEV``, ``_DEV_<n>``): those go too."""
 
 
 def unbound_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without OpenMP's binding variables: for a process a rank starts that must run on every CPU
-    (an autostarted committer). ``LD_PRELOAD`` stays: a preloaded libgomp binds nothing without them."""
-    return {k: v for k, v in env.items() if k not in OPENMP_BINDING}
+    """``env`` without OpenMP's binding variables (``OPENMP_BINDING`` and their device-suffixed forms): for a
+    process a rank starts that must run on every CPU (an autostarted committer). ``LD_PRELOAD`` stays: a
+    preloaded libgomp binds nothing without them, and the engine may preload other libraries there."""
+    return {k: v for k, v in env.items() if not _binds(k)}
+
+
+def _binds(name: str) -> bool:
+    return name in OPENMP_BINDING or name.startswith(("OMP_PROC_BIND_", "OMP_PLACES_"))
 
 
 SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "riscv64": 237, "ppc64le": 261, "ppc64": 261, "s390x": 270}
@@ -58,15 +67,20 @@ MPOL_DEFAULT = 0
 def default_memory_policy() -> bool:
     """The calling thread, and every thread and process it starts after, allocates by the system's default
     NUMA policy (the node of the CPU that first touches a page), whatever policy it inherited. An
-    autostarted committer calls it on its main thread before it starts any other. Returns False, logged at
-    debug, where it cannot be set (not Linux, no NUMA support, an unknown machine)."""
+    autostarted committer calls it on its main thread before it starts any other. Returns False where it
+    cannot be set: logged at debug where there is nothing to drop (not Linux, a kernel without NUMA, an
+    unknown machine), at info where the kernel refused it (a container's seccomp profile)."""
     nr = SET_MEMPOLICY.get(platform.machine())
     if nr is None or not sys.platform.startswith("linux"):
         logger.debug("memory policy left as inherited: no set_mempolicy number for %s", platform.machine())
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.syscall(ctypes.c_long(nr), MPOL_DEFAULT, None, ctypes.c_ulong(0)) != 0:
-        logger.debug("memory policy left as inherited: set_mempolicy: %s", os.strerror(ctypes.get_errno()))
+        err = ctypes.get_errno()
+        # ENOSYS: a kernel without NUMA, where there is nothing to drop. Anything else (EPERM from a
+        # container's seccomp profile) may leave the pool bound to one rank's node: worth a line in the log.
+        logger.log(logging.DEBUG if err == errno.ENOSYS else logging.INFO,
+                   "memory policy left as inherited: set_mempolicy: %s", os.strerror(err))
         return False
     return True
 
