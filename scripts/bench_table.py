@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -27,4 +28,5 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the table quietly, as cat would
     sys.exit(main(sys.argv[1]))
