@@ -10,6 +10,7 @@ the shared /dev/shm are left alone.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -21,11 +22,23 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 # Before any engine or manager starts: offline, the V1 runner (the hooks need
-# it), and a private omnishm runtime dir (its sockets and autostart logs).
+# it), a private omnishm runtime dir (its sockets and autostart logs) and a
+# private temp dir for vLLM. vLLM names its engine sockets ipc://$TMPDIR/<uuid4>
+# and its file:// rendezvous $TMPDIR/vllm_dist_<hex>, and leaves both behind when
+# its processes exit (three to eight per engine). With TMPDIR set here, before
+# any engine process starts, they land in the tier's own dir, which goes at the
+# end of the session; host_tmp_untouched checks that the host's temp dir got none.
+HOST_TMP_DIR = Path(tempfile.gettempdir())
+TIER_DIR = Path(tempfile.mkdtemp(prefix="omnishm-vllm-test-"))
+VLLM_RUNTIME_DIR = TIER_DIR / "runtime"
+VLLM_TMP_DIR = TIER_DIR / "tmp"
+VLLM_RUNTIME_DIR.mkdir(mode=0o700)  # omnishm refuses a socket dir others may write
+VLLM_TMP_DIR.mkdir(mode=0o700)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-VLLM_RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="omnishm-vllm-test-"))
 os.environ["OMNISHM_RUNTIME_DIR"] = str(VLLM_RUNTIME_DIR)
+os.environ["TMPDIR"] = str(VLLM_TMP_DIR)
+tempfile.tempdir = None  # gettempdir() caches its answer; this process's next call reads TMPDIR again
 os.environ["OMNISHM_VLLM_CAPTURE_RAW"] = "1"  # the ground truth: rows read straight from the runner
 # The autostarted committers inherit this. On a 2-vCPU machine full of vLLM's busy-waiting processes, clients
 # resumed sessions with committers that logged nothing wrong (2 of 5 runs of the multiprocess and TP modules on
@@ -60,7 +73,7 @@ def pytest_configure(config):
 def pytest_sessionfinish(session, exitstatus):
     if exitstatus != 0:
         _show_committer_logs(session.config)
-    shutil.rmtree(VLLM_RUNTIME_DIR, ignore_errors=True)
+    shutil.rmtree(TIER_DIR, ignore_errors=True)
 
 
 def _show_committer_logs(config, lines: int = 40) -> None:
@@ -84,6 +97,28 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"{c['hit_requests']}), rows compared={c['rows']} (hit rows {c['hit_rows']}), "
             f"mismatches={c['mismatches']}; scheduler tier: steps={c['scheduler_steps']}, "
             f"rows checked={c['scheduler_rows']}")
+
+
+# What vLLM leaves in a temp dir: its engine sockets (a uuid4 name) and its rendezvous files.
+_VLLM_TMP_NAME = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}|vllm_dist_[0-9a-f]{32}")
+
+
+def _vllm_names(directory: Path) -> set[str]:
+    return {n for n in os.listdir(directory) if _VLLM_TMP_NAME.fullmatch(n)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_tmp_untouched():
+    """Fail the session if vLLM's sockets or rendezvous files appeared in the host's temp dir.
+
+    Names there before the session are not this run's; the tier's own temp dir
+    (TMPDIR of every engine it starts) is removed at the end of the session.
+    """
+    before = _vllm_names(HOST_TMP_DIR)
+    yield
+    new = sorted(_vllm_names(HOST_TMP_DIR) - before)
+    if new:
+        pytest.fail(f"the vLLM tier left {len(new)} of vLLM's files in {HOST_TMP_DIR}: {new[:8]}")
 
 
 @pytest.fixture(autouse=True)
