@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 # and its file:// rendezvous $TMPDIR/vllm_dist_<hex>, and leaves both behind when
 # its processes exit (three to eight per engine). With TMPDIR set here, before
 # any engine process starts, they land in the tier's own dir, which goes at the
-# end of the session; host_tmp_untouched checks that the host's temp dir got none.
+# end of the session; host_dirs_untouched checks that the host's temp dir got none.
 HOST_TMP_DIR = Path(tempfile.gettempdir())
 TIER_DIR = Path(tempfile.mkdtemp(prefix="omnishm-vllm-test-"))
 VLLM_RUNTIME_DIR = TIER_DIR / "runtime"
@@ -101,24 +101,59 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 # What vLLM leaves in a temp dir: its engine sockets (a uuid4 name) and its rendezvous files.
 _VLLM_TMP_NAME = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}|vllm_dist_[0-9a-f]{32}")
+# What an engine that dies leaves in /dev/shm: its broadcast rings (multiprocessing.shared_memory, 160-240 MiB
+# each here) and multiprocessing's semaphores. Seen after a tier run whose engines failed at start (2026-12-04).
+_VLLM_SHM_NAME = re.compile(r"psm_[0-9a-f]{8}|sem\.mp-[a-z0-9_]{8}")
+_SHM_DIR = Path("/dev/shm")
 
 
-def _vllm_names(directory: Path) -> set[str]:
-    return {n for n in os.listdir(directory) if _VLLM_TMP_NAME.fullmatch(n)}
+def _names(directory: Path, pattern: re.Pattern[str]) -> set[str]:
+    try:
+        return {n for n in os.listdir(directory) if pattern.fullmatch(n)}
+    except FileNotFoundError:
+        return set()
+
+
+def _shm_names_held() -> set[str]:
+    """Names under /dev/shm that a live process maps or holds open (these are in use, not leaked)."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                held.update(line.split("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/"):].split()[0])
+        except OSError:  # the process exited meanwhile, or is not ours to read
+            continue
+    return held
 
 
 @pytest.fixture(scope="session", autouse=True)
-def host_tmp_untouched():
-    """Fail the session if vLLM's sockets or rendezvous files appeared in the host's temp dir.
+def host_dirs_untouched():
+    """Fail the session if vLLM's leftovers appeared in the host's temp dir or in /dev/shm.
 
-    Names there before the session are not this run's; the tier's own temp dir
+    Names there before the session are not this run's. The tier's own temp dir
     (TMPDIR of every engine it starts) is removed at the end of the session.
+    vLLM segments created during the session that no live process holds are
+    removed here, so that a failing run does not leave hundreds of MiB behind,
+    and named in the failure.
     """
-    before = _vllm_names(HOST_TMP_DIR)
+    tmp_before = _names(HOST_TMP_DIR, _VLLM_TMP_NAME)
+    shm_before = _names(_SHM_DIR, _VLLM_SHM_NAME)
     yield
-    new = sorted(_vllm_names(HOST_TMP_DIR) - before)
-    if new:
-        pytest.fail(f"the vLLM tier left {len(new)} of vLLM's files in {HOST_TMP_DIR}: {new[:8]}")
+    new_tmp = sorted(_names(HOST_TMP_DIR, _VLLM_TMP_NAME) - tmp_before)
+    new_shm = sorted(_names(_SHM_DIR, _VLLM_SHM_NAME) - shm_before - _shm_names_held())
+    for name in new_shm:
+        (_SHM_DIR / name).unlink(missing_ok=True)
+    problems = []
+    if new_tmp:
+        problems.append(f"{len(new_tmp)} of vLLM's files in {HOST_TMP_DIR}: {new_tmp[:8]}")
+    if new_shm:
+        problems.append(f"{len(new_shm)} segments in /dev/shm that no process holds (removed now): {new_shm[:8]}")
+    if problems:
+        pytest.fail("the vLLM tier left " + "; and ".join(problems))
 
 
 @pytest.fixture(autouse=True)
