@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 # it), a private omnishm runtime dir (its sockets and autostart logs) and a
 # private temp dir for vLLM. vLLM names its engine sockets ipc://$TMPDIR/<uuid4>
 # and its file:// rendezvous $TMPDIR/vllm_dist_<hex>, and leaves both behind when
-# its processes exit (three to eight per engine). With TMPDIR set here, before
+# its processes exit (7 from test_engine_multiprocess.py alone). With TMPDIR set here, before
 # any engine process starts, they land in the tier's own dir, which goes at the
 # end of the session; host_dirs_untouched checks that the host's temp dir got none.
 HOST_TMP_DIR = Path(tempfile.gettempdir())
@@ -104,27 +104,24 @@ _VLLM_TMP_NAME = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[
 # What an engine that dies leaves in /dev/shm: its broadcast rings (multiprocessing.shared_memory, 160-240 MiB
 # each here) and multiprocessing's semaphores. Seen after a tier run whose engines failed at start (2026-12-04).
 _VLLM_SHM_NAME = re.compile(r"psm_[0-9a-f]{8}|sem\.mp-[a-z0-9_]{8}")
-_SHM_DIR = Path("/dev/shm")
 
 
 def _names(directory: Path, pattern: re.Pattern[str]) -> set[str]:
-    try:
-        return {n for n in os.listdir(directory) if pattern.fullmatch(n)}
-    except FileNotFoundError:
-        return set()
+    return {n for n in os.listdir(directory) if pattern.fullmatch(n)}
 
 
-def _shm_names_held() -> set[str]:
-    """Names under /dev/shm that a live process maps or holds open (these are in use, not leaked)."""
+def _shm_names_held(shm_dir: Path) -> set[str]:
+    """Names under ``shm_dir`` that a live process maps or holds open (these are in use, not leaked)."""
+    prefix = f"{shm_dir}/"
     held: set[str] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/maps") as maps:
-                held.update(line.split("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
+                held.update(line.split(prefix, 1)[1].split()[0] for line in maps if prefix in line)
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/"):].split()[0])
+                if target.startswith(prefix):
+                    held.add(target[len(prefix):].split()[0])  # drops a " (deleted)" suffix
         except OSError:  # the process exited meanwhile, or is not ours to read
             continue
     return held
@@ -140,13 +137,15 @@ def host_dirs_untouched():
     removed here, so that a failing run does not leave hundreds of MiB behind,
     and named in the failure.
     """
+    from omnishm.shm import SHM_DIR
+
     tmp_before = _names(HOST_TMP_DIR, _VLLM_TMP_NAME)
-    shm_before = _names(_SHM_DIR, _VLLM_SHM_NAME)
+    shm_before = _names(SHM_DIR, _VLLM_SHM_NAME)
     yield
     new_tmp = sorted(_names(HOST_TMP_DIR, _VLLM_TMP_NAME) - tmp_before)
-    new_shm = sorted(_names(_SHM_DIR, _VLLM_SHM_NAME) - shm_before - _shm_names_held())
+    new_shm = sorted(_names(SHM_DIR, _VLLM_SHM_NAME) - shm_before - _shm_names_held(SHM_DIR))
     for name in new_shm:
-        (_SHM_DIR / name).unlink(missing_ok=True)
+        (SHM_DIR / name).unlink(missing_ok=True)
     problems = []
     if new_tmp:
         problems.append(f"{len(new_tmp)} of vLLM's files in {HOST_TMP_DIR}: {new_tmp[:8]}")
