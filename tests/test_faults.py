@@ -206,7 +206,7 @@ def _client_script(name: str, endpoint: str) -> str:
     """)
 
 
-@pytest.mark.parametrize("how", ["restart", "cleanup"])
+@pytest.mark.parametrize("how", ["restart", "another name", "cleanup"])
 def test_sigkill_of_every_process_then_one_start_or_cleanup_leaves_nothing(committer_factory, how):
     handle = committer_factory(*FAST)
     client = subprocess.Popen([sys.executable, "-c", _client_script(handle.name, handle.endpoint)],
@@ -225,6 +225,12 @@ def test_sigkill_of_every_process_then_one_start_or_cleanup_leaves_nothing(commi
         assert left == [], "nobody was attached: the new start must sweep, not adopt"
         assert "removed 6 segment(s)" in again.log() and "adopted" not in again.log()
         again.stop(signal.SIGTERM)
+    elif how == "another name":  # a cache never started again (renamed, a test's unique name)
+        other = committer_factory(*FAST)
+        assert shm.list_segments(handle.name) == []
+        log = other.log()
+        assert "swept" in log and f"/omnishm.{handle.name}." in log and f"{handle.name}.sock" in log, log
+        other.stop(signal.SIGTERM)
     else:
         proc = subprocess.run([sys.executable, "-m", "omnishm", "cleanup", "--name", handle.name],
                               capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -232,6 +238,44 @@ def test_sigkill_of_every_process_then_one_start_or_cleanup_leaves_nothing(commi
     assert shm.list_segments(handle.name) == []
     left = [f for f in os.listdir(RUNTIME_DIR) if f.startswith(handle.name + ".")]
     assert left == [], left
+
+
+def test_a_start_sweeps_other_names_only_where_nobody_is_left(committer_factory, tmp_path):
+    """What a start of another name leaves: a dead committer's generation that a client still maps (it waits
+    to resume) and a generation whose owner lock a live committer holds, whatever its runtime dir (here
+    this process, holding the lock the way a committer started with another ``--runtime-dir`` does)."""
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.interface import PrefixCacheConfig
+
+    from conftest import unique_cache_name
+
+    waiting, dead = committer_factory(*FAST), committer_factory(*FAST)
+    cfg = PrefixCacheConfig(num_blocks=8, block_size=4, staging_capacity_tokens=16, staging_depth=2,
+                            reconnect_timeout_s=30.0, commit_timeout_s=5.0)
+    m = OmniPrefixCacheManager(cfg, cache=waiting.name, endpoint=waiting.endpoint, autostart=False)
+    elsewhere = unique_cache_name("elsewhere")
+    owner = shm.GenerationOwner.acquire(elsewhere, "g0")
+    pool = shm.Segment.create(shm.segment_name(elsewhere, "g0", "pool.k0"), 4096)
+    try:
+        waiting.stop(signal.SIGKILL)
+        dead.stop(signal.SIGKILL)
+        kept = {c: shm.list_segments(c) for c in (waiting.name, elsewhere)}
+        assert shm.list_segments(dead.name) and all(kept.values())
+        starter = committer_factory(*FAST)
+        assert shm.list_segments(dead.name) == []
+        assert not (RUNTIME_DIR / f"{dead.name}.sock").exists()
+        assert {c: shm.list_segments(c) for c in kept} == kept
+        starter.stop(signal.SIGTERM)
+        # Its socket and lock file went with the sweep (as with `omnishm cleanup`); a restart makes them again
+        # and adopts the generation the client kept.
+        again = committer_factory(*FAST, name=waiting.name)
+        assert f"adopted live generation {m._link.welcome.generation}" in again.log(), again.log()
+        again.stop(signal.SIGTERM)
+    finally:
+        m.shutdown()  # the last client of a dead committer removes its generation (see below)
+        pool.unlink()
+        owner.release(unlink=True)
+    assert shm.list_segments(waiting.name) == [] and shm.list_segments(elsewhere) == []
 
 
 def test_restart_with_unusable_metadata_sweeps_and_clients_fail_clearly(committer_factory):

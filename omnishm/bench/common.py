@@ -192,6 +192,12 @@ class ThreadCommitter:
         self.lock = shm.CacheLock.acquire(self.runtime_dir, self.name, generation)
         if self.lock is None:
             raise RuntimeError(f"cache {self.name} is already locked")
+        # Held as the committer process holds it: a committer starting meanwhile, from any runtime
+        # dir, sweeps dead caches of other names and must see this one as live.
+        self.owner = shm.GenerationOwner.acquire(self.name, generation)
+        if self.owner is None:
+            self.lock.release(remove=True)
+            raise RuntimeError(f"generation {generation} of cache {self.name} is already owned")
         cfg = CommitterConfig(name=self.name, runtime_dir=self.runtime_dir, endpoint=self.endpoint, heartbeat_s=1.0,
                               heartbeat_timeout_s=120.0, exit_when_idle=False, prefault=True, log_level="WARNING")
         self.committer = Committer(cfg, generation)
@@ -226,6 +232,9 @@ class ThreadCommitter:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(STOP_TIMEOUT_S)
+        if self.owner is not None:
+            self.owner.release(unlink=True)
+            self.owner = None
         if self.lock is not None:
             self.lock.release(remove=True)
             self.lock = None

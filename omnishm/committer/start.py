@@ -86,6 +86,23 @@ def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.Genera
     return None, None
 
 
+def _sweep_dead_caches(runtime_dir: Path, name: str) -> None:
+    """Remove what dead caches of other names left behind, by the rules of ``omnishm cleanup``.
+
+    A cache whose committer and clients were all SIGKILLed (a container stopped, a host's
+    processes killed) is swept by the next start of its own name; under a name never started
+    again (a renamed cache, a test's unique name) it held /dev/shm until someone ran
+    ``omnishm cleanup``. ``shm.sweep`` never touches a generation a live committer owns (host-wide
+    owner lock), one whose clients are still attached (they wait to resume), a cache whose lock a
+    committer holds in this runtime dir, or another user's segments. Called once, at start-up,
+    with this committer's own lock and owner held; a failure is logged and the start goes on.
+    """
+    try:
+        shm.sweep(runtime_dir)  # logs what it removed
+    except OSError as exc:  # someone else's leftovers must not stop this start
+        logger.warning("committer %s: could not sweep dead caches of other names: %s", name, exc)
+
+
 def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
     """Run a committer in the foreground. Returns 0 on a clean stop (a signal during start-up included),
     2 when it refuses to start.
@@ -197,6 +214,7 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         swept = shm.sweep(runtime_dir, cfg.name, keep_generation=serving, assume_dead=True)
         if swept:
             logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
+        _sweep_dead_caches(runtime_dir, cfg.name)
         if cfg.ipc_path is not None and cfg.ipc_path.exists():
             cfg.ipc_path.unlink()  # stale: we hold the lock, so no live committer is bound there (trap 4)
         committer = server.Committer(cfg, generation, pool=adopted)
