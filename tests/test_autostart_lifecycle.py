@@ -1,0 +1,366 @@
+"""Autostarted committers: where they bind, when they exit, what they leave behind.
+
+Each test starts real committers the way a client autostarts them (``OMNISHM_AUTOSTART_LOG``,
+``--spawned-by``), in a private runtime dir: the endpoint a client asked for, socket directories others
+can write, a starter that is gone before or after the lock, a lost race for the lock, and the
+autostart log kept or removed at the stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from omnishm import protocol, shm
+
+from conftest import START_TIMEOUT_S, assert_clean_stop
+from helpers import Writer, catches_signal
+
+LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
+
+
+def assert_idle_committer_exits(runtime, name: str, timeout_s: float = 30.0) -> None:
+    """An ``--exit-when-idle`` committer whose last client left exits (bounded wait) and leaves no segment."""
+    deadline = time.monotonic() + timeout_s
+    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name), "the autostarted committer did not exit when its client left"
+    assert shm.list_segments(name) == []
+
+
+def test_autostart_serves_the_endpoint_the_client_asked_for(tmp_path):
+    """An autostarted committer binds the client's own ipc endpoint, and exits (cleanly) when it leaves."""
+    from conftest import unique_cache_name
+    from manager_helpers import Part, save, small_config, started
+    from omnishm.client import OmniPrefixCacheManager
+
+    name = unique_cache_name("auto")
+    runtime = tmp_path / "rt"
+    socks = tmp_path / "socks"
+    socks.mkdir(mode=0o700)
+    endpoint = f"ipc://{socks}/custom-{name}.sock"
+    m = OmniPrefixCacheManager(small_config(), cache=name, endpoint=endpoint, autostart=True, runtime_dir=runtime,
+                               connect_timeout_s=60.0)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], 4))
+        m.wait_idle()
+    finally:
+        m.shutdown()
+    assert_idle_committer_exits(runtime, name)
+
+
+def test_a_client_refuses_a_socket_directory_others_can_write(tmp_path):
+    """Another user could have put their own socket there and read our Hello and descriptors."""
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by nobody else"):
+        OmniPrefixCacheManager(small_config(), cache="tsafe", endpoint=f"ipc://{shared}/tsafe.sock", autostart=False)
+
+
+def test_a_client_accepts_a_sticky_shared_directory_like_tmp(tmp_path):
+    """In a sticky directory (/tmp) nobody else can remove or replace our socket: no PermissionError (here
+    nothing answers, so the client times out instead)."""
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.interface import OmniPrefixCacheCommitterError
+
+    shared = tmp_path / "sticky"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    # The hint names the command a pip install has (not only the repository's script).
+    with pytest.raises(OmniPrefixCacheCommitterError, match="answered.*`omnishm committer --name tsafe`.*autostart=True"):
+        OmniPrefixCacheManager(small_config(), cache="tsafe", endpoint=f"ipc://{shared}/tsafe.sock", autostart=False,
+                               connect_timeout_s=0.5)
+
+
+_SPAWN_AND_LEAVE = """
+import sys, time
+from pathlib import Path
+from omnishm import shm
+from omnishm.client.committer_process import start_committer
+name, rt = sys.argv[1], Path(sys.argv[2])
+shm.ensure_runtime_dir(rt)
+proc = start_committer(name, rt)
+deadline = time.monotonic() + 60
+while not shm.cache_is_live(rt, name) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(proc.pid, shm.cache_is_live(rt, name), flush=True)
+"""
+
+
+def test_an_autostarted_committer_nobody_attached_to_exits_when_its_starter_is_gone(tmp_path):
+    """Two ranks that both autostart start two committers; the slower may get the cache lock after the
+    other served the whole run and exited. Nobody attaches to it: once the process that started it is
+    gone it exits cleanly (lock, socket, segments and log removed), well before the 60 s unused limit."""
+    from conftest import unique_cache_name
+    from omnishm.shm import proc_identity
+    from omnishm.committer.server import UNUSED_EXIT_S
+
+    name = unique_cache_name("spawn")
+    runtime = tmp_path / "rt"
+    out = subprocess.run([sys.executable, "-c", _SPAWN_AND_LEAVE, name, str(runtime)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid, live = out.stdout.split()
+    assert live == "True", "the autostarted committer never came up"
+    gone_by = time.monotonic() + UNUSED_EXIT_S / 3
+    while shm.cache_is_live(runtime, name) and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name), "an unused committer outlived the client that started it"
+    deadline = time.monotonic() + 10
+    while proc_identity(int(pid)) is not None and time.monotonic() < deadline:  # exited (a zombie counts)
+        time.sleep(0.05)
+    assert proc_identity(int(pid)) is None
+    assert shm.list_segments(name) == []
+    assert not (runtime / f"{name}.autostart.log").exists(), "it did not stop cleanly (its log was kept)"
+
+
+_SPAWN_AND_DIE = """
+import os, sys
+from pathlib import Path
+from omnishm import shm
+from omnishm.client.committer_process import start_committer
+name, rt = sys.argv[1], Path(sys.argv[2])
+shm.ensure_runtime_dir(rt)
+print(start_committer(name, rt).pid, flush=True)
+os._exit(0)  # gone before its committer imported torch and took the cache lock
+"""
+
+
+def test_an_autostarted_committer_exits_when_its_starter_is_gone_before_it_took_the_lock(tmp_path):
+    """The rank that autostarted a committer is killed before that committer even took the cache lock (the
+    demo killed right after its ranks attached: the slower of two autostarted committers gets the lock only
+    after the other exited). Nobody attaches; it must not hold the lock, socket and owner segment for the
+    60 s unused limit (the starter is not its parent any more when it looks: it is known by pid and start
+    time instead)."""
+    from conftest import unique_cache_name
+    from omnishm.shm import proc_identity
+    from omnishm.committer.server import UNUSED_EXIT_S
+
+    name = unique_cache_name("orphan")
+    runtime = tmp_path / "rt"
+    out = subprocess.run([sys.executable, "-c", _SPAWN_AND_DIE, name, str(runtime)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout)
+    ident = proc_identity(pid)
+    try:
+        # Up (lock held) or already gone; a start under load takes seconds (import torch).
+        deadline = time.monotonic() + 60
+        while not shm.cache_is_live(runtime, name) and proc_identity(pid) is not None \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        gone_by = time.monotonic() + UNUSED_EXIT_S / 3
+        while proc_identity(pid) is not None and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        log = runtime / f"{name}.autostart.log"
+        assert proc_identity(pid) is None, ("an unused committer outlived the client that started it:\n"
+                                            + (log.read_text() if log.exists() else ""))
+    finally:
+        if ident is not None and proc_identity(pid) == ident:  # failed: stop it (it unlinks what it made)
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while proc_identity(pid) == ident and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert not shm.cache_is_live(runtime, name)
+    assert shm.list_segments(name) == []
+    assert sorted(p.name for p in runtime.iterdir()) == [], "it did not stop cleanly (lock, socket or log kept)"
+
+
+def test_spawned_by_takes_a_pid_and_optionally_its_start_time():
+    from omnishm.committer.config import build_parser
+
+    assert build_parser().parse_args(["--spawned-by", "12:345"]).spawned_by == (12, "345")
+    assert build_parser().parse_args(["--spawned-by", "12"]).spawned_by == (12, "")
+    assert build_parser().parse_args([]).spawned_by == (0, "")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--spawned-by", "12:x"])
+
+
+def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp_path, monkeypatch):
+    """The committer this client started is refused (another committer holds the cache lock), and that
+    other one is gone before this client's Hello reached it: the client starts one again once nothing
+    holds the lock, instead of waiting out connect_timeout_s on a dead endpoint."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager, attach as attach_mod
+
+    name = unique_cache_name("relock")
+    runtime = tmp_path / "rt"
+    real_start = attach_mod.start_committer  # looked up there at call time (_autostart_if_down)
+    started: list[int] = []
+
+    def start_while_another_holds_the_lock(cache, runtime_dir, **kw):
+        if started:
+            proc = real_start(cache, runtime_dir, **kw)
+            started.append(proc.pid)
+            return proc
+        other = shm.CacheLock.acquire(runtime_dir, cache, "other")  # another rank's committer, say
+        assert other is not None
+        try:
+            proc = real_start(cache, runtime_dir, **kw)
+            deadline = time.monotonic() + 60
+            while proc.alive() and time.monotonic() < deadline:  # not its child: no exit status to wait for
+                time.sleep(0.05)
+            log = (runtime_dir / f"{cache}.autostart.log").read_text()
+            assert not proc.alive() and "refusing to start a second one" in log, log
+        finally:
+            other.release(remove=True)  # ... which exits before this client's Hello reached it
+        started.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(attach_mod, "start_committer", start_while_another_holds_the_lock)
+    m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=runtime,
+                               connect_timeout_s=60.0)
+    try:
+        assert len(started) == 2 and m._link.welcome.committer_pid == started[1]
+    finally:
+        m.shutdown()
+    assert_idle_committer_exits(runtime, name)
+
+
+def test_an_autostarted_committer_that_lost_the_race_is_stopped_by_its_client(tmp_path, monkeypatch, committer_factory):
+    """Two ranks autostart at once and the other rank's committer welcomes this client while this client's
+    own committer is still starting (slowed here by SIGSTOP; in a real TP=2 vLLM engine by ``import torch``
+    on a core the busy rank shares). The client stops it on the Welcome. Without that, a cache shorter-lived
+    than that start-up (the winner served it and exited) was taken over by the slow committer, which then
+    held the cache's lock, socket and owner segment with nobody to serve until its spawner exited."""
+    from conftest import RUNTIME_DIR, unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager, attach as attach_mod
+
+    name = unique_cache_name("loser")
+    real_start = attach_mod.start_committer  # looked up there at call time (_autostart_if_down)
+    mine: list = []
+    winner: list = []
+
+    def slow_start_and_another_rank_wins(cache, runtime_dir, **kw):
+        proc = real_start(cache, runtime_dir, **kw)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not catches_signal(proc.pid, signal.SIGTERM):  # its first act; then it imports torch for seconds
+            assert proc.alive() and time.monotonic() < deadline
+        os.kill(proc.pid, signal.SIGSTOP)  # long before it could reach the cache lock
+        mine.append(proc)
+        if not winner:
+            winner.append(committer_factory(name=cache))  # the other rank's committer, up and serving
+        return proc
+
+    monkeypatch.setattr(attach_mod, "start_committer", slow_start_and_another_rank_wins)
+    try:
+        m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=RUNTIME_DIR,
+                                   connect_timeout_s=60.0)
+        try:
+            assert len(mine) == 1 and m._link.welcome.committer_pid == winner[0].proc.pid
+        finally:
+            m.shutdown()
+        assert_clean_stop(winner[0])  # the winner is gone, and the cache lock is free ...
+    finally:
+        for proc in mine:
+            os.kill(proc.pid, signal.SIGCONT)  # ... when the slow one goes on
+    (loser,) = mine
+    deadline = time.monotonic() + 60
+    while loser.alive() and time.monotonic() < deadline:  # not this process's child: no exit status
+        time.sleep(0.05)
+    assert not loser.alive()
+    log = RUNTIME_DIR / f"{name}.autostart.log"
+    assert not log.exists(), log.read_text()  # stopped cleanly before it started: nothing made, log removed
+    assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
+
+
+def _start_as_autostarted(name: str, tmp_path: Path) -> tuple[Path, Path, subprocess.Popen]:
+    """A committer of ``name`` in its own runtime dir, its output in ``NAME.autostart.log`` there, told so as an
+    autostarting client tells it (``OMNISHM_AUTOSTART_LOG``). Returns the runtime dir, the log and the process."""
+    runtime = tmp_path / "rt"
+    shm.ensure_runtime_dir(runtime)
+    log_path = runtime / f"{name}.autostart.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
+                                 str(runtime)], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)})
+    return runtime, log_path, proc
+
+
+def test_an_autostarted_committer_stopped_while_starting_removes_its_log(tmp_path):
+    """Stopped before it started (exit 0), an autostarted committer removes its autostart log like any clean stop."""
+    from conftest import unique_cache_name
+
+    name = unique_cache_name("early")
+    runtime, log_path, proc = _start_as_autostarted(name, tmp_path)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not catches_signal(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not log_path.exists() and sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
+
+
+def test_autostart_serves_the_cache_own_socket_whatever_omnishm_endpoint_says(tmp_path, monkeypatch):
+    """README/CLIENT.md: with ``cache`` given and no ``endpoint``, the endpoint is that cache's own socket,
+    whatever OMNISHM_ENDPOINT says. The autostarted committer inherits the runner's environment, so it
+    must be told that endpoint too, or it binds OMNISHM_ENDPOINT and the client never gets a Welcome."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+
+    name = unique_cache_name("autoenv")
+    runtime = tmp_path / "rt"
+    socks = tmp_path / "socks"
+    socks.mkdir(mode=0o700)
+    monkeypatch.setenv("OMNISHM_ENDPOINT", f"ipc://{socks}/someone-else.sock")  # e.g. another stage's
+    m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=runtime,
+                               connect_timeout_s=20.0)
+    try:
+        assert m._link.endpoint == shm.ipc_endpoint(runtime, name)
+    finally:
+        m.shutdown()
+    assert_idle_committer_exits(runtime, name)
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["unused", "writer-attached"])
+def test_an_autostarted_committer_stopped_with_a_writer_attached_warns_and_keeps_its_log(tmp_path, attached):
+    """A stop signal takes the cache from the clients attached: the committer says so as a warning, and an
+    autostarted one then keeps its log after its clean stop (exit 0, every segment unlinked), where whoever
+    looks for why a rank lost its committer finds it. Stopped with nobody attached it removes its log."""
+    from conftest import unique_cache_name
+
+    name = unique_cache_name("warned")
+    runtime, log_path, proc = _start_as_autostarted(name, tmp_path)
+    writer = None
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (runtime / f"{name}.sock").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        if attached:
+            writer = Writer(shm.ipc_endpoint(runtime, name), name, LAYOUT, 4)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if writer is not None:
+            writer.raw.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert shm.list_segments(name) == []
+    if attached:
+        text = log_path.read_text()
+        assert "WARNING" in text and "stopped (SIGTERM) with 1 client(s) attached, which lose the cache" in text, text
+        assert sorted(os.listdir(runtime)) == [log_path.name]
+    else:
+        assert sorted(os.listdir(runtime)) == []

@@ -1,0 +1,145 @@
+"""Stop signals at every stage of a committer's life: importing, starting, serving, under nohup.
+
+The start-up catcher (``omnishm.committer.early_stop``) goes in before torch is imported, so SIGTERM,
+SIGINT, SIGHUP and SIGQUIT always stop a committer cleanly (exit 0, nothing left), and a committer
+started with SIGHUP ignored keeps running through a hangup.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from omnishm import protocol, shm
+
+from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
+from helpers import Writer, catches_signal, ignores_signal
+
+LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
+SLOW = ("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "60")
+
+
+_CATCHER_FIRST = """
+import sys
+from omnishm.committer import early_stop
+installed = early_stop.EarlyStop.__init__
+def init(self, *args):
+    print("torch" in sys.modules, "omnishm.committer.server" in sys.modules, flush=True)
+    installed(self, *args)
+early_stop.EarlyStop.__init__ = init
+from omnishm.committer import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_start_up_signal_catcher_goes_in_before_torch_is_imported():
+    """``omnishm.committer.main`` installs ``EarlyStop`` first: importing torch (and the server) takes a second,
+    and a SIGTERM then used to kill the committer with exit 143. A bad option is refused without torch."""
+    proc = subprocess.run([sys.executable, "-c", _CATCHER_FIRST, "--name", "x", "--heartbeat-s", "-1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "must be > 0" in proc.stderr, proc.stderr
+
+
+def test_sigterm_while_the_committer_imports_stops_cleanly(committer_factory):
+    """A SIGTERM as soon as the committer catches it (it then still imports torch, about a second) exits 0 and
+    makes nothing: no lock, no segment, no socket."""
+    handle = committer_factory(wait=False)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not catches_signal(handle.proc.pid, signal.SIGTERM):  # busy poll: the handler is the first thing it installs
+        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+    assert not shm.lock_path(RUNTIME_DIR, handle.name).exists()
+    assert_clean_stop(handle)
+    assert "stopped (SIGTERM) before it started" in handle.log(), handle.log()
+
+
+def test_sigterm_during_start_up_stops_cleanly(committer_factory):
+    """A SIGTERM sent as soon as the cache lock exists (start-up, before the loop serves) exits 0 and leaves nothing.
+
+    Without ``early_stop.EarlyStop`` the default action killed the process there: exit -15 and a stale lock file.
+    """
+    for _ in range(3):
+        handle = committer_factory(wait=False)
+        lock = shm.lock_path(RUNTIME_DIR, handle.name)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not lock.exists():  # busy poll: the window after the lock is a few milliseconds
+            assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+        assert_clean_stop(handle)
+        assert "stopped (SIGTERM)" in handle.log(), handle.log()
+
+
+# A terminal's hangup reaches what it started: these committers start with SIGHUP at its default, also when
+# this test run itself was started under nohup (its children would inherit the ignored SIGHUP, which the
+# committer keeps, as test_a_committer_started_under_nohup_keeps_running_through_a_hangup shows).
+_HANGUP_REACHES = """
+import signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+from omnishm.committer import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+_BACKGROUND_JOB = """
+import signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+for sig in (signal.SIGINT, signal.SIGQUIT):
+    signal.signal(sig, signal.SIG_IGN)  # as a non-interactive shell starts a job in the background (&)
+from omnishm.committer import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+_NOHUP = """
+import signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
+from omnishm.committer import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGINT], ids=lambda s: s.name)
+def test_a_hangup_or_quit_stops_the_committer_cleanly_also_as_a_background_job(committer_factory, sig):
+    """SIGHUP (a closed terminal) and SIGQUIT (Ctrl-\\) used to end the committer by their default action, like a
+    crash, with every segment left in /dev/shm for the next start of that name; a committer started with SIGINT and
+    SIGQUIT ignored (a shell's background job) could not be stopped by them at all. Each now stops it like SIGTERM:
+    the segments it made for a writer's key unlinked, exit 0."""
+    handle = committer_factory(*SLOW, python_args=("-c", _BACKGROUND_JOB))
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    try:
+        writer.open_key("k", "float32", 4)
+        assert shm.list_segments(handle.name)
+        assert_clean_stop(handle, sig)
+    finally:
+        writer.raw.close()
+    assert f"stopped ({sig.name})" in handle.log(), handle.log()
+
+
+def test_a_committer_started_under_nohup_keeps_running_through_a_hangup(committer_factory):
+    """An ignored SIGHUP is a choice (nohup): the committer keeps it, outlives the hangup with its cache, and still
+    stops cleanly on SIGTERM."""
+    handle = committer_factory(*SLOW, python_args=("-c", _NOHUP))
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    try:
+        writer.open_key("k", "float32", 4)
+        assert ignores_signal(handle.proc.pid, signal.SIGHUP) and not catches_signal(handle.proc.pid, signal.SIGHUP)
+        assert catches_signal(handle.proc.pid, signal.SIGTERM)
+        handle.proc.send_signal(signal.SIGHUP)
+        assert writer.raw.status()["keys"][0]["name"] == "k"  # still serving, its cache still there
+        assert handle.proc.poll() is None and shm.list_segments(handle.name)
+        assert_clean_stop(handle)
+    finally:
+        writer.raw.close()
+    assert "stopped (SIGTERM)" in handle.log(), handle.log()
+
+
+def test_a_hangup_while_the_committer_imports_stops_it_cleanly(committer_factory):
+    """The start-up catcher (``early_stop.EarlyStop``) takes every stop signal, SIGHUP too: one sent as soon as the
+    committer catches it (it then still imports torch, about a second) exits 0 and makes nothing."""
+    handle = committer_factory(wait=False, python_args=("-c", _HANGUP_REACHES))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not catches_signal(handle.proc.pid, signal.SIGHUP):  # busy poll: the catcher is the first thing it installs
+        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+    assert_clean_stop(handle, signal.SIGHUP)
+    assert "stopped (SIGHUP) before it started" in handle.log(), handle.log()
