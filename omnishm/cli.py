@@ -201,14 +201,14 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from omnishm import config as knobs
-    from omnishm import shm
+    from omnishm import orphans
 
     try:  # the runtime dir by the same rules as the committer's: flag > OMNISHM_* > config file > default
         r = knobs.resolve("both", {"runtime_dir": args.runtime_dir}, config_file=args.config, names=("runtime_dir",))
     except knobs.ConfigError as exc:
         print(f"omnishm cleanup: {exc}", file=sys.stderr)
         return 2
-    removed = shm.sweep(_runtime_dir(r["runtime_dir"]), args.name, force=args.force)
+    removed = orphans.sweep(_runtime_dir(r["runtime_dir"]), args.name, force=args.force)
     for name in removed:
         print(f"removed {name}")
     print(f"{len(removed)} orphaned object(s) removed" + (f" for cache {args.name}" if args.name else ""))

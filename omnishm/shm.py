@@ -141,11 +141,15 @@ class GenerationOwner:
         self._fd = fd
 
     @classmethod
-    def acquire(cls, cache: str, generation: str, *, patience_s: float = 0.2) -> "GenerationOwner | None":
+    def acquire(cls, cache: str, generation: str, *, runtime_dir: Path | None = None,
+                patience_s: float = 0.2) -> "GenerationOwner | None":
         """Create (or open, for an adopted generation) the owner segment and lock it; None if held.
 
-        ``generation_owned`` probes by taking the lock for a moment, so a lock held
+        ``generation_owned`` and ``sweep`` take the lock for a moment, so a lock held
         for less than ``patience_s`` is a probe, not a committer: wait it out.
+        ``runtime_dir`` is written into the segment: a committer's start-up sweep
+        leaves the dead caches of another runtime dir that still exists to that
+        dir's own committers (``sweep(foreign_dirs=False)``).
         """
         name = segment_name(cache, generation, OWNER)
         deadline = time.monotonic() + patience_s
@@ -167,6 +171,8 @@ class GenerationOwner:
             except FileNotFoundError:
                 same = False
             if same:
+                if runtime_dir is not None:
+                    _record_dir(seg.fd, runtime_dir)
                 return cls(name, seg.fd)
             os.close(seg.fd)
 
@@ -180,11 +186,28 @@ class GenerationOwner:
         self._fd = -1
 
 
-def segment_locked(name: str) -> bool:
+def _record_dir(fd: int, runtime_dir: Path) -> None:
+    """Write ``runtime_dir`` into the owner segment ``fd`` (its whole content)."""
+    data = os.fsencode(str(Path(runtime_dir).absolute()))
+    os.ftruncate(fd, len(data))
+    os.pwrite(fd, data, 0)
+
+
+def _recorded_dir(fd: int) -> Path | None:
+    """The runtime dir an owner segment names; None when it names none (an owner made before it did)."""
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, size, 0) if 0 < size <= 4096 else b""
+    return Path(os.fsdecode(data)) if data else None
+
+
+def segment_locked(name: str, *, exclusive: bool = True) -> bool:
     """True when some process holds a ``flock`` on segment ``name``, or it is not ours to probe.
 
-    False when nobody does or the segment is gone. Probes with a non-blocking
-    exclusive lock that it drops at once (``GenerationOwner.acquire`` waits such a probe out).
+    False when nobody does or the segment is gone. Probes with a non-blocking lock that it
+    drops at once (``GenerationOwner.acquire`` waits such a probe out): ``exclusive`` sees
+    any holder (a client's shared lock on a control segment); a shared probe sees only an
+    exclusive holder (a committer's owner lock) and, unlike an exclusive one, never makes
+    another shared probe take it for an owner.
     """
     try:
         seg = posix_ipc.SharedMemory(name, 0)
@@ -193,7 +216,7 @@ def segment_locked(name: str) -> bool:
     except posix_ipc.PermissionsError:
         return True  # not ours: never treat it as free to remove
     try:
-        fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(seg.fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:
@@ -202,8 +225,13 @@ def segment_locked(name: str) -> bool:
 
 
 def generation_owned(cache: str, generation: str) -> bool:
-    """True when a live committer holds the owner lock of ``generation``."""
-    return segment_locked(segment_name(cache, generation, OWNER))
+    """True when a live committer holds the owner lock of ``generation`` (or a sweep is removing it).
+
+    A shared probe: two processes probing at once (a restarting committer looking for a
+    generation to adopt, another committer's start-up sweep) must not see each other as its
+    owner, or the restart would skip the generation its clients wait on and sweep it.
+    """
+    return segment_locked(segment_name(cache, generation, OWNER), exclusive=False)
 
 
 class Segment:
@@ -498,86 +526,3 @@ def cache_is_live(runtime_dir: Path, cache: str) -> bool:
 def clients_attached(ctl_name: str) -> bool:
     """True when some client holds its shared lock on the control segment ``ctl_name``."""
     return segment_locked(ctl_name)
-
-
-def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
-          keep_generation: str | None = None, assume_dead: bool = False, force: bool = False) -> list[str]:
-    """Unlink segments (and stale sockets/locks) of caches no live committer owns.
-
-    ``assume_dead`` is for a committer that holds the lock itself: every
-    segment of ``cache`` other than ``keep_generation`` is then an orphan.
-    Without ``force``, a generation whose control segment is still locked by
-    attached clients is kept even when its committer is dead: those clients
-    are waiting to resume with a restarted committer, which adopts it.
-    Whatever the flags, a generation whose owner lock a live committer holds
-    (``GenerationOwner``) is never touched. Returns what was removed.
-    """
-    runtime_dir = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
-    removed: list[str] = []
-    live: dict[str, bool] = {}
-    attached: dict[tuple[str, str], bool] = {}
-    owned: dict[tuple[str, str], bool] = {}
-    for name in list_segments(cache):
-        seg_cache, generation, _ = parse_segment_name(name)  # type: ignore[misc]
-        if keep_generation is not None and generation == keep_generation:
-            continue
-        if (seg_cache, generation) not in owned:
-            owned[(seg_cache, generation)] = generation_owned(seg_cache, generation)
-        if owned[(seg_cache, generation)]:
-            continue
-        if seg_cache not in live:
-            live[seg_cache] = False if (assume_dead and seg_cache == cache) else cache_is_live(runtime_dir, seg_cache)
-        if live[seg_cache]:
-            continue
-        if not force and not assume_dead:
-            key = (seg_cache, generation)
-            if key not in attached:
-                attached[key] = clients_attached(segment_name(seg_cache, generation, "ctl"))
-            if attached[key]:
-                continue
-        if unlink_segment(name):
-            removed.append(name)
-    if runtime_dir.is_dir():
-        caches = [cache] if cache is not None else sorted(
-            {p.name.rsplit(".", 1)[0] for p in runtime_dir.glob("*.sock")} |
-            {p.name.rsplit(".", 1)[0] for p in runtime_dir.glob("*.lock")})
-        for name in caches:
-            if assume_dead and name == cache:
-                continue
-            removed += _remove_dead_runtime_files(runtime_dir, name)
-    if removed:
-        logger.info("swept %d orphaned omnishm object(s): %s", len(removed), ", ".join(removed))
-    return removed
-
-
-def _remove_dead_runtime_files(runtime_dir: Path, cache: str) -> list[str]:
-    """Socket and lock file of a cache whose committer is gone, removed while holding its lock.
-
-    Holding the lock while unlinking means a committer starting meanwhile either
-    waits for it or finds the file replaced (``CacheLock.acquire`` re-checks the
-    inode): it never ends up locking a file that is already gone.
-    """
-    lock = lock_path(runtime_dir, cache)
-    fd = -1
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except FileNotFoundError:
-        pass
-    if fd >= 0:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return []  # live
-    removed = []
-    try:
-        for path in (socket_path(runtime_dir, cache), lock):
-            try:
-                path.unlink()
-                removed.append(str(path))
-            except FileNotFoundError:
-                pass
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    return removed

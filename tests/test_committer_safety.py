@@ -160,6 +160,8 @@ def test_a_generation_that_fails_to_adopt_in_any_way_is_logged_and_left_to_the_s
     from omnishm.committer import pool as pool_mod
     from omnishm.committer import start
 
+    from conftest import RUNTIME_DIR
+
     def broken(cls, name, generation, *, prefault=False):
         raise RuntimeError("cannot reshape tensor of 0 elements")
 
@@ -168,7 +170,8 @@ def test_a_generation_that_fails_to_adopt_in_any_way_is_logged_and_left_to_the_s
     name = f"tsafe{uuid.uuid4().hex[:6]}"
     try:
         with caplog.at_level("ERROR", logger="omnishm.committer.start"):
-            assert start.adopt_live_cache(types.SimpleNamespace(name=name, prefault=False)) == (None, None)
+            cfg = types.SimpleNamespace(name=name, prefault=False, runtime_dir=RUNTIME_DIR)
+            assert start.adopt_live_cache(cfg) == (None, None)
         assert "0badc0de" in caplog.text and "cannot be adopted" in caplog.text and "0 elements" in caplog.text
         assert not shm.generation_owned(name, "0badc0de")  # the owner lock was let go for the sweep
     finally:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from omnishm import protocol, shm
+from omnishm import orphans, protocol, shm
 from omnishm.client.link import CommitterLink
 from omnishm.interface import OmniPrefixCacheCommitterError
 from omnishm.versions import make_cv
@@ -254,7 +254,7 @@ def test_a_start_sweeps_other_names_only_where_nobody_is_left(committer_factory,
                             reconnect_timeout_s=30.0, commit_timeout_s=5.0)
     m = OmniPrefixCacheManager(cfg, cache=waiting.name, endpoint=waiting.endpoint, autostart=False)
     elsewhere = unique_cache_name("elsewhere")
-    owner = shm.GenerationOwner.acquire(elsewhere, "g0")
+    owner = shm.GenerationOwner.acquire(elsewhere, "g0", runtime_dir=RUNTIME_DIR)  # only its lock keeps it
     pool = shm.Segment.create(shm.segment_name(elsewhere, "g0", "pool.k0"), 4096)
     try:
         waiting.stop(signal.SIGKILL)
@@ -309,11 +309,11 @@ def test_cleanup_keeps_what_attached_clients_map_unless_forced(committer_factory
         handle.stop(signal.SIGKILL)
         segs = shm.list_segments(handle.name)
         assert segs
-        shm.sweep(RUNTIME_DIR, handle.name)  # the client still maps them and may resume: kept
+        orphans.sweep(RUNTIME_DIR, handle.name)  # the client still maps them and may resume: kept
         assert shm.list_segments(handle.name) == segs
     finally:
         m.shutdown()
-    shm.sweep(RUNTIME_DIR, handle.name)  # nobody maps them any more: gone
+    orphans.sweep(RUNTIME_DIR, handle.name)  # nobody maps them any more: gone
     assert shm.list_segments(handle.name) == []
 
 

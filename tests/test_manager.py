@@ -318,8 +318,8 @@ def test_failed_write_is_fatal_and_sticky(committer_factory):
     finally:
         m.shutdown()
         # The killed committer's segments are ours to sweep.
-        from omnishm import shm
-        shm.sweep(handle.runtime_dir, handle.name)
+        from omnishm import orphans
+        orphans.sweep(handle.runtime_dir, handle.name)
 
 
 def test_materialize_fills_preallocated_outputs(mgr):

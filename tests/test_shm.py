@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnishm import shm
+from omnishm import orphans, shm
 
 from conftest import unique_cache_name
 
@@ -89,18 +89,93 @@ def test_lock_liveness_and_sweep(tmp_path):
         Path(rt, f"{dead}.sock").touch()
         Path(rt, f"{dead}.lock").touch()  # lock file nobody holds: stale
         assert not shm.cache_is_live(rt, dead)
-        removed = shm.sweep(rt, dead)
+        removed = orphans.sweep(rt, dead)
         assert segs[2].name in removed and str(Path(rt, f"{dead}.sock")) in removed
         assert not Path(rt, f"{dead}.lock").exists()
-        assert shm.sweep(rt, live) == []  # a live committer's segments are never swept
+        assert orphans.sweep(rt, live) == []  # a live committer's segments are never swept
         # The committer itself, holding the lock, removes older generations of its cache only.
-        assert shm.sweep(rt, live, keep_generation="gen1", assume_dead=True) == [segs[1].name]
+        assert orphans.sweep(rt, live, keep_generation="gen1", assume_dead=True) == [segs[1].name]
         assert shm.list_segments(live) == [segs[0].name]
     finally:
         for seg in segs:
             seg.unlink()
         lock.release()
     assert not lock.path.exists() and not shm.cache_is_live(rt, live)
+
+
+def _dead_generation(cache: str, gen: str, recorded: Path | None) -> list[str]:
+    """A generation a SIGKILLed committer left (control and pool segments, its owner segment unlocked)."""
+    names = [shm.segment_name(cache, gen, w) for w in ("ctl", "pool.k0")]
+    for name in names:
+        shm.Segment.create(name, 64).close()
+    owner = shm.GenerationOwner.acquire(cache, gen, runtime_dir=recorded)
+    owner.release(unlink=False)
+    return sorted(names + [shm.segment_name(cache, gen, shm.OWNER)])
+
+
+def test_a_start_up_sweep_leaves_other_runtime_dirs_to_their_own_committers(tmp_path):
+    """``sweep(foreign_dirs=False)``, what a committer runs at start-up over other names: it removes the dead
+    generations whose owner names its runtime dir or a dir that is gone, and leaves those of another dir that
+    still exists or of no recorded dir (another test session's deliberate leftovers, say); ``omnishm cleanup``
+    (``foreign_dirs=True``) removes them all."""
+    rt = shm.ensure_runtime_dir(tmp_path / "rt")
+    other = shm.ensure_runtime_dir(tmp_path / "other")
+    caches = {what: unique_cache_name(what) for what in ("here", "other", "gone", "unknown")}
+    made = {what: _dead_generation(cache, "g0", {"here": rt, "other": other, "gone": tmp_path / "gone",
+                                                  "unknown": None}[what])
+            for what, cache in caches.items()}
+    try:
+        removed = orphans.sweep(rt, foreign_dirs=False)
+        assert sorted(n for n in removed if n.startswith("/")) == sorted(made["here"] + made["gone"])
+        here = [n for n in removed if f".{caches['here']}." in n]
+        assert here[-1].endswith("." + shm.OWNER), here  # the owner segment goes last, its lock held till then
+        assert {w: shm.list_segments(c) for w, c in caches.items()} == {
+            "here": [], "other": made["other"], "gone": [], "unknown": made["unknown"]}
+        assert sorted(orphans.sweep(rt)) == sorted(made["other"] + made["unknown"])
+    finally:
+        for names in made.values():
+            for name in names:
+                shm.unlink_segment(name)
+
+
+def test_a_probe_in_flight_does_not_hide_a_generation_from_a_restart():
+    """Review (2026-12-04): the owner probe was exclusive, so a restart looking for a generation to adopt took
+    another committer's probe of the same owner segment (its start-up sweep) for an owner, adopted nothing, and
+    its own sweep removed the generation its clients were waiting on. The probe is shared now."""
+    import fcntl
+
+    import posix_ipc
+
+    from omnishm.committer import meta
+
+    cache = unique_cache_name("probed")
+    made = _dead_generation(cache, "g0", None)
+    fds = []
+    try:
+        for what, mode in (("ctl", fcntl.LOCK_SH), (shm.OWNER, fcntl.LOCK_SH)):  # a client; a probe in flight
+            fd = posix_ipc.SharedMemory(shm.segment_name(cache, "g0", what), 0).fd
+            fds.append(fd)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        assert meta.live_generations(cache) == ["g0"]
+        assert not shm.generation_owned(cache, "g0")
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for name in made:
+            shm.unlink_segment(name)
+
+
+def test_a_sweep_without_a_name_leaves_runtime_files_no_committer_wrote(tmp_path):
+    """A runtime dir may be shared (``$XDG_RUNTIME_DIR`` given as ``--runtime-dir``): a sweep of every cache removes
+    only the socket and lock file of a dead cache whose lock a committer wrote (generation and pid)."""
+    rt = shm.ensure_runtime_dir(tmp_path / "rt")
+    dead = unique_cache_name("deadfiles")
+    (rt / "docker.sock").touch()
+    (rt / "app.lock").write_text("held by nobody\n")
+    (rt / f"{dead}.lock").write_text("0badc0de 4194304\n")
+    (rt / f"{dead}.sock").touch()
+    assert sorted(orphans.sweep(rt)) == sorted([str(rt / f"{dead}.lock"), str(rt / f"{dead}.sock")])
+    assert sorted(os.listdir(rt)) == ["app.lock", "docker.sock"]
 
 
 def test_cache_name_checked():

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from omnishm import protocol as P
-from omnishm import shm
+from omnishm import orphans, shm
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class ProcessCommitter:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shm.sweep(self.runtime_dir, self.name)
+        orphans.sweep(self.runtime_dir, self.name)
 
     def __enter__(self) -> "ProcessCommitter":
         return self
@@ -194,13 +194,18 @@ class ThreadCommitter:
             raise RuntimeError(f"cache {self.name} is already locked")
         # Held as the committer process holds it: a committer starting meanwhile, from any runtime
         # dir, sweeps dead caches of other names and must see this one as live.
-        self.owner = shm.GenerationOwner.acquire(self.name, generation)
+        self.owner = shm.GenerationOwner.acquire(self.name, generation, runtime_dir=self.runtime_dir)
         if self.owner is None:
             self.lock.release(remove=True)
             raise RuntimeError(f"generation {generation} of cache {self.name} is already owned")
         cfg = CommitterConfig(name=self.name, runtime_dir=self.runtime_dir, endpoint=self.endpoint, heartbeat_s=1.0,
                               heartbeat_timeout_s=120.0, exit_when_idle=False, prefault=True, log_level="WARNING")
-        self.committer = Committer(cfg, generation)
+        try:
+            self.committer = Committer(cfg, generation)
+        except BaseException:
+            self.owner.release(unlink=True)
+            self.lock.release(remove=True)
+            raise
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -232,13 +237,15 @@ class ThreadCommitter:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(STOP_TIMEOUT_S)
+        if self.thread.is_alive():  # still serving: its cache stays owned (and mapped) until the process exits
+            raise RuntimeError(f"in-process committer {self.name} did not stop within {STOP_TIMEOUT_S}s")
         if self.owner is not None:
             self.owner.release(unlink=True)
             self.owner = None
         if self.lock is not None:
             self.lock.release(remove=True)
             self.lock = None
-        shm.sweep(self.runtime_dir, self.name)
+        orphans.sweep(self.runtime_dir, self.name)
 
     def __enter__(self) -> "ThreadCommitter":
         return self

@@ -44,7 +44,7 @@ import msgspec
 import posix_ipc
 
 from omnishm import protocol as P
-from omnishm import shm
+from omnishm import orphans, shm
 from omnishm.client.committer_process import start_committer
 from omnishm.interface import OmniPrefixCacheCommitterError
 from omnishm.shm import proc_identity
@@ -210,7 +210,7 @@ class LinkAttach:
                 or proc_identity(welcome.committer_pid) == self._committer_ident:
             return []  # never attached, or the committer lives: it unlinks what it made
         try:
-            removed = shm.sweep(self.runtime_dir, self.cache)
+            removed = orphans.sweep(self.runtime_dir, self.cache)
         except Exception:  # closing must finish; `omnishm cleanup` or the next start removes them then
             logger.exception("cache %s: cannot remove the dead committer's segments", self.cache)
             return []

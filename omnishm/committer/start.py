@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
-from omnishm import cpus, shm
+from omnishm import cpus, orphans, shm
 from omnishm.committer import meta
 from omnishm.committer.config import (
     EXIT_OK,
@@ -67,7 +67,7 @@ def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.Genera
 
     live = meta.live_generations(cfg.name)
     for gen in live:
-        owner = shm.GenerationOwner.acquire(cfg.name, gen)
+        owner = shm.GenerationOwner.acquire(cfg.name, gen, runtime_dir=cfg.runtime_dir)
         if owner is None:
             logger.info("committer %s: generation %s is being adopted by another committer", cfg.name, gen)
             continue
@@ -94,11 +94,15 @@ def _sweep_dead_caches(runtime_dir: Path, name: str) -> None:
     again (a renamed cache, a test's unique name) it held /dev/shm until someone ran
     ``omnishm cleanup``. ``shm.sweep`` never touches a generation a live committer owns (host-wide
     owner lock), one whose clients are still attached (they wait to resume), a cache whose lock a
-    committer holds in this runtime dir, or another user's segments. Called once, at start-up,
-    with this committer's own lock and owner held; a failure is logged and the start goes on.
+    committer holds in this runtime dir, or another user's segments; here it also leaves a
+    generation of another runtime dir that still exists (``foreign_dirs=False``: that dir's own
+    committers and ``omnishm cleanup`` judge it; a test session's deliberate leftovers are not
+    another session's to remove) and every socket or lock file no committer wrote. Called once,
+    at start-up, with this committer's own lock and owner held; a failure is logged and the start
+    goes on.
     """
     try:
-        shm.sweep(runtime_dir)  # logs what it removed
+        orphans.sweep(runtime_dir, foreign_dirs=False)  # logs what it removed
     except OSError as exc:  # someone else's leftovers must not stop this start
         logger.warning("committer %s: could not sweep dead caches of other names: %s", name, exc)
 
@@ -206,12 +210,13 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         adopted, owner = adopt_live_cache(cfg)
         serving = adopted.generation if adopted is not None else generation
         if owner is None:
-            owner = shm.GenerationOwner.acquire(cfg.name, serving)  # a fresh generation: nobody else knows it
+            # a fresh generation: nobody else knows it
+            owner = shm.GenerationOwner.acquire(cfg.name, serving, runtime_dir=runtime_dir)
         if owner is None:
             print(f"omnishm committer: generation {serving} of cache {cfg.name!r} is held by another process; "
                   f"refusing to start", file=sys.stderr)
             return EXIT_REFUSED
-        swept = shm.sweep(runtime_dir, cfg.name, keep_generation=serving, assume_dead=True)
+        swept = orphans.sweep(runtime_dir, cfg.name, keep_generation=serving, assume_dead=True)
         if swept:
             logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
         _sweep_dead_caches(runtime_dir, cfg.name)
