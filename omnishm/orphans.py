@@ -39,7 +39,8 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
     (``GenerationOwner``) is never touched, and one is removed only while the
     sweep holds that lock itself (``_remove_generation``). ``foreign_dirs=False``
     (a committer's start-up sweep of other names) also leaves a generation whose
-    owner names another runtime dir that still exists, or names none. Without
+    owner names none, or another runtime dir where a committer still serves
+    (a dir nobody serves from any more is abandoned: its dead caches go). Without
     ``cache``, only runtime-dir files of caches whose lock file a committer wrote
     are considered (a shared dir's other sockets and locks are not ours).
     Returns what was removed.
@@ -82,8 +83,8 @@ def _remove_generation(cache: str, generation: str, *, keep_attached: bool, only
     segment is gone (its adoption then finds nothing and says so). Taken after the checks of
     ``sweep``: a lock held only while removing is never mistaken for an owner by a restart that
     looks for a generation to adopt, as the removal happens only when nobody is attached (checked
-    again under the lock). ``only_dir``: leave the generation when its owner names another
-    runtime dir that still exists, or names none. Returns what was removed.
+    again under the lock). ``only_dir``: leave the generation when its owner names none, or names
+    another runtime dir where some committer still holds a cache lock. Returns what was removed.
     """
     owner = segment_name(cache, generation, OWNER)
     fd = -1
@@ -105,7 +106,7 @@ def _remove_generation(cache: str, generation: str, *, keep_attached: bool, only
                 return []
             if only_dir is not None:
                 named = _recorded_dir(fd)
-                if named is None or (named != Path(only_dir).absolute() and named.exists()):
+                if named is None or (named != Path(only_dir).absolute() and not _abandoned(named)):
                     return []
         if keep_attached and clients_attached(segment_name(cache, generation, "ctl")):
             return []
@@ -117,6 +118,19 @@ def _remove_generation(cache: str, generation: str, *, keep_attached: bool, only
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _abandoned(runtime_dir: Path) -> bool:
+    """Whether no committer serves from ``runtime_dir`` any more: it is gone, or none of its cache locks is held.
+
+    What a whole session killed at once leaves (a test run cut off, a container's processes
+    SIGKILLed with its dir on a shared /tmp): nobody would ever start there again to sweep it.
+    """
+    try:
+        locks = [p.name[:-len(".lock")] for p in runtime_dir.glob("*.lock")]
+    except OSError:
+        return not runtime_dir.exists()
+    return not any(cache_is_live(runtime_dir, name) for name in locks)
 
 
 def _written_by_committer(lock: Path) -> bool:

@@ -115,24 +115,28 @@ def _dead_generation(cache: str, gen: str, recorded: Path | None) -> list[str]:
 
 def test_a_start_up_sweep_leaves_other_runtime_dirs_to_their_own_committers(tmp_path):
     """``sweep(foreign_dirs=False)``, what a committer runs at start-up over other names: it removes the dead
-    generations whose owner names its runtime dir or a dir that is gone, and leaves those of another dir that
-    still exists or of no recorded dir (another test session's deliberate leftovers, say); ``omnishm cleanup``
-    (``foreign_dirs=True``) removes them all."""
+    generations whose owner names its runtime dir, a dir that is gone or one nobody serves from (a killed
+    session's), and leaves those of a dir where a committer still holds a cache lock (another live test
+    session's deliberate leftovers, say) or of no recorded dir; ``omnishm cleanup`` (``foreign_dirs=True``)
+    removes them all."""
     rt = shm.ensure_runtime_dir(tmp_path / "rt")
-    other = shm.ensure_runtime_dir(tmp_path / "other")
-    caches = {what: unique_cache_name(what) for what in ("here", "other", "gone", "unknown")}
-    made = {what: _dead_generation(cache, "g0", {"here": rt, "other": other, "gone": tmp_path / "gone",
-                                                  "unknown": None}[what])
-            for what, cache in caches.items()}
+    served = shm.ensure_runtime_dir(tmp_path / "served")
+    abandoned = shm.ensure_runtime_dir(tmp_path / "abandoned")
+    (abandoned / "killed.lock").write_text("0badc0de 4194304\n")  # its committer's lock, nobody holds it
+    dirs = {"here": rt, "served": served, "abandoned": abandoned, "gone": tmp_path / "gone", "unknown": None}
+    caches = {what: unique_cache_name(what) for what in dirs}
+    made = {what: _dead_generation(caches[what], "g0", d) for what, d in dirs.items()}
+    lock = shm.CacheLock.acquire(served, "alive", "g1")  # a committer still serving from there
     try:
         removed = orphans.sweep(rt, foreign_dirs=False)
-        assert sorted(n for n in removed if n.startswith("/")) == sorted(made["here"] + made["gone"])
+        assert sorted(removed) == sorted(made["here"] + made["abandoned"] + made["gone"])
         here = [n for n in removed if f".{caches['here']}." in n]
         assert here[-1].endswith("." + shm.OWNER), here  # the owner segment goes last, its lock held till then
         assert {w: shm.list_segments(c) for w, c in caches.items()} == {
-            "here": [], "other": made["other"], "gone": [], "unknown": made["unknown"]}
-        assert sorted(orphans.sweep(rt)) == sorted(made["other"] + made["unknown"])
+            "here": [], "served": made["served"], "abandoned": [], "gone": [], "unknown": made["unknown"]}
+        assert sorted(orphans.sweep(rt)) == sorted(made["served"] + made["unknown"])
     finally:
+        lock.release(remove=True)
         for names in made.values():
             for name in names:
                 shm.unlink_segment(name)

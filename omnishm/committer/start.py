@@ -92,12 +92,14 @@ def _sweep_dead_caches(runtime_dir: Path, name: str) -> None:
     A cache whose committer and clients were all SIGKILLed (a container stopped, a host's
     processes killed) is swept by the next start of its own name; under a name never started
     again (a renamed cache, a test's unique name) it held /dev/shm until someone ran
-    ``omnishm cleanup``. ``shm.sweep`` never touches a generation a live committer owns (host-wide
+    ``omnishm cleanup``. ``orphans.sweep`` never touches a generation a live committer owns (host-wide
     owner lock), one whose clients are still attached (they wait to resume), a cache whose lock a
     committer holds in this runtime dir, or another user's segments; here it also leaves a
-    generation of another runtime dir that still exists (``foreign_dirs=False``: that dir's own
-    committers and ``omnishm cleanup`` judge it; a test session's deliberate leftovers are not
-    another session's to remove) and every socket or lock file no committer wrote. Called once,
+    generation of another runtime dir where some committer still serves (``foreign_dirs=False``:
+    that dir's committers judge it; a test session's deliberate leftovers are not another live
+    session's to remove), one of no recorded dir, and every socket or lock file no committer
+    wrote. A dir nobody serves from (gone, or a killed session's) is abandoned: its dead caches
+    go. Called once,
     at start-up, with this committer's own lock and owner held; a failure is logged and the start
     goes on.
     """
