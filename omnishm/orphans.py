@@ -18,9 +18,9 @@ from pathlib import Path
 import posix_ipc
 
 from omnishm.paths import default_runtime_dir, socket_path
-from omnishm.shm import (OWNER, SHM_DIR, _flock_within, _recorded_dir, cache_is_live, clients_attached,
-                         generation_owned, list_segments, lock_path, parse_segment_name, segment_name,
-                         unlink_segment)
+from omnishm.shm import (OWNER, SHM_DIR, CacheLock, cache_is_live, clients_attached, flock_within,
+                         generation_owned, list_segments, lock_path, parse_segment_name, recorded_runtime_dir,
+                         segment_name, still_names, unlink_segment)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
                                       only_dir=None if foreign_dirs else runtime_dir)
     if runtime_dir.is_dir():
         caches = [cache] if cache is not None else sorted(
-            p.name[:-len(".lock")] for p in runtime_dir.glob("*.lock") if _written_by_committer(p))
+            p.name[:-len(".lock")] for p in runtime_dir.glob("*.lock") if CacheLock.holder(p) is not None)
         for name in caches:
             if assume_dead and name == cache:
                 continue
@@ -97,15 +97,12 @@ def _remove_generation(cache: str, generation: str, *, keep_attached: bool, only
         return []
     try:
         if fd >= 0:
-            if not _flock_within(fd, 0.05):
+            if not flock_within(fd, 0.05):
                 return []  # owned, or being adopted, now
-            try:
-                if os.stat(SHM_DIR / owner.lstrip("/")).st_ino != os.fstat(fd).st_ino:
-                    return []  # removed and made again meanwhile: not the generation checked
-            except FileNotFoundError:
-                return []
+            if not still_names(SHM_DIR / owner.lstrip("/"), fd):
+                return []  # removed (and made again) meanwhile: not the generation checked
             if only_dir is not None:
-                named = _recorded_dir(fd)
+                named = recorded_runtime_dir(fd)
                 if named is None or (named != Path(only_dir).absolute() and not _abandoned(named)):
                     return []
         if keep_attached and clients_attached(segment_name(cache, generation, "ctl")):
@@ -131,16 +128,6 @@ def _abandoned(runtime_dir: Path) -> bool:
     except OSError:
         return not runtime_dir.exists()
     return not any(cache_is_live(runtime_dir, name) for name in locks)
-
-
-def _written_by_committer(lock: Path) -> bool:
-    """Whether ``lock`` reads as a cache lock file (``CacheLock``: generation and pid on one line)."""
-    try:
-        with open(lock, "rb") as f:
-            parts = f.read(256).split()
-    except OSError:
-        return False
-    return len(parts) == 2 and parts[1].isdigit()
 
 
 def _remove_dead_runtime_files(runtime_dir: Path, cache: str) -> list[str]:

@@ -110,7 +110,7 @@ OWNER = "owner"
 """The segment a committer holds an exclusive ``flock`` on for as long as it serves its generation."""
 
 
-def _flock_within(fd: int, patience_s: float) -> bool:
+def flock_within(fd: int, patience_s: float) -> bool:
     """``LOCK_EX`` on ``fd``, retried for ``patience_s``: the probes (``cache_is_live``: a client's autostart
     check, ``omnishm ping``; ``generation_owned``) hold their lock for microseconds, and a committer that
     takes the cache lock or an owner segment must wait them out, not take them for a live holder."""
@@ -123,6 +123,15 @@ def _flock_within(fd: int, patience_s: float) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.005)
+
+
+def still_names(path: Path | str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``: a sweeper may have unlinked it (and someone made
+    it again) between an ``open`` and a ``flock``, and a lock on an unlinked file guards nothing."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 class GenerationOwner:
@@ -148,8 +157,8 @@ class GenerationOwner:
         ``generation_owned`` and ``sweep`` take the lock for a moment, so a lock held
         for less than ``patience_s`` is a probe, not a committer: wait it out.
         ``runtime_dir`` is written into the segment: a committer's start-up sweep
-        leaves the dead caches of another runtime dir that still exists to that
-        dir's own committers (``sweep(foreign_dirs=False)``).
+        leaves the dead caches of another runtime dir where a committer still
+        serves to that dir's committers (``orphans.sweep(foreign_dirs=False)``).
         """
         name = segment_name(cache, generation, OWNER)
         deadline = time.monotonic() + patience_s
@@ -157,20 +166,14 @@ class GenerationOwner:
             seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT, mode=0o600, size=0)
             try:
                 os.fchmod(seg.fd, 0o600)
-                locked = _flock_within(seg.fd, deadline - time.monotonic())
+                locked = flock_within(seg.fd, deadline - time.monotonic())
             except BaseException:
                 os.close(seg.fd)
                 raise
             if not locked:
                 os.close(seg.fd)
                 return None
-            # A sweeper may have unlinked the name between our open and flock: a lock on an
-            # unlinked segment guards nothing, so take it again on the current one.
-            try:
-                same = os.stat(SHM_DIR / name.lstrip("/")).st_ino == os.fstat(seg.fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
+            if still_names(SHM_DIR / name.lstrip("/"), seg.fd):  # else take it again on the current one
                 if runtime_dir is not None:
                     _record_dir(seg.fd, runtime_dir)
                 return cls(name, seg.fd)
@@ -193,7 +196,7 @@ def _record_dir(fd: int, runtime_dir: Path) -> None:
     os.pwrite(fd, data, 0)
 
 
-def _recorded_dir(fd: int) -> Path | None:
+def recorded_runtime_dir(fd: int) -> Path | None:
     """The runtime dir an owner segment names; None when it names none (an owner made before it did)."""
     size = os.fstat(fd).st_size
     data = os.pread(fd, size, 0) if 0 < size <= 4096 else b""
@@ -436,24 +439,31 @@ class CacheLock:
         path = lock_path(runtime_dir, cache)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            if not _flock_within(fd, 0.2):  # a live committer holds it for good; a probe for microseconds
+            if not flock_within(fd, 0.2):  # a live committer holds it for good; a probe for microseconds
                 ino = os.fstat(fd).st_ino
                 os.close(fd)
                 if _replaced_soon(path, ino, 0.2):
                     continue  # a sweeper held it to remove a dead committer's file: take the new one
                 return None
-            # A sweeper may have unlinked the file between our open and flock;
-            # a lock on an unlinked inode guards nothing, so take it again.
-            try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
+            if still_names(path, fd):  # else take it again on the current file
                 break
             os.close(fd)
         os.ftruncate(fd, 0)
         os.write(fd, f"{generation} {os.getpid()}\n".encode())
         return cls(path, fd)
+
+    @staticmethod
+    def holder(path: Path) -> tuple[str, int] | None:
+        """``(generation, pid)`` a committer wrote into lock file ``path``; None when it is gone or reads
+        otherwise (not a committer's: a shared runtime dir holds other programs' locks too)."""
+        try:
+            with open(path, "rb") as f:
+                parts = f.read(256).split()
+        except OSError:
+            return None
+        if len(parts) != 2 or not parts[1].isdigit():
+            return None
+        return parts[0].decode(errors="replace"), int(parts[1])
 
     def release(self, *, remove: bool = True) -> None:
         if self.fd < 0:

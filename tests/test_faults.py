@@ -240,7 +240,7 @@ def test_sigkill_of_every_process_then_one_start_or_cleanup_leaves_nothing(commi
     assert left == [], left
 
 
-def test_a_start_sweeps_other_names_only_where_nobody_is_left(committer_factory, tmp_path):
+def test_a_start_sweeps_other_names_only_where_nobody_is_left(committer_factory):
     """What a start of another name leaves: a dead committer's generation that a client still maps (it waits
     to resume) and a generation whose owner lock a live committer holds, whatever its runtime dir (here
     this process, holding the lock the way a committer started with another ``--runtime-dir`` does)."""

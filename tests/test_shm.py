@@ -156,10 +156,10 @@ def test_a_probe_in_flight_does_not_hide_a_generation_from_a_restart():
     made = _dead_generation(cache, "g0", None)
     fds = []
     try:
-        for what, mode in (("ctl", fcntl.LOCK_SH), (shm.OWNER, fcntl.LOCK_SH)):  # a client; a probe in flight
+        for what in ("ctl", shm.OWNER):  # a client attached; a probe of the owner in flight
             fd = posix_ipc.SharedMemory(shm.segment_name(cache, "g0", what), 0).fd
             fds.append(fd)
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         assert meta.live_generations(cache) == ["g0"]
         assert not shm.generation_owned(cache, "g0")
     finally:

@@ -45,11 +45,8 @@ logger = logging.getLogger("omnishm.committer")
 
 
 def _lock_holder(runtime_dir, name: str) -> str:
-    try:
-        text = shm.lock_path(runtime_dir, name).read_text().split()
-        return f"pid {text[1]}" if len(text) > 1 else "unknown pid"
-    except (OSError, IndexError):
-        return "unknown pid"
+    held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name))
+    return f"pid {held[1]}" if held is not None else "unknown pid"
 
 
 def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.GenerationOwner | None]:
@@ -87,20 +84,12 @@ def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.Genera
 
 
 def _sweep_dead_caches(runtime_dir: Path, name: str) -> None:
-    """Remove what dead caches of other names left behind, by the rules of ``omnishm cleanup``.
+    """Remove what dead caches of other names left behind (``orphans.sweep(foreign_dirs=False)``).
 
-    A cache whose committer and clients were all SIGKILLed (a container stopped, a host's
-    processes killed) is swept by the next start of its own name; under a name never started
-    again (a renamed cache, a test's unique name) it held /dev/shm until someone ran
-    ``omnishm cleanup``. ``orphans.sweep`` never touches a generation a live committer owns (host-wide
-    owner lock), one whose clients are still attached (they wait to resume), a cache whose lock a
-    committer holds in this runtime dir, or another user's segments; here it also leaves a
-    generation of another runtime dir where some committer still serves (``foreign_dirs=False``:
-    that dir's committers judge it; a test session's deliberate leftovers are not another live
-    session's to remove), one of no recorded dir, and every socket or lock file no committer
-    wrote. A dir nobody serves from (gone, or a killed session's) is abandoned: its dead caches
-    go. Called once,
-    at start-up, with this committer's own lock and owner held; a failure is logged and the start
+    A cache whose committer and clients were all SIGKILLed is swept by the next start of its own
+    name; under a name never started again (renamed, a test's unique name) it held /dev/shm until
+    someone ran ``omnishm cleanup``. What the sweep keeps is in its docstring. Called once, at
+    start-up, with this committer's own lock and owner held; a failure is logged and the start
     goes on.
     """
     try:
