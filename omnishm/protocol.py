@@ -32,7 +32,7 @@ ROLES = (ROLE_WRITER, ROLE_READER, ROLE_ADMIN)
 
 # Words of the per-cache control segment (int64 each). Each word has one writer.
 CTL_WORDS = 16
-CTL_PUBLISHED_STEP = 0   # writer client: last step id whose claims are in the claim table (-1: none)
+CTL_PUBLISHED_STEP = 0   # writer client: make_cv(epoch, step, 0) of its last step whose claims are in the claim table (-1: none)
 CTL_WRITER_EPOCH = 1     # committer: epoch of the attached writer (0: none yet)
 CTL_COMMITTER_PID = 2    # committer
 # word 3: unused (kept so the words after it keep their places in a mixed-version restart)

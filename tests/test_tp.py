@@ -363,3 +363,78 @@ def test_a_step_with_no_tokens_is_saved_alike_on_writer_and_reader(committer):
         for m, sid in zip((w, r), ids):
             out = m.materialize(sid, [])
             assert out.hidden_states == {}
+
+
+def test_a_reader_never_serves_rows_of_a_writer_that_took_its_writers_place(committer_factory):
+    """REVIEW (2026-12-04): the reader's step 1 hits block 0 of its writer's step 0; its writer leaves
+    before saving step 1 and a new writer (a new epoch) writes other rows into block 0 and publishes its
+    own steps 0 and 1. The reader used to take that publication and those claims for its own and served
+    the new writer's rows (tag 9) for the hit. It follows one writer: it refuses at once, naming both."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
+    config = cfg(commit_timeout_s=60.0)
+    w1 = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    w2 = None
+    try:
+        for m in (w1, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        w1.wait_idle()
+        r.new_step_starts([started("b", [0, 1], hit=4)])
+        sid = save(r, [Part("b", 1, [0, 1], 4, 2)], BS)
+        w1.shutdown()
+        w2 = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+        for step, (req, tag, block) in enumerate((("x", 9, 0), ("y", 7, 2))):
+            w2.new_step_starts([started(req, [block])])
+            w2.discard_step(save(w2, [Part(req, tag, [block], 0, 4)], BS))
+        w2.wait_idle()
+        t0 = time.monotonic()
+        with pytest.raises(OmniPrefixCacheUnmatchError,
+                           match=r"follows \(epoch 1\) left the cache before publishing step 1, and writer "
+                                 r"epoch 2 took its place.*step_id=1"):
+            r.materialize(sid, ["b"])
+        assert time.monotonic() - t0 < 10  # at once, not after commit_timeout_s (60 s)
+    finally:
+        for m in (w1, r, w2):
+            if m is not None:
+                m.shutdown()
+
+
+def test_a_reader_ahead_of_its_writer_ignores_the_previous_writers_publication(committer_factory):
+    """REVIEW (2026-12-04): an earlier engine's writer ran steps 0 and 1 (block 0: tag 1) and left; its
+    publication of step 1 stays in the control segment. A new engine's reader runs its steps 0 (block 0:
+    tag 5) and 1 (a hit on block 0) before its own writer attached. It used to take the stale publication
+    and the old claims for its own and served tag 1 rows at once. It waits for its writer, and serves
+    that writer's rows (tag 5) once they land."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
+    config = cfg(commit_timeout_s=60.0)
+    steps = [([started("a", [0])], [Part("a", 5, [0], 0, 4)]),
+             ([started("b", [0, 2], hit=4)], [Part("b", 5, [0, 2], 4, 2)])]
+    with OmniPrefixCacheManager(config, cache=handle.name, autostart=False) as w0:
+        for tag, blocks in ((1, [0]), (2, [1])):
+            w0.new_step_starts([started(f"o{tag}", blocks)])
+            w0.discard_step(save(w0, [Part(f"o{tag}", tag, blocks, 0, 4)], BS))
+        w0.wait_idle()
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    got: list = []
+    try:
+        sids = []
+        for events, parts in steps:
+            r.new_step_starts(events)
+            sids.append(save(r, parts, BS))
+        r.discard_step(sids[0])
+        reader = threading.Thread(target=lambda: got.append(_outcome(lambda: r.materialize(sids[1], ["b"]))))
+        reader.start()
+        reader.join(1.0)
+        assert reader.is_alive(), f"served before its writer attached: {got}"
+        with OmniPrefixCacheManager(config, cache=handle.name, autostart=False) as w1:
+            for events, parts in steps:
+                w1.new_step_starts(events)
+                w1.discard_step(save(w1, parts, BS))
+            reader.join(60)
+        assert not reader.is_alive()
+        assert not isinstance(got[0], Exception), got
+        assert torch.equal(got[0].hidden_states["b"], expect(5, 4, 5, 4, 2))
+        assert torch.equal(got[0].mm_outputs["b"]["feat"], expect(5, 4, 5, 4, 2, mm=True))
+    finally:
+        r.shutdown()

@@ -59,6 +59,7 @@ from omnishm.interface import (
     unmatch,
 )
 from omnishm.shm import Segment
+from omnishm.versions import make_cv
 
 if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
@@ -162,6 +163,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._epoch_at_attach = int(self._ctl[P.CTL_WRITER_EPOCH])
         """Writer epoch in the control segment right after this client attached: a larger one later is a
         writer that attached after it (epochs only grow), see ``ReadSide._writer_mark``."""
+        self._follows = 0
+        """Reader: the epoch of the one writer whose steps this reader's step ids are, set once
+        (``ReadSide._follow_writer``); 0 until then."""
         if self.is_writer:
             # The same words as plain ints: a store or load per step, no torch or numpy dispatch.
             self._ctl_mv = memoryview(self._ctl.numpy())
@@ -338,6 +342,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 # One whole-step device-to-host copy per key, fenced by the freeze event.
                 ctx.d2h_event = ops.to_host(pairs, freeze_event)
             else:
+                self._follow_writer()  # the writer attached now is the one this reader's steps are
                 for key, data in immediate.items():
                     # An explicit width: reshape(n, -1) cannot infer -1 for a step of 0 tokens.
                     ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, row_width(ctx.row_shapes[key])))
@@ -375,7 +380,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             ctx.prefetch_taken = threading.Lock()
             self._prefetcher.put(ctx)
         if self.is_writer:
-            self._ctl_mv[P.CTL_PUBLISHED_STEP] = step_id
+            # Tagged with this writer's epoch: a reader takes no other writer's publication for its own.
+            self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
             slot_bytes = (struct.pack(f"<{n}q", *slot_list) if slot_list is not None
                           else slots_np.astype("<i8", copy=False).tobytes())
             self._send_step(ctx, cvs, starts, counts, slot_bytes, immediate)

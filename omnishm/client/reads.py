@@ -19,7 +19,7 @@ from omnishm import protocol as P
 from omnishm.client.segments import KeyViews, dtype_name
 from omnishm.client.steps import HitSpan, StepCtx
 from omnishm.interface import OmniPrefixCacheCommitterError, ReqId, StepId, TensorName
-from omnishm.versions import cv_step
+from omnishm.versions import cv_epoch, cv_step
 
 _POLL_S = 0.0005
 
@@ -216,8 +216,12 @@ class ReadSide:
         left the cache first (``_writer_left``), by ``deadline``.
         """
         since = self._writer_mark()
+        # Claims of the writer this reader follows only: rows of an earlier engine's writer, or of one that
+        # took the followed writer's place, are never this reader's (set by the step's _wait_published).
+        epoch = self._follows
+        if not epoch:
+            raise self._unmatch("hit read before the step was published", req_id=req, key=key, step_id=step_id)
         while True:
-            epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
             claim = kv.claim[slots].clone()
             if bool((claim == 0).any()):
                 raise self._unmatch("hit span resolves to absent rows (never written)", req_id=req, key=key,
@@ -243,25 +247,70 @@ class ReadSide:
             time.sleep(_POLL_S)
 
     def _wait_published(self, step_id: StepId, deadline: float) -> None:
-        """Reader, any thread: wait until the writer published ``step_id`` (its claims are in the table).
+        """Reader, any thread: wait until the writer this reader follows published ``step_id`` (its claims
+        are in the table); ``_published`` says which writer that is.
 
-        Raises ``OmniPrefixCacheUnmatchError`` after ``commit_timeout_s``, or
-        as soon as the writer that was attached when the wait began has left
-        the cache without publishing it (``_writer_left``): nothing will.
+        Raises ``OmniPrefixCacheUnmatchError`` at once when another writer took the followed writer's
+        place (nothing of the followed one will come, and the new one's step ids are not this reader's),
+        as soon as the writer that was attached when the wait began has left the cache without
+        publishing ``step_id`` (``_writer_left``), and after ``commit_timeout_s``.
         """
         since = self._writer_mark()
-        while int(self._ctl[P.CTL_PUBLISHED_STEP]) < step_id:
+        while not self._published(step_id):
             self._check_usable()
+            now_epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
+            if self._follows and now_epoch > self._follows:  # epochs only grow; 0 is none (a restart, say)
+                raise self._unmatch(f"the writer this reader follows (epoch {self._follows}) left the cache "
+                                    f"before publishing step {step_id}, and writer epoch {now_epoch} took its "
+                                    f"place; a reader's step ids are those of one writer, so it serves no "
+                                    f"step of another (restart the engine's ranks together)", step_id=step_id)
             left = self._writer_left(since)
             if left or time.monotonic() > deadline:
-                published = int(self._ctl[P.CTL_PUBLISHED_STEP])  # published, then left: it counts
-                if published >= step_id:
+                if self._published(step_id):  # published, then left: it counts
                     return
                 why = "left the cache (goodbye, or reaped) before publishing" if left else "did not publish"
                 raise self._unmatch(f"writer {why} step {step_id}"
                                     + ("" if left else f" within {self.config.commit_timeout_s:.1f}s")
-                                    + f" (published {published})", step_id=step_id)
+                                    + f" ({self._publication()})", step_id=step_id)
             time.sleep(_POLL_S)
+
+    def _published(self, step_id: StepId) -> bool:
+        """Reader, any thread: whether the writer this reader follows (``_follow_writer``) published
+        ``step_id``. A publication carries its writer's epoch, so no other writer's counts."""
+        word = int(self._ctl[P.CTL_PUBLISHED_STEP])
+        if word < 0 or cv_step(word) < step_id:
+            return False
+        follows = self._follow_writer()
+        return follows != 0 and cv_epoch(word) == follows
+
+    def _follow_writer(self) -> int:
+        """Reader, any thread: the epoch of the writer this reader follows, 0 while it knows of none.
+
+        A reader's step ids are the steps of ONE writer: its engine's output
+        rank, which runs the same steps in lockstep. That is the writer that
+        was attached when this reader first looked (at each ``save_outputs``
+        and each wait until then) and that it knows to be no earlier engine's
+        (``_writer_mark``: the Welcome or a heartbeat answer named it, or it
+        attached after this reader). The binding is set once, under the state
+        lock; a publication or claim of any other writer is never this
+        reader's (``_wait_published``, ``_read_committed``).
+        """
+        if not self._follows:
+            mark = self._writer_mark()
+            if mark is not None:
+                with self._lock:
+                    if not self._follows:
+                        self._follows = mark[0]
+        return self._follows
+
+    def _publication(self) -> str:
+        """What the control segment says was published, for an error message."""
+        word = int(self._ctl[P.CTL_PUBLISHED_STEP])
+        if word < 0:
+            return "published none"
+        if cv_epoch(word) == self._follows:
+            return f"published {cv_step(word)}"
+        return f"published {cv_step(word)} of writer epoch {cv_epoch(word)}, not this reader's"
 
     def _writer_mark(self) -> tuple[int, int] | None:
         """Where a wait begins: (the writer's epoch, heartbeats sent so far) when this reader knows that
