@@ -138,6 +138,8 @@ REFUSALS = [
      "--kv-transfer-config"),
     ("speculative", dict(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3)),
      "--speculative-config"),
+    ("kv_sharing_fast_prefill", dict(cache_config=with_cache(kv_sharing_fast_prefill=True)),
+     "--kv-sharing-fast-prefill"),
     ("dcp", dict(parallel_config=SimpleNamespace(decode_context_parallel_size=2)),
      "--decode-context-parallel-size 1"),
     ("pcp", dict(parallel_config=SimpleNamespace(prefill_context_parallel_size=2)),

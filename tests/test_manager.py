@@ -299,6 +299,22 @@ def test_dtype_or_width_mismatch_raises_clearly(mgr):
                        write_layout=layout)
 
 
+def test_hidden_states_that_are_not_a_tensor_are_refused_without_burning_a_step_id(mgr):
+    """REVIEW (2026-12-04): a pipeline stage's forward returns IntermediateTensors; handed to save_outputs
+    they failed deep inside with an AttributeError. Refused up front with the type named, and the step id
+    is not spent: the next save still gets it."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    _, mm, layout, n, _ = __import__("manager_helpers").build([Part("a", 1, [0, 1], 0, 2)], BS)
+
+    class IntermediateTensors:  # what vLLM's non-last stages return
+        tensors = {"hidden_states": torch.zeros((2, 8))}
+
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, got IntermediateTensors"):
+        m.save_outputs(IntermediateTensors(), mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+    assert save(m, [Part("a", 1, [0, 1], 0, 2)], BS) == 0
+
+
 def test_failed_write_is_fatal_and_sticky(committer_factory):
     handle = committer_factory("--heartbeat-s", "0.2", "--heartbeat-timeout-s", "1")
     m = OmniPrefixCacheManager(quick_config(commit_timeout_s=3.0), cache=handle.name, autostart=False)

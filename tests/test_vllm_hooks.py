@@ -208,3 +208,31 @@ def test_a_prompt_completed_beside_others_is_held_as_its_own_rows(hooks):
     assert hit == 0 and torch.equal(a, rows(1, range(4)))
     own = a.numel() * a.element_size()
     assert a.untyped_storage().nbytes() == own and held == 2 * own  # and A's raw rows (the fixture keeps them)
+
+
+def test_the_hooks_pass_through_on_a_pipeline_stage_before_the_last(committer, monkeypatch):
+    """REVIEW (2026-12-04): under external_launcher with PP > 1, vLLM records a non-last stage's
+    IntermediateTensors as the step's hidden states (broadcast_pp_output), and the hooks handed them to
+    save_outputs, which raised inside execute_model. Such a stage has no hidden states to give: the hooks
+    pass through there, and attach to no cache."""
+    import omnishm.integrations.vllm as hooks_module
+
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setattr(hooks_module, "vllm_last_pp_stage", lambda: False)
+    runner = FakeV1Runner()
+    inner = runner.execute_model
+
+    def earlier_stage(s, intermediate_tensors=None):
+        inner(s, intermediate_tensors)
+        runner.execute_model_state = SimpleNamespace(hidden_states=SimpleNamespace(tensors={}))
+        return "intermediate"
+
+    runner.execute_model = earlier_stage
+    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    h.install()
+    try:
+        assert runner.execute_model(so(new=[("a", 6, 0, [0, 1])], counts={"a": 6})) == "intermediate"
+        assert h.disabled and h.manager is None
+        assert h.counters["saves"] == 0
+    finally:
+        h.uninstall()

@@ -378,7 +378,7 @@ def stage_prefix_cache_config(*, kv_cache_config: object, cache_config: object, 
     Returns None when the stage does not run an omni prefix cache
     (``enable_prefix_caching`` off, or a pooling stage that never saves).
     Otherwise refuses, in this order, kv_consumer / kv_both, speculative
-    decoding, decode/prefill context parallel, sub-block prefix matching,
+    decoding, KV-sharing fast prefill, decode/prefill context parallel, sub-block prefix matching,
     other than exactly one full-attention KV group, and a block-size mismatch
     (all ``PrefixCacheConfigError``), then sizes the config from the scheduler
     (``PrefixCacheConfig.from_vllm_config``; ``num_blocks`` defaults to
@@ -395,6 +395,11 @@ def stage_prefix_cache_config(*, kv_cache_config: object, cache_config: object, 
         raise PrefixCacheConfigError(
             f"omni prefix cache: speculative decoding (method={method!r}) schedules draft tokens whose "
             f"outputs are not per-slot prompt rows; remove --speculative-config {_DISABLE_HINT}")
+    if getattr(cache_config, "kv_sharing_fast_prefill", False) is True:
+        raise PrefixCacheConfigError(
+            "omni prefix cache: kv_sharing_fast_prefill lets the KV-sharing layers skip prompt tokens, so "
+            "a prompt token's final hidden state is computed only where logits are; remove "
+            f"--kv-sharing-fast-prefill {_DISABLE_HINT}")
     for attr, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
                        ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
         size = getattr(parallel_config, attr, 1) or 1

@@ -90,6 +90,26 @@ def vllm_runner_role() -> str:
     return "writer" if tp_rank == 0 and last_pp else "reader"
 
 
+def vllm_last_pp_stage() -> bool:
+    """Whether this process is on the last pipeline stage, the one whose forward returns the model's final
+    hidden states (an earlier stage's are ``IntermediateTensors`` for the next stage).
+
+    Read from vLLM's parallel state at call time (vllm imported here, never at module scope); True when
+    vllm is absent or its parallel groups are not initialised, as ``vllm_runner_role`` assumes too.
+    """
+    try:
+        from vllm.distributed import parallel_state as ps
+    except ImportError:
+        return True
+    try:
+        if not ps.model_parallel_is_initialized():
+            return True
+        return bool(ps.get_pp_group().is_last_rank)
+    except (AssertionError, AttributeError, RuntimeError) as exc:
+        logger.warning("omni prefix cache: cannot read the PP rank (%s); acting as the last stage", exc)
+        return True
+
+
 def vllm_dp_rank(parallel_config: Any = None) -> int | None:
     """This engine's data-parallel replica index when vLLM runs more than one DP replica, else None.
 

@@ -56,13 +56,16 @@ class WriterSide:
                        ) -> tuple[dict[TensorName, torch.Tensor], dict[TensorName, torch.Tensor], dict[TensorName, Any]]:
         """A step's outputs as (immediate, deferred, leftover) by key; engine thread, no lock.
 
-        Raises ``OmniPrefixCacheUnmatchError`` for hidden states of neither ``n`` nor ``padded`` rows and
-        ``ValueError`` for an mm key that is ``HIDDEN_KEY``.
+        Raises ``OmniPrefixCacheUnmatchError`` for hidden states of neither ``n`` nor ``padded`` rows,
+        ``TypeError`` for hidden states that are not a tensor and ``ValueError`` for an mm key that is
+        ``HIDDEN_KEY``.
         """
         immediate: dict[TensorName, torch.Tensor] = {}
         deferred: dict[TensorName, torch.Tensor] = {}
         leftover: dict[TensorName, Any] = {}
         if hidden is not None and self._policy.hidden_key is not None:
+            if not isinstance(hidden, torch.Tensor):  # e.g. IntermediateTensors of a pipeline stage
+                raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden).__name__}")
             if hidden.dim() < 1 or hidden.shape[0] not in (n, padded):
                 raise self._unmatch(f"hidden_states has {tuple(hidden.shape)} rows; expected {n} or {padded}",
                                     key=HIDDEN_KEY, step_id=self._next_step)

@@ -5,6 +5,10 @@ Enable it with one argument::
     LLM(model, enable_prefix_caching=True,
         worker_extension_cls="omnishm.integrations.vllm.OmniPrefixCacheWorkerExtension")
 
+The hooks need vLLM's V1 model runner. vLLM 0.32 picks its V2 runner by default wherever Triton is
+installed (a GPU build), so set ``VLLM_USE_V2_MODEL_RUNNER=0`` there; the hooks refuse a V2 runner at
+install with that hint. The CPU build runs the V1 runner.
+
 vLLM mixes ``OmniPrefixCacheWorkerExtension`` into its worker class. When the
 worker assigns ``self.model_runner`` (in ``init_device``) the extension wraps
 ``execute_model`` on that runner *instance* (no vLLM class is patched):
@@ -63,7 +67,7 @@ import torch
 from omnishm.client.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 from omnishm.client.group_view import get_prefix_cache_group_view, stage_prefix_cache_config
 from omnishm.client.manager import OmniPrefixCacheManager
-from omnishm.client.runner_mixin import replica_cache_name, vllm_runner_role
+from omnishm.client.runner_mixin import replica_cache_name, vllm_last_pp_stage, vllm_runner_role
 from omnishm.interface import ModelCachePolicy, ReqId
 
 logger = logging.getLogger(__name__)
@@ -203,6 +207,12 @@ class OmniPrefixCacheRunnerHooks:
             speculative_config=vc.speculative_config, parallel_config=vc.parallel_config)
         if cfg is None:
             logger.info("omnishm: prefix caching is off (or a pooling stage); hooks pass through")
+            self.disabled = True
+            return None
+        if not vllm_last_pp_stage():
+            # Its forward hands IntermediateTensors to the next stage, not hidden states; under
+            # external_launcher vLLM still records them as the step's (broadcast_pp_output).
+            logger.info("omnishm: not the last pipeline stage; hooks pass through")
             self.disabled = True
             return None
         self._block_size = cfg.block_size
