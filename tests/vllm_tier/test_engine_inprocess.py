@@ -84,3 +84,56 @@ def test_freed_blocks_are_reused(h):
     # More rows written than the pool has slots: vLLM handed freed blocks to new tenants.
     assert stats["rows_saved"] > stats["num_slots"] == NUM_BLOCKS * BLOCK, stats
     h.check(expect_hit=hit_ids)
+
+
+def test_preempted_requests_resume_and_hit_again(h):
+    """REVIEW (2026-12-04): six long decodes that share a prefix outgrow the 24 blocks, so vLLM preempts
+    some and schedules them again later (V1: ``resumed_req_ids``, with a prefix hit on what is still
+    cached). Every request's prompt rows must still be its own, bit for bit."""
+    rng = random.Random(7)
+    base = rand_tokens(rng, 64)
+    prompts = [base + rand_tokens(rng, 40 + 5 * i) for i in range(6)]
+    outs = h.generate(prompts, max_tokens=120)
+    stats = h.rpc("omnishm_stats")
+    # Rows computed twice (a preempted request recomputes what it lost) and more hit rows served than
+    # the five first-time hits on the shared prefix: resumed requests hit again.
+    computed_once = sum(len(p) for p in prompts) - 5 * 64 + 6 * 119
+    assert stats["rows_saved"] > computed_once, stats
+    assert stats["manager"]["hit_tokens"] > 5 * 64, stats
+    h.check(expect_hit=[o.request_id for o in outs[1:]])
+
+
+def test_batch_reordering_keeps_every_row_with_its_request(h, monkeypatch):
+    """REVIEW (2026-12-04): vLLM moves decodes ahead of prefills in the batch (``swap_states``) where the
+    attention backend asks for it (``reorder_batch_threshold``: MLA and FlashInfer on GPU); the CPU backend
+    never does, so nothing here ran it. Forced on, with long prefills chunked at 32 tokens: a request that
+    turned to decoding behind a chunked prefill is swapped ahead of it, and the hooks must follow the
+    batch's new order (the write layout and the hidden rows both come from it)."""
+    core = h.llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    monkeypatch.setattr(runner, "reorder_batch_threshold", 1)
+    monkeypatch.setattr(core.scheduler, "adaptive_long_prefill_threshold", False)
+    monkeypatch.setattr(core.scheduler.scheduler_config, "long_prefill_token_threshold", 32)
+    batch_type = type(runner.input_batch)
+    swaps = []
+    swap_states = batch_type.swap_states
+
+    def counted(batch, i1, i2):
+        swaps.append((i1, i2))
+        return swap_states(batch, i1, i2)
+
+    monkeypatch.setattr(batch_type, "swap_states", counted)
+    rng = random.Random(21)
+    base = rand_tokens(rng, 64)
+    h.add("d0", rand_tokens(rng, 40), max_tokens=30)
+    h.step()
+    h.step()  # d0 decodes
+    h.add("p1", base + rand_tokens(rng, 200), max_tokens=3)  # chunked, 32 tokens a step
+    h.step()
+    h.add("d1", rand_tokens(rng, 20), max_tokens=30)  # prefilled in one step, then decodes behind p1
+    for _ in range(3):
+        h.step()
+    h.add("p2", base + rand_tokens(rng, 70), max_tokens=3)  # hits p1's first two blocks
+    h.drain()
+    assert swaps, "vLLM never reordered the batch"
+    h.check(expect_hit=["p2"], expect_cached={"p2": 2 * BLOCK})
