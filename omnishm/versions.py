@@ -19,6 +19,9 @@ otherwise.
 
 from __future__ import annotations
 
+import logging
+import platform
+
 EPOCH_BITS = 15
 STEP_BITS = 32
 SEQ_BITS = 16
@@ -41,3 +44,24 @@ def cv_epoch(cv: int) -> int:
 
 def cv_step(cv: int) -> int:
     return (cv >> SEQ_BITS) & MAX_STEP
+
+
+_ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
+"""Machines whose stores and loads reach other processes in program order (x86's TSO): the seqlock's
+only guard, since Python has no memory fence (README, "Platform")."""
+_warned = False
+
+
+def warn_if_weakly_ordered(log: logging.Logger) -> bool:
+    """Log once per process, on a machine outside ``_ORDERED_MACHINES``, that the seqlock is not
+    guaranteed there; returns whether this machine is one. Any thread (a lost race logs twice)."""
+    global _warned
+    machine = platform.machine().lower()
+    if machine in _ORDERED_MACHINES:
+        return False
+    if not _warned:
+        _warned = True
+        log.warning("omnishm: this %s machine may reorder memory accesses between processes; the row "
+                    "checks rely on x86-64's store order, and without a memory fence a reader could in "
+                    "principle see a commit word before its row (README, \"Platform\")", machine)
+    return True

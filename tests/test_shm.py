@@ -211,3 +211,23 @@ def test_a_momentary_lock_probe_does_not_make_a_starting_committer_refuse():
         if lock is not None:
             lock.release(remove=True)
         path.unlink(missing_ok=True)
+
+
+def test_a_weakly_ordered_machine_is_warned_of_once(monkeypatch, caplog):
+    """The seqlock rests on x86-64's store order (README, "Platform"): elsewhere the committer and every
+    client say so, once per process; on x86-64 nothing is logged."""
+    import logging
+    import platform
+
+    from omnishm import versions
+
+    log = logging.getLogger("omnishm.test-order")
+    monkeypatch.setattr(versions, "_warned", False)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    with caplog.at_level(logging.WARNING, logger="omnishm.test-order"):
+        assert versions.warn_if_weakly_ordered(log) is False
+        assert caplog.records == []
+        monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+        assert versions.warn_if_weakly_ordered(log) is True
+        assert versions.warn_if_weakly_ordered(log) is True
+    assert [r.getMessage()[:40] for r in caplog.records] == ["omnishm: this aarch64 machine may reorde"]

@@ -59,7 +59,7 @@ from omnishm.interface import (
     unmatch,
 )
 from omnishm.shm import Segment
-from omnishm.versions import make_cv
+from omnishm.versions import make_cv, warn_if_weakly_ordered
 
 if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
@@ -90,6 +90,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                  device_ops: DeviceOps | None = None):
         if role not in (P.ROLE_WRITER, P.ROLE_READER):
             raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
+        warn_if_weakly_ordered(logger)
         conn = manager_connection(cache=cache, endpoint=endpoint, autostart=autostart, runtime_dir=runtime_dir,
                                   connect_timeout_s=connect_timeout_s)
         cache, endpoint, autostart = conn["cache"], conn["endpoint"], conn["autostart"]

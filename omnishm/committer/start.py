@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
-from omnishm import cpus, orphans, shm
+from omnishm import cpus, orphans, shm, versions
 from omnishm.committer import meta
 from omnishm.committer.config import (
     EXIT_OK,
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
             # thread's, and threads inherit it. A committer you launch keeps yours (numactl).
             cpus.default_memory_policy()
         undo_dumps = _enable_stack_dumps()
+        versions.warn_if_weakly_ordered(logger)
         return _start(args, early, warned)
     finally:
         logging.getLogger("omnishm").removeHandler(warned)
