@@ -40,3 +40,22 @@ def test_bench_quick_json_reports_every_figure_with_reference_and_ratio():
     assert any("drop-in" in r["name"] for r in rows if r["figure"] == "6")  # omnishm behind vllm-omni's calls
     bench_segments = [s for s in set(shm.list_segments()) - before if shm.parse_segment_name(s)[0].startswith("bench")]
     assert bench_segments == []
+
+
+def test_bench_forward_threads_applies_to_the_engine_figures_only():
+    """``--forward-threads 2`` runs figure 6's forward on two torch threads and says so in its rows and the
+    document; figure 1 keeps one thread (its reference is a single-thread memcpy). A bad count exits 2."""
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "bench", "--quick", "--json", "--only", "1,6",
+                           "--forward-threads", "2"], cwd=REPO, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
+    doc = json.loads(proc.stdout)
+    assert doc["forward_threads"] == 2 and doc["errors"] == {}
+    six = [r for r in doc["figures"] if r["figure"] == "6"]
+    one = [r for r in doc["figures"] if r["figure"] == "1"]
+    assert six and one
+    assert all(r["extra"]["forward_threads"] == 2 for r in six)
+    assert six[0]["name"].endswith("forward on 2 torch threads")
+    assert not any("forward_threads" in r["extra"] or "threads" in r["name"] for r in one)
+    bad = subprocess.run([sys.executable, "-m", "omnishm", "bench", "--forward-threads", "0"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--forward-threads must be >= 1" in bad.stderr

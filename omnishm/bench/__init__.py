@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where figures 3 and 6 keep the step's outputs (cuda: the engine thread only launches copies)")
+    parser.add_argument("--forward-threads", type=int, default=1, metavar="N",
+                        help="torch threads while figures 3 and 6 run (their stand-in forward and the engine "
+                             "thread's copies). 1, the default, leaves the committer a core, as vLLM's CPU worker "
+                             "does: it reserves a core per rank. The number of cores measures a host the forward "
+                             "keeps busy, where the committer's work comes out of the engine's time")
 
 
 def _machine() -> dict[str, Any]:
@@ -52,7 +57,13 @@ def _machine() -> dict[str, Any]:
             "kernel": platform.release()}
 
 
-def run(quick: bool, only: set[str], seed: int, device: str = "cpu") -> tuple[list[Any], dict[str, str]]:
+_ENGINE_FIGURES = ("3", "6")
+"""The figures with a stand-in forward: ``--forward-threads`` applies to them only. The others keep one
+thread, so that their references stay a single-thread memcpy."""
+
+
+def run(quick: bool, only: set[str], seed: int, device: str = "cpu",
+        forward_threads: int = 1) -> tuple[list[Any], dict[str, str]]:
     import numpy as np
     import torch
 
@@ -88,11 +99,21 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu") -> tuple[li
             if fig not in only:
                 continue
             t0 = time.monotonic()
+            threads = forward_threads if fig in _ENGINE_FIGURES else 1
+            torch.set_num_threads(threads)
             try:
-                rows += plan[fig](cleanup)
+                got = plan[fig](cleanup)
+                if threads != 1:
+                    for r in got:
+                        r.extra["forward_threads"] = threads
+                        if not r.name.startswith(" "):  # a figure's main row; its variants follow it
+                            r.name += f", forward on {threads} torch threads"
+                rows += got
             except Exception as exc:  # one failed figure is reported; the others still run
                 errors[fig] = f"{type(exc).__name__}: {exc}"
                 logging.getLogger(__name__).error("figure %s failed:\n%s", fig, traceback.format_exc())
+            finally:
+                torch.set_num_threads(1)
             logging.getLogger(__name__).info("figure %s took %.1fs", fig, time.monotonic() - t0)
     finally:
         leaked = cleanup.close()
@@ -128,6 +149,9 @@ def cli_main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"omnishm bench: unknown figure(s) {sorted(unknown)}; known: {', '.join(FIGURES)}", file=sys.stderr)
         return 2
+    if args.forward_threads < 1:
+        print(f"omnishm bench: --forward-threads must be >= 1, got {args.forward_threads}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
 
@@ -136,9 +160,9 @@ def cli_main(args: argparse.Namespace) -> int:
             return 2
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
-    rows, errors = run(args.quick, only, args.seed, args.device)
+    rows, errors = run(args.quick, only, args.seed, args.device, args.forward_threads)
     doc = {"date": started.isoformat(timespec="seconds"), "mode": "quick" if args.quick else "normal",
-           "goals_judged": not args.quick, "device": args.device,
+           "goals_judged": not args.quick, "device": args.device, "forward_threads": args.forward_threads,
            "seconds": round(time.monotonic() - t0, 1), "machine": _machine(),
            "figures": [r.to_json() for r in rows], "errors": errors}
     if args.json:
