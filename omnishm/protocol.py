@@ -21,7 +21,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 64 << 20
 """Frames above this are dropped by libzmq (ZMQ_MAXMSGSIZE) before we decode them."""
 

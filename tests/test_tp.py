@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -390,8 +393,8 @@ def test_a_reader_never_serves_rows_of_a_writer_that_took_its_writers_place(comm
         w2.wait_idle()
         t0 = time.monotonic()
         with pytest.raises(OmniPrefixCacheUnmatchError,
-                           match=r"follows \(epoch 1\) left the cache before publishing step 1, and writer "
-                                 r"epoch 2 took its place.*step_id=1"):
+                           match=r"follows \(epoch 1\) was replaced by writer epoch 2 before this reader read "
+                                 r"step 1.*step_id=1"):
             r.materialize(sid, ["b"])
         assert time.monotonic() - t0 < 10  # at once, not after commit_timeout_s (60 s)
     finally:
@@ -438,3 +441,70 @@ def test_a_reader_ahead_of_its_writer_ignores_the_previous_writers_publication(c
         assert torch.equal(got[0].mm_outputs["b"]["feat"], expect(5, 4, 5, 4, 2, mm=True))
     finally:
         r.shutdown()
+
+
+_KILLED_ENGINES_WRITER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from manager_helpers import small_config, Part, save, started
+from omnishm.client import OmniPrefixCacheManager
+w = OmniPrefixCacheManager(small_config(commit_timeout_s=60.0), cache=sys.argv[1], autostart=False)
+for tag, blocks in ((1, [0]), (2, [1])):
+    w.new_step_starts([started(f"o{tag}", blocks)])
+    w.discard_step(save(w, [Part(f"o{tag}", tag, blocks, 0, 4)], 4))
+w.wait_idle()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_reader_never_follows_a_killed_engines_writer_that_still_holds_the_seat(committer_factory):
+    """REVIEW (2026-12-04, of the fix above): the earlier engine's writer ran steps 0 and 1 (block 0: tag 1)
+    and was SIGKILLed; until it is reaped it still holds the writer seat, and a new reader's Welcome names
+    it. The new engine's reader saves steps 0 and 1 (a hit on block 0) before its own writer can attach.
+    Bound to the writer the Welcome named, it took the dead writer's publication and served tag 1 rows
+    at once, and after its own writer came it refused every step. A reader follows only a writer seen
+    alive since it attached (attached later, or published since): it waits, serves its own writer's rows
+    (tag 5), and goes on with it."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "2")
+    config = cfg(commit_timeout_s=60.0)
+    old = subprocess.Popen([sys.executable, "-c", _KILLED_ENGINES_WRITER, handle.name, str(Path(__file__).parent)],
+                           stdout=subprocess.PIPE, text=True)
+    steps = [([started("a", [0])], [Part("a", 5, [0], 0, 4)]),
+             ([started("b", [0, 2], hit=4)], [Part("b", 5, [0, 2], 4, 2)])]
+    r = w = None
+    got: list = []
+    try:
+        assert old.stdout.readline().strip() == "ready"
+        r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+        old.kill()
+        old.wait()
+        sids = []
+        for events, parts in steps:
+            r.new_step_starts(events)
+            sids.append(save(r, parts, BS))
+        r.discard_step(sids[0])
+        reader = threading.Thread(target=lambda: got.append(_outcome(lambda: r.materialize(sids[1], ["b"]))))
+        reader.start()
+        reader.join(1.0)
+        assert reader.is_alive(), f"served before its writer attached: {got}"
+        w = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)  # once the dead one is reaped
+        for events, parts in steps:
+            w.new_step_starts(events)
+            w.discard_step(save(w, parts, BS))
+        reader.join(60)
+        assert not reader.is_alive()
+        assert not isinstance(got[0], Exception), got
+        assert torch.equal(got[0].hidden_states["b"], expect(5, 4, 5, 4, 2))
+        for m in (w, r):  # and the next step in lockstep too
+            m.new_step_starts([started("c", [3])])
+        w.discard_step(save(w, [Part("c", 6, [3], 0, 4)], BS))
+        out = r.materialize(save(r, [Part("c", 6, [3], 0, 4)], BS), ["c"])
+        assert torch.equal(out.hidden_states["c"], rows(6, range(4)))
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.wait()
+        for m in (r, w):
+            if m is not None:
+                m.shutdown()

@@ -174,7 +174,6 @@ class LinkAttach:
         self._staging_names.update(k.staging for k in welcome.keys if k.staging)
         # What the committer saw as this welcome was made, as if a heartbeat had just been answered.
         self.writer_ack = (self.heartbeats_sent, welcome.writer_epoch)
-        self.writer_seen = max(self.writer_seen, welcome.writer_epoch)
 
     def _hold_liveness_lock(self, welcome: P.Welcome) -> None:
         """Shared flock on the control segment while attached: tells a restarting committer to adopt."""

@@ -124,9 +124,6 @@ class CommitterLink(LinkAttach):
         self.readers = 0
         self.heartbeats_sent = 0
         """Heartbeats the I/O thread has sent (its own counter; any thread may read it)."""
-        self.writer_seen = 0
-        """The largest writer epoch a Welcome or heartbeat answer showed attached (epochs only grow, and a
-        writer that left never comes back under its epoch). Set by whichever thread takes the answer."""
         self.writer_ack: tuple[int, int] = (0, 0)
         """``(n, epoch)`` of the latest ``HeartbeatAck``: heartbeat number ``n`` (``heartbeats_sent`` counts it
         before it is sent) found the writer of ``epoch`` attached (0: none). Set by the I/O thread as one
@@ -560,4 +557,3 @@ class CommitterLink(LinkAttach):
             # nothing about which writer, so it is not taken (no wait then ends early on its account).
             if beat > self.writer_ack[0] and (reply.writer_epoch or not reply.writer):
                 self.writer_ack = (beat, reply.writer_epoch if reply.writer else 0)
-                self.writer_seen = max(self.writer_seen, self.writer_ack[1])

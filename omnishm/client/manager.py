@@ -163,7 +163,10 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._ctl = self._ctl_seg.tensor(torch.int64, (P.CTL_WORDS,))
         self._epoch_at_attach = int(self._ctl[P.CTL_WRITER_EPOCH])
         """Writer epoch in the control segment right after this client attached: a larger one later is a
-        writer that attached after it (epochs only grow), see ``ReadSide._writer_mark``."""
+        writer that attached after it (epochs only grow), see ``ReadSide._follow_writer``."""
+        self._published_at_attach = int(self._ctl[P.CTL_PUBLISHED_STEP])
+        """The publication word right after this client attached: a reader follows no writer whose last
+        publication came before it (``ReadSide._follow_writer``)."""
         self._follows = 0
         """Reader: the epoch of the one writer whose steps this reader's step ids are, set once
         (``ReadSide._follow_writer``); 0 until then."""

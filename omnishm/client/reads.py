@@ -215,7 +215,7 @@ class ReadSide:
         for rows that did not land within ``commit_timeout_s`` or whose writer
         left the cache first (``_writer_left``), by ``deadline``.
         """
-        since = self._writer_mark()
+        since = self._follow_mark()
         # Claims of the writer this reader follows only: rows of an earlier engine's writer, or of one that
         # took the followed writer's place, are never this reader's (set by the step's _wait_published).
         epoch = self._follows
@@ -237,7 +237,8 @@ class ReadSide:
                     return
                 raise self._unmatch("slot reused while reading it", req_id=req, key=key, step_id=step_id)
             self._check_usable()
-            left = self._writer_left(since)
+            # A replaced writer left too (its staging went with it), whichever writer ``since`` names.
+            left = self._writer_left(since) or bool(self._replaced())
             if left or time.monotonic() > deadline:
                 if left and bool((kv.commit[slots] == claim).all()):
                     continue  # landed before the writer left: read it on the next pass
@@ -252,18 +253,19 @@ class ReadSide:
 
         Raises ``OmniPrefixCacheUnmatchError`` at once when another writer took the followed writer's
         place (nothing of the followed one will come, and the new one's step ids are not this reader's),
-        as soon as the writer that was attached when the wait began has left the cache without
+        as soon as the followed writer has left the cache without
         publishing ``step_id`` (``_writer_left``), and after ``commit_timeout_s``.
         """
-        since = self._writer_mark()
+        since = self._follow_mark()
         while not self._published(step_id):
             self._check_usable()
-            now_epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
-            if self._follows and now_epoch > self._follows:  # epochs only grow; 0 is none (a restart, say)
-                raise self._unmatch(f"the writer this reader follows (epoch {self._follows}) left the cache "
-                                    f"before publishing step {step_id}, and writer epoch {now_epoch} took its "
-                                    f"place; a reader's step ids are those of one writer, so it serves no "
-                                    f"step of another (restart the engine's ranks together)", step_id=step_id)
+            if since is None:
+                since = self._follow_mark()  # bound now: from here its leaving ends the wait
+            replaced = self._replaced()
+            if replaced:
+                raise self._unmatch(f"the writer this reader follows (epoch {self._follows}) was replaced by "
+                                    f"writer epoch {replaced} before this reader read step {step_id}; a reader "
+                                    f"serves the steps of one writer only", step_id=step_id)
             left = self._writer_left(since)
             if left or time.monotonic() > deadline:
                 if self._published(step_id):  # published, then left: it counts
@@ -287,21 +289,32 @@ class ReadSide:
         """Reader, any thread: the epoch of the writer this reader follows, 0 while it knows of none.
 
         A reader's step ids are the steps of ONE writer: its engine's output
-        rank, which runs the same steps in lockstep. That is the writer that
-        was attached when this reader first looked (at each ``save_outputs``
-        and each wait until then) and that it knows to be no earlier engine's
-        (``_writer_mark``: the Welcome or a heartbeat answer named it, or it
-        attached after this reader). The binding is set once, under the state
-        lock; a publication or claim of any other writer is never this
-        reader's (``_wait_published``, ``_read_committed``).
+        rank, which runs the same steps in lockstep. That is the first writer
+        seen alive since this reader attached (looked for at each
+        ``save_outputs`` and each wait until then): the writer in the control
+        segment if it attached after this reader (a larger epoch than at
+        attach), or if it published a step since (the publication word moved
+        on and carries its epoch). Being attached is not enough: an earlier
+        engine's writer, killed and not yet reaped, still holds the seat (and
+        a Welcome names it), but it never publishes again. The binding is set
+        once, under the state lock; a publication or claim of any other
+        writer is never this reader's (``_wait_published``, ``_read_committed``).
         """
         if not self._follows:
-            mark = self._writer_mark()
-            if mark is not None:
+            epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
+            word = int(self._ctl[P.CTL_PUBLISHED_STEP])
+            fresh = word != self._published_at_attach and word >= 0 and cv_epoch(word) == epoch
+            if epoch and (epoch > self._epoch_at_attach or fresh):
                 with self._lock:
                     if not self._follows:
-                        self._follows = mark[0]
+                        self._follows = epoch
         return self._follows
+
+    def _replaced(self) -> int:
+        """Reader, any thread: the epoch of a writer that took the followed writer's place, else 0.
+        Epochs only grow, and 0 is none (a restarted committer before its writer resumed)."""
+        epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
+        return epoch if self._follows and epoch > self._follows else 0
 
     def _publication(self) -> str:
         """What the control segment says was published, for an error message."""
@@ -312,16 +325,14 @@ class ReadSide:
             return f"published {cv_step(word)}"
         return f"published {cv_step(word)} of writer epoch {cv_epoch(word)}, not this reader's"
 
-    def _writer_mark(self) -> tuple[int, int] | None:
-        """Where a wait begins: (the writer's epoch, heartbeats sent so far) when this reader knows that
-        writer was attached: a heartbeat answer or its Welcome showed it (``writer_seen``, also once it
-        has left: every later wait then ends at the next answer), or it attached after this client did (a
-        larger epoch than at attach). Else None, and only the timeout ends the wait: no writer yet (a
-        reader may start first), or the cache's previous writer left before this reader attached and the
-        next one is on its way (the old epoch stays in the control segment until the next one attaches)."""
-        epoch = int(self._ctl[P.CTL_WRITER_EPOCH])
-        known = epoch and (epoch == self._link.writer_seen or epoch > self._epoch_at_attach)
-        return (epoch, self._link.heartbeats_sent) if known else None
+    def _follow_mark(self) -> tuple[int, int] | None:
+        """Where a wait begins: (the followed writer's epoch, heartbeats sent so far), for
+        ``_writer_left``; it also ends every later wait at the next answer once that writer has left.
+        None while this reader follows no writer (``_follow_writer``: none seen alive since it attached;
+        a reader may start first, or the cache's previous writer left and the next is on its way): then
+        only the timeout ends the wait, and a writer that leaves meanwhile was not this reader's."""
+        follows = self._follow_writer()
+        return (follows, self._link.heartbeats_sent) if follows else None
 
     def _writer_left(self, since: tuple[int, int] | None) -> bool:
         """True once a heartbeat sent after ``since`` was answered without the writer of ``since``'s epoch
