@@ -403,6 +403,39 @@ def test_a_reader_never_serves_rows_of_a_writer_that_took_its_writers_place(comm
                 m.shutdown()
 
 
+_AHEAD_STEPS = [([started("a", [0])], [Part("a", 5, [0], 0, 4)]),
+                ([started("b", [0, 2], hit=4)], [Part("b", 5, [0, 2], 4, 2)])]
+"""A new engine's steps 0 (block 0: tag 5) and 1 (a hit on block 0), for a reader that runs ahead of its writer."""
+
+
+def _reader_runs_ahead(r: OmniPrefixCacheManager) -> tuple[threading.Thread, list]:
+    """``r`` saves ``_AHEAD_STEPS`` and materializes step 1 on a thread, which must still wait a second later
+    (no writer of its own yet). Returns the thread and the list its outcome lands in."""
+    sids = []
+    for events, parts in _AHEAD_STEPS:
+        r.new_step_starts(events)
+        sids.append(save(r, parts, BS))
+    r.discard_step(sids[0])
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(_outcome(lambda: r.materialize(sids[1], ["b"]))))
+    reader.start()
+    reader.join(1.0)
+    assert reader.is_alive(), f"served before its writer attached: {got}"
+    return reader, got
+
+
+def _writer_catches_up(w: OmniPrefixCacheManager, reader: threading.Thread, got: list) -> None:
+    """``w`` runs ``_AHEAD_STEPS``; the waiting reader then gets its own writer's rows (tag 5)."""
+    for events, parts in _AHEAD_STEPS:
+        w.new_step_starts(events)
+        w.discard_step(save(w, parts, BS))
+    reader.join(60)
+    assert not reader.is_alive()
+    assert not isinstance(got[0], Exception), got
+    assert torch.equal(got[0].hidden_states["b"], expect(5, 4, 5, 4, 2))
+    assert torch.equal(got[0].mm_outputs["b"]["feat"], expect(5, 4, 5, 4, 2, mm=True))
+
+
 def test_a_reader_ahead_of_its_writer_ignores_the_previous_writers_publication(committer_factory):
     """REVIEW (2026-12-04): an earlier engine's writer ran steps 0 and 1 (block 0: tag 1) and left; its
     publication of step 1 stays in the control segment. A new engine's reader runs its steps 0 (block 0:
@@ -411,34 +444,16 @@ def test_a_reader_ahead_of_its_writer_ignores_the_previous_writers_publication(c
     that writer's rows (tag 5) once they land."""
     handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
     config = cfg(commit_timeout_s=60.0)
-    steps = [([started("a", [0])], [Part("a", 5, [0], 0, 4)]),
-             ([started("b", [0, 2], hit=4)], [Part("b", 5, [0, 2], 4, 2)])]
     with OmniPrefixCacheManager(config, cache=handle.name, autostart=False) as w0:
         for tag, blocks in ((1, [0]), (2, [1])):
             w0.new_step_starts([started(f"o{tag}", blocks)])
             w0.discard_step(save(w0, [Part(f"o{tag}", tag, blocks, 0, 4)], BS))
         w0.wait_idle()
     r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
-    got: list = []
     try:
-        sids = []
-        for events, parts in steps:
-            r.new_step_starts(events)
-            sids.append(save(r, parts, BS))
-        r.discard_step(sids[0])
-        reader = threading.Thread(target=lambda: got.append(_outcome(lambda: r.materialize(sids[1], ["b"]))))
-        reader.start()
-        reader.join(1.0)
-        assert reader.is_alive(), f"served before its writer attached: {got}"
+        reader, got = _reader_runs_ahead(r)
         with OmniPrefixCacheManager(config, cache=handle.name, autostart=False) as w1:
-            for events, parts in steps:
-                w1.new_step_starts(events)
-                w1.discard_step(save(w1, parts, BS))
-            reader.join(60)
-        assert not reader.is_alive()
-        assert not isinstance(got[0], Exception), got
-        assert torch.equal(got[0].hidden_states["b"], expect(5, 4, 5, 4, 2))
-        assert torch.equal(got[0].mm_outputs["b"]["feat"], expect(5, 4, 5, 4, 2, mm=True))
+            _writer_catches_up(w1, reader, got)
     finally:
         r.shutdown()
 
@@ -470,32 +485,15 @@ def test_a_reader_never_follows_a_killed_engines_writer_that_still_holds_the_sea
     config = cfg(commit_timeout_s=60.0)
     old = subprocess.Popen([sys.executable, "-c", _KILLED_ENGINES_WRITER, handle.name, str(Path(__file__).parent)],
                            stdout=subprocess.PIPE, text=True)
-    steps = [([started("a", [0])], [Part("a", 5, [0], 0, 4)]),
-             ([started("b", [0, 2], hit=4)], [Part("b", 5, [0, 2], 4, 2)])]
     r = w = None
-    got: list = []
     try:
         assert old.stdout.readline().strip() == "ready"
         r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
         old.kill()
         old.wait()
-        sids = []
-        for events, parts in steps:
-            r.new_step_starts(events)
-            sids.append(save(r, parts, BS))
-        r.discard_step(sids[0])
-        reader = threading.Thread(target=lambda: got.append(_outcome(lambda: r.materialize(sids[1], ["b"]))))
-        reader.start()
-        reader.join(1.0)
-        assert reader.is_alive(), f"served before its writer attached: {got}"
+        reader, got = _reader_runs_ahead(r)
         w = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)  # once the dead one is reaped
-        for events, parts in steps:
-            w.new_step_starts(events)
-            w.discard_step(save(w, parts, BS))
-        reader.join(60)
-        assert not reader.is_alive()
-        assert not isinstance(got[0], Exception), got
-        assert torch.equal(got[0].hidden_states["b"], expect(5, 4, 5, 4, 2))
+        _writer_catches_up(w, reader, got)
         for m in (w, r):  # and the next step in lockstep too
             m.new_step_starts([started("c", [3])])
         w.discard_step(save(w, [Part("c", 6, [3], 0, 4)], BS))
