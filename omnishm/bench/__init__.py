@@ -71,7 +71,6 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu",
     from omnishm.bench import memory, write_figures as wf
     from omnishm.bench.common import Cleanup
 
-    torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     if quick:
         plan = {

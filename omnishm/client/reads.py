@@ -216,11 +216,9 @@ class ReadSide:
         left the cache first (``_writer_left``), by ``deadline``.
         """
         since = self._follow_mark()
-        # Claims of the writer this reader follows only: rows of an earlier engine's writer, or of one that
-        # took the followed writer's place, are never this reader's (set by the step's _wait_published).
+        # Claims of the writer this reader follows only (bound by the step's _wait_published): rows of an
+        # earlier engine's writer, or of one that took the followed writer's place, are never this reader's.
         epoch = self._follows
-        if not epoch:
-            raise self._unmatch("hit read before the step was published", req_id=req, key=key, step_id=step_id)
         while True:
             claim = kv.claim[slots].clone()
             if bool((claim == 0).any()):

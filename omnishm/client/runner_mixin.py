@@ -68,46 +68,37 @@ def _total_scheduled(scheduler_output: Any) -> int:
     return int(total)
 
 
-def vllm_runner_role() -> str:
-    """``"writer"`` iff this process is TP rank 0 of the last PP stage, else ``"reader"``.
-
-    Read from vLLM's parallel state at call time (vllm imported here, never at
-    module scope). Falls back to writer when vllm is absent or its parallel
-    groups are not initialised (single-process tests, offline tools).
-    """
+def _vllm_ranks() -> tuple[int, bool] | None:
+    """(TP rank, whether on the last PP stage) from vLLM's parallel state at call time, or None when vllm
+    is absent or its parallel groups are not initialised (single-process tests, offline tools). vllm is
+    imported here, never at module scope."""
     try:
         from vllm.distributed import parallel_state as ps
     except ImportError:
-        return "writer"
+        return None
     try:
         if not ps.model_parallel_is_initialized():
-            return "writer"
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        last_pp = bool(ps.get_pp_group().is_last_rank)
+            return None
+        return ps.get_tensor_model_parallel_rank(), bool(ps.get_pp_group().is_last_rank)
     except (AssertionError, AttributeError, RuntimeError) as exc:
-        logger.warning("omni prefix cache: cannot read TP/PP rank (%s); acting as writer", exc)
-        return "writer"
-    return "writer" if tp_rank == 0 and last_pp else "reader"
+        logger.warning("omni prefix cache: cannot read TP/PP rank (%s); acting as TP rank 0 of the last "
+                       "stage", exc)
+        return None
+
+
+def vllm_runner_role() -> str:
+    """``"writer"`` iff this process is TP rank 0 of the last PP stage, else ``"reader"``; ``"writer"``
+    when vLLM's parallel state cannot be read (``_vllm_ranks``)."""
+    ranks = _vllm_ranks()
+    return "writer" if ranks is None or ranks == (0, True) else "reader"
 
 
 def vllm_last_pp_stage() -> bool:
     """Whether this process is on the last pipeline stage, the one whose forward returns the model's final
-    hidden states (an earlier stage's are ``IntermediateTensors`` for the next stage).
-
-    Read from vLLM's parallel state at call time (vllm imported here, never at module scope); True when
-    vllm is absent or its parallel groups are not initialised, as ``vllm_runner_role`` assumes too.
-    """
-    try:
-        from vllm.distributed import parallel_state as ps
-    except ImportError:
-        return True
-    try:
-        if not ps.model_parallel_is_initialized():
-            return True
-        return bool(ps.get_pp_group().is_last_rank)
-    except (AssertionError, AttributeError, RuntimeError) as exc:
-        logger.warning("omni prefix cache: cannot read the PP rank (%s); acting as the last stage", exc)
-        return True
+    hidden states (an earlier stage's are ``IntermediateTensors`` for the next stage); True when vLLM's
+    parallel state cannot be read, as ``vllm_runner_role`` assumes too."""
+    ranks = _vllm_ranks()
+    return ranks is None or ranks[1]
 
 
 def vllm_dp_rank(parallel_config: Any = None) -> int | None:
