@@ -48,6 +48,9 @@ os.environ["OMNISHM_VLLM_CAPTURE_RAW"] = "1"  # the ground truth: rows read stra
 # Both the link and the committer log a stall of theirs. A client stalled past the timeout is reaped, which the
 # tier does not test, so it tolerates 30 s. test_serve_dp.py sets its own.
 os.environ.setdefault("OMNISHM_HEARTBEAT_TIMEOUT_S", "30")
+# How long an executor waits for its workers to exit before it SIGTERMs them (vLLM's default: 5 s; see
+# vllm_harness.ENGINE_SHUTDOWN_TIMEOUT_S, which must stay above it). A killed worker leaves its ring in /dev/shm.
+os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
 
 
 def _plugins_but_vllm_omnis() -> str:
@@ -127,15 +130,15 @@ def _shm_names_held(shm_dir: Path) -> set[str]:
     return held
 
 
-@pytest.fixture(scope="session", autouse=True)
-def host_dirs_untouched():
-    """Fail the session if vLLM's leftovers appeared in the host's temp dir or in /dev/shm.
+@pytest.fixture(scope="module", autouse=True)
+def host_dirs_untouched(request):
+    """Fail the module if vLLM's leftovers appeared in the host's temp dir or in /dev/shm while it ran.
 
-    Names there before the session are not this run's. The tier's own temp dir
-    (TMPDIR of every engine it starts) is removed at the end of the session.
-    vLLM segments created during the session that no live process holds are
-    removed here, so that a failing run does not leave hundreds of MiB behind,
-    and named in the failure.
+    Names there before the module are not its. Module scope names the module whose engines left them
+    (its last test reports the error), and each module's engine fixture stops before this check runs.
+    The tier's own temp dir (TMPDIR of every engine it starts) is removed at the end of the session.
+    vLLM segments that appeared and that no live process holds are removed here, so that a failing
+    run does not leave hundreds of MiB behind, and named in the failure.
     """
     from omnishm.shm import SHM_DIR
 
@@ -152,7 +155,7 @@ def host_dirs_untouched():
     if new_shm:
         problems.append(f"{len(new_shm)} segments in /dev/shm that no process holds (removed now): {new_shm[:8]}")
     if problems:
-        pytest.fail("the vLLM tier left " + "; and ".join(problems))
+        pytest.fail(f"the vLLM engines of {request.module.__name__} left " + "; and ".join(problems))
 
 
 @pytest.fixture(autouse=True)

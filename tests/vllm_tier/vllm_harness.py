@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,16 +43,62 @@ def make_llm(model_dir: Any, *, multiprocess: bool, cache: str, **overrides: Any
     return llm
 
 
+# How long the engine-core process gets to stop before vLLM SIGKILLs it and its workers (vLLM's default: 5 s).
+# A graceful stop takes 3-4 s on the 2-vCPU build machine (as long without omnishm's extension) and 6.4 s with
+# both cores busy; the killed processes leave their broadcast rings and a semaphore in /dev/shm, which fails
+# host_dirs_untouched. A stop that needs longer than this is a hang.
+ENGINE_SHUTDOWN_TIMEOUT_S = 60.0
+PARKED_TIMEOUT_S = 30.0
+
+
 def close_llm(llm: Any) -> dict[str, Any]:
     """omnishm shutdown first (the engine must not take the manager down with it), then the engine."""
     stats = llm.collective_rpc("omnishm_shutdown")[0]
-    llm.llm_engine.engine_core.shutdown()
+    for proc in _engine_core_processes(llm):
+        _wait_parked(proc.pid)
+    llm.llm_engine.engine_core.shutdown(timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
     del llm
     gc.collect()
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
     return stats
+
+
+def _engine_core_processes(llm: Any) -> list[Any]:
+    """The engine-core processes of a multiprocess engine (none for an in-process one)."""
+    manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+    return [p for p in getattr(manager, "processes", ()) if p.pid is not None and p.is_alive()]
+
+
+def _wait_parked(pid: int) -> None:
+    """Return once the main thread of ``pid`` sleeps in a futex and used no CPU for 50 ms (or after
+    PARKED_TIMEOUT_S: the stop then goes ahead, and a lost signal shows as vLLM's force-kill).
+
+    vLLM stops an engine-core process with SIGTERM, whose Python handler runs on the main thread. That
+    thread, idle, blocks in ``input_queue.get()``. CPython runs pending handlers when a lock wait is
+    interrupted, but not before it starts one: a SIGTERM that lands after the thread left the eval loop
+    and before it entered the futex (it had just answered a request, and dropping the GIL let another
+    thread take the core) only marks the handler pending, and the thread sleeps until the next request,
+    which never comes. strace showed it: the signal hit the thread in user space (``rt_sigreturn = 1``,
+    not ``EINTR``), and vLLM force-killed the process 60 s later with its rings still in /dev/shm (3 runs
+    of 9 of test_engine_multiprocess.py on 2026-12-04, right after ``omnishm_shutdown`` answered). Once the
+    thread is parked, the signal interrupts its wait and the handler runs.
+    """
+    task = Path(f"/proc/{pid}/task/{pid}")
+    deadline = time.monotonic() + PARKED_TIMEOUT_S
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            wchan = (task / "wchan").read_text()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process is gone: nothing to wait for
+            return
+        now = (fields[0], fields[11], fields[12], "futex" in wchan)  # state, utime, stime, in a futex wait
+        if now == last and now[0] == "S" and now[3]:
+            return
+        last = now
+        time.sleep(0.05)
 
 
 def rand_tokens(rng: random.Random, n: int) -> list[int]:
