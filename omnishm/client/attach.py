@@ -61,6 +61,10 @@ CONNECTED = "connected"
 RECONNECTING = "reconnecting"
 DEAD = "dead"
 
+HELLO_RETRY_S = 2.0
+"""How long the first ``Hello`` waits for its answer before it is sent again (``_hello``); a retried ``Hello``
+of the same client is answered like the first."""
+
 
 class LinkAttach:
     """Hello, resume, autostart-if-down and the liveness lock (mixin of ``CommitterLink``; all state lives there)."""
@@ -97,7 +101,9 @@ class LinkAttach:
                     f"cache {self.cache}: no committer answered at {self.endpoint} within {timeout_s:.1f}s; {hint}")
             fut = self.submit(lambda rid: self._hello_msg(rid, resume=False))
             try:
-                reply = fut.result(timeout=min(remaining, 2.0 if self._autostart else remaining))
+                # Bounded even without autostart: a committer killed while it held this Hello never answers
+                # it, and its restart (a supervisor's, seconds later) only answers a Hello sent again.
+                reply = fut.result(timeout=min(remaining, HELLO_RETRY_S))
             except FutureTimeout:
                 with self._plock:
                     self._pending.clear()

@@ -84,6 +84,13 @@ class Attach:
             self.detach(previous, REHELLO)
         if msg.role == protocol.ROLE_WRITER and self.sessions.writer is not None:
             w = self.sessions.writer
+            if w.adopted:
+                # The seat of a writer the dead committer knew, kept for its resume: it is reaped if it does
+                # not resume within the heartbeat timeout, so the new writer may retry until then.
+                wait = max(0.1, self.cfg.heartbeat_timeout_s - (time.monotonic() - w.last_seen))
+                return self.refuse(msg, f"cache {self.name} keeps the seat of writer {w.client_id} (epoch {w.epoch}), "
+                                        f"which this committer adopted at its restart, for that writer's resume; "
+                                        f"it is reaped in {wait:.1f}s if it does not resume", "second_writer", wait)
             # A writer silent for a while is likely a killed engine's (an engine restarted at once): retryable.
             return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid})",
                                "second_writer", self._reaped_soon([w]))
@@ -125,7 +132,7 @@ class Attach:
                                    "epochs")
             self.epoch += 1  # never handed out again, even when refused below
             session.epoch = self.epoch
-            if not self.pool.set_writer_epoch(self.epoch, msg.client_id):
+            if not self.pool.set_writer_epoch(self.epoch, msg.client_id, msg.staging_rows):
                 self.pool.drop_client(msg.client_id)
                 return self.refuse(msg, f"cache {self.name} cannot record this writer's epoch in its metadata (see "
                                         f"the committer log); a restart could hand the epoch out again", "meta")
@@ -173,8 +180,8 @@ class Attach:
         if msg.role == protocol.ROLE_WRITER:
             if session is None:
                 why = self.sessions.reaped_ids.get(msg.client_id, "unknown to this committer")
-                return self.refuse(msg, f"cannot resume writer {msg.client_id}: its session was {why}; its staging "
-                                        f"segments are gone", "resume_unknown")
+                return self.refuse(msg, f"cannot resume writer {msg.client_id}: its session was {why}, and this "
+                                        f"committer holds no staging for it", "resume_unknown")
             if msg.resume_epoch != session.epoch:
                 return self.refuse(msg, f"cannot resume writer {msg.client_id}: epoch {msg.resume_epoch} != "
                                         f"{session.epoch}", "resume_epoch")

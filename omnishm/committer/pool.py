@@ -141,6 +141,9 @@ class CachePool(StepApply):
         self.meta_seq = 0
         self.max_epoch = 0
         self.writer_epochs: dict[str, int] = {}
+        """Every writer that was welcomed and not dropped: its epoch (what a restart adopts)."""
+        self.writer_rows: dict[str, int] = {}
+        """The staging rows of each writer in ``writer_epochs`` (what ``ensure_staging`` creates per key)."""
         self.adopted = False
 
     # ------------------------------------------------------------ layout
@@ -201,8 +204,9 @@ class CachePool(StepApply):
             return protocol.Layout(0, 0, {})
         return protocol.Layout(self.layout.num_blocks, self.layout.block_size, dict(self.key_specs))
 
-    def set_writer_epoch(self, epoch: int, client_id: str | None = None) -> bool:
-        """Record the attached writer's epoch for a restart, then publish it (control word).
+    def set_writer_epoch(self, epoch: int, client_id: str | None = None, staging_rows: int = 0) -> bool:
+        """Record the attached writer's epoch (and its staging rows, when given) for a restart, then publish
+        the epoch (control word).
 
         Returns False, publishing nothing, when the metadata cannot be saved: an
         epoch a restart does not know could be handed out again, and the same
@@ -213,13 +217,20 @@ class CachePool(StepApply):
         self.max_epoch = max(self.max_epoch, epoch)
         if client_id is not None and self.writer_epochs.get(client_id) != epoch:
             before = self.writer_epochs.get(client_id)
+            rows_before = self.writer_rows.get(client_id)
             self.writer_epochs[client_id] = epoch
+            if staging_rows > 0:
+                self.writer_rows[client_id] = staging_rows
             if not self.save_meta():
                 self.max_epoch = previous_max
                 if before is None:
                     self.writer_epochs.pop(client_id, None)
                 else:
                     self.writer_epochs[client_id] = before
+                if rows_before is None:
+                    self.writer_rows.pop(client_id, None)
+                else:
+                    self.writer_rows[client_id] = rows_before
                 return False
         self.ctl[protocol.CTL_WRITER_EPOCH] = epoch
         return True
@@ -318,6 +329,7 @@ class CachePool(StepApply):
         """Unlink every staging segment of ``client_id``; returns their names."""
         dropped = [st.staging.pop(client_id) for st in self.keys.values() if client_id in st.staging]
         known = self.writer_epochs.pop(client_id, None) is not None
+        self.writer_rows.pop(client_id, None)
         if dropped or known:
             self.save_meta()  # before the unlink: a crash in between leaves strays, never dangling names
         removed = []
@@ -336,13 +348,11 @@ class CachePool(StepApply):
         doc["keys"] = [[s.name, s.index, s.dtype_name, s.width] for s in sorted(self.keys.values(),
                                                                                   key=lambda s: s.index)]
         doc["epoch"] = self.max_epoch
-        writers: dict[str, dict] = {}
-        for state in self.keys.values():
-            for cid, st in state.staging.items():
-                writers.setdefault(cid, {"rows": st.rows, "epoch": self.writer_epochs.get(cid, 0)})
-        for cid, epoch in self.writer_epochs.items():
-            writers.setdefault(cid, {"rows": 0, "epoch": epoch})
-        doc["writers"] = writers
+        # The welcomed writers, from their sessions, not from the staging that exists: a writer has none
+        # before its first key, and a new key's is created after the key is recorded. Staging of a writer
+        # not welcomed yet (a crash inside its Hello) is named nowhere, so an adoption unlinks it.
+        doc["writers"] = {cid: {"rows": self.writer_rows.get(cid, 0), "epoch": epoch}
+                          for cid, epoch in self.writer_epochs.items()}
         return doc
 
     def save_meta(self) -> bool:
@@ -361,8 +371,12 @@ class CachePool(StepApply):
         """Map the segments of a live cache left by a dead committer (never creates or clears any).
 
         Raises ``meta.MetaError`` naming what does not fit (metadata torn or of
-        another cache, a pool/table segment missing or of the wrong size). A
-        writer whose staging is gone is dropped from the adopted state (logged).
+        another cache, a pool/table segment missing or of the wrong size). Every
+        recorded writer is kept, with the staging of each key that has one; a
+        key's missing staging is created when the writer (re-)opens that key
+        (``ensure_staging``), and its resume is refused only if it names a
+        staging segment that is gone. A writer whose record or staging does
+        not fit (no rows, a segment of the wrong size) is dropped (logged).
         Segments of the generation that the metadata does not name (a crash
         between creating them and recording them) are unlinked.
         """
@@ -385,9 +399,17 @@ class CachePool(StepApply):
         n = pool.num_slots
 
         def attach(what: str, size: int) -> shm.Segment:
+            seg = attach_if_present(what, size)
+            if seg is None:
+                raise meta.MetaError(f"segment {pool._seg(what)} does not exist")
+            return seg
+
+        def attach_if_present(what: str, size: int) -> shm.Segment | None:
             try:
                 seg = shm.Segment.attach(pool._seg(what))
-            except (FileNotFoundError, PermissionError) as exc:
+            except FileNotFoundError:
+                return None
+            except PermissionError as exc:
                 raise meta.MetaError(f"segment {pool._seg(what)}: {exc}") from exc
             if seg.size != max(size, 1):
                 raise meta.MetaError(f"segment {seg.name} has {seg.size} bytes, the layout needs {max(size, 1)}")
@@ -407,19 +429,25 @@ class CachePool(StepApply):
                 claim=claim_seg.tensor(torch.int64, (n,)).numpy(), commit=commit_seg.tensor(torch.int64, (n,)).numpy(),
                 row_bytes=row_bytes)
         for cid, info in doc["writers"].items():
-            rows = int(info["rows"])
+            rows, epoch = int(info["rows"]), int(info["epoch"])
             try:
-                if rows < 1:
-                    raise meta.MetaError(f"staging of {rows} rows")
+                if not 1 <= rows <= MAX_STAGING_ROWS or epoch < 1:
+                    raise meta.MetaError(f"recorded with staging of {rows} rows and epoch {epoch}")
                 for state in pool.keys.values():
-                    seg = attach(cls._staging_what(cid, state.index), rows * state.row_bytes)
+                    seg = attach_if_present(cls._staging_what(cid, state.index), rows * state.row_bytes)
+                    if seg is None:
+                        # Recorded key, staging not created yet (the crash came in between): the writer never
+                        # got this key's KeyOpened, and its re-sent OpenKey creates the staging.
+                        logger.info("cache %s: writer %s has no staging for key %r yet", name, cid, state.name)
+                        continue
                     state.staging[cid] = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
             except (meta.MetaError, RuntimeError, ValueError) as exc:
                 logger.warning("cache %s: not adopting writer %s: %s", name, cid, exc)
                 for state in pool.keys.values():
                     state.staging.pop(cid, None)
                 continue
-            pool.writer_epochs[cid] = int(info["epoch"])
+            pool.writer_epochs[cid] = epoch
+            pool.writer_rows[cid] = rows
         keep = set(pool.segment_names())
         for stray in shm.list_segments(name):
             parsed = shm.parse_segment_name(stray)

@@ -135,11 +135,10 @@ class Committer(Attach):
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
             for client_id, epoch in self.pool.writer_epochs.items():
-                rows = next((st.staging[client_id].rows for st in self.pool.keys.values()
-                             if client_id in st.staging), 0)
                 self.sessions.add(Session(identity=b"adopted:" + client_id.encode(), client_id=client_id,
                                           role=protocol.ROLE_WRITER, pid=0, uid=os.geteuid(),
-                                          attached_at=self.started, last_seen=self.started, staging_rows=rows,
+                                          attached_at=self.started, last_seen=self.started,
+                                          staging_rows=self.pool.writer_rows[client_id],
                                           epoch=epoch, adopted=True))
         self.stopping = False
         self.stop_reason = ""

@@ -1,0 +1,181 @@
+"""Committer restarts at the edges of a writer's life (found by review, 2026-12-04; docs/FAULTS.md).
+
+Each test SIGKILLs a real committer at one moment and starts another for the same cache, which adopts it:
+
+- a writer attached but with no key yet (an engine before its first request) resumes;
+- a crash after a new key was recorded and before the writer's staging for it existed: the writer resumes,
+  and its re-sent ``OpenKey`` creates that staging;
+- a new writer arriving while the adopted seat of a dead writer is kept for its resume is told to retry, and
+  gets the seat once the placeholder is reaped;
+- a first ``Hello`` that a committer held when it was killed is sent again, so the restarted committer answers.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import torch
+
+from manager_helpers import BS, Part, rows, save, small_config, started
+from omnishm import protocol, shm
+from omnishm.client import OmniPrefixCacheManager
+from omnishm.client.link import CommitterLink
+from omnishm.interface import HIDDEN_KEY
+
+FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
+LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
+
+
+def _patched_committer(patch: str) -> tuple[str, ...]:
+    """``python_args`` running the committer with ``patch`` applied first (a crash or a stall at one point)."""
+    return ("-c", textwrap.dedent(patch) + "\nfrom omnishm.committer.start import main\nsys.exit(main(sys.argv[1:]))\n")
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_writer_with_no_key_yet_resumes_after_a_restart_and_writes(committer_factory):
+    first = committer_factory(*FAST)
+    m = OmniPrefixCacheManager(small_config(reconnect_timeout_s=20.0, commit_timeout_s=10.0), cache=first.name,
+                               endpoint=first.endpoint, autostart=False)
+    try:
+        first.stop(signal.SIGKILL)
+        second = committer_factory(*FAST, name=first.name)
+        _wait(lambda: m._link.stats["reconnects"] >= 1 or m._link.dead is not None, 20, "the resume")
+        assert m._link.dead is None, m._link.dead
+        assert "1 writer(s) expected to resume" in second.log()
+        m.new_step_starts([started("a", [0])])
+        step = save(m, [Part("a", 1, [0], 0, 4)], BS)
+        m.discard_step(step)
+        m.wait_idle(timeout_s=10)
+        assert torch.equal(m._keys[HIDDEN_KEY].pool[0:4], rows(1, range(4)))
+    finally:
+        m.shutdown()
+
+
+_DIE_BEFORE_K1_STAGING = """
+    import os, signal, sys
+    from omnishm.committer import pool
+    ensure = pool.CachePool.ensure_staging
+    def die_before_k1_staging(self, cid, state, rows):
+        if state.name == "k1" and cid not in state.staging:
+            os.kill(os.getpid(), signal.SIGKILL)  # open_key recorded k1; the staging is not made yet
+        return ensure(self, cid, state, rows)
+    pool.CachePool.ensure_staging = die_before_k1_staging
+"""
+
+
+def test_a_crash_between_recording_a_key_and_making_its_staging_keeps_the_writer(committer_factory):
+    first = committer_factory(*FAST, python_args=_patched_committer(_DIE_BEFORE_K1_STAGING))
+    w = CommitterLink(cache=first.name, role=protocol.ROLE_WRITER, endpoint=first.endpoint, layout=LAYOUT,
+                      staging_rows=4, reconnect_timeout_s=20.0)
+    try:
+        w.request(lambda rid: protocol.OpenKey(rid=rid, key="k0", dtype="float32", width=4))
+        pending = w.submit(lambda rid: protocol.OpenKey(rid=rid, key="k1", dtype="float32", width=4))
+        assert first.proc.wait(10) == -signal.SIGKILL
+        names = {shm.parse_segment_name(s)[2] for s in shm.list_segments(first.name)}
+        assert {"pool.k1", f"stage.{w.client_id[:12]}.k0"} <= names
+        assert f"stage.{w.client_id[:12]}.k1" not in names
+        second = committer_factory(*FAST, name=first.name)
+        opened = pending.result(timeout=20)
+        assert isinstance(opened, protocol.KeyOpened), opened
+        assert opened.segments.staging == shm.segment_name(first.name, w.welcome.generation,
+                                                           f"stage.{w.client_id[:12]}.k1")
+        assert w.dead is None, w.dead
+        assert "has no staging for key 'k1' yet" in second.log()
+    finally:
+        w.close()
+
+
+def _writer_that_waits(name: str, endpoint: str) -> str:
+    return textwrap.dedent(f"""
+        import time
+        from omnishm import protocol
+        from omnishm.client.link import CommitterLink
+        link = CommitterLink(cache={name!r}, role="writer", endpoint={endpoint!r},
+                             layout=protocol.Layout(num_blocks=8, block_size=4), staging_rows=4)
+        link.request(lambda rid: protocol.OpenKey(rid=rid, key="k", dtype="float32", width=4))
+        print("ready", flush=True)
+        time.sleep(300)
+    """)
+
+
+def test_a_new_writer_waits_for_the_adopted_seat_of_a_dead_writer(committer_factory):
+    args = ("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "4")
+    first = committer_factory(*args)
+    dead_writer = subprocess.Popen([sys.executable, "-c", _writer_that_waits(first.name, first.endpoint)],
+                                   stdout=subprocess.PIPE, text=True)
+    reader = None
+    try:
+        assert dead_writer.stdout.readline().strip() == "ready"
+        # A reader holds the cache, so the next committer adopts it with the dead writer's seat kept.
+        reader = CommitterLink(cache=first.name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
+                               reconnect_timeout_s=30.0)
+        dead_writer.kill()
+        dead_writer.wait()
+        first.stop(signal.SIGKILL)
+        second = committer_factory(*args, name=first.name)
+        t0 = time.monotonic()
+        writer = CommitterLink(cache=first.name, role=protocol.ROLE_WRITER, endpoint=second.endpoint, layout=LAYOUT,
+                               staging_rows=4, connect_timeout_s=30.0)
+        try:
+            assert writer.welcome.epoch == 2
+            assert time.monotonic() - t0 < 15
+            assert "which this committer adopted at its restart" in second.log()
+        finally:
+            writer.close()
+    finally:
+        if dead_writer.poll() is None:
+            dead_writer.kill()
+            dead_writer.wait()
+        if reader is not None:
+            reader.close()
+
+
+_STALL_READER_HELLO = """
+    import sys, time
+    from omnishm.committer import attach
+    on_hello = attach.Attach.on_hello
+    def stalled(self, identity, msg):
+        if msg.role == "reader":
+            print("holding the Hello", file=sys.stderr, flush=True)
+            time.sleep(60)  # a long stall (an apply, a prefault), killed meanwhile
+        return on_hello(self, identity, msg)
+    attach.Attach.on_hello = stalled
+"""
+
+
+def test_a_first_hello_held_by_a_killed_committer_is_sent_again(committer_factory):
+    first = committer_factory(*FAST, python_args=_patched_committer(_STALL_READER_HELLO))
+    out: dict[str, object] = {}
+
+    def attach() -> None:
+        try:
+            link = CommitterLink(cache=first.name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
+                                 connect_timeout_s=20.0)
+            out["welcome"] = link.welcome
+            link.close()
+        except Exception as exc:  # reported by the assertion below
+            out["error"] = exc
+
+    thread = threading.Thread(target=attach)
+    thread.start()
+    try:
+        _wait(lambda: "holding the Hello" in first.log(), 20, "the committer to hold the Hello")
+    finally:
+        first.stop(signal.SIGKILL)  # also when the wait failed: a committer stalled for 60 s ignores SIGTERM
+    try:
+        committer_factory(*FAST, name=first.name)
+    finally:
+        thread.join(30)
+    assert isinstance(out.get("welcome"), protocol.Welcome), out
+
