@@ -3,8 +3,10 @@
 Each test SIGKILLs a real committer at one moment and starts another for the same cache, which adopts it:
 
 - a writer attached but with no key yet (an engine before its first request) resumes;
-- a crash after a new key was recorded and before the writer's staging for it existed: the writer resumes,
-  and its re-sent ``OpenKey`` creates that staging;
+- a crash after a new key was recorded and before the writer's staging for it existed, or inside the
+  staging's creation (an empty segment): the writer resumes, and its re-sent ``OpenKey`` makes that staging;
+- a crash after a new writer was recorded and before its Welcome went out: its Hello, sent again, takes its
+  own recorded seat at once;
 - a new writer arriving while the adopted seat of a dead writer is kept for its resume is told to retry, and
   gets the seat once the placeholder is reaped;
 - a first ``Hello`` that a committer held when it was killed is sent again, so the restarted committer answers.
@@ -19,6 +21,7 @@ import textwrap
 import threading
 import time
 
+import pytest
 import torch
 
 from manager_helpers import BS, Part, rows, save, small_config, started
@@ -73,27 +76,82 @@ _DIE_BEFORE_K1_STAGING = """
     pool.CachePool.ensure_staging = die_before_k1_staging
 """
 
+_DIE_INSIDE_K1_STAGING = """
+    import os, signal, sys
+    import posix_ipc
+    from omnishm import shm
+    create = shm.Segment.create.__func__
+    def die_inside_k1_staging(cls, name, size, **kw):
+        if ".stage." in name and name.endswith(".k1"):
+            posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)  # opened, not sized yet
+            os.kill(os.getpid(), signal.SIGKILL)
+        return create(cls, name, size, **kw)
+    shm.Segment.create = classmethod(die_inside_k1_staging)
+"""
 
-def test_a_crash_between_recording_a_key_and_making_its_staging_keeps_the_writer(committer_factory):
-    first = committer_factory(*FAST, python_args=_patched_committer(_DIE_BEFORE_K1_STAGING))
+
+@pytest.mark.parametrize("patch", [_DIE_BEFORE_K1_STAGING, _DIE_INSIDE_K1_STAGING], ids=["before", "inside"])
+def test_a_crash_around_making_a_new_keys_staging_keeps_the_writer(committer_factory, patch):
+    first = committer_factory(*FAST, python_args=_patched_committer(patch))
     w = CommitterLink(cache=first.name, role=protocol.ROLE_WRITER, endpoint=first.endpoint, layout=LAYOUT,
                       staging_rows=4, reconnect_timeout_s=20.0)
     try:
         w.request(lambda rid: protocol.OpenKey(rid=rid, key="k0", dtype="float32", width=4))
         pending = w.submit(lambda rid: protocol.OpenKey(rid=rid, key="k1", dtype="float32", width=4))
         assert first.proc.wait(10) == -signal.SIGKILL
-        names = {shm.parse_segment_name(s)[2] for s in shm.list_segments(first.name)}
-        assert {"pool.k1", f"stage.{w.client_id[:12]}.k0"} <= names
-        assert f"stage.{w.client_id[:12]}.k1" not in names
+        k0, k1 = (shm.segment_name(first.name, w.welcome.generation, f"stage.{w.client_id[:12]}.k{i}") for i in (0, 1))
+        assert {shm.parse_segment_name(n)[2] for n in shm.list_segments(first.name)} >= {"pool.k1"}
         second = committer_factory(*FAST, name=first.name)
         opened = pending.result(timeout=20)
         assert isinstance(opened, protocol.KeyOpened), opened
-        assert opened.segments.staging == shm.segment_name(first.name, w.welcome.generation,
-                                                           f"stage.{w.client_id[:12]}.k1")
+        assert opened.segments.staging == k1
         assert w.dead is None, w.dead
         assert "has no staging for key 'k1' yet" in second.log()
+        assert k0 in shm.list_segments(first.name)  # the staging the writer maps was kept
     finally:
         w.close()
+
+
+_DIE_BEFORE_THE_WRITERS_WELCOME = """
+    import os, signal, sys
+    from omnishm.committer import attach
+    welcome = attach.Attach.welcome
+    def die_before_the_writers_welcome(self, rid, session, resumed=False):
+        if session.role == "writer" and not resumed:
+            os.kill(os.getpid(), signal.SIGKILL)  # the writer's epoch is recorded; its Welcome is not sent
+        return welcome(self, rid, session, resumed)
+    attach.Attach.welcome = die_before_the_writers_welcome
+"""
+
+
+def test_a_writer_recorded_before_its_welcome_was_lost_takes_its_own_seat(committer_factory):
+    args = ("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "30")  # a seat kept for 30 s: taken at once
+    first = committer_factory(*args, python_args=_patched_committer(_DIE_BEFORE_THE_WRITERS_WELCOME))
+    reader = CommitterLink(cache=first.name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
+                           reconnect_timeout_s=60.0)  # holds the cache, so the next committer adopts it
+    out: dict[str, object] = {}
+
+    def attach() -> None:
+        try:
+            link = CommitterLink(cache=first.name, role=protocol.ROLE_WRITER, endpoint=first.endpoint,
+                                 layout=LAYOUT, staging_rows=4, connect_timeout_s=20.0)
+            out["welcome"] = link.welcome
+            link.close()
+        except Exception as exc:  # reported by the assertion below
+            out["error"] = exc
+
+    thread = threading.Thread(target=attach)
+    thread.start()
+    try:
+        assert first.proc.wait(20) == -signal.SIGKILL
+        second = committer_factory(*args, name=first.name)
+    finally:
+        thread.join(30)
+        reader.close()
+    welcome = out.get("welcome")
+    assert isinstance(welcome, protocol.Welcome), out
+    assert welcome.epoch == 1  # the recorded epoch: no epoch spent, none handed out twice
+    assert "recorded before the restart" in second.log()
 
 
 def _writer_that_waits(name: str, endpoint: str) -> str:

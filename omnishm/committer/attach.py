@@ -84,6 +84,8 @@ class Attach:
             self.detach(previous, REHELLO)
         if msg.role == protocol.ROLE_WRITER and self.sessions.writer is not None:
             w = self.sessions.writer
+            if w.adopted and w.client_id == msg.client_id:
+                return self._welcome_recorded_writer(identity, msg, w)
             if w.adopted:
                 # The seat of a writer the dead committer knew, kept for its resume: it is reaped if it does
                 # not resume within the heartbeat timeout, so the new writer may retry until then.
@@ -142,6 +144,32 @@ class Attach:
                      "committer %s: %s client %s attached (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
                      f", epoch {session.epoch}" if session.epoch else "")
         return self.welcome(msg.rid, session)
+
+    def _welcome_recorded_writer(self, identity: bytes, msg: protocol.Hello, seat: Session) -> msgspec.Struct:
+        """A writer's first ``Hello`` again, to the committer that adopted the cache after the one that recorded
+        this writer (its epoch saved) was killed before its ``Welcome`` went out: the adopted seat is this
+        client's. It never got a Welcome, so it maps none of the seat's staging; it takes the seat, its
+        recorded epoch and that staging (made now for any key that lacks it)."""
+        if msg.layout is not None:
+            mismatch = self.pool.layout_mismatch(msg.layout)
+            if mismatch is not None:
+                return self.refuse(msg, f"layout mismatch: {mismatch}", "layout")
+        if msg.staging_rows != seat.staging_rows:
+            return self.refuse(msg, f"writer {msg.client_id} was recorded with staging_rows={seat.staging_rows}, "
+                                    f"its Hello says {msg.staging_rows}", "staging")
+        try:
+            for state in self.pool.keys.values():
+                self.pool.ensure_staging(msg.client_id, state, seat.staging_rows)
+        except PoolError as exc:
+            return self.refuse(msg, exc.message, exc.code)
+        except (OSError, ValueError, OverflowError) as exc:
+            return self.refuse(msg, f"cannot create staging segments: {exc}", "no_space")
+        self.sessions.rekey(seat, identity, time.monotonic())
+        seat.pid = msg.pid
+        self.pool.set_writer_epoch(seat.epoch, seat.client_id)  # recorded already: publishes the control word
+        logger.info("committer %s: writer client %s attached (pid %d, epoch %d, recorded before the restart)",
+                    self.name, msg.client_id, msg.pid, seat.epoch)
+        return self.welcome(msg.rid, seat)
 
     def welcome(self, rid: int, session: Session, resumed: bool = False) -> protocol.Welcome:
         staging_of = session.client_id if session.role == protocol.ROLE_WRITER else None

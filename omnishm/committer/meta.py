@@ -4,10 +4,11 @@ The control segment (``/omnishm.<cache>.<generation>.ctl``) is the cache's
 anchor. Its first ``CTL_WORDS`` int64 words are the control words clients map
 (``omnishm.protocol``); from ``META_OFFSET`` on it carries the cache's
 metadata: layout, keys (name, index, dtype, width), the highest writer epoch
-handed out, and the writer clients whose staging segments exist (client id,
-staging rows, epoch). Only the committer writes it, at every change of that
-state (first layout, ``open_key``, new staging, dropped client, new epoch),
-never on the write path.
+handed out, and every writer welcomed and not dropped (client id, staging
+rows, epoch). A writer's staging segments are found by name
+(``stage.<client>.k<index>``), so making one changes nothing here. Only the
+committer writes it, at every change of that state (first layout,
+``open_key``, dropped client, new epoch), never on the write path.
 
 Torn writes: the metadata has two slots. A write goes to the slot the current
 one is not in, with a sequence number one higher and a CRC32 over sequence,

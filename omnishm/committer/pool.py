@@ -307,8 +307,7 @@ class CachePool(StepApply):
             except BaseException:
                 seg.unlink()  # recorded nowhere yet: nothing else would ever unlink it
                 raise
-            state.staging[client_id] = staging
-            self.save_meta()
+            state.staging[client_id] = staging  # named nowhere in the metadata: adoption finds it by name
         return staging
 
     @staticmethod
@@ -405,7 +404,12 @@ class CachePool(StepApply):
             return seg
 
         def attach_if_present(what: str, size: int) -> shm.Segment | None:
+            """The segment, or None when it does not exist or is empty: a kill inside ``Segment.create``
+            leaves 0 bytes (tmpfs sets the size when ``posix_fallocate`` completes), and whoever created it
+            never handed its name out. An empty one is left to the stray sweep below."""
             try:
+                if os.stat(shm.SHM_DIR / pool._seg(what).lstrip("/")).st_size == 0:
+                    return None
                 seg = shm.Segment.attach(pool._seg(what))
             except FileNotFoundError:
                 return None
@@ -436,8 +440,8 @@ class CachePool(StepApply):
                 for state in pool.keys.values():
                     seg = attach_if_present(cls._staging_what(cid, state.index), rows * state.row_bytes)
                     if seg is None:
-                        # Recorded key, staging not created yet (the crash came in between): the writer never
-                        # got this key's KeyOpened, and its re-sent OpenKey creates the staging.
+                        # Recorded key, staging not made (the crash came in between, or inside its creation):
+                        # the writer never got this key's KeyOpened, and its re-sent OpenKey makes the staging.
                         logger.info("cache %s: writer %s has no staging for key %r yet", name, cid, state.name)
                         continue
                     state.staging[cid] = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
