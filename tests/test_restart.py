@@ -46,6 +46,24 @@ def _wait(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _attach_in_a_thread(committer, **link_kw) -> tuple[threading.Thread, dict[str, object]]:
+    """A client attaching (its first Hello) on a started thread; ``out`` gets its ``welcome`` or its ``error``."""
+    out: dict[str, object] = {}
+
+    def attach() -> None:
+        try:
+            link = CommitterLink(cache=committer.name, endpoint=committer.endpoint, layout=LAYOUT,
+                                 connect_timeout_s=20.0, **link_kw)
+            out["welcome"] = link.welcome
+            link.close()
+        except Exception as exc:  # reported by the caller's assertion
+            out["error"] = exc
+
+    thread = threading.Thread(target=attach)
+    thread.start()
+    return thread, out
+
+
 def test_a_writer_with_no_key_yet_resumes_after_a_restart_and_writes(committer_factory):
     first = committer_factory(*FAST)
     m = OmniPrefixCacheManager(small_config(reconnect_timeout_s=20.0, commit_timeout_s=10.0), cache=first.name,
@@ -129,19 +147,7 @@ def test_a_writer_recorded_before_its_welcome_was_lost_takes_its_own_seat(commit
     first = committer_factory(*args, python_args=_patched_committer(_DIE_BEFORE_THE_WRITERS_WELCOME))
     reader = CommitterLink(cache=first.name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
                            reconnect_timeout_s=60.0)  # holds the cache, so the next committer adopts it
-    out: dict[str, object] = {}
-
-    def attach() -> None:
-        try:
-            link = CommitterLink(cache=first.name, role=protocol.ROLE_WRITER, endpoint=first.endpoint,
-                                 layout=LAYOUT, staging_rows=4, connect_timeout_s=20.0)
-            out["welcome"] = link.welcome
-            link.close()
-        except Exception as exc:  # reported by the assertion below
-            out["error"] = exc
-
-    thread = threading.Thread(target=attach)
-    thread.start()
+    thread, out = _attach_in_a_thread(first, role=protocol.ROLE_WRITER, staging_rows=4)
     try:
         assert first.proc.wait(20) == -signal.SIGKILL
         second = committer_factory(*args, name=first.name)
@@ -214,19 +220,7 @@ _STALL_READER_HELLO = """
 
 def test_a_first_hello_held_by_a_killed_committer_is_sent_again(committer_factory):
     first = committer_factory(*FAST, python_args=_patched_committer(_STALL_READER_HELLO))
-    out: dict[str, object] = {}
-
-    def attach() -> None:
-        try:
-            link = CommitterLink(cache=first.name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
-                                 connect_timeout_s=20.0)
-            out["welcome"] = link.welcome
-            link.close()
-        except Exception as exc:  # reported by the assertion below
-            out["error"] = exc
-
-    thread = threading.Thread(target=attach)
-    thread.start()
+    thread, out = _attach_in_a_thread(first, role=protocol.ROLE_READER)
     try:
         _wait(lambda: "holding the Hello" in first.log(), 20, "the committer to hold the Hello")
     finally:
