@@ -109,7 +109,7 @@ def test_an_epoch_the_metadata_cannot_record_is_never_handed_out(tmp_path, monke
         monkeypatch.setattr(meta, "write", fail)
         assert not pool.set_writer_epoch(2, "w2")
         assert int(pool.ctl[protocol.CTL_WRITER_EPOCH]) == 1
-        assert pool.max_epoch == 1 and "w2" not in pool.writer_epochs
+        assert pool.max_epoch == 1 and "w2" not in pool.writers
     finally:
         pool.close()
     assert shm.list_segments(name) == []

@@ -119,22 +119,17 @@ class Attach:
             return self.refuse(msg, f"client_id {msg.client_id} is already attached on another socket "
                                     f"(resume with Hello(resume=True) to move it)", "duplicate_client")
         if msg.role == protocol.ROLE_WRITER:
-            try:
-                for state in self.pool.keys.values():
-                    self.pool.ensure_staging(msg.client_id, state, msg.staging_rows)
-            except PoolError as exc:
+            refused = self._make_staging(msg, msg.staging_rows)
+            if refused is not None:
                 self.pool.drop_client(msg.client_id)
-                return self.refuse(msg, exc.message, exc.code)
-            except (OSError, ValueError, OverflowError) as exc:
-                self.pool.drop_client(msg.client_id)
-                return self.refuse(msg, f"cannot create staging segments: {exc}", "no_space")
+                return refused
             if self.epoch >= MAX_EPOCH:
                 self.pool.drop_client(msg.client_id)
                 return self.refuse(msg, f"cache {self.name} used all {MAX_EPOCH} writer epochs; recreate it",
                                    "epochs")
             self.epoch += 1  # never handed out again, even when refused below
             session.epoch = self.epoch
-            if not self.pool.set_writer_epoch(self.epoch, msg.client_id, msg.staging_rows):
+            if not self.pool.set_writer_epoch(self.epoch, msg.client_id, session.staging_rows):
                 self.pool.drop_client(msg.client_id)
                 return self.refuse(msg, f"cache {self.name} cannot record this writer's epoch in its metadata (see "
                                         f"the committer log); a restart could hand the epoch out again", "meta")
@@ -157,19 +152,27 @@ class Attach:
         if msg.staging_rows != seat.staging_rows:
             return self.refuse(msg, f"writer {msg.client_id} was recorded with staging_rows={seat.staging_rows}, "
                                     f"its Hello says {msg.staging_rows}", "staging")
+        refused = self._make_staging(msg, seat.staging_rows)
+        if refused is not None:
+            return refused
+        self.sessions.rekey(seat, identity, time.monotonic())
+        seat.pid = msg.pid
+        self.pool.set_writer_epoch(seat.epoch, seat.client_id, seat.staging_rows)  # recorded: publishes the word
+        logger.info("committer %s: writer client %s attached (pid %d, epoch %d, recorded before the restart)",
+                    self.name, msg.client_id, msg.pid, seat.epoch)
+        return self.welcome(msg.rid, seat)
+
+    def _make_staging(self, msg: protocol.Hello, rows: int) -> protocol.Refused | None:
+        """The writer's staging of ``rows`` rows for every key that lacks one; the refusal when one cannot be
+        made (the caller decides what to drop)."""
         try:
             for state in self.pool.keys.values():
-                self.pool.ensure_staging(msg.client_id, state, seat.staging_rows)
+                self.pool.ensure_staging(msg.client_id, state, rows)
         except PoolError as exc:
             return self.refuse(msg, exc.message, exc.code)
         except (OSError, ValueError, OverflowError) as exc:
             return self.refuse(msg, f"cannot create staging segments: {exc}", "no_space")
-        self.sessions.rekey(seat, identity, time.monotonic())
-        seat.pid = msg.pid
-        self.pool.set_writer_epoch(seat.epoch, seat.client_id)  # recorded already: publishes the control word
-        logger.info("committer %s: writer client %s attached (pid %d, epoch %d, recorded before the restart)",
-                    self.name, msg.client_id, msg.pid, seat.epoch)
-        return self.welcome(msg.rid, seat)
+        return None
 
     def welcome(self, rid: int, session: Session, resumed: bool = False) -> protocol.Welcome:
         staging_of = session.client_id if session.role == protocol.ROLE_WRITER else None
@@ -231,7 +234,7 @@ class Attach:
             self.sessions.rekey(session, identity, now)
             session.pid = msg.pid
         if session.role == protocol.ROLE_WRITER:
-            self.pool.set_writer_epoch(session.epoch, session.client_id)
+            self.pool.set_writer_epoch(session.epoch, session.client_id, session.staging_rows)
         logger.info("committer %s: %s client %s resumed (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
                     f", epoch {session.epoch}" if session.epoch else "")
         return self.welcome(msg.rid, session, resumed=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,14 @@ MAX_SLOTS = 1 << 34
 """Upper bound on ``num_blocks * block_size`` (bad input gets a clear error, never an overflow)."""
 MAX_STAGING_ROWS = 1 << 26
 
+
+
+class WriterRecord(NamedTuple):
+    """What a restart needs of a welcomed writer (``CachePool.writers``, saved in the metadata)."""
+
+    epoch: int
+    staging_rows: int
+    """The rows of its staging segment for each key (``ensure_staging`` makes one per key)."""
 
 
 class PoolError(Exception):
@@ -140,10 +149,8 @@ class CachePool(StepApply):
         self.prefault_seconds = 0.0
         self.meta_seq = 0
         self.max_epoch = 0
-        self.writer_epochs: dict[str, int] = {}
-        """Every writer that was welcomed and not dropped: its epoch (what a restart adopts)."""
-        self.writer_rows: dict[str, int] = {}
-        """The staging rows of each writer in ``writer_epochs`` (what ``ensure_staging`` creates per key)."""
+        self.writers: dict[str, WriterRecord] = {}
+        """Every writer that was welcomed and not dropped (what a restart adopts)."""
         self.adopted = False
 
     # ------------------------------------------------------------ layout
@@ -205,8 +212,8 @@ class CachePool(StepApply):
         return protocol.Layout(self.layout.num_blocks, self.layout.block_size, dict(self.key_specs))
 
     def set_writer_epoch(self, epoch: int, client_id: str | None = None, staging_rows: int = 0) -> bool:
-        """Record the attached writer's epoch (and its staging rows, when given) for a restart, then publish
-        the epoch (control word).
+        """Record the attached writer (epoch and staging rows) for a restart, then publish its epoch
+        (control word).
 
         Returns False, publishing nothing, when the metadata cannot be saved: an
         epoch a restart does not know could be handed out again, and the same
@@ -215,22 +222,16 @@ class CachePool(StepApply):
         assert self.ctl is not None
         previous_max = self.max_epoch
         self.max_epoch = max(self.max_epoch, epoch)
-        if client_id is not None and self.writer_epochs.get(client_id) != epoch:
-            before = self.writer_epochs.get(client_id)
-            rows_before = self.writer_rows.get(client_id)
-            self.writer_epochs[client_id] = epoch
-            if staging_rows > 0:
-                self.writer_rows[client_id] = staging_rows
+        record = WriterRecord(epoch, staging_rows)
+        if client_id is not None and self.writers.get(client_id) != record:
+            before = self.writers.get(client_id)
+            self.writers[client_id] = record
             if not self.save_meta():
                 self.max_epoch = previous_max
                 if before is None:
-                    self.writer_epochs.pop(client_id, None)
+                    del self.writers[client_id]
                 else:
-                    self.writer_epochs[client_id] = before
-                if rows_before is None:
-                    self.writer_rows.pop(client_id, None)
-                else:
-                    self.writer_rows[client_id] = rows_before
+                    self.writers[client_id] = before
                 return False
         self.ctl[protocol.CTL_WRITER_EPOCH] = epoch
         return True
@@ -327,8 +328,7 @@ class CachePool(StepApply):
     def drop_client(self, client_id: str) -> list[str]:
         """Unlink every staging segment of ``client_id``; returns their names."""
         dropped = [st.staging.pop(client_id) for st in self.keys.values() if client_id in st.staging]
-        known = self.writer_epochs.pop(client_id, None) is not None
-        self.writer_rows.pop(client_id, None)
+        known = self.writers.pop(client_id, None) is not None
         if dropped or known:
             self.save_meta()  # before the unlink: a crash in between leaves strays, never dangling names
         removed = []
@@ -350,8 +350,7 @@ class CachePool(StepApply):
         # The welcomed writers, from their sessions, not from the staging that exists: a writer has none
         # before its first key, and a new key's is created after the key is recorded. Staging of a writer
         # not welcomed yet (a crash inside its Hello) is named nowhere, so an adoption unlinks it.
-        doc["writers"] = {cid: {"rows": self.writer_rows.get(cid, 0), "epoch": epoch}
-                          for cid, epoch in self.writer_epochs.items()}
+        doc["writers"] = {cid: {"rows": w.staging_rows, "epoch": w.epoch} for cid, w in self.writers.items()}
         return doc
 
     def save_meta(self) -> bool:
@@ -450,8 +449,7 @@ class CachePool(StepApply):
                 for state in pool.keys.values():
                     state.staging.pop(cid, None)
                 continue
-            pool.writer_epochs[cid] = epoch
-            pool.writer_rows[cid] = rows
+            pool.writers[cid] = WriterRecord(epoch, rows)
         keep = set(pool.segment_names())
         for stray in shm.list_segments(name):
             parsed = shm.parse_segment_name(stray)

@@ -134,12 +134,11 @@ class Committer(Attach):
         self._answered_at = time.monotonic()  # the last stall check (``note_stall``): after a poll, around a batch
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
-            for client_id, epoch in self.pool.writer_epochs.items():
+            for client_id, record in self.pool.writers.items():
                 self.sessions.add(Session(identity=b"adopted:" + client_id.encode(), client_id=client_id,
                                           role=protocol.ROLE_WRITER, pid=0, uid=os.geteuid(),
                                           attached_at=self.started, last_seen=self.started,
-                                          staging_rows=self.pool.writer_rows[client_id],
-                                          epoch=epoch, adopted=True))
+                                          staging_rows=record.staging_rows, epoch=record.epoch, adopted=True))
         self.stopping = False
         self.stop_reason = ""
         self.queue_depth = 0

@@ -77,7 +77,7 @@ def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.Genera
                          exc_info=not isinstance(exc, (meta.MetaError, KeyError, TypeError, ValueError)))
             continue
         logger.info("committer %s: adopted live generation %s (%d key(s), %d writer(s) expected to resume, "
-                    "writer epoch %d)%s", cfg.name, gen, len(pool.keys), len(pool.writer_epochs), pool.max_epoch,
+                    "writer epoch %d)%s", cfg.name, gen, len(pool.keys), len(pool.writers), pool.max_epoch,
                     f"; other live generations {[g for g in live if g != gen]} are swept" if len(live) > 1 else "")
         return pool, owner
     return None, None

@@ -81,8 +81,8 @@ def _wait_parked(pid: int) -> None:
     and before it entered the futex (it had just answered a request, and dropping the GIL let another
     thread take the core) only marks the handler pending, and the thread sleeps until the next request,
     which never comes. strace showed it: the signal hit the thread in user space (``rt_sigreturn = 1``,
-    not ``EINTR``), and vLLM force-killed the process 60 s later with its rings still in /dev/shm (3 runs
-    of 9 of test_engine_multiprocess.py on 2026-12-04, right after ``omnishm_shutdown`` answered). Once the
+    not ``EINTR``), and vLLM force-killed the process 60 s later with its rings still in /dev/shm (5 of 11
+    runs with the 60 s timeout alone on 2026-12-04, each right after ``omnishm_shutdown`` answered). Once the
     thread is parked, the signal interrupts its wait and the handler runs.
     """
     task = Path(f"/proc/{pid}/task/{pid}")
