@@ -39,8 +39,17 @@ CTL_COMMITTER_PID = 2    # committer
 CTL_ACKED_STEP = 4       # committer: make_cv(epoch, step, 0) of the writer's last quiet StepWrite applied in full
 
 
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+"""The dtype names a ``KeySpec`` may carry (torch's names) and their bytes per element. The committer
+copies rows as bytes and needs nothing more of a dtype, so it never imports torch (seconds of start-up and
+~200 MiB of memory); the client maps the same names to torch dtypes (``client/segments.DTYPES``)."""
+
+
 class KeySpec(msgspec.Struct, frozen=True):
-    """Geometry of one tensor name: dtype (torch name, e.g. ``bfloat16``) and row width."""
+    """Geometry of one tensor name: dtype (a ``DTYPE_ITEMSIZE`` name, e.g. ``bfloat16``) and row width."""
 
     dtype: str
     width: int

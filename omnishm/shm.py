@@ -39,6 +39,7 @@ import posix_ipc
 from omnishm.paths import default_runtime_dir, ipc_endpoint, socket_path  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 logger = logging.getLogger(__name__)
@@ -308,6 +309,22 @@ class Segment:
         if self._mmap is None:
             raise ValueError(f"segment {self.name} is closed")
         return self._mmap
+
+    def array(self, dtype: np.dtype | str, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
+        """A zero-copy numpy view of ``shape`` at byte ``offset`` (read-only where the map is); it keeps the
+        mapping alive. The committer's views: numpy, not torch (``protocol.DTYPE_ITEMSIZE``)."""
+        import numpy as np  # here, not at module scope: the CLI's cleanup and lock use this module
+
+        dt = np.dtype(dtype)
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        if offset + numel * dt.itemsize > self.size:
+            raise ValueError(f"view of {numel * dt.itemsize} bytes at {offset} exceeds segment {self.name} "
+                             f"({self.size})")
+        if numel == 0:
+            return np.empty(shape, dtype=dt)
+        return np.frombuffer(self.mmap, dtype=dt, count=numel, offset=offset).reshape(shape)
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         """A zero-copy view of ``shape`` at byte ``offset``; it keeps the mapping alive."""

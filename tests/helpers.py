@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from omnishm import protocol, shm
-from omnishm.committer.pool import DTYPES
+from omnishm.client.segments import DTYPES
 
 REPLY_TIMEOUT_S = 5.0
 

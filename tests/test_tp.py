@@ -20,6 +20,8 @@ from omnishm.demo.rank import RankOptions
 from omnishm.interface import HIDDEN_KEY, OmniPrefixCacheCommitterError
 
 BS = 4
+WAIT_S = 90.0
+"""A rank group's bound: under pytest's 120 s timeout, so a hung rank's stacks are written (RankGroup.wait)."""
 
 
 def cfg(**kw) -> PrefixCacheConfig:
@@ -35,7 +37,7 @@ def rank_opts(cache: str, **kw) -> RankOptions:
 
 def test_writer_and_two_reader_processes_serve_identical_exact_rows(committer_factory):
     # Lockstep with materialize in the step (lag 0): no rank can re-claim a slot another still reads.
-    results = RankGroup(rank_opts(committer_factory().name, lag=0)).start().wait(120)
+    results = RankGroup(rank_opts(committer_factory().name, lag=0)).start().wait(WAIT_S)
     for r in results:
         assert r.failure is None, r
         assert r.mismatches == 0 and r.errors == {}, r
@@ -101,7 +103,7 @@ def test_lagging_reader_gets_rescued_rows_or_a_clear_error_never_a_reused_slot(c
 
 
 def test_lagging_ranks_without_lockstep_never_serve_a_wrong_row(committer_factory):
-    results = RankGroup(rank_opts(committer_factory().name, lockstep=False, lag=3, num_blocks=24)).start().wait(120)
+    results = RankGroup(rank_opts(committer_factory().name, lockstep=False, lag=3, num_blocks=24)).start().wait(WAIT_S)
     for r in results:
         assert r.failure is None, r
         assert r.mismatches == 0, r
@@ -132,7 +134,7 @@ def test_killing_a_reader_leaves_the_writer_and_the_other_reader_working(committ
     group = RankGroup(rank_opts(committer_factory().name, lockstep=False, steps=120))
     group.start()
     on_progress, killed = signal_rank_at_step(group, 2, signal.SIGKILL)
-    results = group.wait(120, on_progress)
+    results = group.wait(WAIT_S, on_progress)
     assert killed
     assert results[2].failure is not None
     for r in results[:2]:

@@ -126,9 +126,10 @@ class LinkAttach:
         """Start an embedded committer when this link may (``autostart``, an ipc endpoint), nothing holds
         the cache lock, the last start was over 5 s ago, and no committer this link started still runs.
 
-        A start under load takes seconds (``import torch``); one still starting is waited for, not joined
-        by another: each more importing torch on a machine that vLLM's busy-waiting processes already fill
-        slowed the first one further (seen: four committers started for one cache of a TP=2 engine).
+        A start under load can take seconds (it took 3-4 s while committers imported torch); one still
+        starting is waited for, not joined by another: each more starting on a machine that vLLM's
+        busy-waiting processes already fill slowed the first one further (seen: four committers started
+        for one cache of a TP=2 engine).
         """
         if self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0 \
                 and not shm.cache_is_live(self.runtime_dir, self.cache) \
@@ -145,8 +146,8 @@ class LinkAttach:
         """Stop every committer this link autostarted that is not the one that welcomed it (``committer_pid``).
 
         Such a committer lost the race for the cache lock (to another rank's, or to a launched one). Usually
-        it is refused at the lock and gone already. But one slowed at start-up (``import torch`` on a core a
-        busy rank shares: seconds) may reach the lock only after the winner served a short-lived cache and
+        it is refused at the lock and gone already. But one slowed at start-up (on a core a busy rank
+        shares: seconds) may reach the lock only after the winner served a short-lived cache and
         exited, and then hold the cache's lock, socket and owner segment with nobody to serve until its
         spawner exits or ``UNUSED_EXIT_S`` passes (found with a real TP=2 vLLM engine). SIGTERM: stopped
         during start-up it exits 0 having made nothing; stopped later it unlinks what it made. Called

@@ -86,7 +86,7 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     env = {**cpus.unbound_env(os.environ), "OMNISHM_AUTOSTART_LOG": str(log_path)}
     # Started unpinned: not on the starting rank's core, which its busy-waiting main thread keeps
     # (omnishm/cpus.py); a child inherits its parent's CPU set at fork, every thread of it included, and
-    # the rank's OpenMP binding variables (left out of ``env``) would pin it again at ``import torch``.
+    # the rank's OpenMP binding variables (left out of ``env``) would pin it again at exec (libgomp preloaded).
     with cpus.unpinned():
         launcher = subprocess.Popen([SHELL, "-c", _DETACH, str(log_path), *cmd], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,

@@ -15,8 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run a committer in the foreground; see ``omnishm.committer.start.main``.
 
     Main thread. The start-up signal catcher goes in first: importing the
-    server pulls in torch (about a second), and a SIGTERM in that window must
-    stop the committer with exit 0 like any other, not kill it.
+    server pulls in numpy and zmq (a few hundred ms on a busy host), and a
+    SIGTERM in that window must stop the committer with exit 0 like any other,
+    not kill it. The committer never imports torch (``protocol.DTYPE_ITEMSIZE``).
     """
     from omnishm.committer.early_stop import EarlyStop
 

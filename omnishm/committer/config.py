@@ -5,7 +5,7 @@ knobs themselves (flags, ``OMNISHM_*`` variables, TOML keys, checks) live in
 ``omnishm.config``; the parser here resolves them at parse time, so
 ``build_parser().parse_args(argv)`` returns final values with the precedence
 flags > environment > file > defaults, or exits 2 naming the bad value.
-Nothing here imports torch, so a refused start (bad endpoint, name in use) is cheap.
+Nothing here imports numpy or zmq, so a refused start (bad endpoint, name in use) is cheap.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The committer's stop signals, and one that arrives while it is still starting.
 
 Standard library only, so ``omnishm.committer.main`` installs it before it
-imports anything heavy (torch takes about a second to import): from then on
+imports anything heavy (numpy and zmq, and the pool's segments): from then on
 a stop signal is remembered instead of killing the process with the default
 action (exit 143, or a stale lock file and segments once they exist).
 """

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from omnishm import protocol, shm
 from omnishm.committer import meta
@@ -22,11 +21,6 @@ from omnishm.committer.apply import RUN_BYTES, StepApply
 
 logger = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
 MAX_KEY_NAME = 200
 """Characters in a key name (the names go into the metadata, which must fit one slot)."""
 MAX_KEYS = 64
@@ -58,16 +52,13 @@ class PoolError(Exception):
 @dataclass
 class Staging:
     segment: shm.Segment
-    tensor: torch.Tensor
     rows: int
-    data: np.ndarray | None = None
-    """uint8[rows, row_bytes] view of ``tensor`` (the copy engine's source)."""
+    data: np.ndarray
+    """uint8[rows, row_bytes] view of ``segment`` (the copy engine's source)."""
     rows_v: np.ndarray | None = None
     """The same rows as one opaque item each (``_void_rows``)."""
 
     def __post_init__(self) -> None:
-        if self.data is None:
-            self.data = _byte_rows(self.tensor)
         if self.rows_v is None:
             self.rows_v = _void_rows(self.data)
 
@@ -77,12 +68,11 @@ class KeyState:
     index: int
     name: str
     dtype_name: str
-    dtype: torch.dtype
+    """A ``protocol.DTYPE_ITEMSIZE`` name: rows are bytes here, and only the clients see them as tensors."""
     width: int
     pool_seg: shm.Segment
     claim_seg: shm.Segment
     commit_seg: shm.Segment
-    pool: torch.Tensor
     claim: np.ndarray
     commit: np.ndarray
     row_bytes: int
@@ -92,7 +82,7 @@ class KeyState:
     bytes_written: int = 0
     rows_skipped: int = 0
     data: np.ndarray | None = None
-    """uint8[num_slots, row_bytes] view of ``pool`` (the copy engine's target)."""
+    """uint8[num_slots, row_bytes] view of ``pool_seg`` (the copy engine's target)."""
     min_run: int = 2
     """Shortest run (rows) copied by its own slice assignment: RUN_BYTES worth, at least 2."""
 
@@ -101,7 +91,7 @@ class KeyState:
 
     def __post_init__(self) -> None:
         if self.data is None:
-            self.data = _byte_rows(self.pool)
+            self.data = _byte_rows(self.pool_seg, len(self.claim), self.row_bytes)
         if self.rows_v is None:
             self.rows_v = _void_rows(self.data)
         self.min_run = int(max(2, -(-RUN_BYTES // max(self.row_bytes, 1))))
@@ -113,11 +103,9 @@ class KeyState:
         return self.scratch[:rows]
 
 
-def _byte_rows(t: torch.Tensor) -> np.ndarray:
-    """uint8[rows, row_bytes] numpy view sharing ``t``'s memory (numpy has no bf16, trap 8)."""
-    rows = t.shape[0]
-    flat = t.reshape(rows, -1)
-    return flat.view(torch.uint8).numpy().reshape(rows, -1) if flat.numel() else np.empty((rows, 0), np.uint8)
+def _byte_rows(seg: shm.Segment, rows: int, row_bytes: int) -> np.ndarray:
+    """uint8[rows, row_bytes] view of ``seg``: rows as bytes, whatever their dtype (numpy has no bf16, trap 8)."""
+    return seg.array(np.uint8, (rows, row_bytes))
 
 
 def _void_rows(rows: np.ndarray) -> np.ndarray:
@@ -196,7 +184,7 @@ class CachePool(StepApply):
             self.layout = protocol.Layout(layout.num_blocks, layout.block_size, {})
             # Control words, then the metadata a restarted committer adopts (committer/meta.py).
             self.ctl_seg = self._create("ctl", meta.CTL_BYTES)
-            self.ctl = self.ctl_seg.tensor(torch.int64, (protocol.CTL_WORDS,)).numpy()
+            self.ctl = self.ctl_seg.array(np.int64, (protocol.CTL_WORDS,))
             self.ctl[:] = 0
             self.ctl[protocol.CTL_PUBLISHED_STEP] = -1
             self.ctl[protocol.CTL_COMMITTER_PID] = os.getpid()
@@ -246,8 +234,9 @@ class CachePool(StepApply):
         if not isinstance(key, str) or not key or len(key) > MAX_KEY_NAME:
             shown = key if not isinstance(key, str) or len(key) <= 60 else f"{key[:60]}... ({len(key)} characters)"
             raise PoolError("bad_key", f"key name must be a string of 1..{MAX_KEY_NAME} characters, got {shown!r}")
-        if dtype not in DTYPES:
-            raise PoolError("bad_dtype", f"key {key!r}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if dtype not in protocol.DTYPE_ITEMSIZE:
+            raise PoolError("bad_dtype", f"key {key!r}: unknown dtype {dtype!r} "
+                                         f"(known: {', '.join(protocol.DTYPE_ITEMSIZE)})")
         if not 0 < width <= MAX_WIDTH:
             raise PoolError("bad_width", f"key {key!r}: width must be in 1..{MAX_WIDTH}, got {width}")
 
@@ -267,8 +256,7 @@ class CachePool(StepApply):
         self._check_spec(key, dtype, width)
         self._check_room(0 if key in self.key_specs else 1)
         index = len(self.keys)
-        tdtype = DTYPES[dtype]
-        row_bytes = width * torch.empty((), dtype=tdtype).element_size()
+        row_bytes = width * protocol.DTYPE_ITEMSIZE[dtype]
         n = self.num_slots
         made: list[shm.Segment] = []
         try:
@@ -282,13 +270,12 @@ class CachePool(StepApply):
             for seg in made:
                 seg.unlink()
             raise
-        claim = claim_seg.tensor(torch.int64, (n,)).numpy()
-        commit = commit_seg.tensor(torch.int64, (n,)).numpy()
+        claim = claim_seg.array(np.int64, (n,))
+        commit = commit_seg.array(np.int64, (n,))
         claim[:] = 0  # fallocate'd pages are zero already; explicit for the contract
         commit[:] = 0
-        state = KeyState(index=index, name=key, dtype_name=dtype, dtype=tdtype, width=width,
-                         pool_seg=pool_seg, claim_seg=claim_seg, commit_seg=commit_seg,
-                         pool=pool_seg.tensor(tdtype, (n, width)), claim=claim, commit=commit,
+        state = KeyState(index=index, name=key, dtype_name=dtype, width=width,
+                         pool_seg=pool_seg, claim_seg=claim_seg, commit_seg=commit_seg, claim=claim, commit=commit,
                          row_bytes=row_bytes)
         self.keys[key] = state
         self.key_specs[key] = protocol.KeySpec(dtype, width)
@@ -304,7 +291,7 @@ class CachePool(StepApply):
                 raise PoolError("bad_staging", f"staging_rows must be in 1..{MAX_STAGING_ROWS}, got {rows}")
             seg = self._create(self._staging_what(client_id, state.index), rows * state.row_bytes)
             try:
-                staging = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
+                staging = Staging(seg, rows, _byte_rows(seg, rows, state.row_bytes))
             except BaseException:
                 seg.unlink()  # recorded nowhere yet: nothing else would ever unlink it
                 raise
@@ -390,7 +377,7 @@ class CachePool(StepApply):
         layout = protocol.Layout(int(doc["num_blocks"]), int(doc["block_size"]), {})
         pool.layout = layout
         pool.ctl_seg = ctl_seg
-        pool.ctl = ctl_seg.tensor(torch.int64, (protocol.CTL_WORDS,)).numpy()
+        pool.ctl = ctl_seg.array(np.int64, (protocol.CTL_WORDS,))
         pool.meta_seq = seq
         pool.max_epoch = int(doc["epoch"])
         pool.key_specs = {k: protocol.KeySpec(v[0], int(v[1])) for k, v in doc["key_specs"].items()}
@@ -419,18 +406,16 @@ class CachePool(StepApply):
             return seg
 
         for key, index, dtype, width in doc["keys"]:
-            if dtype not in DTYPES:
+            if dtype not in protocol.DTYPE_ITEMSIZE:
                 raise meta.MetaError(f"key {key!r} has unknown dtype {dtype!r}")
-            tdtype = DTYPES[dtype]
-            row_bytes = int(width) * torch.empty((), dtype=tdtype).element_size()
+            row_bytes = int(width) * protocol.DTYPE_ITEMSIZE[dtype]
             pool_seg = attach(f"pool.k{index}", n * row_bytes)
             claim_seg = attach(f"claim.k{index}", n * 8)
             commit_seg = attach(f"commit.k{index}", n * 8)
             pool.keys[key] = KeyState(
-                index=int(index), name=key, dtype_name=dtype, dtype=tdtype, width=int(width), pool_seg=pool_seg,
-                claim_seg=claim_seg, commit_seg=commit_seg, pool=pool_seg.tensor(tdtype, (n, int(width))),
-                claim=claim_seg.tensor(torch.int64, (n,)).numpy(), commit=commit_seg.tensor(torch.int64, (n,)).numpy(),
-                row_bytes=row_bytes)
+                index=int(index), name=key, dtype_name=dtype, width=int(width), pool_seg=pool_seg,
+                claim_seg=claim_seg, commit_seg=commit_seg, claim=claim_seg.array(np.int64, (n,)),
+                commit=commit_seg.array(np.int64, (n,)), row_bytes=row_bytes)
         for cid, info in doc["writers"].items():
             rows, epoch = int(info["rows"]), int(info["epoch"])
             try:
@@ -443,7 +428,7 @@ class CachePool(StepApply):
                         # the writer never got this key's KeyOpened, and its re-sent OpenKey makes the staging.
                         logger.info("cache %s: writer %s has no staging for key %r yet", name, cid, state.name)
                         continue
-                    state.staging[cid] = Staging(seg, seg.tensor(state.dtype, (rows, state.width)), rows)
+                    state.staging[cid] = Staging(seg, rows, _byte_rows(seg, rows, state.row_bytes))
             except (meta.MetaError, RuntimeError, ValueError) as exc:
                 logger.warning("cache %s: not adopting writer %s: %s", name, cid, exc)
                 for state in pool.keys.values():

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
     2 when it refuses to start.
 
     ``early``: the start-up signal catcher, installed by ``omnishm.committer.main`` before this module
-    (and torch) was imported; one is installed here when the caller brought none. Restored on return.
+    was imported; one is installed here when the caller brought none. Restored on return.
     """
     early = early or EarlyStop()
     undo_dumps = None
@@ -175,11 +175,9 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         print(f"omnishm committer: cannot use runtime dir {args.runtime_dir or shm.default_runtime_dir()}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return EXIT_REFUSED
-    # Imported only now: a refused start (bad option or name) answers without torch's second. The client
-    # that autostarted this committer may be gone before the lock is taken (a rank killed right after its
+    # Imported only now: a refused start (bad option or name) answers without numpy's and zmq's import. The
+    # client that autostarted this committer may be gone before the lock is taken (a rank killed right after its
     # autostart): the server knows it by pid and start time (--spawned-by PID:START), not as its parent.
-    import torch
-
     from omnishm.committer import server
 
     if early.reason:  # stopped before anything was made: nothing to clean up but an autostart log
@@ -198,7 +196,6 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
     owner: shm.GenerationOwner | None = None
     served = False
     try:
-        torch.set_num_threads(1)
         adopted, owner = adopt_live_cache(cfg)
         serving = adopted.generation if adopted is not None else generation
         if owner is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -15,6 +16,9 @@ from omnishm.demo.rank import RankOptions, RankResult, run_rank
 
 _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10.0
+STACK_DUMP_WAIT_S = 2.0
+"""How long ``RankGroup.wait`` gives a rank that outlived its deadline to write its threads' stacks (SIGUSR1)
+before it kills it."""
 
 
 class InterruptOnce:
@@ -62,6 +66,9 @@ def _rank_main(rank: int, opts: RankOptions, progress: Any, results: Any, barrie
     traceback and without a result, exit code 128 + the signal (the manager's ``with`` block has shut the
     client down by then), so ``RankGroup.wait`` reports it at once."""
     interrupts = InterruptOnce()
+    # A rank that outlives RankGroup.wait's deadline writes every thread's stack to stderr before it is killed:
+    # faulthandler's, run in C, so it works with the main thread stuck in a wait.
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     try:
         if parent is not None:
             _die_with_parent(parent)
@@ -93,7 +100,10 @@ class RankGroup:
         return self
 
     def wait(self, timeout_s: float, on_progress: Callable[[int, int, int], None] | None = None) -> list[RankResult]:
-        """Results of every rank that finished; a killed rank gets a result with ``failure`` set."""
+        """Results of every rank that finished; a killed rank gets a result with ``failure`` set.
+
+        A rank still running at the deadline first writes its threads' stacks to stderr (SIGUSR1, at most
+        ``STACK_DUMP_WAIT_S``), then is killed, and its result says "timed out"."""
         deadline = time.monotonic() + timeout_s
         got: dict[int, RankResult] = {}
         while len(got) < len(self.procs) and time.monotonic() < deadline:
@@ -110,6 +120,13 @@ class RankGroup:
         self._pump(on_progress)
         for p in self.procs:
             p.join(timeout=max(deadline - time.monotonic(), 1.0))
+        hung = [p for p in self.procs if p.is_alive()]
+        for p in hung:
+            print(f"omnishm demo: {p.name} (pid {p.pid}) still runs after {timeout_s:.0f} s; its stacks:",
+                  file=sys.stderr, flush=True)
+            os.kill(p.pid, signal.SIGUSR1)
+            p.join(STACK_DUMP_WAIT_S)  # a rank that finishes meanwhile has exited: nothing to kill
+        for p in hung:
             if p.is_alive():
                 p.kill()
                 p.join()
