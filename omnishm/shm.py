@@ -15,8 +15,9 @@ Liveness: the committer of a cache holds an exclusive ``flock`` on
 ``<runtime_dir>/<cache>.lock`` for its whole life. A segment of a cache whose
 lock no process holds is an orphan (the committer was SIGKILLed, trap 1);
 ``sweep`` unlinks it. Views never outlive their mapping: every tensor made by
-``Segment.tensor`` holds a reference to the ``mmap`` (trap 5), and nothing in
-omnishm calls ``mmap.close`` explicitly.
+``Segment.tensor`` (the clients') and every array made by ``Segment.array`` (the
+committer's) holds a reference to the ``mmap`` (trap 5), and nothing in omnishm
+calls ``mmap.close`` explicitly.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch
 
 from omnishm import protocol, shm
 from omnishm.committer import meta
-from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, CachePool
+from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, MAX_STAGING_ROWS, CachePool
 
 from helpers import RawClient, Writer, unpack
 
@@ -116,12 +116,16 @@ def test_an_epoch_the_metadata_cannot_record_is_never_handed_out(tmp_path, monke
 
 
 def test_a_writer_needs_staging_rows(committer_factory):
-    """staging_rows=0 for a writer is refused at Hello; nothing is created, nothing leaks."""
+    """staging_rows=0 for a writer, or more than MAX_STAGING_ROWS for anyone, is refused at Hello (before
+    the cache has a key whose staging would check it); nothing is created, nothing leaks."""
     handle = committer_factory(*SLOW)
     raw = RawClient(handle.endpoint, handle.name)
     try:
         reply = _hello(raw, protocol.ROLE_WRITER, raw.client_id, LAYOUT, staging_rows=0)
         assert isinstance(reply, protocol.Refused) and "staging_rows must be >= 1" in reply.reason, reply
+        reply = _hello(raw, protocol.ROLE_WRITER, raw.client_id, LAYOUT, staging_rows=MAX_STAGING_ROWS + 1)
+        assert isinstance(reply, protocol.Refused), reply
+        assert f"staging_rows must be in 0..{MAX_STAGING_ROWS}, got {MAX_STAGING_ROWS + 1}" in reply.reason, reply
     finally:
         raw.close()
     handle.stop(signal.SIGTERM)

@@ -18,7 +18,7 @@ import time
 import msgspec
 
 from omnishm import protocol
-from omnishm.committer.pool import PoolError
+from omnishm.committer.pool import MAX_STAGING_ROWS, PoolError
 from omnishm.committer.sessions import Session
 from omnishm.versions import MAX_EPOCH
 
@@ -68,8 +68,11 @@ class Attach:
         if msg.uid != os.geteuid():
             return self.refuse(msg, f"client uid {msg.uid} differs from committer uid {os.geteuid()}; "
                                     f"segments are 0600", "uid")
-        if msg.staging_rows < 0:
-            return self.refuse(msg, f"staging_rows must be >= 0, got {msg.staging_rows}", "staging")
+        if not 0 <= msg.staging_rows <= MAX_STAGING_ROWS:
+            # Here, not only when a key's staging is made: a writer with no key yet would else be recorded
+            # (and its resume accepted) with rows no staging can ever have.
+            return self.refuse(msg, f"staging_rows must be in 0..{MAX_STAGING_ROWS}, got {msg.staging_rows}",
+                               "staging")
         if msg.resume:
             return self.on_resume(identity, msg)  # a resumed writer keeps the staging it has
         if msg.role == protocol.ROLE_WRITER and msg.staging_rows < 1:
