@@ -16,7 +16,7 @@ import torch
 from manager_helpers import small_config, Part, aborted, expect, finished, rows, save, started
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omnishm.demo.launch import RankGroup
-from omnishm.demo.rank import RankOptions
+from omnishm.demo.rank import RankOptions, RankResult, run_rank
 from omnishm.interface import HIDDEN_KEY, OmniPrefixCacheCommitterError
 
 BS = 4
@@ -109,6 +109,33 @@ def test_lagging_ranks_without_lockstep_never_serve_a_wrong_row(committer_factor
         assert r.mismatches == 0, r
         assert set(r.errors) <= {"reused"}, r
     assert results[0].errors == {}  # the writer rescues its own late reads
+
+
+def test_a_reader_that_starts_after_its_writer_could_finish_still_follows_it_once_the_ranks_meet_at_start(
+        committer_factory):
+    """Without lockstep the ranks still meet once, all attached, before the first step (a TP engine's start).
+    A reader that attached after its writer's last publication could never bind to that writer and waited
+    out commit_timeout_s at every step: the lagging-ranks test hung 90 s that way on a loaded host (its
+    writer finished its 80 steps before the reader's process had imported torch)."""
+    opts = rank_opts(committer_factory().name, tp=2, lockstep=False, lag=0, steps=20, num_blocks=256,
+                     commit_timeout_s=2.0)
+    barrier = threading.Barrier(2)
+    results: dict[int, RankResult] = {}
+
+    def rank(r: int, delay_s: float) -> None:
+        time.sleep(delay_s)  # the reader's process is slow to start: the writer would be done by then
+        results[r] = run_rank(r, opts, barrier=barrier)
+
+    threads = [threading.Thread(target=rank, args=(0, 0.0)), threading.Thread(target=rank, args=(1, 1.5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    writer, reader = results[0], results[1]
+    for r in (writer, reader):
+        assert r.failure is None and r.mismatches == 0 and r.steps == 20, r
+    assert writer.errors == {} and set(reader.errors) <= {"reused"}, reader
+    assert reader.hit_tokens > 0 and reader.rows_checked > 0, reader
 
 
 def test_second_writer_is_refused(committer):

@@ -89,7 +89,7 @@ class RankGroup:
         self.ctx = mp.get_context("spawn")
         self.progress = self.ctx.Queue() if with_progress else None
         self.results = self.ctx.Queue()
-        self.barrier = self.ctx.Barrier(opts.tp) if opts.lockstep else None
+        self.barrier = self.ctx.Barrier(opts.tp)  # every rank attaches before any step (``run_rank``)
         self.procs = [self.ctx.Process(target=_rank_main, name=f"omnishm-rank{r}", daemon=True,
                                        args=(r, opts, self.progress, self.results, self.barrier, os.getpid()))
                       for r in range(opts.tp)]

@@ -20,6 +20,9 @@ import torch
 from omnishm.config import load_prefix_cache_config
 from omnishm.interface import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 
+START_BARRIER_S = 120.0
+"""The longest the ranks wait for one another to attach (``run_rank``)."""
+
 
 @dataclass
 class RankOptions:
@@ -101,8 +104,11 @@ def _statm() -> tuple[int, int]:
 def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = None) -> RankResult:
     """Run one rank to completion; ``progress`` (a queue) gets ``(rank, steps, mismatches)``.
 
-    With a ``barrier`` every step starts together on all ranks (the collective
-    of a real TP forward); without one, ranks drift apart freely.
+    With a ``barrier`` the ranks meet there once all are attached, before any
+    step (a TP engine's ranks meet at the collectives of its start), and, with
+    ``opts.lockstep``, before every step (the collective of a real TP forward);
+    after the start they drift apart freely without ``lockstep``. A
+    ``BrokenBarrierError`` (a rank that did not come) is the rank's failure.
     """
     from omnishm.client import OmniPrefixCacheManager
     from omnishm.sim import SimEngine
@@ -147,6 +153,12 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
                                     autostart=opts.autostart, runtime_dir=opts.runtime_dir) as m:
             if opts.deferred_mm:
                 m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feat"})))
+            if barrier is not None:
+                # A reader that attached after its writer's last publication would never bind to that writer
+                # (``ReadSide._follow_writer``) and would wait out commit_timeout_s at each step: in a real
+                # engine every rank has attached before the first forward. Spawning a rank (torch's import)
+                # may take longer than a step's timeout on a loaded host.
+                barrier.wait(timeout=max(opts.commit_timeout_s, START_BARRIER_S))
             while True:
                 if opts.duration_s is not None:
                     if time.perf_counter() - t0 >= opts.duration_s:
@@ -154,7 +166,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
                 elif result.steps >= opts.steps:
                     break
                 eng.top_up(4)
-                if barrier is not None:
+                if barrier is not None and opts.lockstep:
                     barrier.wait(timeout=opts.commit_timeout_s)
                 st = eng.schedule()
                 sid = st.run(m, device=opts.device)
