@@ -16,7 +16,7 @@ import torch
 from manager_helpers import small_config, Part, aborted, expect, finished, rows, save, started
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omnishm.demo.launch import RankGroup
-from omnishm.demo.rank import RankOptions, RankResult, run_rank
+from omnishm.demo.rank import START_BARRIER_S, RankOptions, RankResult, run_rank
 from omnishm.interface import HIDDEN_KEY, OmniPrefixCacheCommitterError
 
 BS = 4
@@ -136,6 +136,30 @@ def test_a_reader_that_starts_after_its_writer_could_finish_still_follows_it_onc
         assert r.failure is None and r.mismatches == 0 and r.steps == 20, r
     assert writer.errors == {} and set(reader.errors) <= {"reused"}, reader
     assert reader.hit_tokens > 0 and reader.rows_checked > 0, reader
+
+
+def test_a_rank_that_fails_to_attach_stops_the_others_at_the_start_meeting_at_once(committer_factory):
+    """Rank 0 is refused (another engine's writer holds the seat); rank 1, attached and waiting for it at the
+    start meeting, fails at once with the broken barrier instead of waiting out START_BARRIER_S."""
+    opts = rank_opts(committer_factory().name, tp=2, lockstep=False)
+    barrier = threading.Barrier(2)
+    results: dict[int, RankResult] = {}
+
+    def reader() -> None:
+        results[1] = run_rank(1, opts, barrier=barrier)
+
+    with OmniPrefixCacheManager(opts.prefix_cache_config(), cache=opts.cache, autostart=False):
+        t = threading.Thread(target=reader)
+        t0 = time.monotonic()
+        t.start()
+        while barrier.n_waiting == 0 and t.is_alive():  # until the reader attached and waits at the meeting
+            time.sleep(0.01)
+        results[0] = run_rank(0, opts, barrier=barrier)
+        t.join()
+        elapsed = time.monotonic() - t0
+    assert "already has a writer" in (results[0].failure or ""), results[0]
+    assert results[1].failure == "BrokenBarrierError: ", results[1]
+    assert results[1].steps == 0 and elapsed < START_BARRIER_S / 2, elapsed
 
 
 def test_second_writer_is_refused(committer):

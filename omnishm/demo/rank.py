@@ -107,8 +107,9 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
     With a ``barrier`` the ranks meet there once all are attached, before any
     step (a TP engine's ranks meet at the collectives of its start), and, with
     ``opts.lockstep``, before every step (the collective of a real TP forward);
-    after the start they drift apart freely without ``lockstep``. A
-    ``BrokenBarrierError`` (a rank that did not come) is the rank's failure.
+    after the start they drift apart freely without ``lockstep``. A rank that
+    fails breaks the barrier, and ``BrokenBarrierError`` is then the failure of
+    every rank that waits there (or would).
     """
     from omnishm.client import OmniPrefixCacheManager
     from omnishm.sim import SimEngine
@@ -194,6 +195,8 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
             result.rss_bytes, result.shared_bytes = _statm()
     except Exception as exc:  # reported, so the demo can print it and exit non-zero
         result.failure = f"{type(exc).__name__}: {exc}"
+        if barrier is not None:
+            barrier.abort()  # the others stop at once, as a TP engine whose rank died does, not at the timeout
     link = getattr(locals().get("m"), "_link", None)
     if link is not None:
         result.link = {k: int(v) for k, v in link.stats.items()}
