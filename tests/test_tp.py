@@ -162,6 +162,18 @@ def test_a_rank_that_fails_to_attach_stops_the_others_at_the_start_meeting_at_on
     assert results[1].steps == 0 and elapsed < START_BARRIER_S / 2, elapsed
 
 
+def test_a_rank_killed_before_the_start_meeting_stops_its_peers_at_once(committer_factory):
+    """SIGKILL (an OOM kill while it imports torch, say) leaves no word: RankGroup.wait sees the exit and breaks
+    the meeting, so the writer waiting there fails at once instead of waiting out START_BARRIER_S."""
+    group = RankGroup(rank_opts(committer_factory().name, tp=2, lockstep=False)).start()
+    os.kill(group.procs[1].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    results = group.wait(WAIT_S)
+    assert results[1].failure == f"process exited with {-signal.SIGKILL}", results[1]
+    assert results[0].failure == "BrokenBarrierError: " and results[0].steps == 0, results[0]
+    assert time.monotonic() - t0 < START_BARRIER_S / 2
+
+
 def test_second_writer_is_refused(committer):
     with OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False):
         with pytest.raises(OmniPrefixCacheCommitterError, match="already has a writer"):

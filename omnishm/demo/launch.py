@@ -117,6 +117,10 @@ class RankGroup:
                 if r not in got and p.exitcode is not None and p.exitcode != 0:
                     got[r] = RankResult(rank=r, role="writer" if r == 0 else "reader",
                                         failure=f"process exited with {p.exitcode}")
+                    # Killed without a word (SIGKILL, say): its peers may wait for it at a meeting that will
+                    # never be (run_rank breaks it itself whenever it can). A rank gone after the start is
+                    # waited for by nobody without lockstep, so the abort then changes nothing.
+                    self.barrier.abort()
         self._pump(on_progress)
         for p in self.procs:
             p.join(timeout=max(deadline - time.monotonic(), 1.0))

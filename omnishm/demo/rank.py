@@ -21,7 +21,7 @@ from omnishm.config import load_prefix_cache_config
 from omnishm.interface import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 
 START_BARRIER_S = 120.0
-"""The longest the ranks wait for one another to attach (``run_rank``)."""
+"""How long the ranks wait for one another to attach (``run_rank``; ``commit_timeout_s`` when longer)."""
 
 
 @dataclass
@@ -108,8 +108,11 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
     step (a TP engine's ranks meet at the collectives of its start), and, with
     ``opts.lockstep``, before every step (the collective of a real TP forward);
     after the start they drift apart freely without ``lockstep``. A rank that
-    fails breaks the barrier, and ``BrokenBarrierError`` is then the failure of
-    every rank that waits there (or would).
+    fails or is interrupted while its peers still have a meeting to come (before
+    the start, or at all in lockstep) breaks the barrier before its manager shuts
+    down, and ``BrokenBarrierError`` is then the failure of every rank that waits
+    there; a rank that dies without a word is ``RankGroup.wait``'s to report.
+    ``duration_s`` counts from the start meeting.
     """
     from omnishm.client import OmniPrefixCacheManager
     from omnishm.sim import SimEngine
@@ -117,10 +120,23 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
     torch.set_num_threads(1)
     role = "writer" if rank == 0 else "reader"
     result = RankResult(rank=rank, role=role, pid=os.getpid())
-    cfg = opts.prefix_cache_config()
-    eng = SimEngine(num_blocks=opts.num_blocks, block_size=opts.block_size,
-                    max_batched_tokens=opts.max_batched_tokens, width=opts.width, mm_width=opts.mm_width,
-                    seed=opts.seed)
+    met = False  # this rank passed the start meeting
+
+    def break_meeting() -> None:
+        # The peers stop at once, as a TP engine whose rank died does, not at the barrier's timeout. Not once
+        # past the start without lockstep: nobody meets again, and an abort right after a meeting can fail a
+        # peer that the meeting released but that has not woken yet (threading.Barrier re-checks its state).
+        if barrier is not None and (not met or opts.lockstep):
+            barrier.abort()
+
+    try:
+        cfg = opts.prefix_cache_config()
+        eng = SimEngine(num_blocks=opts.num_blocks, block_size=opts.block_size,
+                        max_batched_tokens=opts.max_batched_tokens, width=opts.width, mm_width=opts.mm_width,
+                        seed=opts.seed)
+    except BaseException:
+        break_meeting()
+        raise
     errors: Counter = Counter()
     pending: deque = deque()
     last_hash: dict[int, int] = {}  # slot -> prefix hash of the row last written there (verify_pool)
@@ -149,54 +165,66 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
                 elif not torch.equal(g, w):
                     result.mismatches += int((g != w).any(dim=1).sum())
 
+    def run(m: Any) -> None:
+        """Attached: meet the peers, run the steps, consume what is left, measure."""
+        nonlocal met
+        if opts.deferred_mm:
+            m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feat"})))
+        if barrier is not None:
+            # A reader that attached after its writer's last publication would never bind to that writer
+            # (``ReadSide._follow_writer``) and would wait out commit_timeout_s at each step: in a real
+            # engine every rank has attached before the first forward. Spawning a rank (torch's import)
+            # may take longer than a step's timeout on a loaded host.
+            barrier.wait(timeout=max(opts.commit_timeout_s, START_BARRIER_S))
+        met = True
+        t_run = time.perf_counter()  # a slow peer's start does not use up duration_s
+        while True:
+            if opts.duration_s is not None:
+                if time.perf_counter() - t_run >= opts.duration_s:
+                    break
+            elif result.steps >= opts.steps:
+                break
+            eng.top_up(4)
+            if barrier is not None and opts.lockstep:
+                barrier.wait(timeout=opts.commit_timeout_s)
+            st = eng.schedule()
+            sid = st.run(m, device=opts.device)
+            pending.append((sid, st))
+            if opts.verify_pool and role == "writer":
+                for w in st.layout.writes:
+                    _, first, count = st.positions[w.req_id]
+                    hs = st.hashes[w.req_id][first:first + count]
+                    for slot, h in zip(st.layout.slots[w.token_start:w.token_start + count].tolist(), hs):
+                        last_hash[slot] = h
+            eng.advance(st)
+            while len(pending) > opts.lag:
+                consume(m, *pending.popleft())
+            result.steps += 1
+            if progress is not None and result.steps % 5 == 0:
+                progress.put((rank, result.steps, result.mismatches))
+            if opts.step_delay_s:
+                time.sleep(opts.step_delay_s)
+        while pending:
+            consume(m, *pending.popleft())
+        if opts.verify_pool and role == "writer":
+            m.wait_idle()
+            result.lost_writes, result.pool_rows_verified = _verify_pool(m, last_hash, opts.width)
+        result.mirror_bytes = sum(int(kv.pool.numel() * kv.pool.element_size()) for kv in m._keys.values())
+        result.rss_bytes, result.shared_bytes = _statm()
+
     try:
         with OmniPrefixCacheManager(cfg, cache=opts.cache, role=role, endpoint=opts.endpoint,
                                     autostart=opts.autostart, runtime_dir=opts.runtime_dir) as m:
-            if opts.deferred_mm:
-                m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feat"})))
-            if barrier is not None:
-                # A reader that attached after its writer's last publication would never bind to that writer
-                # (``ReadSide._follow_writer``) and would wait out commit_timeout_s at each step: in a real
-                # engine every rank has attached before the first forward. Spawning a rank (torch's import)
-                # may take longer than a step's timeout on a loaded host.
-                barrier.wait(timeout=max(opts.commit_timeout_s, START_BARRIER_S))
-            while True:
-                if opts.duration_s is not None:
-                    if time.perf_counter() - t0 >= opts.duration_s:
-                        break
-                elif result.steps >= opts.steps:
-                    break
-                eng.top_up(4)
-                if barrier is not None and opts.lockstep:
-                    barrier.wait(timeout=opts.commit_timeout_s)
-                st = eng.schedule()
-                sid = st.run(m, device=opts.device)
-                pending.append((sid, st))
-                if opts.verify_pool and role == "writer":
-                    for w in st.layout.writes:
-                        _, first, count = st.positions[w.req_id]
-                        hs = st.hashes[w.req_id][first:first + count]
-                        for slot, h in zip(st.layout.slots[w.token_start:w.token_start + count].tolist(), hs):
-                            last_hash[slot] = h
-                eng.advance(st)
-                while len(pending) > opts.lag:
-                    consume(m, *pending.popleft())
-                result.steps += 1
-                if progress is not None and result.steps % 5 == 0:
-                    progress.put((rank, result.steps, result.mismatches))
-                if opts.step_delay_s:
-                    time.sleep(opts.step_delay_s)
-            while pending:
-                consume(m, *pending.popleft())
-            if opts.verify_pool and role == "writer":
-                m.wait_idle()
-                result.lost_writes, result.pool_rows_verified = _verify_pool(m, last_hash, opts.width)
-            result.mirror_bytes = sum(int(kv.pool.numel() * kv.pool.element_size()) for kv in m._keys.values())
-            result.rss_bytes, result.shared_bytes = _statm()
-    except Exception as exc:  # reported, so the demo can print it and exit non-zero
-        result.failure = f"{type(exc).__name__}: {exc}"
-        if barrier is not None:
-            barrier.abort()  # the others stop at once, as a TP engine whose rank died does, not at the timeout
+            try:
+                run(m)
+            except BaseException:
+                break_meeting()  # before the manager's shutdown, which may wait
+                raise
+    except BaseException as exc:
+        break_meeting()  # also when the attach itself failed or was interrupted
+        if not isinstance(exc, Exception):
+            raise  # an interrupt: _rank_main exits without a result
+        result.failure = f"{type(exc).__name__}: {exc}"  # reported, so the demo can print it and exit non-zero
     link = getattr(locals().get("m"), "_link", None)
     if link is not None:
         result.link = {k: int(v) for k, v in link.stats.items()}
