@@ -118,7 +118,7 @@ def test_a_reader_that_starts_after_its_writer_could_finish_still_follows_it_onc
     out commit_timeout_s at every step: the lagging-ranks test hung 90 s that way on a loaded host (its
     writer finished its 80 steps before the reader's process had imported torch)."""
     opts = rank_opts(committer_factory().name, tp=2, lockstep=False, lag=0, steps=20, num_blocks=256,
-                     commit_timeout_s=2.0)
+                     commit_timeout_s=4.0)
     barrier = threading.Barrier(2)
     results: dict[int, RankResult] = {}
 
