@@ -1,4 +1,4 @@
-"""Named POSIX shared-memory segments, mapped as torch tensor views.
+"""Named POSIX shared-memory segments, mapped as torch tensor views (clients) or numpy arrays (the committer).
 
 One naming scheme for every segment omnishm makes::
 
