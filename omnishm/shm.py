@@ -311,33 +311,30 @@ class Segment:
             raise ValueError(f"segment {self.name} is closed")
         return self._mmap
 
+    def _view_numel(self, shape: tuple[int, ...], itemsize: int, offset: int) -> int:
+        """Elements of a view of ``shape`` at byte ``offset``; raises ``ValueError`` when it overruns the segment."""
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        if offset + numel * itemsize > self.size:
+            raise ValueError(f"view of {numel * itemsize} bytes at {offset} exceeds segment {self.name} ({self.size})")
+        return numel
+
     def array(self, dtype: np.dtype | str, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
         """A zero-copy numpy view of ``shape`` at byte ``offset`` (read-only where the map is); it keeps the
         mapping alive. The committer's views: numpy, not torch (``protocol.DTYPE_ITEMSIZE``)."""
         import numpy as np  # here, not at module scope: the CLI's cleanup and lock use this module
 
         dt = np.dtype(dtype)
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
-        if offset + numel * dt.itemsize > self.size:
-            raise ValueError(f"view of {numel * dt.itemsize} bytes at {offset} exceeds segment {self.name} "
-                             f"({self.size})")
-        if numel == 0:
-            return np.empty(shape, dtype=dt)
+        numel = self._view_numel(shape, dt.itemsize, offset)
         return np.frombuffer(self.mmap, dtype=dt, count=numel, offset=offset).reshape(shape)
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         """A zero-copy view of ``shape`` at byte ``offset``; it keeps the mapping alive."""
         import torch  # here, not at module scope: the committer's option parsing and lock use this module
 
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if offset + numel * itemsize > self.size:
-            raise ValueError(f"view of {numel * itemsize} bytes at {offset} exceeds segment {self.name} ({self.size})")
-        if numel == 0:
+        numel = self._view_numel(shape, torch.empty((), dtype=dtype).element_size(), offset)
+        if numel == 0:  # torch.frombuffer refuses an empty view
             return torch.empty(shape, dtype=dtype)
         with warnings.catch_warnings():
             # Read-only maps: torch warns that the buffer is not writable. The

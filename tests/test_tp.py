@@ -116,21 +116,24 @@ def test_a_reader_that_starts_after_its_writer_could_finish_still_follows_it_onc
     """Without lockstep the ranks still meet once, all attached, before the first step (a TP engine's start).
     A reader that attached after its writer's last publication could never bind to that writer and waited
     out commit_timeout_s at every step: the lagging-ranks test hung 90 s that way on a loaded host (its
-    writer finished its 80 steps before the reader's process had imported torch)."""
+    writer finished its 80 steps before the reader's process had imported torch). The reader here attaches
+    only once the writer could run: without the meeting, after the writer's last step."""
     opts = rank_opts(committer_factory().name, tp=2, lockstep=False, lag=0, steps=20, num_blocks=256,
                      commit_timeout_s=4.0)
     barrier = threading.Barrier(2)
     results: dict[int, RankResult] = {}
 
-    def rank(r: int, delay_s: float) -> None:
-        time.sleep(delay_s)  # the reader's process is slow to start: the writer would be done by then
+    def rank(r: int) -> None:
         results[r] = run_rank(r, opts, barrier=barrier)
 
-    threads = [threading.Thread(target=rank, args=(0, 0.0)), threading.Thread(target=rank, args=(1, 1.5))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    writer_thread = threading.Thread(target=rank, args=(0,))
+    writer_thread.start()
+    # The reader's process is slow to start: it attaches only once the writer is attached and free to run
+    # (waiting at the meeting), or, with no meeting, has run all its steps.
+    while barrier.n_waiting == 0 and writer_thread.is_alive():
+        time.sleep(0.01)
+    rank(1)
+    writer_thread.join()
     writer, reader = results[0], results[1]
     for r in (writer, reader):
         assert r.failure is None and r.mismatches == 0 and r.steps == 20, r

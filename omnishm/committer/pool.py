@@ -62,6 +62,11 @@ class Staging:
         if self.rows_v is None:
             self.rows_v = _void_rows(self.data)
 
+    @classmethod
+    def map(cls, segment: shm.Segment, rows: int, row_bytes: int) -> "Staging":
+        """The staging of ``rows`` rows of ``row_bytes`` bytes in ``segment`` (made, or adopted)."""
+        return cls(segment, rows, _byte_rows(segment, rows, row_bytes))
+
 
 @dataclass
 class KeyState:
@@ -291,7 +296,7 @@ class CachePool(StepApply):
                 raise PoolError("bad_staging", f"staging_rows must be in 1..{MAX_STAGING_ROWS}, got {rows}")
             seg = self._create(self._staging_what(client_id, state.index), rows * state.row_bytes)
             try:
-                staging = Staging(seg, rows, _byte_rows(seg, rows, state.row_bytes))
+                staging = Staging.map(seg, rows, state.row_bytes)
             except BaseException:
                 seg.unlink()  # recorded nowhere yet: nothing else would ever unlink it
                 raise
@@ -428,7 +433,7 @@ class CachePool(StepApply):
                         # the writer never got this key's KeyOpened, and its re-sent OpenKey makes the staging.
                         logger.info("cache %s: writer %s has no staging for key %r yet", name, cid, state.name)
                         continue
-                    state.staging[cid] = Staging(seg, rows, _byte_rows(seg, rows, state.row_bytes))
+                    state.staging[cid] = Staging.map(seg, rows, state.row_bytes)
             except (meta.MetaError, RuntimeError, ValueError) as exc:
                 logger.warning("cache %s: not adopting writer %s: %s", name, cid, exc)
                 for state in pool.keys.values():
