@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,10 @@ from omnishm.committer.config import build_parser, config_from_args
 from omnishm.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
+# A bare environment (no OMNISHM_* knob leaks in), but the packages where this interpreter finds them: a
+# machine with pyzmq and friends installed under PYTHONPATH (pip install --target) needs that path too.
+BARE_ENV = {"PATH": "/usr/bin:/bin",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -109,7 +114,7 @@ def test_committer_refuses_bad_value_with_exit_2_before_creating_anything(tmp_pa
     proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", "cfgbad", "--runtime-dir",
                            str(tmp_path), "--metrics-host", "0.0.0.0"],
                           capture_output=True, text=True, timeout=30, cwd=REPO,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+                          env=BARE_ENV)
     assert proc.returncode == 2
     assert "bad metrics_host = '0.0.0.0' (from flag --metrics-host)" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # no lock, socket or segment made
@@ -192,7 +197,7 @@ def test_committer_refuses_a_runtime_dir_it_cannot_create_with_exit_2_and_no_tra
     proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", "cfgbad", "--runtime-dir",
                            str(tmp_path / "a-file" / "rt")],
                           capture_output=True, text=True, timeout=60, cwd=REPO,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+                          env=BARE_ENV)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "omnishm committer:" in proc.stderr and "a-file" in proc.stderr

@@ -62,7 +62,7 @@ def test_reader_materialize_waits_for_its_deferred_clones(committer):
     """A reader with only deferred keys (a talker policy: no hidden states): its rows are device clones,
     and materialize must wait for them, not race the kernel queue that produced them."""
     cfg = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3)
-    policy = ModelCachePolicy(cache_hidden=False, deferred_keys=frozenset({"feat"}))
+    policy = ModelCachePolicy(cache_hidden=False, deferred_keys=frozenset({"talker_feat"}))
     with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
             OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False, role="reader") as r:
         for m in (w, r):
@@ -77,8 +77,8 @@ def test_reader_materialize_waits_for_its_deferred_clones(committer):
             sids = []
             for m in (w, r):
                 m.new_step_starts([started(req, [0, 1])] + ([finished(f"a{i - 1}")] if i else []))
-                sids.append(m.save_outputs(None, {"feat": feat}, num_tokens_unpadded=n, num_tokens_padded=pad,
+                sids.append(m.save_outputs(None, {"talker_feat": feat}, num_tokens_unpadded=n, num_tokens_padded=pad,
                                            write_layout=layout))
             w.discard_step(sids[0])
             out = r.materialize(sids[1], [req])  # no synchronize in between
-            assert torch.equal(out.mm_outputs[req]["feat"], torch.full((n, 4), float(i))), i
+            assert torch.equal(out.mm_outputs[req]["talker_feat"], torch.full((n, 4), float(i))), i
