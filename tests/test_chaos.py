@@ -94,7 +94,7 @@ def test_chaos_committer_and_reader_kills(committer_factory, monkeypatch):
     t0 = time.monotonic()
     for r in range(3):
         ranks.start(r)
-    kills = restarts = reader_kills = 0
+    kills = restarts = reader_kills = lead = 0
     try:
         ranks.wait_steps(0, 20, 60)
         for i in range(COMMITTER_KILLS):
@@ -112,6 +112,8 @@ def test_chaos_committer_and_reader_kills(committer_factory, monkeypatch):
                 # since), and 180 of its ~600 steps were refused.
                 ranks.start(2, replace(opts, duration_s=max(DURATION_S - (time.monotonic() - t0), 4.0),
                                        step_delay_s=0.0))
+                ranks.wait_steps(2, 5, 60)  # it has attached (its start, torch's import, can take seconds)
+                lead = ranks.steps[0]  # the writer's steps it has to catch up with
             ranks.wait_steps(0, ranks.steps[0] + 20, 60)
         results = ranks.collect(DURATION_S + 60)
     finally:
@@ -140,15 +142,19 @@ def test_chaos_committer_and_reader_kills(committer_factory, monkeypatch):
           f"{writer.pool_rows_verified}, lost acknowledged writes {writer.lost_writes}; committer losses seen "
           f"{link['committer_lost']}, resumes {link['reconnects']}, re-sent requests {link['resent']}; "
           f"errors raised by kind {dict(errors) or '{}'}, by rank {[(r.rank, r.steps, r.errors) for r in results]}; "
-          f"leaked segments {len(leaked)}")
+          f"leaked segments {len(leaked)}; the new reader started {lead} steps behind the writer")
     assert all(r.failure is None for r in results), [r.failure for r in results]
     assert mismatches == 0
     # Refusals are legitimate only for reads a kill made late (a few per kill) and for the new reader's reads
-    # until it caught up (31 and 47 in two runs of 2026-12-04); a cache that refused
-    # reads it should serve would show hundreds (a review measured 18 normally, 1263 with such a bug; a soak
-    # of 28 seeds on 2026-12-02 5 to 33, so 40 left too little room on a loaded machine).
-    reader_steps = sum(r.steps for r in results if r.rank != 0)
-    assert sum(errors.values()) <= max(100, 0.05 * reader_steps), dict(errors)
+    # until it caught up; a cache that refused reads it should serve would show hundreds (a review measured
+    # 18 normally, 1263 with such a bug; a soak of 28 seeds on 2026-12-02 5 to 33). A bound on the sum, 5% of
+    # the readers' steps, failed on a 16-core H200 machine (2026-12-04): 165 refusals, all the new reader's.
+    # What the new reader refuses depends on how far behind it starts, so each reader has its own bound: the
+    # new reader replays from step 0 without the step delay, more than twice as fast as the writer, and
+    # catches up within twice the writer's lead (here: leads of 80 and 95 steps, 33 and 39 refusals).
+    refused = {r.rank: sum(r.errors.values()) for r in results}
+    assert refused[1] <= 20 * kills, (refused, dict(errors))
+    assert refused[2] <= 2 * lead + 20 * kills, (refused, lead, dict(errors))
     assert writer.lost_writes == 0 and writer.pool_rows_verified > 0
     assert rows_checked > 0 and all(r.rows_checked > 0 for r in results)
     assert link["reconnects"] >= kills  # the writer alone resumes after every kill
