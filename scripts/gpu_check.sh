@@ -7,9 +7,14 @@
 #   3. `omnishm demo --tp 2 --device cuda`: a writer and a reader process saving from the device;
 #   4. `omnishm bench --only 2,3,6` with figures 3 and 6's outputs on the device (figure 2 reads host memory
 #      either way), then figures 3 and 6 on the CPU, on the
-#      same machine (JSON beside the logs), and a cProfile of figure 3's engine step on the device.
+#      same machine (JSON beside the logs), and a cProfile of figure 3's engine step on the device;
+#   5. with SUITE=1, the main test suite on a host where torch sees a CUDA device (its outputs stay on the CPU),
+#      stopped after SUITE_TIMEOUT_S seconds (default 600).
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (OUTDIR gets the logs and the bench JSON)
 # Needs torch with CUDA, pyzmq, msgspec, posix_ipc and pytest; omnishm is taken from this checkout.
+# OMNI_SITE: a folder holding vllm-omni (pip install --target), added to the benchmarks' and suite's path, so that
+# figures 3 and 6 also run vllm-omni's own cache (its CUDA mode) and omnishm behind the drop-in. Should that
+# arm fail, figures 3 and 6 on the device run again without it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-/tmp/omnishm-gpu-check}}"
@@ -34,11 +39,21 @@ step tests "$PY" -m pytest -q -p no:cacheprovider -s tests/test_cuda.py tests/te
     tests/test_result_pool.py tests/test_manager_random.py
 step staging "$PY" scripts/gpu_bench.py
 step demo "$PY" -m omnishm demo --tp 2 --steps 200 --device cuda --name gpucheck
-step bench_cuda sh -c "'$PY' -m omnishm bench --only 2,3,6 --device cuda --json > '$OUTDIR/bench_cuda.json'; \
-rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/bench_cuda.json'; exit \$rc"
+bench() {  # bench NAME FIGURES EXTRA_PATH [ARGS...]: omnishm bench --json into OUTDIR/NAME.json, then its table
+    local name=$1 figures=$2 extra=$3; shift 3
+    step "$name" env PYTHONPATH="$PYTHONPATH${extra:+:$extra}" sh -c "'$PY' -m omnishm bench --only $figures $* \
+--json > '$OUTDIR/$name.json'; rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/$name.json'; exit \$rc"
+}
+bench bench_cuda 2,3,6 "${OMNI_SITE:-}" --device cuda
+if [ -n "${OMNI_SITE:-}" ] && [[ " ${failed[*]} " == *" bench_cuda "* ]]; then
+    bench bench_cuda_plain 3,6 "" --device cuda
+fi
 step profile "$PY" scripts/profile_engine.py --device cuda --steps 20 --top 30
-step bench_cpu sh -c "'$PY' -m omnishm bench --only 3,6 --json > '$OUTDIR/bench_cpu.json'; \
-rc=\$?; '$PY' scripts/bench_table.py '$OUTDIR/bench_cpu.json'; exit \$rc"
+bench bench_cpu 3,6 "${OMNI_SITE:-}"
+if [ "${SUITE:-0}" = 1 ]; then
+    step suite timeout "${SUITE_TIMEOUT_S:-600}" env PYTHONPATH="$PYTHONPATH${OMNI_SITE:+:$OMNI_SITE}" "$PY" -m pytest -q -m "not vllm" \
+        -p no:cacheprovider tests
+fi
 leftover=$(comm -13 <(echo "$before") <(ls /dev/shm | grep '^omnishm' | sort || true) | grep -c . || true)
 echo "omnishm segments this check left in /dev/shm: $leftover"
 [ "$leftover" -eq 0 ] || failed+=(leaks)

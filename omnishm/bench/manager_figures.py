@@ -309,7 +309,7 @@ def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> li
     where = "" if device == "cpu" else f", outputs on {device}"
     extra_rows = []
     if theirs:
-        mode = "eager" if arms[-1].m.eager else "threaded"
+        mode = _omni_mode(arms[-1].m.eager)
         extra_rows.append(Row(
             "3", f"  variant: the same omnishm arm against vllm-omni {omni}'s own in-process cache",
             "ms", v, f"vllm_omni OmniPrefixCacheManager ({mode}), same steps and rows", theirs[0],
@@ -428,7 +428,7 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
     view = FullAttentionGroupView(batches[on], BS)
     t_mgr, t_hooks = [], []
     hits = 0
-    omni = vllm_omni_version() if device == "cpu" else None
+    omni = vllm_omni_version()
     vm = (VllmOmniOwnCache(num_blocks=512, block_size=BS, staging_capacity_tokens=size.max_batched_tokens,
                            staging_depth=2, batch=batches[theirs]) if omni is not None else None)
     dm: Any = None
@@ -541,26 +541,32 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                 "-", None, note=f"what any design with a staging page and a committer process pays; median of "
                                 f"per-step ratios {paired_floor:.3f}",
                 extra={"device": device, "paired_ratio": paired_floor}),
-            *([] if vm is None else [_their_overhead_row(omni, vm.eager, times[theirs], times[off], rf, ref_name),
-                                     _dropin_overhead_row(omni, times[dropin], times[off], rf, ref_name)])]
+            *([] if vm is None else [
+                _their_overhead_row(omni, vm.eager, times[theirs], times[off], rf, ref_name, device),
+                _dropin_overhead_row(omni, times[dropin], times[off], rf, ref_name, device)])]
+
+
+def _omni_mode(eager: bool) -> str:
+    return "eager: its mode without CUDA" if eager else "threaded: its mode with CUDA (copy streams)"
 
 
 def _their_overhead_row(version: str, eager: bool, theirs: list[float], off: list[float], rf: Stats,
-                        ref_name: str) -> Row:
+                        ref_name: str, device: str) -> Row:
     """Figure 6's row for vllm-omni's own in-process cache, fed the same steps as the cache-on arm."""
     v = Stats.of(np.array(theirs) * 1e3)
     paired = float(np.median(np.array(theirs) / np.array(off)))
     return Row("6", f"  variant: vllm-omni {version}'s own in-process cache in the same loop, 0% hits",
                "ms", v, ref_name, rf, v.median / rf.median, "-", None,
-               note=f"vllm_omni OmniPrefixCacheManager ({'eager: its mode without CUDA' if eager else 'threaded'}); "
-                    f"median of per-step ratios {paired:.3f}", extra={"device": "cpu", "paired_ratio": paired, "vllm_omni": version})
+               note=f"vllm_omni OmniPrefixCacheManager ({_omni_mode(eager)}); median of per-step ratios {paired:.3f}",
+               extra={"device": device, "paired_ratio": paired, "vllm_omni": version})
 
 
-def _dropin_overhead_row(version: str, dropin: list[float], off: list[float], rf: Stats, ref_name: str) -> Row:
+def _dropin_overhead_row(version: str, dropin: list[float], off: list[float], rf: Stats, ref_name: str,
+                        device: str) -> Row:
     """Figure 6's row for omnishm behind the vllm-omni drop-in: what ``OMNISHM_VLLM_OMNI=1`` runs."""
     v = Stats.of(np.array(dropin) * 1e3)
     paired = float(np.median(np.array(dropin) / np.array(off)))
     return Row("6", f"  variant: omnishm through the vllm-omni {version} drop-in in the same loop, 0% hits",
                "ms", v, ref_name, rf, v.median / rf.median, "-", None,
                note=f"VllmOmniPrefixCacheManager over a committer process, vllm-omni's calls and group view; "
-                    f"median of per-step ratios {paired:.3f}", extra={"device": "cpu", "paired_ratio": paired})
+                    f"median of per-step ratios {paired:.3f}", extra={"device": device, "paired_ratio": paired})
