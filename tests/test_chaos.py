@@ -59,9 +59,17 @@ class Ranks:
             self.pump()
 
     def kill(self, rank: int) -> None:
+        """SIGKILL ``rank``'s process; its progress already queued is read, so a new one starts from 0."""
         p = self.procs[rank][-1]
         p.kill()
         p.join()
+        while True:
+            try:
+                r, steps, _ = self.progress.get(timeout=0.05)
+            except queue.Empty:
+                break
+            if r != rank:
+                self.steps[r] = max(self.steps[r], steps)
 
     def collect(self, timeout_s: float) -> list[RankResult]:
         live = [p for ps in self.procs.values() for p in ps if p.exitcode != -signal.SIGKILL]
