@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (about 4 minutes on one GPU): everything that needs a CUDA device, in one run.
+# The prepared GPU check (2 minutes on an H200 machine, 2026-12-04; SUITE=1 adds about 8): everything that needs a CUDA device, in one run.
 #   1. the CUDA tests: pinned shared staging, cudaHostRegister, device-order fakes, and the randomized
 #      contract test with the outputs on the device (live buffers clobbered after every save);
 #   2. scripts/gpu_bench.py: device-to-host GB/s of the whole-step staging copy into registered shared
