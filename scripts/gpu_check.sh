@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU check (2 minutes on an H200 machine, 2026-12-04; SUITE=1 adds about 8): everything that needs a CUDA device, in one run.
+# The prepared GPU check (2 minutes on an H200 machine, 2026-12-04; SUITE=1 adds about 8): everything that
+# needs a CUDA device, in one run.
 #   1. the CUDA tests: pinned shared staging, cudaHostRegister, device-order fakes, and the randomized
 #      contract test with the outputs on the device (live buffers clobbered after every save);
 #   2. scripts/gpu_bench.py: device-to-host GB/s of the whole-step staging copy into registered shared
@@ -13,8 +14,9 @@
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (OUTDIR gets the logs and the bench JSON)
 # Needs torch with CUDA, pyzmq, msgspec, posix_ipc and pytest; omnishm is taken from this checkout.
 # OMNI_SITE: a folder holding vllm-omni (pip install --target), added to the benchmarks' and suite's path, so that
-# figures 3 and 6 also run vllm-omni's own cache (its CUDA mode) and omnishm behind the drop-in. Should that
-# arm fail, figures 3 and 6 on the device run again without it.
+# figures 3 and 6 also run vllm-omni's own cache (its CUDA mode) and omnishm behind the drop-in. Should the
+# device run fail (that arm or any other), figures 3 and 6 on the device run again without vllm-omni; the
+# failure still fails the check. The CPU run has no such second try.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-/tmp/omnishm-gpu-check}}"
@@ -51,8 +53,8 @@ fi
 step profile "$PY" scripts/profile_engine.py --device cuda --steps 20 --top 30
 bench bench_cpu 3,6 "${OMNI_SITE:-}"
 if [ "${SUITE:-0}" = 1 ]; then
-    step suite timeout "${SUITE_TIMEOUT_S:-600}" env PYTHONPATH="$PYTHONPATH${OMNI_SITE:+:$OMNI_SITE}" "$PY" -m pytest -q -m "not vllm" \
-        -p no:cacheprovider tests
+    step suite timeout "${SUITE_TIMEOUT_S:-600}" env PYTHONPATH="$PYTHONPATH${OMNI_SITE:+:$OMNI_SITE}" \
+        "$PY" -m pytest -q -m "not vllm" -p no:cacheprovider tests
 fi
 leftover=$(comm -13 <(echo "$before") <(ls /dev/shm | grep '^omnishm' | sort || true) | grep -c . || true)
 echo "omnishm segments this check left in /dev/shm: $leftover"

@@ -24,6 +24,7 @@ from conftest import RUNTIME_DIR, unique_cache_name
 COMMITTER_ARGS = ("--heartbeat-s", "0.2", "--heartbeat-timeout-s", "3")
 COMMITTER_KILLS = 3
 DURATION_S = 24.0
+CAUGHT_UP_STEPS = 10  # a restarted reader this close to the writer has caught up (progress comes every 5 steps)
 
 
 class Ranks:
@@ -36,40 +37,53 @@ class Ranks:
         self.results = self.ctx.Queue()
         self.procs: dict[int, list] = {}
         self.steps: dict[int, int] = Counter()
+        self.refused: dict[int, int] = Counter()
+        """Reads each rank refused so far, as its last progress message said."""
 
     def start(self, rank: int, opts: RankOptions | None = None) -> None:
         p = self.ctx.Process(target=_rank_main, args=(rank, opts or self.opts, self.progress, self.results, None),
                              name=f"chaos-rank{rank}", daemon=True)
         p.start()
         self.procs.setdefault(rank, []).append(p)
-        self.steps[rank] = 0
+        self.steps[rank] = self.refused[rank] = 0
+
+    def _take(self, item: tuple[int, int, int, int]) -> None:
+        rank, steps, _, refused = item
+        self.steps[rank] = max(self.steps[rank], steps)
+        self.refused[rank] = max(self.refused[rank], refused)
 
     def pump(self, timeout_s: float = 0.1) -> None:
         try:
-            rank, steps, _ = self.progress.get(timeout=timeout_s)
-            self.steps[rank] = max(self.steps[rank], steps)
+            self._take(self.progress.get(timeout=timeout_s))
         except queue.Empty:
             pass
 
     def wait_steps(self, rank: int, target: int, timeout_s: float) -> None:
+        self.wait_until(rank, lambda: self.steps[rank] >= target, f"step {target}", timeout_s)
+
+    def wait_until(self, rank: int, done, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.steps[rank] < target:
-            assert time.monotonic() < deadline, f"rank {rank} stuck at step {self.steps[rank]} (wanted {target})"
+        while not done():
+            assert time.monotonic() < deadline, f"rank {rank} stuck at step {self.steps[rank]} (wanted {what})"
             assert self.procs[rank][-1].exitcode in (None, 0), f"rank {rank} died: {self.procs[rank][-1].exitcode}"
             self.pump()
 
     def kill(self, rank: int) -> None:
-        """SIGKILL ``rank``'s process; its progress already queued is read, so a new one starts from 0."""
+        """SIGKILL ``rank``'s process and read the progress it had queued, so a new one starts from 0.
+
+        Joined, it sends nothing more, and what it sent is in the pipe ahead of anything sent since: a
+        read until the queue is empty (the other ranks report every 5 steps) takes all of it."""
         p = self.procs[rank][-1]
         p.kill()
         p.join()
-        while True:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
             try:
-                r, steps, _ = self.progress.get(timeout=0.05)
+                item = self.progress.get_nowait()
             except queue.Empty:
                 break
-            if r != rank:
-                self.steps[r] = max(self.steps[r], steps)
+            if item[0] != rank:
+                self._take(item)
 
     def collect(self, timeout_s: float) -> list[RankResult]:
         live = [p for ps in self.procs.values() for p in ps if p.exitcode != -signal.SIGKILL]
@@ -102,7 +116,7 @@ def test_chaos_committer_and_reader_kills(committer_factory, monkeypatch):
     t0 = time.monotonic()
     for r in range(3):
         ranks.start(r)
-    kills = restarts = reader_kills = lead = 0
+    kills = restarts = reader_kills = lead = caught_up_refused = 0
     try:
         ranks.wait_steps(0, 20, 60)
         for i in range(COMMITTER_KILLS):
@@ -122,6 +136,8 @@ def test_chaos_committer_and_reader_kills(committer_factory, monkeypatch):
                                        step_delay_s=0.0))
                 ranks.wait_steps(2, 5, 60)  # it has attached (its start, torch's import, can take seconds)
                 lead = ranks.steps[0]  # the writer's steps it has to catch up with
+                ranks.wait_until(2, lambda: ranks.steps[2] >= ranks.steps[0] - CAUGHT_UP_STEPS, "the writer's step", 60)
+                caught_up_refused = ranks.refused[2]
             ranks.wait_steps(0, ranks.steps[0] + 20, 60)
         results = ranks.collect(DURATION_S + 60)
     finally:
@@ -150,19 +166,21 @@ def test_chaos_committer_and_reader_kills(committer_factory, monkeypatch):
           f"{writer.pool_rows_verified}, lost acknowledged writes {writer.lost_writes}; committer losses seen "
           f"{link['committer_lost']}, resumes {link['reconnects']}, re-sent requests {link['resent']}; "
           f"errors raised by kind {dict(errors) or '{}'}, by rank {[(r.rank, r.steps, r.errors) for r in results]}; "
-          f"leaked segments {len(leaked)}; the new reader started {lead} steps behind the writer")
+          f"leaked segments {len(leaked)}; the new reader started {lead} steps behind the writer and refused "
+          f"{caught_up_refused} reads until it caught up")
     assert all(r.failure is None for r in results), [r.failure for r in results]
     assert mismatches == 0
     # Refusals are legitimate only for reads a kill made late (a few per kill) and for the new reader's reads
-    # until it caught up; a cache that refused reads it should serve would show hundreds (a review measured
-    # 18 normally, 1263 with such a bug; a soak of 28 seeds on 2026-12-02 5 to 33). A bound on the sum, 5% of
-    # the readers' steps, failed on a 16-core H200 machine (2026-12-04): 165 refusals, all the new reader's.
-    # What the new reader refuses depends on how far behind it starts, so each reader has its own bound: the
-    # new reader replays from step 0 without the step delay, more than twice as fast as the writer, and
-    # catches up within twice the writer's lead (here: leads of 80 and 95 steps, 33 and 39 refusals).
+    # until it caught up with the writer: it replays from step 0, and the rows of steps far behind were
+    # reused since. A cache that refused reads it should serve would show hundreds (a review measured 18
+    # normally, 1263 with such a bug; a soak of 28 seeds on 2026-12-02 5 to 33). A bound on the sum, 5 % of
+    # the readers' steps, failed on a 16-core H200 machine (2026-12-04): 165 refusals, all the new reader's,
+    # whose catch-up depends on how far behind it starts. So the catch-up is left out: what either reader
+    # refuses apart from it gets the kills' allowance (here the new reader refused 31-46 reads while it
+    # caught up from 75-100 steps behind).
     refused = {r.rank: sum(r.errors.values()) for r in results}
     assert refused[1] <= 20 * kills, (refused, dict(errors))
-    assert refused[2] <= 2 * lead + 20 * kills, (refused, lead, dict(errors))
+    assert refused[2] - caught_up_refused <= 20 * kills, (refused, caught_up_refused, lead, dict(errors))
     assert writer.lost_writes == 0 and writer.pool_rows_verified > 0
     assert rows_checked > 0 and all(r.rows_checked > 0 for r in results)
     assert link["reconnects"] >= kills  # the writer alone resumes after every kill

@@ -188,7 +188,7 @@ def signal_rank_at_step(group: RankGroup, rank: int, sig: int, step: int = 20):
     reported ``step`` steps."""
     sent: list[int] = []
 
-    def on_progress(r: int, steps: int, _mismatches: int) -> None:
+    def on_progress(r: int, steps: int, _mismatches: int, _refused: int) -> None:
         if r == rank and steps >= step and not sent:
             os.kill(group.procs[rank].pid, sig)
             sent.append(steps)

@@ -558,7 +558,8 @@ def _their_overhead_row(version: str, eager: bool, theirs: list[float], off: lis
     return Row("6", f"  variant: vllm-omni {version}'s own in-process cache in the same loop, 0% hits",
                "ms", v, ref_name, rf, v.median / rf.median, "-", None,
                note=f"vllm_omni OmniPrefixCacheManager ({_omni_mode(eager)}); median of per-step ratios {paired:.3f}",
-               extra={"device": device, "paired_ratio": paired, "vllm_omni": version})
+               extra={"device": device, "paired_ratio": paired, "vllm_omni": version,
+                      "vllm_omni_mode": _omni_mode(eager)})
 
 
 def _dropin_overhead_row(version: str, dropin: list[float], off: list[float], rf: Stats, ref_name: str,

@@ -99,7 +99,8 @@ class RankGroup:
             p.start()
         return self
 
-    def wait(self, timeout_s: float, on_progress: Callable[[int, int, int], None] | None = None) -> list[RankResult]:
+    def wait(self, timeout_s: float,
+             on_progress: Callable[[int, int, int, int], None] | None = None) -> list[RankResult]:
         """Results of every rank that finished; a killed rank gets a result with ``failure`` set.
 
         A rank still running at the deadline first writes its threads' stacks to stderr (SIGUSR1, at most
@@ -152,7 +153,7 @@ class RankGroup:
                 p.kill()
                 p.join()
 
-    def _pump(self, on_progress: Callable[[int, int, int], None] | None) -> None:
+    def _pump(self, on_progress: Callable[[int, int, int, int], None] | None) -> None:
         if self.progress is None:
             return
         while True:

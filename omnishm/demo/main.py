@@ -118,7 +118,7 @@ def cli_main(args: argparse.Namespace) -> int:
     total = opts.steps if opts.duration_s is None else None
     tty = sys.stderr.isatty()
 
-    def on_progress(rank: int, steps: int, _mismatches: int) -> None:
+    def on_progress(rank: int, steps: int, _mismatches: int, _refused: int) -> None:
         progress[rank] = steps
         if args.json:
             return

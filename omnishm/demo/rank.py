@@ -102,7 +102,8 @@ def _statm() -> tuple[int, int]:
 
 
 def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = None) -> RankResult:
-    """Run one rank to completion; ``progress`` (a queue) gets ``(rank, steps, mismatches)``.
+    """Run one rank to completion; ``progress`` (a queue) gets ``(rank, steps, mismatches, refused)``
+    every 5 steps and at the end, ``refused`` being the reads it refused so far (every error kind).
 
     With a ``barrier`` the ranks meet there once all are attached, before any
     step (a TP engine's ranks meet at the collectives of its start), and, with
@@ -201,7 +202,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
                 consume(m, *pending.popleft())
             result.steps += 1
             if progress is not None and result.steps % 5 == 0:
-                progress.put((rank, result.steps, result.mismatches))
+                progress.put((rank, result.steps, result.mismatches, sum(errors.values())))
             if opts.step_delay_s:
                 time.sleep(opts.step_delay_s)
         while pending:
@@ -232,7 +233,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
     result.errors = dict(errors)
     result.seconds = time.perf_counter() - t0
     if progress is not None:
-        progress.put((rank, result.steps, result.mismatches))
+        progress.put((rank, result.steps, result.mismatches, sum(errors.values())))
     return result
 
 
