@@ -65,8 +65,23 @@ class Ranks:
         deadline = time.monotonic() + timeout_s
         while not done():
             assert time.monotonic() < deadline, f"rank {rank} stuck at step {self.steps[rank]} (wanted {what})"
-            assert self.procs[rank][-1].exitcode in (None, 0), f"rank {rank} died: {self.procs[rank][-1].exitcode}"
+            exitcode = self.procs[rank][-1].exitcode
+            assert exitcode in (None, 0), f"rank {rank} died: {exitcode}"
+            if exitcode == 0:  # its run is over: what it reported last is queued already
+                self._drain()
+                assert done(), f"rank {rank} ended at step {self.steps[rank]} before {what}"
             self.pump()
+
+    def _drain(self, skip: int | None = None) -> None:
+        """Take every progress message queued now (the other ranks report every 5 steps, so it ends)."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                item = self.progress.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] != skip:
+                self._take(item)
 
     def kill(self, rank: int) -> None:
         """SIGKILL ``rank``'s process and read the progress it had queued, so a new one starts from 0.
@@ -76,14 +91,7 @@ class Ranks:
         p = self.procs[rank][-1]
         p.kill()
         p.join()
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            try:
-                item = self.progress.get_nowait()
-            except queue.Empty:
-                break
-            if item[0] != rank:
-                self._take(item)
+        self._drain(skip=rank)
 
     def collect(self, timeout_s: float) -> list[RankResult]:
         live = [p for ps in self.procs.values() for p in ps if p.exitcode != -signal.SIGKILL]
