@@ -334,15 +334,17 @@ class Segment:
         import torch  # here, not at module scope: the committer's option parsing and lock use this module
 
         numel = self._view_numel(shape, torch.empty((), dtype=dtype).element_size(), offset)
-        if numel == 0:  # torch.frombuffer refuses an empty view
-            return torch.empty(shape, dtype=dtype)
-        with warnings.catch_warnings():
+        # A normal tensor even when made under torch.inference_mode (vLLM runs execute_model in it): an
+        # inference tensor may not be written outside that mode, and other threads (the flusher, a
+        # materialize on a pool thread) write these views.
+        with warnings.catch_warnings(), torch.inference_mode(False):
+            if numel == 0:  # torch.frombuffer refuses an empty view
+                return torch.empty(shape, dtype=dtype)
             # Read-only maps: torch warns that the buffer is not writable. The
             # mapping is PROT_READ, so a stray write faults instead of
             # corrupting the shared pool; readers only ever copy out of it.
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self.mmap, dtype=dtype, count=numel, offset=offset)
-        return flat.view(shape)
+            return torch.frombuffer(self.mmap, dtype=dtype, count=numel, offset=offset).view(shape)
 
     def prefault(self) -> float:
         """Fault every page in now (creation time) so first writes do not; returns seconds."""

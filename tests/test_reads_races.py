@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import omnishm.client.reads as reads_mod
+import omnishm.client.writes as writes_mod
 from helpers import loud
 from manager_helpers import Part, aborted, expect, extended, finished, quick_config, rows, save, small_config, started
 from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
@@ -55,6 +56,22 @@ class Gate:
         return gated
 
 
+def same_step_hit_in_transit(m) -> tuple[Gate, int]:
+    """Block 0 holds an earlier tenant's rows (tag 5), committed. Then a writes blocks 0-1 and b hits
+    block 0 in the same step, whose write the returned gate holds (in transit). Returns (gate, step id)."""
+    m.new_step_starts([started("z", [0])])
+    m.discard_step(save(m, [Part("z", 5, [0], 0, 4)], BS))
+    m.new_step_starts([finished("z")])
+    m.wait_idle()
+    gate = Gate()
+    real = m._link.submit
+    m._link.submit = gate.wrap(real)
+    m.new_step_starts([started("a", [0, 1]), started("b", [0, 2], hit=4)])
+    sid = save(m, [Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
+    m._link.submit = real  # later sends go straight out
+    return gate, sid
+
+
 def land_right_after_copy(monkeypatch, m, gate):
     """After materialize's pool copy (torch.index_select in reads.py), let the held write land,
     and wait until the committer marked it committed, before the code checks the commit table.
@@ -85,15 +102,7 @@ def land_right_after_copy(monkeypatch, m, gate):
 def test_writer_never_serves_a_row_that_landed_during_its_copy(mgr, monkeypatch):
     """Immediate key, same-step hit (supported: test_same_step_hit_reads_rows_written_in_that_step)."""
     m = mgr()
-    # Block 0 first holds content of tag 5 (an earlier tenant), committed.
-    m.new_step_starts([started("z", [0])])
-    m.discard_step(save(m, [Part("z", 5, [0], 0, 4)], BS))
-    m.new_step_starts([finished("z")])
-    m.wait_idle()
-    gate = Gate()
-    m._link.submit = gate.wrap(m._link.submit)  # step write of the next step is held (in transit)
-    m.new_step_starts([started("a", [0, 1]), started("b", [0, 2], hit=4)])
-    sid = save(m, [Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
+    gate, sid = same_step_hit_in_transit(m)
     calls = land_right_after_copy(monkeypatch, m, gate)
     out = m.materialize(sid, ["b"])
     assert calls, "no copy of in-transit rows"
@@ -317,3 +326,52 @@ def test_writer_serves_a_hit_whose_rows_are_part_rescued_and_part_landed_during_
     assert landed, "the interleaving did not happen"
     assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 2, mm=True))
     assert torch.equal(out.hidden_states["b"], expect(1, 4, 1, 4, 2))
+
+
+def test_writer_serves_a_hit_rescued_while_its_reading_thread_was_inside_the_step_source(mgr, monkeypatch):
+    """A review (2026-12-04) found the writer refusing a hit it had rescued: "slot reused ... and no
+    copy-on-write rescue", every time with this interleaving.
+
+    b hits block 0 in the step that writes it (a's rows, held in transit). A pool thread materializes b:
+    under the state lock it finds the step's row source alive and no rescue, then copies from the source.
+    Meanwhile the write lands (the source dies) and the engine thread's next save hands block 0 to c: it
+    rescues b's planned rows first, then claims the slot again. Back from the copy, the thread sees a dead
+    source and a moved claim; the rows are in the rescue and must be served from it."""
+    m = mgr()
+    gate, sid1 = same_step_hit_in_transit(m)
+    kv = m._keys[HIDDEN_KEY]
+    planned = int(kv.claim[0])
+    inside = threading.Event()
+    real_take = writes_mod.RowSource.take
+
+    def take(self, want, read):
+        rows = real_take(self, want, read)
+        if threading.current_thread().name == "mat" and not inside.is_set():
+            inside.set()
+            gate.open.set()  # the step's write lands now
+            deadline = time.monotonic() + 10
+            while int(kv.claim[0]) == planned:  # until the engine thread rescued and claimed block 0 again
+                assert time.monotonic() < deadline, "the engine thread never claimed block 0 again"
+                time.sleep(0.001)
+        return rows
+
+    monkeypatch.setattr(writes_mod.RowSource, "take", take)
+    result: dict = {}
+
+    def mat():
+        try:
+            result["out"] = m.materialize(sid1, ["b"])
+        except Exception as exc:  # noqa: BLE001 - handed to the assertion below
+            result["exc"] = exc
+
+    t = threading.Thread(target=mat, name="mat")
+    t.start()
+    assert inside.wait(10)
+    m.new_step_starts([finished("a"), aborted("b"), started("c", [0])])
+    sid2 = save(m, [Part("c", 9, [0], 0, 4)], BS)
+    t.join(20)
+    assert not t.is_alive()
+    m.discard_step(sid2)
+    assert m.counters["cow_rescues"] >= 4
+    assert "exc" not in result, f"the writer refused a read it had rescued: {result.get('exc')}"
+    assert torch.equal(result["out"].hidden_states["b"], expect(1, 4, 1, 4, 3))

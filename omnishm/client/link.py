@@ -304,7 +304,7 @@ class CommitterLink(LinkAttach):
 
         ``timeout_s`` (default ``request_timeout_s``) bounds the whole call: the wait for in-flight room
         and the wait for the reply together."""
-        timeout_s = timeout_s or self.request_timeout_s
+        timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         fut = self.submit(make, room_timeout_s=timeout_s)
         try:

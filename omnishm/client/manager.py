@@ -125,7 +125,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         its acknowledgement marker (``WriterSide._await_step_write``)."""
         self._ops: DeviceOps | None = device_ops
         self._registrations: list[HostRegistration] = []
-        self._pin_count = torch.zeros(config.num_slots, dtype=torch.int32)
+        with torch.inference_mode(False):  # counted on any thread: never an inference tensor (see shm.Segment.tensor)
+            self._pin_count = torch.zeros(config.num_slots, dtype=torch.int32)
         self.counters: dict[str, float] = {k: 0.0 for k in (
             "steps_saved", "hit_tokens", "hit_rows_served", "rows_served", "cow_rescues", "unmatch_errors",
             "save_seconds", "materialize_seconds", "staging_waits", "deferred_flushes", "budget_flushes",
@@ -278,9 +279,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                                 f"max_num_batched_tokens (OMNISHM_STAGING_CAPACITY_TOKENS; the vLLM integration "
                                 f"derives it)",
                                 step_id=step_id)
-        if int(num_tokens_padded) < n or write_layout.num_tokens != n:
-            raise self._unmatch(f"token accounting: unpadded={n}, padded={num_tokens_padded}, "
-                                f"layout rows={write_layout.num_tokens}", step_id=step_id)
+        writes = self._check_layout(write_layout, n, int(num_tokens_padded), step_id)
         slots = write_layout.slots
         if slots.dtype is not torch.int64:  # torch dtypes are singletons
             slots = slots.to(torch.int64)
@@ -299,11 +298,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             if lo < 0 or hi >= self.config.num_slots:
                 raise self._unmatch(f"write layout has slots outside [0, {self.config.num_slots}) "
                                     f"(min {lo}, max {hi})", step_id=step_id)
-        writes = [w for w in write_layout.writes if w.num_tokens > 0]
         starts = [w.token_start for w in writes]
         counts = [w.num_tokens for w in writes]
-        if self.is_writer and writes:
-            self._check_write_order(writes, n, step_id)
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         if self._ops is None:
             self._ops = ops_for(list(immediate.values()) + list(deferred.values()) +
@@ -320,8 +316,12 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 leftover_events.append(event)
         freeze_event = ops.record_freeze()
         if self.is_writer:
-            for key, rows in itertools.chain(immediate.items(), deferred.items()):
-                self._ensure_key(key, rows)
+            try:
+                for key, rows in itertools.chain(immediate.items(), deferred.items()):
+                    self._ensure_key(key, rows)
+            except Exception:
+                self._burn_step(step_id)
+                raise
         self._join_previous_write()
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
                       spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
@@ -502,8 +502,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                     try:
                         t.done.result(timeout=self.config.commit_timeout_s)
                     except Exception as exc:  # logged: shutdown must finish detaching
-                        logger.warning("cache %s: deferred write %d not flushed at shutdown: %s",
-                                       self.cache, t.tid, exc)
+                        why = str(exc) or f"{type(exc).__name__}: no answer in {self.config.commit_timeout_s:.1f}s"
+                        logger.warning("cache %s: deferred write %d unflushed at shutdown: %s", self.cache, t.tid, why)
                 try:
                     self._join_previous_write()
                 except OmniPrefixCacheUnmatchError as exc:
@@ -580,7 +580,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
 
     def _set_fatal(self, reason: str, *, step_id: StepId | None = None, req_id: ReqId | None = None,
                    key: TensorName | None = None) -> OmniPrefixCacheUnmatchError:
-        """Record the first failed write as the sticky error (later ones are only returned); any thread."""
+        """Record a failed write as the sticky error unless one is already recorded (later ones are only
+        returned; of two threads failing at once, one wins, unlocked, as either error is sticky); any thread."""
         err = self._unmatch(f"failed write (sticky; recreate the cache): {reason}", step_id=step_id, req_id=req_id,
                             key=key)
         if self._fatal is None:

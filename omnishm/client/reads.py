@@ -93,19 +93,27 @@ class ReadSide:
     @staticmethod
     def _check_out_buffers(ctx: StepCtx, req_ids: list[ReqId],
                            out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]]) -> None:
-        """Refuse a wrong ``out`` buffer before the step id is consumed."""
+        """Refuse a wrong ``out`` buffer before the step id is consumed (``TypeError``, ``ValueError``)."""
+        if not isinstance(out, Mapping):
+            raise TypeError(f"materialize out must map request ids to {{name: tensor}}, got {type(out).__name__}")
         for req in req_ids:
             span = ctx.hits.get(req)
             rows = (len(span.slots) if span is not None else 0) + ctx.spans[req][1]
-            for key, given in out.get(req, {}).items():
+            bufs = out.get(req, {})
+            if not isinstance(bufs, Mapping):
+                raise TypeError(f"materialize out[{req!r}] must map tensor names to tensors, got {type(bufs).__name__}")
+            for key, given in bufs.items():
                 step_rows = ctx.step_rows.get(key)
                 if step_rows is None:
                     raise ValueError(f"materialize out[{req!r}] names {key!r}, which this step did not save")
+                if not isinstance(given, torch.Tensor):
+                    raise TypeError(f"materialize out[{req!r}][{key!r}] must be a tensor, got {type(given).__name__}")
                 shape = (rows, *ctx.row_shapes[key])
                 if tuple(given.shape) != shape or given.dtype != step_rows.dtype or not given.is_contiguous() \
-                        or given.is_cuda:
+                        or given.device.type != "cpu":
                     raise ValueError(f"materialize out[{req!r}][{key!r}] must be a contiguous CPU tensor "
-                                     f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype}")
+                                     f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype} "
+                                     f"on {given.device}")
 
     def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId,
                   deadline: float) -> None:
@@ -192,6 +200,13 @@ class ReadSide:
                             break
                 claim = kv.claim[want]
                 if bool((claim != cv).any()):
+                    # The engine thread rescues a slot's rows before it claims the slot again, so a claim seen
+                    # moved here has its rescue in place now, though it may not have had when looked up above
+                    # (this thread was inside take meanwhile): look again before refusing.
+                    with self._lock:
+                        rescue = ctx.rescue.get(key) if ctx is not None else None
+                    if rescue is not None and any(rescue.get(s) is not None for s in want.tolist()):
+                        continue
                     raise self._unmatch(f"slot reused before the read (planned version {cv:#x}, now "
                                         f"{int(claim[claim != cv][0]):#x}) and no copy-on-write rescue",
                                         req_id=req, key=key, step_id=step_id)

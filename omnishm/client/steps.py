@@ -4,10 +4,11 @@ A ``StepCtx`` lives from the save that created its step id until that id is
 consumed; while it lives it pins its hit slots (copy-on-write rescue keeps
 the planned rows if the writer re-claims them) and, on the writer, holds its
 staging page. Owned by the manager; mutated under the manager's state lock.
-``StepLifecycle`` (a mixin of the manager, no state of its own) consumes a
-step id exactly once (``_take_ctx``), releases what its context holds
-(``_release_ctx``), and undoes a save that failed after it issued the id
-(``_abandon_step``).
+``StepLifecycle`` (a mixin of the manager, no state of its own) checks a
+save's write layout alike on every rank before the id is issued
+(``_check_layout``), consumes a step id exactly once (``_take_ctx``),
+releases what its context holds (``_release_ctx``), and undoes a save that
+failed after it issued the id (``_abandon_step``).
 """
 
 from __future__ import annotations
@@ -59,8 +60,51 @@ class StepCtx:
     it skips the step, and ``prefetch_done`` is dropped, since nothing will set it)."""
 
 
+_SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 class StepLifecycle:
-    """Taking, releasing and abandoning step contexts (mixin; all state lives in the manager)."""
+    """Checking a save's layout; taking, releasing and abandoning step contexts (mixin; all state lives in the
+    manager)."""
+
+    def _check_layout(self, write_layout: Any, n: int, padded: int, step_id: StepId) -> list[Any]:
+        """``save_outputs``' checks of its write layout; engine thread, no lock. Returns the writes with rows.
+
+        Made alike on every rank, writer and readers, before a step id is issued: a layout one rank
+        refused and another took would leave their step ids apart, and a reader would then read a
+        later step's claims as its own. Raises ``TypeError`` for slots that are not a 1-D integer
+        tensor, ``OmniPrefixCacheUnmatchError`` for a layout that disagrees with the token counts
+        or with itself: a negative count, a request twice, writes not contiguous from row 0 in batch
+        order (claim versions follow the writes' order, rows their ``token_start``).
+        """
+        slots = write_layout.slots
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES or slots.dim() != 1:
+            got = (f"{slots.dtype} of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor)
+                   else type(slots).__name__)
+            raise TypeError(f"write_layout.slots must be a 1-D integer tensor, got {got}")
+        if padded < n or slots.numel() != n:
+            raise self._unmatch(f"token accounting: unpadded={n}, padded={padded}, layout rows={slots.numel()}",
+                                step_id=step_id)
+        writes = []
+        seen: set[ReqId] = set()
+        row = 0
+        for w in write_layout.writes:
+            if w.num_tokens < 0 or w.req_id in seen:
+                why = "a negative token count" if w.num_tokens < 0 else "a second write"
+                raise self._unmatch(f"write layout: {why} for request {w.req_id!r}", req_id=w.req_id,
+                                    step_id=step_id)
+            seen.add(w.req_id)
+            if w.num_tokens:
+                if w.token_start != row:
+                    raise self._unmatch(f"write layout: request {w.req_id!r} starts at row {w.token_start}, "
+                                        f"expected {row} (writes must be contiguous from row 0, in batch order)",
+                                        req_id=w.req_id, step_id=step_id)
+                row += w.num_tokens
+                writes.append(w)
+        if row != n:
+            raise self._unmatch(f"write layout: writes cover {row} rows, slots {n} "
+                                "(writes must be contiguous from row 0)", step_id=step_id)
+        return writes
 
     def _wait_step_events(self, ctx: StepCtx) -> None:
         """materialize waits only the events of the step it reads, then sends the step if still unsent."""
@@ -114,11 +158,13 @@ class StepLifecycle:
         return ctx
 
     def _release_ctx(self, ctx: StepCtx) -> None:
-        if ctx.hits:  # only steps with hits are pinned (set before the step id was handed out)
-            with self._lock:
-                self._unpin_locked(ctx)
-        if ctx.page is not None and self._pages is not None:
-            self._pages.release(ctx.page, "ctx")
+        try:
+            if ctx.hits:  # only steps with hits are pinned (set before the step id was handed out)
+                with self._lock:
+                    self._unpin_locked(ctx)
+        finally:  # a consumed step's page is free whatever happened
+            if ctx.page is not None and self._pages is not None:
+                self._pages.release(ctx.page, "ctx")
 
     def _unpin_locked(self, ctx: StepCtx) -> None:
         """State lock held: the step's hit slots are no longer planned reads (copy-on-write stops

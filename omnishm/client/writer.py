@@ -57,8 +57,9 @@ class WriterSide:
         """A step's outputs as (immediate, deferred, leftover) by key; engine thread, no lock.
 
         Raises ``OmniPrefixCacheUnmatchError`` for hidden states of neither ``n`` nor ``padded`` rows,
-        ``TypeError`` for hidden states that are not a tensor and ``ValueError`` for an mm key that is
-        ``HIDDEN_KEY``.
+        ``TypeError`` for hidden states that are not a tensor or an mm key that is not a str, and
+        ``ValueError`` for an mm key that is ``HIDDEN_KEY``. Tensors that require grad are taken detached:
+        the copies of them must not join an autograd graph (the staging views would).
         """
         immediate: dict[TensorName, torch.Tensor] = {}
         deferred: dict[TensorName, torch.Tensor] = {}
@@ -69,10 +70,16 @@ class WriterSide:
             if hidden.dim() < 1 or hidden.shape[0] not in (n, padded):
                 raise self._unmatch(f"hidden_states has {tuple(hidden.shape)} rows; expected {n} or {padded}",
                                     key=HIDDEN_KEY, step_id=self._next_step)
+            if hidden.requires_grad:
+                hidden = hidden.detach()
             immediate[HIDDEN_KEY] = hidden if hidden.shape[0] == n else hidden[:n]
         for key, value in (mm or {}).items():
+            if type(key) is not str:
+                raise TypeError(f"mm_outputs keys must be str (tensor names), got {type(key).__name__} {key!r}")
             if key == HIDDEN_KEY:
                 raise ValueError(f"mm_outputs may not use the reserved key {HIDDEN_KEY!r}")
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value = value.detach()
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, padded) and n > 0:
                 rows = value if value.shape[0] == n else value[:n]
                 if self._policy.skip_immediate_mm(key):
@@ -111,19 +118,18 @@ class WriterSide:
                                 f"shape {kv.row_shape}", key=key, step_id=self._next_step)
         return kv
 
-    def _check_write_order(self, writes: list, n: int, step_id: StepId) -> None:
-        """Claim versions follow the writes' order and rows their token_start: both must agree (raises
-        ``OmniPrefixCacheUnmatchError`` otherwise). Engine thread."""
-        row = 0
-        for w in writes:
-            if w.token_start != row:
-                raise self._unmatch(f"write layout: request {w.req_id!r} starts at row {w.token_start}, "
-                                    f"expected {row} (writes must be contiguous from row 0, in batch order)",
-                                    req_id=w.req_id, step_id=step_id)
-            row += w.num_tokens
-        if row != n:
-            raise self._unmatch(f"write layout: writes cover {row} rows, slots {n} "
-                                "(writes must be contiguous from row 0)", step_id=step_id)
+    def _burn_step(self, step_id: StepId) -> None:
+        """Writer, engine thread: consume ``step_id`` unsaved, after a refusal only the writer can make.
+
+        The cache holds a key in another dtype or width, or the committer refused the key: the readers
+        know neither, took the same save and issued ``step_id``. Taking it here too, and publishing it
+        with nothing claimed (every earlier step's claims are stored), keeps the ranks counting alike,
+        so a reader never reads a later step's claims as this one's; its wait for the step ends at once.
+        """
+        self._next_step += 1
+        with self._lock:
+            self._consumed.add(step_id)
+        self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
 
     def _store_claims(self, step_id: StepId, counts: list[int], slots: torch.Tensor, slot_list: list[int] | None,
                       slots_np: np.ndarray | None, immediate: dict, deferred: dict) -> list[int]:

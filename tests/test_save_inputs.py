@@ -1,0 +1,210 @@
+"""save_outputs' inputs, as a review of 2026-12-04 found them: torch modes, refusals on every rank, types.
+
+Against a real committer. Every refused call is followed by saves and hits that must still be exact,
+and a TP reader beside the writer must keep counting step ids alike: a reader one id ahead of its
+writer reads a later step's claims as its own and serves another request's rows.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from manager_helpers import (BS, MM_WIDTH, Part, build, expect, finished, quick_config, rows, save, small_config,
+                             started)
+from omnishm.client import (ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError)
+from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
+
+
+def layout(writes, slots) -> PrefixCacheWriteLayout:
+    return PrefixCacheWriteLayout(tuple(PrefixCacheWrite(*w) for w in writes), torch.as_tensor(slots))
+
+
+def hit_round(m, materialize=None, tag: int = 1) -> None:
+    """a writes blocks 0-1, b hits block 0 a step later; b's rows must be exact; both finish."""
+    materialize = materialize or m.materialize
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", tag, [0, 1], 0, 8)], BS))
+    m.new_step_starts([started("b", [0, 2], hit=4)])
+    out = materialize(save(m, [Part("b", tag, [0, 2], 4, 3)], BS), ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(tag, 4, tag, 4, 3))
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(tag, 4, tag, 4, 3, mm=True))
+    m.new_step_starts([finished("a"), finished("b")])  # deferred writes close and flush here
+    m.wait_idle()
+
+
+def on_a_thread(m):
+    def materialize(sid, reqs):
+        got: dict = {}
+
+        def run():
+            try:
+                got["out"] = m.materialize(sid, reqs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                got["exc"] = exc
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(20)
+        assert not t.is_alive()
+        if "exc" in got:
+            raise got["exc"]
+        return got["out"]
+    return materialize
+
+
+@pytest.mark.parametrize("where", ["engine thread", "another thread"])
+def test_an_engine_thread_under_inference_mode(committer, where):
+    """vLLM runs execute_model under torch.inference_mode. The shared-memory views and the pin counts
+    were made there as inference tensors, which the flusher thread (a deferred key's rows, at a finish)
+    and a materialize on another thread may not write: the first deferred write failed, sticky."""
+    with torch.inference_mode():
+        m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    try:
+        m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+        for tag in (1, 2):
+            with torch.inference_mode():
+                hit_round(m, m.materialize if where == "engine thread" else on_a_thread(m), tag)
+        assert m.counters["deferred_flushes"] >= 2
+        assert m.unconsumed_step_ids() == []
+    finally:
+        m.shutdown()
+
+
+def test_outputs_that_require_grad_are_saved_detached(mgr):
+    """The staging copy of a tensor that requires grad joined the autograd graph, and every later
+    materialize raised a torch error about views modified in place."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8)], BS)
+    m.discard_step(m.save_outputs(h.requires_grad_(True), {k: v.requires_grad_(True) for k, v in mm.items()},
+                                  num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay))
+    m.new_step_starts([started("b", [0, 2], hit=4)])
+    out = m.materialize(save(m, [Part("b", 1, [0, 2], 4, 3)], BS), ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 1, 4, 3))
+    assert not out.hidden_states["b"].requires_grad
+    m.new_step_starts([finished("a"), finished("b")])
+    hit_round(m, tag=3)
+
+
+BAD_LAYOUTS = {
+    "gap": ([("g", 0, 2), ("y", 3, 1)], [40, 41, 42, 44]),
+    "overlap": ([("g", 0, 3), ("y", 2, 2)], [40, 41, 42, 44]),
+    "a request twice": ([("g", 0, 2), ("g", 2, 2)], [40, 41, 42, 43]),
+    "a negative count": ([("g", 0, 4), ("y", 4, -2)], [40, 41, 42, 43]),
+    "short cover": ([("g", 0, 2)], [40, 41, 42, 43]),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_LAYOUTS))
+def test_every_rank_refuses_a_bad_layout_and_the_ranks_keep_counting_alike(committer, bad):
+    """Only the writer checked the writes' order and coverage: a reader took the step and its ids ran one
+    ahead, so a late hit read found the next tenant's claim, 'not later than its step', and served its
+    rows. Duplicate requests and negative counts were taken by both ranks (one request's rows lost)."""
+    writes, slots = BAD_LAYOUTS[bad]
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        for m in (w, r):
+            m.new_step_starts([started("g", [10]), started("y", [11])])
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="write layout"):
+                m.save_outputs(rows(3, range(4)), {"feat": rows(503, range(4), MM_WIDTH)}, num_tokens_unpadded=4,
+                               num_tokens_padded=4, write_layout=layout(writes, slots))
+            m.new_step_starts([finished("g"), finished("y")])
+        assert_reader_follows(w, r)
+
+
+def test_a_key_only_the_writer_can_refuse_takes_the_step_id_on_the_writer_too(committer):
+    """The cache holds the hidden states as float32; a step of float64 ones is refused by the writer,
+    which knows the cache's layout, and taken by the reader, which does not. The writer consumes the id
+    anyway (published with nothing claimed), so the reader's ids stay its writer's."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        for m in (w, r):
+            m.new_step_starts([started("z", [12])])
+            m.discard_step(save(m, [Part("z", 5, [12], 0, 4)], BS))
+        h, mm, lay, n, _ = build([Part("g", 2, [10], 0, 4)], BS)
+        sids = {}
+        for m in (w, r):
+            m.new_step_starts([finished("z"), started("g", [10])])
+            try:
+                sids[m.role] = m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=n,
+                                              write_layout=lay)
+            except OmniPrefixCacheUnmatchError as exc:
+                assert m is w and "float64" in str(exc)
+        assert list(sids) == ["reader"]
+        r.discard_step(sids["reader"])  # its wait for the writer's publication ends at once
+        for m in (w, r):
+            m.new_step_starts([finished("g")])
+        assert_reader_follows(w, r)
+
+
+def assert_reader_follows(w, r) -> None:
+    """Both ranks save the same steps; the reader materializes b's hit late, after block 0 changed
+    tenant: it must raise, or serve a's rows, never the new tenant's."""
+    for m in (w, r):
+        m.new_step_starts([started("a", [0, 1])])
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))
+    sids = {}
+    for m in (w, r):
+        m.new_step_starts([started("b", [0, 2], hit=4)])
+        sids[m.role] = save(m, [Part("b", 1, [0, 2], 4, 3)], BS)
+    assert sids["writer"] == sids["reader"]
+    assert torch.equal(w.materialize(sids["writer"], ["b"]).hidden_states["b"], expect(1, 4, 1, 4, 3))
+    later = {}
+    for m in (w, r):
+        m.new_step_starts([finished("a"), finished("b"), started("c", [0])])
+        later[m.role] = save(m, [Part("c", 9, [0], 0, 4)], BS)
+    w.discard_step(later["writer"])
+    w.wait_idle()
+    try:
+        got = r.materialize(sids["reader"], ["b"]).hidden_states["b"]
+    except OmniPrefixCacheUnmatchError as exc:
+        assert "reused" in str(exc)
+    else:
+        assert torch.equal(got, expect(1, 4, 1, 4, 3)), "the reader served the new tenant's rows"
+    r.discard_step(later["reader"])
+    for m in (w, r):
+        m.new_step_starts([finished("c")])
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], torch.zeros(2, 2, dtype=torch.int64),
+                                   torch.tensor([0.0, 1.0, 2.0, 3.0])], ids=["list", "2-D", "float"])
+def test_slots_must_be_a_1d_integer_tensor(mgr, slots):
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    h, mm, lay, n, _ = build([Part("a", 1, [0], 0, 4)], BS)
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
+                       write_layout=PrefixCacheWriteLayout(lay.writes, slots))
+    m.new_step_starts([finished("a")])
+    hit_round(m)
+
+
+@pytest.mark.parametrize("key", [5, ("feat", 1)], ids=["int", "tuple"])
+def test_an_mm_key_that_is_not_a_str_is_a_type_error_at_once(mgr, key):
+    """It was sent to the committer, whose decode error has no request to answer: the save waited out
+    commit_timeout_s and then blamed the committer."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    h, mm, lay, n, _ = build([Part("a", 1, [0], 0, 4)], BS)
+    with pytest.raises(TypeError, match="keys must be str"):
+        m.save_outputs(h, {**mm, key: mm["feat"]}, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay)
+    m.new_step_starts([finished("a")])
+    hit_round(m)
+
+
+@pytest.mark.parametrize("out", [lambda ok: ["a"], lambda ok: {"a": None}, lambda ok: {"a": {"feat": [0.0]}},
+                                 lambda ok: {"a": {"feat": ok.to("meta")}}],
+                         ids=["not a mapping", "request None", "not a tensor", "meta device"])
+def test_materialize_refuses_bad_out_buffers_before_consuming_the_step(mgr, out):
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    sid = save(m, [Part("a", 1, [0], 0, 4)], BS)
+    with pytest.raises((TypeError, ValueError), match=r"materialize out"):
+        m.materialize(sid, ["a"], out=out(torch.empty(4, MM_WIDTH)))
+    assert torch.equal(m.materialize(sid, ["a"]).hidden_states["a"], rows(1, range(4)))
+    m.new_step_starts([finished("a")])
+    hit_round(m)
