@@ -208,3 +208,116 @@ def test_materialize_refuses_bad_out_buffers_before_consuming_the_step(mgr, out)
     assert torch.equal(m.materialize(sid, ["a"]).hidden_states["a"], rows(1, range(4)))
     m.new_step_starts([finished("a")])
     hit_round(m)
+
+
+# A second review (of 02aff1e) found the slots of a refused save keeping their previous tenant's claims.
+
+
+def z_holds_block_0(*ms) -> None:
+    """Block 0 holds an earlier tenant's rows (z, tag 5), committed, on every rank's count."""
+    for m in ms:
+        m.new_step_starts([started("z", [0])])
+        m.discard_step(save(m, [Part("z", 5, [0], 0, 4)], BS))
+    ms[0].wait_idle()
+
+
+def row_shaped(mm):
+    """feat rows of shape (3, 1): the dtype and width of the cache's (3,), another row shape."""
+    return {k: v.reshape(v.shape[0], MM_WIDTH, 1) for k, v in mm.items()}
+
+
+@pytest.mark.parametrize("refusal", ["dtype", "layout"])
+def test_a_hit_on_slots_of_a_refused_save_raises_instead_of_serving_their_previous_tenant(mgr, refusal):
+    """vLLM's KV cache holds the refused step's tokens all the same: the next step's hit on a's block 0
+    served z's rows (its claim still held). The refused save's slots are now absent."""
+    m = mgr()
+    z_holds_block_0(m)
+    h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8)], BS)
+    if refusal == "layout":
+        lay = PrefixCacheWriteLayout((PrefixCacheWrite("a", 1, 8),), lay.slots)
+    m.new_step_starts([finished("z"), started("a", [0, 1])])
+    with pytest.raises(OmniPrefixCacheUnmatchError):
+        m.save_outputs(h.double() if refusal == "dtype" else h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
+                       write_layout=lay)
+    m.new_step_starts([started("c", [0, 3], hit=4)])
+    sid = save(m, [Part("c", 1, [0, 3], 4, 2)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+        m.materialize(sid, ["c"])
+    m.new_step_starts([finished("a"), finished("c")])
+    hit_round(m, tag=4)
+
+
+def test_a_same_step_hit_in_a_step_only_the_writer_refused_is_refused_by_the_reader(committer):
+    """a writes blocks 0-1 and b hits block 0 in the same step; the writer refuses feat's row shape and
+    consumes the id. The reader took the step, and its read of b's hit served z's rows."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        z_holds_block_0(w, r)
+        h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
+        sids = {}
+        for m in (w, r):
+            m.new_step_starts([finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)])
+            try:
+                sids[m.role] = m.save_outputs(h, row_shaped(mm), num_tokens_unpadded=n, num_tokens_padded=n,
+                                              write_layout=lay)
+            except OmniPrefixCacheUnmatchError as exc:
+                assert m is w and "shape" in str(exc)
+        assert list(sids) == ["reader"]
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+            r.materialize(sids["reader"], ["b"])
+        for m in (w, r):
+            m.new_step_starts([finished("a"), finished("b")])
+        assert_reader_follows(w, r)
+
+
+def test_a_step_only_the_writer_refused_takes_its_planned_hits_on_every_rank(committer):
+    """The readers' save took b's planned hit; the writer's refusal left it pending, so the step saved next
+    served b a 4-token hit on the writer and none on the reader."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0, 1])])
+            m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))
+        w.wait_idle()
+        h, mm, lay, n, _ = build([Part("b", 1, [0, 2], 4, 3)], BS)
+        for m in (w, r):
+            m.new_step_starts([started("b", [0, 2], hit=4)])
+            try:
+                m.discard_step(m.save_outputs(h, row_shaped(mm), num_tokens_unpadded=n, num_tokens_padded=n,
+                                              write_layout=lay))
+            except OmniPrefixCacheUnmatchError:
+                assert m is w
+        hits = {m.role: m.materialize(save(m, [Part("b", 1, [0, 2], 4, 3)], BS), ["b"]).num_hit_tokens["b"]
+                for m in (w, r)}
+        assert hits == {"writer": 0, "reader": 0}
+        for m in (w, r):
+            m.new_step_starts([finished("a"), finished("b")])
+
+
+def test_an_interrupt_inside_the_writers_key_open_keeps_the_ranks_counting_alike(committer):
+    """A KeyboardInterrupt (not an Exception) while the writer opened a new key left the reader one id
+    ahead, and it then served the next tenant's rows."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        h, mm, lay, n, _ = build([Part("g", 2, [10], 0, 4)], BS)
+        real = w._link.request
+
+        def interrupted(make, *args, **kw):
+            raise KeyboardInterrupt
+
+        w._link.request = interrupted
+        for m in (w, r):
+            m.new_step_starts([started("g", [10])])
+            try:
+                m.discard_step(m.save_outputs(h, {**mm, "interrupted_key": mm["feat"]}, num_tokens_unpadded=n,
+                                              num_tokens_padded=n, write_layout=lay))
+            except KeyboardInterrupt:
+                assert m is w
+        w._link.request = real
+        assert w._next_step == r._next_step
+        for m in (w, r):
+            m.new_step_starts([finished("g")])
+        assert_reader_follows(w, r)

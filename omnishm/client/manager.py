@@ -267,8 +267,20 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         ``discard_step``. Waits (unlocked) for the previous step's immediate
         writes and for a free staging page; raises
         ``OmniPrefixCacheStagingTimeoutError`` when none frees in time, and
-        ``OmniPrefixCacheUnmatchError`` for a step larger than the page.
+        ``OmniPrefixCacheUnmatchError`` for a step larger than the page. A save refused before its id
+        is issued leaves the slots of its layout absent on the writer (``_forget_refused``).
         """
+        before = self._next_step
+        try:
+            return self._save_outputs(hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, write_layout)
+        except BaseException:
+            if self.is_writer and self._next_step == before and self._fatal is None and not self._closed:
+                self._forget_refused(write_layout)
+            raise
+
+    def _save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
+                      num_tokens_unpadded: int, num_tokens_padded: int, write_layout: "PrefixCacheWriteLayout"
+                      ) -> StepId:
         t0 = time.perf_counter()
         self._check_usable()
         n = int(num_tokens_unpadded)
@@ -319,8 +331,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             try:
                 for key, rows in itertools.chain(immediate.items(), deferred.items()):
                     self._ensure_key(key, rows)
-            except Exception:
-                self._burn_step(step_id)
+            except BaseException:
+                self._burn_step(step_id, write_layout)
                 raise
         self._join_previous_write()
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
