@@ -8,6 +8,7 @@ writer reads a later step's claims as its own and serves another request's rows.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -126,19 +127,27 @@ def test_a_key_only_the_writer_can_refuse_takes_the_step_id_on_the_writer_too(co
             m.new_step_starts([started("z", [12])])
             m.discard_step(save(m, [Part("z", 5, [12], 0, 4)], BS))
         h, mm, lay, n, _ = build([Part("g", 2, [10], 0, 4)], BS)
-        sids = {}
-        for m in (w, r):
-            m.new_step_starts([finished("z"), started("g", [10])])
-            try:
-                sids[m.role] = m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=n,
-                                              write_layout=lay)
-            except OmniPrefixCacheUnmatchError as exc:
-                assert m is w and "float64" in str(exc)
-        assert list(sids) == ["reader"]
-        r.discard_step(sids["reader"])  # its wait for the writer's publication ends at once
+        sid = save_where_only_the_writer_refuses(w, r, [finished("z"), started("g", [10])], h.double(), mm, lay,
+                                                 OmniPrefixCacheUnmatchError, "float64")
+        r.discard_step(sid)  # its wait for the writer's publication ends at once
         for m in (w, r):
             m.new_step_starts([finished("g")])
         assert_reader_follows(w, r)
+
+
+def save_where_only_the_writer_refuses(w, r, events, hidden, mm, lay, refused: type, says: str) -> int:
+    """Both ranks start the step and save it; the writer refuses (``refused``, saying ``says``), the reader
+    takes it. Returns the reader's step id."""
+    sids = {}
+    for m in (w, r):
+        m.new_step_starts(events)
+        try:
+            sids[m.role] = m.save_outputs(hidden, mm, num_tokens_unpadded=lay.num_tokens,
+                                          num_tokens_padded=lay.num_tokens, write_layout=lay)
+        except refused as exc:
+            assert m is w and says in str(exc)
+    assert list(sids) == ["reader"]
+    return sids["reader"]
 
 
 def assert_reader_follows(w, r) -> None:
@@ -176,7 +185,7 @@ def test_slots_must_be_a_1d_integer_tensor(mgr, slots):
     m = mgr()
     m.new_step_starts([started("a", [0])])
     h, mm, lay, n, _ = build([Part("a", 1, [0], 0, 4)], BS)
-    with pytest.raises(TypeError, match="1-D integer tensor"):
+    with pytest.raises(TypeError, match="dense 1-D integer tensor"):
         m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
                        write_layout=PrefixCacheWriteLayout(lay.writes, slots))
     m.new_step_starts([finished("a")])
@@ -255,17 +264,11 @@ def test_a_same_step_hit_in_a_step_only_the_writer_refused_is_refused_by_the_rea
             OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
         z_holds_block_0(w, r)
         h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
-        sids = {}
-        for m in (w, r):
-            m.new_step_starts([finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)])
-            try:
-                sids[m.role] = m.save_outputs(h, row_shaped(mm), num_tokens_unpadded=n, num_tokens_padded=n,
-                                              write_layout=lay)
-            except OmniPrefixCacheUnmatchError as exc:
-                assert m is w and "shape" in str(exc)
-        assert list(sids) == ["reader"]
+        sid = save_where_only_the_writer_refuses(
+            w, r, [finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)], h, row_shaped(mm), lay,
+            OmniPrefixCacheUnmatchError, "shape")
         with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
-            r.materialize(sids["reader"], ["b"])
+            r.materialize(sid, ["b"])
         for m in (w, r):
             m.new_step_starts([finished("a"), finished("b")])
         assert_reader_follows(w, r)
@@ -321,3 +324,111 @@ def test_an_interrupt_inside_the_writers_key_open_keeps_the_ranks_counting_alike
         for m in (w, r):
             m.new_step_starts([finished("g")])
         assert_reader_follows(w, r)
+
+
+# A third review (of 74c514a): slots it skipped or cleared too widely, and refusals past the checks.
+
+
+def hit_on_block_0_refuses_or_is_exact(m) -> None:
+    """c hits block 0, which vLLM now holds as a's: the read raises "absent" (a's rows never landed)."""
+    m.new_step_starts([started("c", [0, 3], hit=4)])
+    sid = save(m, [Part("c", 1, [0, 3], 4, 2)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+        m.materialize(sid, ["c"])
+
+
+@pytest.mark.parametrize("form", ["list", "2-D", "float"])
+def test_slots_of_the_wrong_type_are_still_cleared_when_the_save_is_refused(mgr, form):
+    m = mgr()
+    z_holds_block_0(m)
+    h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8)], BS)
+    bad = {"list": lay.slots.tolist(), "2-D": lay.slots[:, None], "float": lay.slots.double()}[form]
+    m.new_step_starts([finished("z"), started("a", [0, 1])])
+    with pytest.raises(TypeError):
+        m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
+                       write_layout=PrefixCacheWriteLayout(lay.writes, bad))
+    hit_on_block_0_refuses_or_is_exact(m)
+    m.new_step_starts([finished("a"), finished("c")])
+    hit_round(m, tag=6)
+
+
+def test_meta_slots_are_a_type_error_and_leave_the_cache_usable(mgr):
+    """They passed the type check and turned the cache sticky-fatal when clearing them failed."""
+    m = mgr()
+    m.new_step_starts([started("a", [1])])
+    h, mm, lay, n, _ = build([Part("a", 1, [1], 0, 4)], BS)
+    with pytest.raises(TypeError, match="dense 1-D integer tensor"):
+        m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
+                       write_layout=PrefixCacheWriteLayout(lay.writes, lay.slots.to("meta")))
+    m.new_step_starts([finished("a")])
+    hit_round(m, tag=7)
+
+
+def test_a_refused_save_clears_only_the_slots_of_its_rows(mgr):
+    """Slots longer than the step (a whole persistent buffer) name other requests' slots past its rows:
+    clearing them made z's still valid rows absent."""
+    m = mgr()
+    m.new_step_starts([started("z", [5])])
+    m.discard_step(save(m, [Part("z", 5, [5], 0, 4)], BS))
+    m.wait_idle()
+    h, mm, lay, n, _ = build([Part("a", 1, [0], 0, 4)], BS)
+    m.new_step_starts([started("a", [0])])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="token accounting"):
+        m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
+                       write_layout=PrefixCacheWriteLayout(lay.writes, torch.cat([lay.slots, torch.arange(20, 24)])))
+    m.new_step_starts([started("c", [5, 6], hit=4)])
+    out = m.materialize(save(m, [Part("c", 5, [5, 6], 4, 2)], BS), ["c"])
+    assert torch.equal(out.hidden_states["c"], expect(5, 4, 5, 4, 2))
+    m.new_step_starts([finished("z"), finished("a"), finished("c")])
+
+
+@pytest.mark.parametrize("where", ["join", "staging page"])
+def test_an_interrupt_in_the_writers_waits_keeps_the_ranks_counting_alike(committer, where):
+    """The engine thread sleeps in the join of the previous step's write and in the staging page's wait;
+    an interrupt there left the reader one id ahead, and it then served the next tenant's rows."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        owner, name = (w, "_join_previous_write") if where == "join" else (w._pages, "claim")
+        real = getattr(owner, name)
+
+        def interrupted(*args, **kw):
+            setattr(owner, name, real)
+            raise KeyboardInterrupt
+
+        setattr(owner, name, interrupted)
+        h, mm, lay, n, _ = build([Part("g", 2, [10], 0, 4)], BS)
+        for m in (w, r):
+            m.new_step_starts([started("g", [10])])
+            try:
+                m.discard_step(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay))
+            except KeyboardInterrupt:
+                assert m is w
+        assert w._next_step == r._next_step
+        for m in (w, r):
+            m.new_step_starts([finished("g")])
+        assert_reader_follows(w, r)
+
+
+def test_a_failed_clearing_still_publishes_the_step_the_writer_refused(committer):
+    """When making the slots absent fails inside a writer-only refusal, the cache turns fatal, and the
+    step must still be taken and published: the reader's materialize waited out commit_timeout_s."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        z_holds_block_0(w, r)
+
+        def broken(slots):
+            raise RuntimeError("injected: the rescue failed")
+
+        w._rescue_before_claim = broken
+        h, mm, lay, n, _ = build([Part("g", 2, [0], 0, 4)], BS)
+        sid = save_where_only_the_writer_refuses(w, r, [finished("z"), started("g", [0])], h.double(), mm, lay,
+                                                 RuntimeError, "injected")
+        del w._rescue_before_claim
+        assert w._next_step == r._next_step and w._fatal is not None
+        t0 = time.monotonic()
+        out = r.materialize(sid, ["g"])  # waits for the writer's publication of the step
+        assert time.monotonic() - t0 < 2.0
+        assert torch.equal(out.hidden_states["g"], h.double())
+        r.new_step_starts([finished("g")])

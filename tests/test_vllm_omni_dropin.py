@@ -336,3 +336,23 @@ def test_a_negative_span_and_a_malformed_output_are_what_vllm_omni_makes_of_them
     finally:
         ours.shutdown()
         theirs.shutdown()
+
+
+def test_a_save_the_dropin_refuses_leaves_its_slots_absent(committer_factory):
+    """A review (2026-12-04): the drop-in refused short hidden states itself, before omnishm's save, so the
+    slots the refused step was to write kept z's claim, and c's hit on a's block served z's rows."""
+    ours, theirs, view = managers(committer_factory(), 8, 32)
+    try:
+        ours.new_step_starts(_step(view, [("z", 0, [0], 16)], new=(("z", 0, [0]),)))
+        ours.discard_step(ours.save_outputs(torch.randn(16, 8), {}, num_tokens_unpadded=16, num_tokens_padded=16))
+        ours.manager.wait_idle()
+        ours.new_step_starts(_step(view, [("a", 0, [0], 16)], new=(("a", 0, [0]),), finished=("z",)))
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="hidden_states has"):
+            ours.save_outputs(torch.randn(8, 8), {}, num_tokens_unpadded=16, num_tokens_padded=16)
+        ours.new_step_starts(_step(view, [("c", 16, [0, 2], 2)], new=(("c", 16, [0, 2]),)))
+        sid = ours.save_outputs(torch.randn(2, 8), {}, num_tokens_unpadded=2, num_tokens_padded=2)
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="absent"):
+            ours.materialize(sid, ["c"])
+    finally:
+        ours.shutdown()
+        theirs.shutdown()

@@ -6,7 +6,8 @@ the planned rows if the writer re-claims them) and, on the writer, holds its
 staging page. Owned by the manager; mutated under the manager's state lock.
 ``StepLifecycle`` (a mixin of the manager, no state of its own) checks a
 save's write layout alike on every rank before the id is issued
-(``_check_layout``), consumes a step id exactly once (``_take_ctx``),
+(``_check_layout``), consumes the id of a save refused past those checks
+(``_burn_step``), consumes a step id exactly once (``_take_ctx``),
 releases what its context holds (``_release_ctx``), and undoes a save that
 failed after it issued the id (``_abandon_step``).
 """
@@ -21,8 +22,10 @@ from typing import Any
 
 import torch
 
+from omnishm import protocol as P
 from omnishm.client.writes import RowSource
 from omnishm.interface import ReqId, StepId, TensorName
+from omnishm.versions import make_cv
 
 
 @dataclass
@@ -78,10 +81,11 @@ class StepLifecycle:
         order (claim versions follow the writes' order, rows their ``token_start``).
         """
         slots = write_layout.slots
-        if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES or slots.dim() != 1:
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES or slots.dim() != 1 \
+                or slots.layout is not torch.strided or slots.is_meta:
             got = (f"{slots.dtype} of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor)
                    else type(slots).__name__)
-            raise TypeError(f"write_layout.slots must be a 1-D integer tensor, got {got}")
+            raise TypeError(f"write_layout.slots must be a dense 1-D integer tensor, got {got}")
         if padded < n or slots.numel() != n:
             raise self._unmatch(f"token accounting: unpadded={n}, padded={padded}, layout rows={slots.numel()}",
                                 step_id=step_id)
@@ -105,6 +109,29 @@ class StepLifecycle:
             raise self._unmatch(f"write layout: writes cover {row} rows, slots {n} "
                                 "(writes must be contiguous from row 0)", step_id=step_id)
         return writes
+
+    def _burn_step(self, step_id: StepId, write_layout: Any, n: int) -> None:
+        """Consume ``step_id`` unsaved, for a save refused past the checks every rank makes; engine thread.
+
+        A refusal from there on may be this rank's alone (a key only the writer can refuse, a staging
+        timeout, an interrupt in a wait) while the other ranks took the save and issued ``step_id``.
+        Taking it here too, with the planned hits of its requests that their save took, keeps the ranks
+        counting alike: a reader one id ahead of its writer would read a later step's claims as its own.
+        The writer first makes the step's slots absent (``_forget_refused``), then publishes the step so
+        that its readers' waits for it end at once, also when clearing failed (the cache is then fatal).
+        """
+        try:
+            if self.is_writer and self._fatal is None:
+                self._forget_refused(write_layout, n)
+        finally:
+            with self._lock:
+                for w in write_layout.writes:
+                    if w.num_tokens > 0:  # what a save takes (a 0-token request's hit waits for its next step)
+                        self._pending_hits.pop(w.req_id, None)
+                self._consumed.add(step_id)
+            self._next_step += 1
+            if self.is_writer:
+                self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
 
     def _wait_step_events(self, ctx: StepCtx) -> None:
         """materialize waits only the events of the step it reads, then sends the step if still unsent."""

@@ -118,44 +118,34 @@ class WriterSide:
                                 f"shape {kv.row_shape}", key=key, step_id=self._next_step)
         return kv
 
-    def _burn_step(self, step_id: StepId, write_layout: Any) -> None:
-        """Writer, engine thread: consume ``step_id`` unsaved, after a refusal only the writer can make.
+    def _forget_refused(self, write_layout: Any, num_tokens: Any) -> None:
+        """Writer, engine thread: the slots of a refused save become absent in every key.
 
-        The cache holds a key in another dtype, width or row shape, or the committer refused the key:
-        the readers know none of it, took the same save and issued ``step_id``. Taking it here too keeps
-        the ranks counting alike, so a reader never reads a later step's claims as this one's. Before the
-        step is published (its readers' waits end at once), its slots are made absent
-        (``_forget_refused``), and its requests' planned hits are dropped, as the readers' save took them.
+        vLLM's KV cache holds the refused step's tokens all the same, and a later hit on them must raise
+        ("absent"), not serve the rows of their previous tenant, whose claims still hold. Copy-on-write
+        first keeps the rows that planned reads need. Only the first ``num_tokens`` entries are the step's
+        slots (a longer tensor's tail names other requests' slots); entries that are no slot id (not
+        integral, outside the pool, a layout that is no tensor of numbers) name nothing to clear and are
+        skipped. When clearing itself fails, the cache turns sticky-fatal: it could no longer vouch for
+        those slots.
         """
-        self._forget_refused(write_layout)
-        with self._lock:
-            for w in write_layout.writes:
-                if w.num_tokens > 0:  # what a save takes (a 0-token request's hit waits for its next step)
-                    self._pending_hits.pop(w.req_id, None)
-            self._consumed.add(step_id)
-        self._next_step += 1
-        self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
-
-    def _forget_refused(self, write_layout: Any) -> None:
-        """Writer, engine thread: the slots of a save refused before its step id was issued become absent.
-
-        vLLM's KV cache holds the refused step's tokens at those slots all the same, and a later hit on
-        them must raise ("absent"), not serve the rows of their previous tenant, whose claims still hold.
-        Copy-on-write first keeps the rows that planned reads need. Slots that are not a 1-D integer
-        tensor name no slot we could clear, and those outside the pool none at all: both are skipped.
-        When clearing fails, the cache turns sticky-fatal (it could no longer vouch for those slots).
-        """
-        slots = getattr(write_layout, "slots", None)
-        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype.is_floating_point \
-                or slots.dtype.is_complex or slots.dtype is torch.bool or not self._keys:
+        try:
+            slots = torch.as_tensor(getattr(write_layout, "slots", None))
+            if slots.dtype is torch.bool or slots.is_complex():
+                return
+            slots = slots.reshape(-1)[:max(int(num_tokens), 0)].to("cpu")
+            if slots.is_floating_point():
+                slots = slots[slots == slots.round()]
+            slots = slots.to(torch.int64)
+            slots = slots[(slots >= 0) & (slots < self.config.num_slots)]
+        except Exception:  # noqa: BLE001 - slots that cannot be read name no slot to clear
+            return
+        if not len(slots) or not self._keys:
             return
         try:
-            slots = slots.to("cpu", torch.int64)
-            slots = slots[(slots >= 0) & (slots < self.config.num_slots)]
-            if len(slots):
-                self._rescue_before_claim(slots)
-                for kv in self._keys.values():
-                    kv.claim_np[slots.numpy()] = 0
+            self._rescue_before_claim(slots)
+            for kv in self._keys.values():
+                kv.claim_np[slots.numpy()] = 0
         except BaseException as exc:
             self._set_fatal(f"the slots of a refused save could not be made absent: {exc!r}")
             raise

@@ -210,10 +210,6 @@ class VllmOmniPrefixCacheManager:
                 slots = self._ours.step_slots_cpu([counts[r] for r in order])
         else:
             slots = self._view.step_slots_cpu(order, counts)
-        if int(slots.numel()) != n:
-            raise self._vo.OmniPrefixCacheUnmatchError(
-                f"slot mapping covers {int(slots.numel())} of {n} scheduled tokens; CPU-side slot derivation "
-                "out of sync with the batch")
         rows: dict[str, torch.Tensor] = {}
         leftover: dict[str, Any] = {}
         for key, value in (mm_outputs or {}).items():
@@ -225,10 +221,10 @@ class VllmOmniPrefixCacheManager:
                 leftover[key] = value
         hidden = None
         if self._hidden and hidden_states is not None and n:
-            if hidden_states.dim() < 2 or hidden_states.shape[0] < n:
-                raise self._vo.OmniPrefixCacheUnmatchError(
-                    f"hidden_states has {int(hidden_states.shape[0]) if hidden_states.dim() else 0} rows, need {n}")
-            hidden = hidden_states[:n]
+            # Too few rows, or slots that disagree with n, are the manager's to refuse: a refused save's slots
+            # must become absent (a later hit on them would serve their previous tenant's rows).
+            enough = hidden_states.dim() >= 2 and hidden_states.shape[0] >= n
+            hidden = hidden_states[:n] if enough else hidden_states
         leftover, event = _snapshot(leftover)
         with self._errors():
             sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=n, num_tokens_padded=padded,
