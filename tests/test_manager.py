@@ -299,10 +299,10 @@ def test_dtype_or_width_mismatch_raises_clearly(mgr):
                        write_layout=layout)
 
 
-def test_hidden_states_that_are_not_a_tensor_are_refused_without_burning_a_step_id(mgr):
+def test_hidden_states_that_are_not_a_tensor_are_refused_up_front(mgr):
     """REVIEW (2026-12-04): a pipeline stage's forward returns IntermediateTensors; handed to save_outputs
-    they failed deep inside with an AttributeError. Refused up front with the type named, and the step id
-    is not spent: the next save still gets it."""
+    they failed deep inside with an AttributeError. Refused up front with the type named; the step id is
+    taken all the same, as every refused save's is (so a TP rank refusing alone keeps counting alike)."""
     m = mgr()
     m.new_step_starts([started("a", [0, 1])])
     _, mm, layout, n, _ = __import__("manager_helpers").build([Part("a", 1, [0, 1], 0, 2)], BS)
@@ -312,7 +312,7 @@ def test_hidden_states_that_are_not_a_tensor_are_refused_without_burning_a_step_
 
     with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor, got IntermediateTensors"):
         m.save_outputs(IntermediateTensors(), mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
-    assert save(m, [Part("a", 1, [0, 1], 0, 2)], BS) == 0
+    assert save(m, [Part("a", 1, [0, 1], 0, 2)], BS) == 1
 
 
 def test_failed_write_is_fatal_and_sticky(committer_factory):

@@ -351,7 +351,7 @@ def test_discard_and_exactly_once_errors_propagate(runner):
     so = sched(cached=[("a", 3, [])], counts={"a": 1})
     r.prefix_cache_step_begin(so)
     r._update_states(so)
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="num_tokens_unpadded=2"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="token accounting: unpadded=2"):
         r.prefix_cache_save(torch.zeros((2, WIDTH)), None, 2, 2, so)
     assert r.prefix_cache_manager.unconsumed_step_ids() == []
 
@@ -533,3 +533,22 @@ def test_a_name_set_without_an_endpoint_is_that_cache_own_socket_whatever_omnish
         r.prefix_cache_discard(sid)
     finally:
         r.prefix_cache_shutdown()
+
+
+def test_a_save_the_token_accounting_refuses_leaves_its_slots_absent(runner):
+    """The mixin checked the token accounting before it built the layout, so omnishm's save never saw the
+    refused step's slots: a's block 0 kept z's claim, and c's hit on it served z's rows (a review)."""
+    r = runner()
+    r.tags.update(z=5, a=1, c=1)
+    _, s0 = r.execute_model(sched(new=[("z", 0, [0])], counts={"z": 4}))
+    r.prefix_cache_discard(s0)
+    r.prefix_cache_manager.wait_idle()
+    so = sched(new=[("a", 0, [0, 1])], finished=["z"], counts={"a": 4})
+    r.prefix_cache_step_begin(so)
+    r._update_states(so)
+    h, mm, n, pad = r._forward(so, 0)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="token accounting"):
+        r.prefix_cache_save(h[:3], {"feat": mm["feat"][:3]}, 3, 3, so)  # the runner's count is off by one
+    _, sid = r.execute_model(sched(new=[("c", 4, [0, 2])], finished=["a"], counts={"c": 1}))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+        r.prefix_cache_materialize(sid)

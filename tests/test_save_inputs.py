@@ -364,9 +364,11 @@ def test_meta_slots_are_a_type_error_and_leave_the_cache_usable(mgr):
     hit_round(m, tag=7)
 
 
-def test_a_refused_save_clears_only_the_slots_of_its_rows(mgr):
-    """Slots longer than the step (a whole persistent buffer) name other requests' slots past its rows:
-    clearing them made z's still valid rows absent."""
+def test_a_refused_save_clears_every_slot_its_layout_names(mgr):
+    """Slots that disagree with the step's row count: which of them vLLM wrote is unknown, so all are
+    cleared (a needless clear costs a later hit a refusal, a missed one a wrong row). A review found the
+    vllm-omni drop-in's slots, all of them this step's, cut to the row count, and a hit on the rest
+    served their previous tenant's rows."""
     m = mgr()
     m.new_step_starts([started("z", [5])])
     m.discard_step(save(m, [Part("z", 5, [5], 0, 4)], BS))
@@ -377,9 +379,32 @@ def test_a_refused_save_clears_only_the_slots_of_its_rows(mgr):
         m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
                        write_layout=PrefixCacheWriteLayout(lay.writes, torch.cat([lay.slots, torch.arange(20, 24)])))
     m.new_step_starts([started("c", [5, 6], hit=4)])
-    out = m.materialize(save(m, [Part("c", 5, [5, 6], 4, 2)], BS), ["c"])
-    assert torch.equal(out.hidden_states["c"], expect(5, 4, 5, 4, 2))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+        m.materialize(save(m, [Part("c", 5, [5, 6], 4, 2)], BS), ["c"])
     m.new_step_starts([finished("z"), finished("a"), finished("c")])
+    hit_round(m, tag=8)
+
+
+def test_a_refused_save_takes_its_step_id_on_every_rank_whatever_refused_it(committer):
+    """An interrupt before the first check (here in the writer's split of its outputs) left the reader one
+    id ahead, and it then served the next tenant's rows."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        real = w._split_outputs
+
+        def interrupted(*args, **kw):
+            w._split_outputs = real
+            raise KeyboardInterrupt
+
+        w._split_outputs = interrupted
+        h, mm, lay, n, _ = build([Part("g", 2, [10], 0, 4)], BS)
+        sid = save_where_only_the_writer_refuses(w, r, [started("g", [10])], h, mm, lay, KeyboardInterrupt, "")
+        r.discard_step(sid)
+        assert w._next_step == r._next_step
+        for m in (w, r):
+            m.new_step_starts([finished("g")])
+        assert_reader_follows(w, r)
 
 
 @pytest.mark.parametrize("where", ["join", "staging page"])

@@ -338,21 +338,41 @@ def test_a_negative_span_and_a_malformed_output_are_what_vllm_omni_makes_of_them
         theirs.shutdown()
 
 
-def test_a_save_the_dropin_refuses_leaves_its_slots_absent(committer_factory):
+@pytest.mark.parametrize("case", ["short hidden states", "row count off"])
+def test_a_save_the_dropin_refuses_leaves_its_slots_absent(committer_factory, case):
     """A review (2026-12-04): the drop-in refused short hidden states itself, before omnishm's save, so the
-    slots the refused step was to write kept z's claim, and c's hit on a's block served z's rows."""
-    ours, theirs, view = managers(committer_factory(), 8, 32)
+    refused step's slots kept their previous tenant's claims and a hit on them served its rows; and when n
+    disagreed with the scheduled counts, only n of the slots were cleared, though all are this step's."""
+    ours, theirs, view = managers(committer_factory(), 8, 64)
     try:
-        ours.new_step_starts(_step(view, [("z", 0, [0], 16)], new=(("z", 0, [0]),)))
-        ours.discard_step(ours.save_outputs(torch.randn(16, 8), {}, num_tokens_unpadded=16, num_tokens_padded=16))
+        ours.new_step_starts(_step(view, [("z", 0, [0], 16), ("y", 0, [1], 16)], new=(("z", 0, [0]), ("y", 0, [1]))))
+        ours.discard_step(ours.save_outputs(torch.randn(32, 8), {}, num_tokens_unpadded=32, num_tokens_padded=32))
         ours.manager.wait_idle()
-        ours.new_step_starts(_step(view, [("a", 0, [0], 16)], new=(("a", 0, [0]),), finished=("z",)))
-        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="hidden_states has"):
-            ours.save_outputs(torch.randn(8, 8), {}, num_tokens_unpadded=16, num_tokens_padded=16)
-        ours.new_step_starts(_step(view, [("c", 16, [0, 2], 2)], new=(("c", 16, [0, 2]),)))
+        ours.new_step_starts(_step(view, [("a", 0, [0], 16), ("b", 0, [1], 16)], new=(("a", 0, [0]), ("b", 0, [1])),
+                                   finished=("z", "y")))
+        hidden, n, says = ((torch.randn(8, 8), 32, "hidden_states has") if case == "short hidden states"
+                           else (torch.randn(32, 8), 16, "token accounting"))
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match=says):
+            ours.save_outputs(hidden, {}, num_tokens_unpadded=n, num_tokens_padded=32)
+        ours.new_step_starts(_step(view, [("c", 16, [1, 2], 2)], new=(("c", 16, [1, 2]),)))
         sid = ours.save_outputs(torch.randn(2, 8), {}, num_tokens_unpadded=2, num_tokens_padded=2)
         with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="absent"):
             ours.materialize(sid, ["c"])
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_one_dimensional_hidden_states_are_refused_and_leave_the_key_alone(committer_factory):
+    """vllm-omni refuses them; after a refactor the drop-in passed them on, and the cache then held the
+    hidden states at width 1, refusing every later save."""
+    ours, theirs, view = managers(committer_factory(), 8, 64)
+    try:
+        ours.new_step_starts(_step(view, [("a", 0, [0], 16)], new=(("a", 0, [0]),)))
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="hidden_states has shape"):
+            ours.save_outputs(torch.randn(16), {}, num_tokens_unpadded=16, num_tokens_padded=16)
+        ours.new_step_starts(_step(view, [("b", 0, [1], 16)], new=(("b", 0, [1]),), finished=("a",)))
+        ours.discard_step(ours.save_outputs(torch.randn(16, 8), {}, num_tokens_unpadded=16, num_tokens_padded=16))
     finally:
         ours.shutdown()
         theirs.shutdown()

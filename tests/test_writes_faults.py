@@ -172,7 +172,7 @@ def test_writes_out_of_batch_order_are_refused(committer):
         with pytest.raises(OmniPrefixCacheUnmatchError, match="starts at row 4, expected 0") as err:
             m.save_outputs(hidden, {}, num_tokens_unpadded=6, num_tokens_padded=6, write_layout=layout)
         assert "request='b'" in str(err.value)
-        assert m._next_step == next_step and all(kv.claim[:6].eq(0).all() for kv in m._keys.values())
+        assert m._next_step == next_step + 1 and all(kv.claim[:6].eq(0).all() for kv in m._keys.values())
     finally:
         m.shutdown()
 

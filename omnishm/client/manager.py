@@ -267,24 +267,23 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         ``discard_step``. Waits (unlocked) for the previous step's immediate
         writes and for a free staging page; raises
         ``OmniPrefixCacheStagingTimeoutError`` when none frees in time, and
-        ``OmniPrefixCacheUnmatchError`` for a step larger than the page. A save refused by the
-        checks every rank makes takes no step id; one refused later (a timeout, a key only the writer
-        refuses, an interrupt) takes it all the same (``_burn_step``). Either way the slots of its layout
-        become absent on the writer (``_forget_refused``).
+        ``OmniPrefixCacheUnmatchError`` for a step larger than the page. A refused save takes its step
+        id all the same, on every rank, unless the cache is fatal, shut down or disconnected
+        (``_burn_step``): a refusal may be one rank's alone. Its slots become absent on the writer.
         """
-        before = self._next_step
+        self._check_usable()  # a fatal, closed or disconnected cache takes no step id
+        step_id = self._next_step
         try:
             return self._save_outputs(hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, write_layout)
         except BaseException:
-            if self.is_writer and self._next_step == before and self._fatal is None and not self._closed:
-                self._forget_refused(write_layout, num_tokens_unpadded)
+            if self._next_step == step_id:  # refused before the id was issued: it is taken all the same
+                self._burn_step(step_id, write_layout)
             raise
 
     def _save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                       num_tokens_unpadded: int, num_tokens_padded: int, write_layout: "PrefixCacheWriteLayout"
                       ) -> StepId:
         t0 = time.perf_counter()
-        self._check_usable()
         n = int(num_tokens_unpadded)
         step_id = self._next_step
         if n > self.config.staging_capacity_tokens:
@@ -315,38 +314,32 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         starts = [w.token_start for w in writes]
         counts = [w.num_tokens for w in writes]
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
-        # Past the checks every rank makes: a refusal from here on (a key only the writer can refuse, a
-        # staging timeout, an interrupt in a wait) still takes the step id, so the ranks count alike.
-        try:
-            if self._ops is None:
-                self._ops = ops_for(list(immediate.values()) + list(deferred.values()) +
-                                    [v for v in leftover.values() if isinstance(v, torch.Tensor)])
-            ops = self._ops
-            # Freeze first: the live (graph) buffers may be overwritten once this call returns.
-            immediate = {k: ops.freeze(v) for k, v in immediate.items()}
-            if deferred:
-                deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone()) for k, v in deferred.items()}
-            leftover_events = []
-            for k, v in list(leftover.items()):
-                if isinstance(v, torch.Tensor):
-                    leftover[k], event = ops.leftover(v)
-                    leftover_events.append(event)
-            freeze_event = ops.record_freeze()
-            if self.is_writer:
-                for key, rows in itertools.chain(immediate.items(), deferred.items()):
-                    self._ensure_key(key, rows)
-            self._join_previous_write()
-            ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
-                          spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
-                          leftover=leftover, leftover_events=leftover_events, freeze_event=freeze_event)
-            for key, v in itertools.chain(immediate.items(), deferred.items()):
-                ctx.row_shapes[key] = tuple(v.shape[1:])
-            assert self._pages is not None
-            ctx.page = self._pages.claim(step_id, self.config.staging_claim_timeout_s,
-                                         holds=("ctx", "write") if self.is_writer else ("ctx",))
-        except BaseException:
-            self._burn_step(step_id, write_layout, n)
-            raise
+        if self._ops is None:
+            self._ops = ops_for(list(immediate.values()) + list(deferred.values()) +
+                                [v for v in leftover.values() if isinstance(v, torch.Tensor)])
+        ops = self._ops
+        # Freeze first: the live (graph) buffers may be overwritten once this call returns.
+        immediate = {k: ops.freeze(v) for k, v in immediate.items()}
+        if deferred:
+            deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone()) for k, v in deferred.items()}
+        leftover_events = []
+        for k, v in list(leftover.items()):
+            if isinstance(v, torch.Tensor):
+                leftover[k], event = ops.leftover(v)
+                leftover_events.append(event)
+        freeze_event = ops.record_freeze()
+        if self.is_writer:
+            for key, rows in itertools.chain(immediate.items(), deferred.items()):
+                self._ensure_key(key, rows)
+        self._join_previous_write()
+        ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
+                      spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
+                      leftover=leftover, leftover_events=leftover_events, freeze_event=freeze_event)
+        for key, v in itertools.chain(immediate.items(), deferred.items()):
+            ctx.row_shapes[key] = tuple(v.shape[1:])
+        assert self._pages is not None
+        ctx.page = self._pages.claim(step_id, self.config.staging_claim_timeout_s,
+                                     holds=("ctx", "write") if self.is_writer else ("ctx",))
         self._next_step += 1
         try:
             self.counters["staging_waits"] = float(self._pages.waits)

@@ -38,11 +38,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
-from omnishm.client.group_view import (
-    FullAttentionGroupView,
-    check_prefix_cache_token_accounting,
-    stage_prefix_cache_config,
-)
+from omnishm.client.group_view import FullAttentionGroupView, stage_prefix_cache_config
 from omnishm.interface import (
     ModelCachePolicy,
     ReqId,
@@ -338,8 +334,9 @@ class PrefixCacheRunnerMixin:
         if manager is None or _total_scheduled(scheduler_output) == 0:
             return None
         counts: Mapping[ReqId, int] = scheduler_output.num_scheduled_tokens
-        check_prefix_cache_token_accounting(num_tokens_unpadded, num_tokens_padded, counts)
         view = FullAttentionGroupView(self.input_batch, self._prefix_cache_block_size)  # type: ignore[attr-defined]
+        # Token accounting is save_outputs' to refuse (check_prefix_cache_token_accounting's rules), once
+        # it holds the layout: the slots of a refused step must become absent.
         layout = PrefixCacheSchedulerAdapter.build_write_layout(view, counts)
         step_id = manager.save_outputs(hidden_states, dict(mm_outputs) if mm_outputs is not None else None,
                                        num_tokens_unpadded=int(num_tokens_unpadded),

@@ -6,8 +6,8 @@ the planned rows if the writer re-claims them) and, on the writer, holds its
 staging page. Owned by the manager; mutated under the manager's state lock.
 ``StepLifecycle`` (a mixin of the manager, no state of its own) checks a
 save's write layout alike on every rank before the id is issued
-(``_check_layout``), consumes the id of a save refused past those checks
-(``_burn_step``), consumes a step id exactly once (``_take_ctx``),
+(``_check_layout``), consumes the id of a refused save (``_burn_step``),
+consumes a step id exactly once (``_take_ctx``),
 releases what its context holds (``_release_ctx``), and undoes a save that
 failed after it issued the id (``_abandon_step``).
 """
@@ -110,24 +110,28 @@ class StepLifecycle:
                                 "(writes must be contiguous from row 0)", step_id=step_id)
         return writes
 
-    def _burn_step(self, step_id: StepId, write_layout: Any, n: int) -> None:
-        """Consume ``step_id`` unsaved, for a save refused past the checks every rank makes; engine thread.
+    def _burn_step(self, step_id: StepId, write_layout: Any) -> None:
+        """Consume ``step_id`` unsaved: ``save_outputs`` refused it before issuing it. Engine thread.
 
-        A refusal from there on may be this rank's alone (a key only the writer can refuse, a staging
-        timeout, an interrupt in a wait) while the other ranks took the save and issued ``step_id``.
-        Taking it here too, with the planned hits of its requests that their save took, keeps the ranks
-        counting alike: a reader one id ahead of its writer would read a later step's claims as its own.
-        The writer first makes the step's slots absent (``_forget_refused``), then publishes the step so
-        that its readers' waits for it end at once, also when clearing failed (the cache is then fatal).
+        A refusal may be this rank's alone (a key only the writer can refuse, a staging timeout, an
+        interrupt in a wait) while the other ranks took the same save and issued ``step_id``. Taking it
+        on every rank, whatever refused it, with the planned hits of its requests that their save took,
+        keeps the ranks counting alike: a reader whose ids ran ahead of or behind its writer's would read
+        another step's claims as its own step's. The writer first makes the layout's slots absent
+        (``_forget_refused``), then publishes the step so that its readers' waits for it end at once,
+        also when clearing failed (the cache is then sticky-fatal).
         """
         try:
             if self.is_writer and self._fatal is None:
-                self._forget_refused(write_layout, n)
+                self._forget_refused(write_layout)
         finally:
             with self._lock:
-                for w in write_layout.writes:
-                    if w.num_tokens > 0:  # what a save takes (a 0-token request's hit waits for its next step)
-                        self._pending_hits.pop(w.req_id, None)
+                try:
+                    for w in write_layout.writes:
+                        if w.num_tokens > 0:  # what a save takes (a 0-token request's hit waits for its next)
+                            self._pending_hits.pop(w.req_id, None)
+                except Exception:  # noqa: BLE001 - a layout refused as malformed names no request reliably
+                    pass
                 self._consumed.add(step_id)
             self._next_step += 1
             if self.is_writer:

@@ -56,7 +56,7 @@ class WriterSide:
                        ) -> tuple[dict[TensorName, torch.Tensor], dict[TensorName, torch.Tensor], dict[TensorName, Any]]:
         """A step's outputs as (immediate, deferred, leftover) by key; engine thread, no lock.
 
-        Raises ``OmniPrefixCacheUnmatchError`` for hidden states of neither ``n`` nor ``padded`` rows,
+        Raises ``OmniPrefixCacheUnmatchError`` for hidden states not 2-D of ``n`` or ``padded`` rows,
         ``TypeError`` for hidden states that are not a tensor or an mm key that is not a str, and
         ``ValueError`` for an mm key that is ``HIDDEN_KEY``. Tensors that require grad are taken detached:
         the copies of them must not join an autograd graph (the staging views would).
@@ -67,9 +67,9 @@ class WriterSide:
         if hidden is not None and self._policy.hidden_key is not None:
             if not isinstance(hidden, torch.Tensor):  # e.g. IntermediateTensors of a pipeline stage
                 raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden).__name__}")
-            if hidden.dim() < 1 or hidden.shape[0] not in (n, padded):
-                raise self._unmatch(f"hidden_states has {tuple(hidden.shape)} rows; expected {n} or {padded}",
-                                    key=HIDDEN_KEY, step_id=self._next_step)
+            if hidden.dim() < 2 or hidden.shape[0] not in (n, padded):
+                raise self._unmatch(f"hidden_states has shape {tuple(hidden.shape)}; expected ({n} or {padded}, "
+                                    f"hidden size)", key=HIDDEN_KEY, step_id=self._next_step)
             if hidden.requires_grad:
                 hidden = hidden.detach()
             immediate[HIDDEN_KEY] = hidden if hidden.shape[0] == n else hidden[:n]
@@ -118,22 +118,22 @@ class WriterSide:
                                 f"shape {kv.row_shape}", key=key, step_id=self._next_step)
         return kv
 
-    def _forget_refused(self, write_layout: Any, num_tokens: Any) -> None:
+    def _forget_refused(self, write_layout: Any) -> None:
         """Writer, engine thread: the slots of a refused save become absent in every key.
 
         vLLM's KV cache holds the refused step's tokens all the same, and a later hit on them must raise
         ("absent"), not serve the rows of their previous tenant, whose claims still hold. Copy-on-write
-        first keeps the rows that planned reads need. Only the first ``num_tokens`` entries are the step's
-        slots (a longer tensor's tail names other requests' slots); entries that are no slot id (not
-        integral, outside the pool, a layout that is no tensor of numbers) name nothing to clear and are
-        skipped. When clearing itself fails, the cache turns sticky-fatal: it could no longer vouch for
-        those slots.
+        first keeps the rows that planned reads need. Every slot id the layout names is cleared, also past
+        its row count: a slot cleared needlessly costs a later hit a refusal, one left out a wrong row.
+        Entries that are no slot id (not integral, outside the pool, a layout that is no tensor of
+        numbers) are skipped. When clearing itself fails, the cache turns sticky-fatal: it could no
+        longer vouch for those slots.
         """
         try:
             slots = torch.as_tensor(getattr(write_layout, "slots", None))
             if slots.dtype is torch.bool or slots.is_complex():
                 return
-            slots = slots.reshape(-1)[:max(int(num_tokens), 0)].to("cpu")
+            slots = slots.reshape(-1).to("cpu")
             if slots.is_floating_point():
                 slots = slots[slots == slots.round()]
             slots = slots.to(torch.int64)
