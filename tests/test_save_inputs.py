@@ -435,9 +435,10 @@ def test_an_interrupt_in_the_writers_waits_keeps_the_ranks_counting_alike(commit
         assert_reader_follows(w, r)
 
 
-def test_a_failed_clearing_still_publishes_the_step_the_writer_refused(committer):
-    """When making the slots absent fails inside a writer-only refusal, the cache turns fatal, and the
-    step must still be taken and published: the reader's materialize waited out commit_timeout_s."""
+def test_a_failed_rescue_still_clears_and_publishes_the_step_the_writer_refused(committer):
+    """When the copy-on-write before clearing fails inside a writer-only refusal, the cache turns fatal,
+    and the step must still be taken, cleared and published: the reader's materialize waited out
+    commit_timeout_s, and (a fourth review) a reader's same-step hit served the slot's previous tenant."""
     cfg = small_config(commit_timeout_s=5.0)
     with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
             OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
@@ -447,13 +448,39 @@ def test_a_failed_clearing_still_publishes_the_step_the_writer_refused(committer
             raise RuntimeError("injected: the rescue failed")
 
         w._rescue_before_claim = broken
-        h, mm, lay, n, _ = build([Part("g", 2, [0], 0, 4)], BS)
-        sid = save_where_only_the_writer_refuses(w, r, [finished("z"), started("g", [0])], h.double(), mm, lay,
-                                                 RuntimeError, "injected")
+        h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
+        sid = save_where_only_the_writer_refuses(
+            w, r, [finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)], h, row_shaped(mm), lay,
+            OmniPrefixCacheUnmatchError, "shape")
         del w._rescue_before_claim
-        assert w._next_step == r._next_step and w._fatal is not None
+        assert w._next_step == r._next_step and "copy-on-write" in str(w._fatal)
         t0 = time.monotonic()
-        out = r.materialize(sid, ["g"])  # waits for the writer's publication of the step
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+            r.materialize(sid, ["b"])  # waits for the writer's publication of the step, then finds no rows
         assert time.monotonic() - t0 < 2.0
-        assert torch.equal(out.hidden_states["g"], h.double())
-        r.new_step_starts([finished("g")])
+        r.new_step_starts([finished("a"), finished("b")])
+
+
+def test_a_writer_turning_fatal_inside_a_refused_save_still_clears_its_slots(committer):
+    """A fourth review: the join of the previous step's write failed inside the save (the cache turns
+    sticky-fatal), the step was taken and published without clearing its slots, and the reader's
+    same-step hit served their previous tenant's rows."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        z_holds_block_0(w, r)
+        real = w._join_previous_write
+
+        def lost():
+            w._join_previous_write = real
+            raise w._set_fatal("previous step's writes were lost (injected)")
+
+        w._join_previous_write = lost
+        h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
+        sid = save_where_only_the_writer_refuses(
+            w, r, [finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)], h, mm, lay,
+            OmniPrefixCacheUnmatchError, "lost")
+        assert w._fatal is not None and w._next_step == r._next_step
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+            r.materialize(sid, ["b"])
+        r.new_step_starts([finished("a"), finished("b")])

@@ -118,12 +118,15 @@ class StepLifecycle:
         on every rank, whatever refused it, with the planned hits of its requests that their save took,
         keeps the ranks counting alike: a reader whose ids ran ahead of or behind its writer's would read
         another step's claims as its own step's. The writer first makes the layout's slots absent
-        (``_forget_refused``), then publishes the step so that its readers' waits for it end at once,
-        also when clearing failed (the cache is then sticky-fatal).
+        (``_forget_refused``, also on a fatal cache), then publishes the step so that its readers' waits
+        for it end at once; not when the slots could not be cleared (its readers then wait out their
+        bound and raise, rather than read the slots' previous tenant for a same-step hit).
         """
+        cleared = not self.is_writer
         try:
-            if self.is_writer and self._fatal is None:
+            if self.is_writer:
                 self._forget_refused(write_layout)
+                cleared = True
         finally:
             with self._lock:
                 try:
@@ -134,7 +137,7 @@ class StepLifecycle:
                     pass
                 self._consumed.add(step_id)
             self._next_step += 1
-            if self.is_writer:
+            if self.is_writer and cleared:
                 self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
 
     def _wait_step_events(self, ctx: StepCtx) -> None:

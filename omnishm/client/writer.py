@@ -126,8 +126,9 @@ class WriterSide:
         first keeps the rows that planned reads need. Every slot id the layout names is cleared, also past
         its row count: a slot cleared needlessly costs a later hit a refusal, one left out a wrong row.
         Entries that are no slot id (not integral, outside the pool, a layout that is no tensor of
-        numbers) are skipped. When clearing itself fails, the cache turns sticky-fatal: it could no
-        longer vouch for those slots.
+        numbers) are skipped. The slots are cleared also on a fatal cache and when the rescue failed (the
+        cache then turns sticky-fatal): its readers may still read the refused step. Raises only when the
+        slots could not be cleared (or on an interrupt); the caller must then not publish the step.
         """
         try:
             slots = torch.as_tensor(getattr(write_layout, "slots", None))
@@ -143,12 +144,19 @@ class WriterSide:
         if not len(slots) or not self._keys:
             return
         try:
-            self._rescue_before_claim(slots)
-            for kv in self._keys.values():
-                kv.claim_np[slots.numpy()] = 0
-        except BaseException as exc:
-            self._set_fatal(f"the slots of a refused save could not be made absent: {exc!r}")
-            raise
+            if self._fatal is None:  # a fatal cache serves no later read of its own: nothing to keep
+                self._rescue_before_claim(slots)
+        except Exception as exc:  # noqa: BLE001 - the refusal is what the caller hears; the cache is fatal
+            self._set_fatal(f"copy-on-write before clearing a refused save's slots failed: {exc!r}")
+        finally:
+            # Also when the rescue failed or the cache is fatal: its readers may still read the refused
+            # step, and an absent slot only ever makes a read raise.
+            try:
+                for kv in self._keys.values():
+                    kv.claim_np[slots.numpy()] = 0
+            except BaseException as exc:
+                self._set_fatal(f"the slots of a refused save could not be made absent: {exc!r}")
+                raise
 
     def _store_claims(self, step_id: StepId, counts: list[int], slots: torch.Tensor, slot_list: list[int] | None,
                       slots_np: np.ndarray | None, immediate: dict, deferred: dict) -> list[int]:
