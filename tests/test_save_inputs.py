@@ -329,7 +329,7 @@ def test_an_interrupt_inside_the_writers_key_open_keeps_the_ranks_counting_alike
 # A third review (of 74c514a): slots it skipped or cleared too widely, and refusals past the checks.
 
 
-def hit_on_block_0_refuses_or_is_exact(m) -> None:
+def hit_on_block_0_is_absent(m) -> None:
     """c hits block 0, which vLLM now holds as a's: the read raises "absent" (a's rows never landed)."""
     m.new_step_starts([started("c", [0, 3], hit=4)])
     sid = save(m, [Part("c", 1, [0, 3], 4, 2)], BS)
@@ -347,7 +347,7 @@ def test_slots_of_the_wrong_type_are_still_cleared_when_the_save_is_refused(mgr,
     with pytest.raises(TypeError):
         m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
                        write_layout=PrefixCacheWriteLayout(lay.writes, bad))
-    hit_on_block_0_refuses_or_is_exact(m)
+    hit_on_block_0_is_absent(m)
     m.new_step_starts([finished("a"), finished("c")])
     hit_round(m, tag=6)
 

@@ -274,18 +274,18 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._check_usable()  # a fatal, closed or disconnected cache takes no step id
         step_id = self._next_step
         try:
-            return self._save_outputs(hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, write_layout)
+            return self._save_outputs(step_id, hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded,
+                                      write_layout)
         except BaseException:
             if self._next_step == step_id:  # refused before the id was issued: it is taken all the same
                 self._burn_step(step_id, write_layout)
             raise
 
-    def _save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
+    def _save_outputs(self, step_id: StepId, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                       num_tokens_unpadded: int, num_tokens_padded: int, write_layout: "PrefixCacheWriteLayout"
                       ) -> StepId:
         t0 = time.perf_counter()
         n = int(num_tokens_unpadded)
-        step_id = self._next_step
         if n > self.config.staging_capacity_tokens:
             raise self._unmatch(f"step of {n} tokens exceeds staging_capacity_tokens="
                                 f"{self.config.staging_capacity_tokens}: size the staging page to the engine's "

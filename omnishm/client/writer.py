@@ -152,8 +152,9 @@ class WriterSide:
             # Also when the rescue failed or the cache is fatal: its readers may still read the refused
             # step, and an absent slot only ever makes a read raise.
             try:
+                index = slots.numpy()
                 for kv in self._keys.values():
-                    kv.claim_np[slots.numpy()] = 0
+                    kv.claim_np[index] = 0
             except BaseException as exc:
                 self._set_fatal(f"the slots of a refused save could not be made absent: {exc!r}")
                 raise
