@@ -7,10 +7,11 @@ import signal
 import pytest
 import torch
 
-from manager_helpers import Part, aborted, expect, extended, finished, quick_config, rows, save, started
+from manager_helpers import Part, aborted, build, expect, extended, finished, quick_config, rows, save, started
 from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
                             OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError)
 from omnishm.client.adapter import PrefixCacheEventKind as K, PrefixCacheRequestEvent as E
+from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
 
 BS = 4
 
@@ -354,3 +355,42 @@ def test_materialize_fills_preallocated_outputs(mgr):
     with pytest.raises(ValueError, match="must be a contiguous CPU tensor"):
         m.materialize(sid, ["b"], out={"b": {HIDDEN_KEY: torch.empty((2, 8))}})
     m.discard_step(sid)
+
+
+def test_materialize_fills_preallocated_outputs_of_a_request_with_no_rows_this_step(mgr):
+    # A write of 0 tokens is a valid layout entry; its buffers are (0, width). Viewing one as (0, -1)
+    # raised a torch error after the step id was consumed, and every request's results were lost.
+    m = mgr()
+    m.new_step_starts([started("a", [0]), started("z", [1])])
+    h, mm, _, _, _ = build([Part("a", 1, [0], 0, 4)], BS)
+    layout = PrefixCacheWriteLayout((PrefixCacheWrite("a", 0, 4), PrefixCacheWrite("z", 4, 0)),
+                                    torch.arange(4, dtype=torch.int64))
+    sid = m.save_outputs(h, mm, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
+    bufs = {"z": {HIDDEN_KEY: torch.empty((0, 8)), "feat": torch.empty((0, 3))}}
+    out = m.materialize(sid, ["a", "z"], out=bufs)
+    assert out.hidden_states["z"].shape == (0, 8) and out.mm_outputs["z"]["feat"].shape == (0, 3)
+    assert torch.equal(out.hidden_states["a"], expect(1, 0, 1, 0, 4))
+    assert m.unconsumed_step_ids() == []
+
+
+def test_an_interrupt_right_after_materialize_took_its_step_still_frees_the_page_and_pins(mgr, monkeypatch):
+    # materialize consumed the id, then computed its deadline outside its try: a KeyboardInterrupt there
+    # (SIGINT) kept the step's staging page and hit pins for good, and with all pages held every later
+    # save timed out telling the caller to consume ids that were already consumed.
+    m = mgr(staging_depth=2)
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))
+    for i in range(2):
+        m.new_step_starts([started(f"b{i}", [0, 2 + i], hit=4)])
+        sid = save(m, [Part(f"b{i}", 2, [0, 2 + i], 4, 2)], BS)
+
+        def interrupted() -> float:
+            raise KeyboardInterrupt
+        monkeypatch.setattr(m, "_deadline", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            m.materialize(sid, [f"b{i}"])
+        monkeypatch.undo()
+    m.wait_idle()
+    assert m._pages.in_use() == 0 and not m._pinned and int(m._pin_count.sum()) == 0
+    m.new_step_starts([started("c", [5])])
+    m.discard_step(save(m, [Part("c", 3, [5], 0, 4)], BS))

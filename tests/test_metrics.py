@@ -218,3 +218,22 @@ def test_client_counters_are_checked_before_they_are_kept(committer):
         assert me["counters"]["steps_saved"] == 101.0 and len(me["counters"]) == MAX_COUNTERS
     finally:
         raw.close()
+
+
+def test_staging_pages_in_use_drops_when_the_steps_are_consumed(committer_factory):
+    # The gauge was set at each save only, so it kept the last save's pages after they were consumed.
+    port = free_port()
+    handle = committer_factory("--metrics-port", str(port), "--heartbeat-s", "0.1")
+    writer = OmniPrefixCacheManager(config(), cache=handle.name, autostart=False)
+    try:
+        sids = []
+        for step in range(2):
+            writer.new_step_starts([started("a", [0, 1, 2])] if step == 0 else [extended("a", 4)])
+            sids.append(save(writer, [Part("a", 1, [0, 1, 2], 4 * step, 4)], BS))
+        wait_for(port, "two pages held", lambda m: value(m, "omnishm_client_staging_pages_in_use", role="writer") == 2)
+        for sid in sids:
+            writer.discard_step(sid)
+        writer.wait_idle()
+        wait_for(port, "no page held", lambda m: value(m, "omnishm_client_staging_pages_in_use", role="writer") == 0)
+    finally:
+        writer.shutdown()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 from concurrent.futures import Future
 
 import pytest
@@ -73,30 +72,26 @@ def same_step_hit_in_transit(m) -> tuple[Gate, int]:
 
 
 def land_right_after_copy(monkeypatch, m, gate):
-    """After materialize's pool copy (torch.index_select in reads.py), let the held write land,
+    """After materialize's pool copy (gather_rows in reads.py), let the held write land,
     and wait until the committer marked it committed, before the code checks the commit table.
     This only chooses an interleaving the real threads can produce."""
-    real = torch.index_select
+    real = reads_mod.gather_rows
     calls = []
 
-    def index_select(src, dim, index, *, out=None):
-        r = real(src, dim, index, out=out)
-        kv = next(k for k in m._keys.values() if k.pool is src)
+    def gather_rows(pool, index, out):
+        real(pool, index, out)
+        kv = next(k for k in m._keys.values() if k.pool is pool)
         if bool((kv.commit[index] == kv.claim[index]).all()):
-            return r  # nothing in transit: not the interleaving we want
+            return  # nothing in transit: not the interleaving we want
         calls.append((kv.key, index.clone()))  # copied while IN_TRANSIT
         gate.open.set()
         deadline = time.monotonic() + 5
         while not bool((kv.commit[index] == kv.claim[index]).all()):
             assert time.monotonic() < deadline, "write never landed"
             time.sleep(0.001)
-        return r
 
-    proxy = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
-    proxy.index_select = index_select
-    monkeypatch.setattr(reads_mod, "torch", proxy)
+    monkeypatch.setattr(reads_mod, "gather_rows", gather_rows)
     return calls
-
 
 
 def test_writer_never_serves_a_row_that_landed_during_its_copy(mgr, monkeypatch):
@@ -305,23 +300,20 @@ def test_writer_serves_a_hit_whose_rows_are_part_rescued_and_part_landed_during_
     m.discard_step(save(m, [Part("c", 9, [0], 0, 2)], BS))  # slots 0-1 change tenant: rescued
     assert int(kv.claim[0]) != cv1 and int(kv.claim[2]) == cv1 and int(kv.commit[2]) != cv1
 
-    real = torch.index_select
+    real = reads_mod.gather_rows
     landed = []
 
-    def index_select(src, dim, index, *, out=None):
-        r = real(src, dim, index, out=out)
-        if src is kv.pool and not landed and 2 in index.tolist():
+    def gather_rows(pool, index, out):
+        real(pool, index, out)
+        if pool is kv.pool and not landed and 2 in index.tolist():
             gate.open.set()  # the held flush lands right after the copy, and its source is dropped
             deadline = time.monotonic() + 5
             while int(kv.commit[2]) != cv1 or int(kv.commit[3]) != cv1 or ("feat", cv1) in m._sources:
                 assert time.monotonic() < deadline, "the flush never landed"
                 time.sleep(0.001)
             landed.append(True)
-        return r
 
-    proxy = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
-    proxy.index_select = index_select
-    monkeypatch.setattr(reads_mod, "torch", proxy)
+    monkeypatch.setattr(reads_mod, "gather_rows", gather_rows)
     out = m.materialize(sid, ["b"])
     assert landed, "the interleaving did not happen"
     assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 2, mm=True))

@@ -133,7 +133,7 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
                         pre_out[a:a + BS].copy_(kv.pool[s0:s0 + BS])
                 t_runs.append(timed(runs))
             nbytes = h * width * 2
-            rf = Stats.of(t_ref).scaled(nbytes / 1e9)
+            rf, ref_name, ref_extra = Memcpy.reference(t_ref, nbytes)
             for name, ts, goal in (
                     (f"materialize of a {h}-token hit ({nbytes >> 20} MiB), new result tensors (recycled memory)",
                      t_mat, ">= 0.7"),
@@ -143,10 +143,10 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
                     ("  variant: index_select into a preallocated output", t_pre, "-"),
                     (f"  variant: one slice copy_ per block of {BS} rows, preallocated", t_runs, "-")):
                 v = Stats.of(ts).scaled(nbytes / 1e9)
-                out_rows.append(Row("2", name, "GB/s", v, "memcpy (torch copy_, 1 thread)", rf, v.median / rf.median,
+                out_rows.append(Row("2", name, "GB/s", v, ref_name, rf, v.median / rf.median,
                                     goal, (v.median / rf.median >= 0.7) if goal != "-" else None,
                                     note="calling thread, whole materialize()" if goal != "-" or "materialize" in name
-                                    else "same pool view, measured for the proposal"))
+                                    else "same pool view, measured for the proposal", extra=ref_extra))
         finally:
             m.shutdown()
     return out_rows

@@ -118,6 +118,9 @@ class CommitterLink(LinkAttach):
             raise ValueError(f"reconnect_timeout_s must be positive, got {reconnect_timeout_s}")
         self.reconnect_timeout_s = float(reconnect_timeout_s)
         self.counters: dict[str, float] = {}
+        self.gauges: Callable[[], dict[str, float]] = dict
+        """Called on the I/O thread for each heartbeat and for the goodbye; its values join ``counters``
+        there. For values that must be current when sent (the manager's staging pages in use)."""
         self.stats: collections.Counter[str] = collections.Counter()
         """``committer_lost``, ``reconnects``, ``resent`` (requests re-sent after a resume), ``resume_attempts``,
         ``settled_on_resume`` (quiet steps the lost committer had applied, not re-sent)."""
@@ -329,7 +332,7 @@ class CommitterLink(LinkAttach):
         self._leaving = True
         if self._dead is None and self._state == CONNECTED:
             try:
-                self.request(lambda rid: P.Goodbye(rid=rid, counters=dict(self.counters)), timeout_s=timeout_s)
+                self.request(lambda rid: P.Goodbye(rid=rid, counters={**self.counters, **self.gauges()}), timeout_s=timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 logger.warning("cache %s: goodbye not acknowledged: %s", self.cache, exc)
         elif self._dead is None:
@@ -440,7 +443,7 @@ class CommitterLink(LinkAttach):
                 next_beat = min(next_beat, now + self._heartbeat_s)  # the period the Welcome set, from the first
                 if now >= next_beat:
                     next_beat = now + self._heartbeat_s
-                    counters = {**self.counters, **{f"link_{k}": float(v) for k, v in self.stats.items()}}
+                    counters = {**self.counters, **self.gauges(), **{f"link_{k}": float(v) for k, v in self.stats.items()}}
                     # Counted before it is sent: a wait that starts once the beat is on the wire must not
                     # take its answer (which may predate the wait) for a later one.
                     self.heartbeats_sent += 1

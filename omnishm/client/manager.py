@@ -158,6 +158,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
     def _attach(self, config: PrefixCacheConfig, cache: str, cap: int) -> None:
         """``__init__`` after the Welcome: map the control segment (and a reader's keys), start the threads."""
         self._link.counters = self.counters
+        self._link.gauges = self._staging_gauges
         welcome = self._link.welcome
         self._epoch = welcome.epoch
         self._ctl_seg = Segment.attach(welcome.control, readonly=not self.is_writer)
@@ -342,8 +343,6 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                                      holds=("ctx", "write") if self.is_writer else ("ctx",))
         self._next_step += 1
         try:
-            self.counters["staging_waits"] = float(self._pages.waits)
-            self.counters["staging_pages_in_use"] = float(self._pages.in_use())
             if self.is_writer:
                 base = self._pages.capacity * ctx.page
                 pairs = []
@@ -423,11 +422,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         t0 = time.perf_counter()
         self._check_usable()
         req_ids = list(req_ids)
-        ctx = self._take_ctx(step_id, "materialize", req_ids, out)
         served = [0, 0]  # hit tokens, rows served
-        nkeys = len(ctx.step_rows)
-        deadline = self._deadline()  # one bound for every wait of this call, not one per wait
-        try:
+        ctx = self._take_ctx(step_id, "materialize", req_ids, out)
+        try:  # at once: a consumed step's page and pins go back whatever is raised from here on
+            nkeys = len(ctx.step_rows)
+            deadline = self._deadline()  # one bound for every wait of this call, not one per wait
             if not self.is_writer:
                 self._wait_published(step_id, deadline)
             hidden: dict[ReqId, Any] = {}
@@ -450,7 +449,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                         width = step_rows.shape[1]
                         given = out.get(req, {}).get(key) if out is not None else None
                         if given is not None:
-                            dst = given.view(h + count, -1)
+                            dst = given.view(h + count, width)  # not -1: a request of 0 rows has no inferable width
                         elif views is not None:
                             dst = views[key][req].view(h + count, width)
                         else:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from omnishm import protocol as P
+from omnishm.client.rowcopy import gather_rows
 from omnishm.client.segments import KeyViews, dtype_name
 from omnishm.client.steps import HitSpan, StepCtx
 from omnishm.interface import OmniPrefixCacheCommitterError, ReqId, StepId, TensorName
@@ -161,7 +162,7 @@ class ReadSide:
         # Seqlock: committed BEFORE the copy (a row still landing may be copied half old, half new, and
         # be committed by the time a check after the copy runs), and still claimed after it.
         ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
-        torch.index_select(kv.pool, 0, slots, out=out)
+        gather_rows(kv.pool, slots, out)
         if not bool(ok.all()):
             self._fix_rows(kv, slots, cvs, out, ~ok, ctx, key, req, step_id, deadline)
         # A claim that moved while we copied means the row may be the new tenant's.
@@ -245,7 +246,7 @@ class ReadSide:
                 raise self._unmatch("slot reused after the hit was planned (reader has no rescue)",
                                     req_id=req, key=key, step_id=step_id)
             if bool((kv.commit[slots] == claim).all()):
-                torch.index_select(kv.pool, 0, slots, out=out)
+                gather_rows(kv.pool, slots, out)
                 if bool((kv.claim[slots] == claim).all()):
                     return
                 raise self._unmatch("slot reused while reading it", req_id=req, key=key, step_id=step_id)

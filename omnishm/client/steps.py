@@ -200,6 +200,17 @@ class StepLifecycle:
             if ctx.page is not None and self._pages is not None:
                 self._pages.release(ctx.page, "ctx")
 
+    def _staging_gauges(self) -> dict[str, float]:
+        """The staging counters as they are now; the link's I/O thread, for each heartbeat and the goodbye.
+
+        Read there, not at each save, so that a gauge does not keep a step's page after it was consumed.
+        Plain int reads, no lock: one value may be a moment older than the other."""
+        if self._pages is None:
+            return {}
+        gauges = {"staging_waits": float(self._pages.waits), "staging_pages_in_use": float(self._pages.in_use())}
+        self.counters.update(gauges)  # the manager's own counters show them as of the last heartbeat
+        return gauges
+
     def _unpin_locked(self, ctx: StepCtx) -> None:
         """State lock held: the step's hit slots are no longer planned reads (copy-on-write stops
         watching them). At most once per step: only the step that ``_pinned`` still holds unpins."""
