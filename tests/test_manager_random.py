@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-import omnishm.client.manager as manager_module
+import omnishm.client.steps as steps_module
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omnishm.sim import SimEngine
 
@@ -37,7 +37,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 ])
 def test_random_workload_every_row_exact(committer, monkeypatch, seed, deferred, device, vectorised):
     if vectorised:
-        monkeypatch.setattr(manager_module, "_SMALL_STEP", 0)
+        monkeypatch.setattr(steps_module, "_SMALL_STEP", 0)
     rng = random.Random(seed)
     bs, blocks, cap = 16, 40, 96
     cfg = PrefixCacheConfig(num_blocks=blocks, block_size=bs, staging_capacity_tokens=cap, staging_depth=4,

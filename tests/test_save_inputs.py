@@ -15,7 +15,9 @@ import torch
 
 from manager_helpers import (BS, MM_WIDTH, Part, build, expect, finished, quick_config, rows, save, small_config,
                              started)
-from omnishm.client import (ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError)
+from omnishm.client import (ModelCachePolicy, OmniPrefixCacheCommitterError, OmniPrefixCacheManager,
+                            OmniPrefixCacheUnmatchError)
+from omnishm.client import steps as steps_mod
 from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
 
 
@@ -95,15 +97,22 @@ BAD_LAYOUTS = {
     "a request twice": ([("g", 0, 2), ("g", 2, 2)], [40, 41, 42, 43]),
     "a negative count": ([("g", 0, 4), ("y", 4, -2)], [40, 41, 42, 43]),
     "short cover": ([("g", 0, 2)], [40, 41, 42, 43]),
+    # Which row a slot named twice holds was not defined: the step's row source served the last, the
+    # committer's run copy the first, its scatter the last (a review of 2026-12-04).
+    "a slot twice in one write": ([("g", 0, 4)], [40, 41, 40, 43]),
+    "a slot twice in two writes": ([("g", 0, 2), ("y", 2, 2)], [40, 41, 42, 41]),
 }
 
 
+@pytest.mark.parametrize("vectorised", [False, True], ids=["small", "vectorised"])
 @pytest.mark.parametrize("bad", sorted(BAD_LAYOUTS))
-def test_every_rank_refuses_a_bad_layout_and_the_ranks_keep_counting_alike(committer, bad):
+def test_every_rank_refuses_a_bad_layout_and_the_ranks_keep_counting_alike(committer, monkeypatch, bad, vectorised):
     """Only the writer checked the writes' order and coverage: a reader took the step and its ids ran one
     ahead, so a late hit read found the next tenant's claim, 'not later than its step', and served its
     rows. Duplicate requests and negative counts were taken by both ranks (one request's rows lost)."""
     writes, slots = BAD_LAYOUTS[bad]
+    if vectorised:  # steps over _SMALL_STEP tokens check their slots with numpy
+        monkeypatch.setattr(steps_mod, "_SMALL_STEP", 0)
     cfg = small_config(commit_timeout_s=5.0)
     with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
             OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
@@ -117,9 +126,9 @@ def test_every_rank_refuses_a_bad_layout_and_the_ranks_keep_counting_alike(commi
 
 
 def test_a_key_only_the_writer_can_refuse_takes_the_step_id_on_the_writer_too(committer):
-    """The cache holds the hidden states as float32; a step of float64 ones is refused by the writer,
-    which knows the cache's layout, and taken by the reader, which does not. The writer consumes the id
-    anyway (published with nothing claimed), so the reader's ids stay its writer's."""
+    """The committer refuses to open a key whose name is too long: the writer opens keys, the reader
+    does not, so the reader takes the step. The writer consumes the id anyway (published with nothing
+    claimed), so the reader's ids stay its writer's."""
     cfg = small_config(commit_timeout_s=5.0)
     with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
             OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
@@ -127,11 +136,33 @@ def test_a_key_only_the_writer_can_refuse_takes_the_step_id_on_the_writer_too(co
             m.new_step_starts([started("z", [12])])
             m.discard_step(save(m, [Part("z", 5, [12], 0, 4)], BS))
         h, mm, lay, n, _ = build([Part("g", 2, [10], 0, 4)], BS)
-        sid = save_where_only_the_writer_refuses(w, r, [finished("z"), started("g", [10])], h.double(), mm, lay,
-                                                 OmniPrefixCacheUnmatchError, "float64")
+        sid = save_where_only_the_writer_refuses(w, r, [finished("z"), started("g", [10])], h, unopenable(mm), lay,
+                                                 OmniPrefixCacheCommitterError, "bad_key")
         r.discard_step(sid)  # its wait for the writer's publication ends at once
         for m in (w, r):
             m.new_step_starts([finished("g")])
+        assert_reader_follows(w, r)
+
+
+@pytest.mark.parametrize("change", ["dtype", "row shape"])
+def test_every_rank_refuses_rows_whose_dtype_or_row_shape_changed(committer, change):
+    """The writer refused rows of a cached key in another dtype or row shape; the reader took them, and
+    served a hit's rows cached as (3,) viewed as (3, 1), or read float32 rows for float64 ones, with no
+    error (a review of 2026-12-04). Every rank now refuses them, and the ranks keep counting alike."""
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        z_holds_block_0(w, r)
+        h, mm, lay, n, _ = build([Part("b", 1, [0, 2], 4, 3)], BS)
+        if change == "dtype":
+            mm = {k: v.double() for k, v in mm.items()}
+        else:
+            mm = row_shaped(mm)
+        for m in (w, r):
+            m.new_step_starts([started("b", [0, 2], hit=4)])
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="float64" if change == "dtype" else "shape"):
+                m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay)
+            m.new_step_starts([finished("b"), finished("z")])
         assert_reader_follows(w, r)
 
 
@@ -235,6 +266,12 @@ def row_shaped(mm):
     return {k: v.reshape(v.shape[0], MM_WIDTH, 1) for k, v in mm.items()}
 
 
+def unopenable(mm):
+    """mm under a key name the committer refuses to open (too long): a refusal only the writer makes,
+    since only the writer opens keys at a save."""
+    return {"y" * 201: v for v in mm.values()}
+
+
 @pytest.mark.parametrize("refusal", ["dtype", "layout"])
 def test_a_hit_on_slots_of_a_refused_save_raises_instead_of_serving_their_previous_tenant(mgr, refusal):
     """vLLM's KV cache holds the refused step's tokens all the same: the next step's hit on a's block 0
@@ -265,8 +302,8 @@ def test_a_same_step_hit_in_a_step_only_the_writer_refused_is_refused_by_the_rea
         z_holds_block_0(w, r)
         h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
         sid = save_where_only_the_writer_refuses(
-            w, r, [finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)], h, row_shaped(mm), lay,
-            OmniPrefixCacheUnmatchError, "shape")
+            w, r, [finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)], h, unopenable(mm), lay,
+            OmniPrefixCacheCommitterError, "bad_key")
         with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
             r.materialize(sid, ["b"])
         for m in (w, r):
@@ -288,9 +325,9 @@ def test_a_step_only_the_writer_refused_takes_its_planned_hits_on_every_rank(com
         for m in (w, r):
             m.new_step_starts([started("b", [0, 2], hit=4)])
             try:
-                m.discard_step(m.save_outputs(h, row_shaped(mm), num_tokens_unpadded=n, num_tokens_padded=n,
+                m.discard_step(m.save_outputs(h, unopenable(mm), num_tokens_unpadded=n, num_tokens_padded=n,
                                               write_layout=lay))
-            except OmniPrefixCacheUnmatchError:
+            except OmniPrefixCacheCommitterError:
                 assert m is w
         hits = {m.role: m.materialize(save(m, [Part("b", 1, [0, 2], 4, 3)], BS), ["b"]).num_hit_tokens["b"]
                 for m in (w, r)}
@@ -362,6 +399,43 @@ def test_meta_slots_are_a_type_error_and_leave_the_cache_usable(mgr):
                        write_layout=PrefixCacheWriteLayout(lay.writes, lay.slots.to("meta")))
     m.new_step_starts([finished("a")])
     hit_round(m, tag=7)
+
+
+@pytest.mark.parametrize("form", ["sparse", "meta"])
+def test_rows_that_are_not_a_dense_tensor_are_a_type_error_and_leave_the_cache_usable(mgr, form):
+    """Their staging copy failed after the step id was issued and turned the writer sticky-fatal."""
+    m = mgr()
+    m.new_step_starts([started("a", [1])])
+    h, mm, lay, n, _ = build([Part("a", 1, [1], 0, 4)], BS)
+    bad = mm["feat"].to_sparse() if form == "sparse" else mm["feat"].to("meta")
+    with pytest.raises(TypeError, match=f"'feat' must be a dense tensor with storage, got a {'torch.sparse_coo' if form == 'sparse' else 'meta'}"):
+        m.save_outputs(h, {"feat": bad}, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay)
+    with pytest.raises(TypeError, match="must be a dense tensor"):
+        m.save_outputs(h.to_sparse() if form == "sparse" else h.to("meta"), mm, num_tokens_unpadded=n,
+                       num_tokens_padded=n, write_layout=lay)
+    m.new_step_starts([finished("a")])
+    hit_round(m, tag=7)
+
+
+def test_the_callers_slot_buffer_may_be_rewritten_after_the_save(mgr):
+    """vLLM keeps its slot mapping in a persistent buffer. The writer kept the layout's slots by reference
+    for a deferred key's write, and flushed its rows to the slots the buffer named at flush time (a
+    permutation here: the committer's claim check passed, and a hit served the rows out of order)."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    buf = torch.zeros(16, dtype=torch.int64)
+    buf[:8] = torch.arange(8)
+    h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8)], BS)
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
+                                  write_layout=PrefixCacheWriteLayout(lay.writes, buf[:8])))
+    buf[:8] = torch.tensor([1, 0, 3, 2, 5, 4, 7, 6])  # the runner's next step
+    m.new_step_starts([finished("a")])  # a's deferred write closes and flushes here
+    m.wait_idle()
+    m.new_step_starts([started("b", [0, 2], hit=4)])
+    out = m.materialize(save(m, [Part("b", 1, [0, 2], 4, 3)], BS), ["b"])
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 3, mm=True))
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 1, 4, 3))
+    m.new_step_starts([finished("b")])
 
 
 def test_a_refused_save_clears_every_slot_its_layout_names(mgr):
@@ -450,8 +524,8 @@ def test_a_failed_rescue_still_clears_and_publishes_the_step_the_writer_refused(
         w._rescue_before_claim = broken
         h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8), Part("b", 1, [0, 2], 4, 3)], BS)
         sid = save_where_only_the_writer_refuses(
-            w, r, [finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)], h, row_shaped(mm), lay,
-            OmniPrefixCacheUnmatchError, "shape")
+            w, r, [finished("z"), started("a", [0, 1]), started("b", [0, 2], hit=4)], h, unopenable(mm), lay,
+            OmniPrefixCacheCommitterError, "bad_key")
         del w._rescue_before_claim
         assert w._next_step == r._next_step and "copy-on-write" in str(w._fatal)
         t0 = time.monotonic()

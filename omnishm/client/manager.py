@@ -70,8 +70,6 @@ _END_KINDS = (EventKind.FINISHED, EventKind.ABORTED)
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.0005
-_SMALL_STEP = 256
-"""Steps of at most this many tokens do their slot bookkeeping in plain Python (see save_outputs)."""
 
 class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
     """The runner-side cache. Use as a context manager or call ``shutdown``.
@@ -111,6 +109,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, torch.Tensor] = {}
         self._keys: dict[TensorName, KeyViews] = {}
+        self._saved_rows: dict[TensorName, tuple[torch.dtype, tuple[int, ...]]] = {}  # reader: _check_saved_rows
         self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
         self._step_sources: dict[tuple[TensorName, StepId], RowSource] = {}  # immediate keys, by (key, step)
         self._translator = PrefixCacheSchedulerAdapter()  # translate_step only: it keeps no state
@@ -294,24 +293,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                                 f"derives it)",
                                 step_id=step_id)
         writes = self._check_layout(write_layout, n, int(num_tokens_padded), step_id)
-        slots = write_layout.slots
-        if slots.dtype is not torch.int64:  # torch dtypes are singletons
-            slots = slots.to(torch.int64)
-        if slots.is_cuda:
-            slots = slots.cpu()
-        # Slot bookkeeping of a small step runs in plain Python (a list, a memoryview of the claim
-        # table, struct packing): right after a forward every numpy or torch call on tiny arrays
-        # costs tens of microseconds of cold code. A large step uses numpy (vectorised).
-        slot_list: list[int] | None = slots.tolist() if n <= _SMALL_STEP else None
-        slots_np = slots.numpy() if slot_list is None else None
-        if n:
-            if slot_list is not None:
-                lo, hi = min(slot_list), max(slot_list)
-            else:
-                lo, hi = int(slots_np.min()), int(slots_np.max())
-            if lo < 0 or hi >= self.config.num_slots:
-                raise self._unmatch(f"write layout has slots outside [0, {self.config.num_slots}) "
-                                    f"(min {lo}, max {hi})", step_id=step_id)
+        slots, slot_list, slots_np = self._check_slots(write_layout.slots, n, step_id)
         starts = [w.token_start for w in writes]
         counts = [w.num_tokens for w in writes]
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
@@ -329,9 +311,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 leftover[k], event = ops.leftover(v)
                 leftover_events.append(event)
         freeze_event = ops.record_freeze()
-        if self.is_writer:
-            for key, rows in itertools.chain(immediate.items(), deferred.items()):
+        for key, rows in itertools.chain(immediate.items(), deferred.items()):
+            if self.is_writer:
                 self._ensure_key(key, rows)
+            else:
+                self._check_saved_rows(key, rows, step_id)
         self._join_previous_write()
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
                       spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
@@ -368,7 +352,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 cvs = self._store_claims(step_id, counts, slots, slot_list, slots_np, immediate, deferred)
             with self._lock:
                 if self.is_writer and writes:
-                    to_flush = self._register_writes_locked(ctx, writes, cvs, slots, immediate, deferred)
+                    to_flush = self._register_writes_locked(ctx, writes, cvs, slots, slot_list, immediate, deferred)
                 if self._pending_hits:
                     for w in writes:
                         hit = self._pending_hits.pop(w.req_id, None)

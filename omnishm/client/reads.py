@@ -130,6 +130,19 @@ class ReadSide:
             kv = self._reader_key(key, out, req, ctx.step_id, deadline)
             self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
 
+    def _check_saved_rows(self, key: TensorName, rows: torch.Tensor, step_id: StepId) -> None:
+        """Reader, engine thread, at a save: refuse rows of ``key`` whose dtype or row shape differs from
+        this rank's first save of it, as the writer refuses them (``_ensure_key``). A reader's steps are
+        its writer's, so its first save is the pool's layout. Without the refusal, a save the writer
+        refused and the reader took had the reader serve a hit's rows in the new shape (rows saved as
+        (3, 5) viewed as (5, 3), same width, no error). Raises ``OmniPrefixCacheUnmatchError``."""
+        layout = (rows.dtype, tuple(rows.shape[1:]))
+        seen = self._saved_rows.setdefault(key, layout)
+        if seen != layout:
+            raise self._unmatch(f"tensor {key!r} has {layout[0]} rows of shape {layout[1]}, but this rank saved it "
+                                f"as {seen[0]} rows of shape {seen[1]} (the writer refuses this save too)",
+                                key=key, step_id=step_id)
+
     def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId,
                     deadline: float) -> KeyViews:
         """Map a key the writer opened; this rank's rows must have the same dtype and width. The committer's
@@ -157,7 +170,7 @@ class ReadSide:
         """Writer: rows of ``slots`` at versions ``cvs`` from the pool, a live source or a rescue."""
         if bool(((cvs == 0) | ((cvs >> 48) != self._epoch)).any()):
             # 0: never written; another epoch: written by an earlier writer this engine never saw.
-            raise self._unmatch("hit span resolves to absent rows (never written by this writer)",
+            raise self._unmatch("hit span resolves to absent rows (never written by this writer, or cleared by a refused save)",
                                 req_id=req, key=key, step_id=step_id)
         # Seqlock: committed BEFORE the copy (a row still landing may be copied half old, half new, and
         # be committed by the time a check after the copy runs), and still claimed after it.
@@ -238,8 +251,8 @@ class ReadSide:
         while True:
             claim = kv.claim[slots].clone()
             if bool((claim == 0).any()):
-                raise self._unmatch("hit span resolves to absent rows (never written)", req_id=req, key=key,
-                                    step_id=step_id)
+                raise self._unmatch("hit span resolves to absent rows (never written, or cleared by a refused save)",
+                                    req_id=req, key=key, step_id=step_id)
             bad_epoch = (claim >> 48) != epoch
             later = ((claim >> 16) & 0xFFFFFFFF) > step_id
             if bool((bad_epoch | later).any()):

@@ -5,8 +5,8 @@ consumed; while it lives it pins its hit slots (copy-on-write rescue keeps
 the planned rows if the writer re-claims them) and, on the writer, holds its
 staging page. Owned by the manager; mutated under the manager's state lock.
 ``StepLifecycle`` (a mixin of the manager, no state of its own) checks a
-save's write layout alike on every rank before the id is issued
-(``_check_layout``), consumes the id of a refused save (``_burn_step``),
+save's write layout and its slots alike on every rank before the id is issued
+(``_check_layout``, ``_check_slots``), consumes the id of a refused save (``_burn_step``),
 consumes a step id exactly once (``_take_ctx``),
 releases what its context holds (``_release_ctx``), and undoes a save that
 failed after it issued the id (``_abandon_step``).
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnishm import protocol as P
@@ -64,6 +65,8 @@ class StepCtx:
 
 
 _SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_SMALL_STEP = 256
+"""Steps of at most this many tokens do their slot bookkeeping in plain Python (``_check_slots``)."""
 
 
 class StepLifecycle:
@@ -109,6 +112,46 @@ class StepLifecycle:
             raise self._unmatch(f"write layout: writes cover {row} rows, slots {n} "
                                 "(writes must be contiguous from row 0)", step_id=step_id)
         return writes
+
+    def _check_slots(self, slots: torch.Tensor, n: int, step_id: StepId
+                     ) -> tuple[torch.Tensor, list[int] | None, np.ndarray | None]:
+        """The layout's slots (``_check_layout`` checked their type and count), checked alike on every
+        rank; engine thread. Returns them as an int64 CPU tensor, with a list of them for a small step
+        (a copy) or a numpy view for a large one. A large step's tensor is always a copy; a small step's
+        may be the caller's own, which vLLM rewrites step after step: what outlives the call keeps the
+        list or a copy (``_register_writes_locked``; a copy costs about 50 us right after a forward).
+
+        Raises ``OmniPrefixCacheUnmatchError`` for a slot outside the pool or named twice: which of
+        two rows a slot named twice would hold is not defined (the step's row source, the committer's
+        run copy and its scatter would each take a different one), and vLLM writes each slot at most
+        once a step.
+        """
+        converted = slots.dtype is not torch.int64 or slots.device.type != "cpu"
+        if converted:
+            slots = slots.to(device="cpu", dtype=torch.int64)  # a copy
+        elif n > _SMALL_STEP:
+            slots = slots.clone()
+        # Slot bookkeeping of a small step runs in plain Python (a list, a memoryview of the claim
+        # table, struct packing): right after a forward every numpy or torch call on tiny arrays
+        # costs tens of microseconds of cold code. A large step uses numpy (vectorised).
+        slot_list: list[int] | None = slots.tolist() if n <= _SMALL_STEP else None
+        slots_np = slots.numpy() if slot_list is None else None
+        if not n:
+            return slots, slot_list, slots_np
+        if slot_list is not None:
+            lo, hi = min(slot_list), max(slot_list)
+            twice = len(set(slot_list)) != n
+        else:
+            lo, hi = int(slots_np.min()), int(slots_np.max())
+            ordered = np.sort(slots_np)
+            twice = bool((ordered[1:] == ordered[:-1]).any())
+        if lo < 0 or hi >= self.config.num_slots:
+            raise self._unmatch(f"write layout has slots outside [0, {self.config.num_slots}) "
+                                f"(min {lo}, max {hi})", step_id=step_id)
+        if twice:
+            raise self._unmatch("write layout names a slot twice (vLLM writes each KV slot at most once a step)",
+                                step_id=step_id)
+        return slots, slot_list, slots_np
 
     def _burn_step(self, step_id: StepId, write_layout: Any) -> None:
         """Consume ``step_id`` unsaved: ``save_outputs`` refused it before issuing it. Engine thread.

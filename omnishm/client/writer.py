@@ -49,6 +49,13 @@ apply takes milliseconds, so the polls add at most a quarter of a millisecond to
 (a committer restarting) costs at most 4,000 short wakes a second."""
 
 
+
+def _check_dense(rows: torch.Tensor, key: TensorName) -> None:
+    """``TypeError`` unless ``rows`` is a dense tensor with storage (the staging copy needs one)."""
+    if rows.layout is not torch.strided or rows.is_meta:
+        raise TypeError(f"tensor {key!r} must be a dense tensor with storage, got a "
+                        f"{'meta' if rows.is_meta else str(rows.layout)} tensor")
+
 class WriterSide:
     """Writes of the writer client (mixin; all state lives in the manager)."""
 
@@ -57,8 +64,9 @@ class WriterSide:
         """A step's outputs as (immediate, deferred, leftover) by key; engine thread, no lock.
 
         Raises ``OmniPrefixCacheUnmatchError`` for hidden states not 2-D of ``n`` or ``padded`` rows,
-        ``TypeError`` for hidden states that are not a tensor or an mm key that is not a str, and
-        ``ValueError`` for an mm key that is ``HIDDEN_KEY``. Tensors that require grad are taken detached:
+        ``TypeError`` for hidden states that are not a tensor, an mm key that is not a str, and rows that
+        are not a dense tensor (sparse or meta: their staging copy would fail after the step id was
+        issued, which turns the writer fatal), and ``ValueError`` for an mm key that is ``HIDDEN_KEY``. Tensors that require grad are taken detached:
         the copies of them must not join an autograd graph (the staging views would).
         """
         immediate: dict[TensorName, torch.Tensor] = {}
@@ -72,6 +80,7 @@ class WriterSide:
                                     f"hidden size)", key=HIDDEN_KEY, step_id=self._next_step)
             if hidden.requires_grad:
                 hidden = hidden.detach()
+            _check_dense(hidden, HIDDEN_KEY)
             immediate[HIDDEN_KEY] = hidden if hidden.shape[0] == n else hidden[:n]
         for key, value in (mm or {}).items():
             if type(key) is not str:
@@ -81,6 +90,7 @@ class WriterSide:
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 value = value.detach()
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, padded) and n > 0:
+                _check_dense(value, key)
                 rows = value if value.shape[0] == n else value[:n]
                 if self._policy.skip_immediate_mm(key):
                     deferred[key] = rows
@@ -283,8 +293,11 @@ class WriterSide:
                               step_id=getattr(reply, "step", None))
 
     def _register_writes_locked(self, ctx: StepCtx, writes: list, cvs: list[int], slots: torch.Tensor,
-                                immediate: dict, deferred: dict) -> list[WriteTask]:
+                                slot_list: list[int] | None, immediate: dict, deferred: dict) -> list[WriteTask]:
         """Row sources for this step's claims, and its deferred chunks. Engine thread, state lock held.
+
+        They keep ``slot_list`` (a small step's copy) or a copy of ``slots``, never the caller's tensor,
+        which a runner may rewrite for its next step while they live (``_check_slots``).
 
         An immediate key gets ONE row source per step (all the step's slots and
         staged rows), registered under ``(key, step)``: a claim version finds it
@@ -294,10 +307,12 @@ class WriterSide:
         """
         to_flush: list[WriteTask] = []
         for key in immediate:
-            src = RowSource(cv=0, slots=slots, rows=ctx.step_rows[key])
+            src = RowSource(cv=0, slots=slot_list if slot_list is not None else slots, rows=ctx.step_rows[key])
             ctx.sources[key] = src
             self._step_sources[(key, ctx.step_id)] = src
         if deferred:
+            if slot_list is not None:
+                slots = slots.clone()  # chunks keep slices of it until their request ends
             for w, cv in zip(writes, cvs):
                 req_slots = slots[w.token_start:w.token_start + w.num_tokens]
                 for key in deferred:

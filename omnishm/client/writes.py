@@ -41,12 +41,13 @@ class TaskState(enum.Enum):
 class RowSource:
     """Rows of one claim version for one key, readable until ``alive`` drops.
 
-    ``slots[i]`` is the slot of ``rows[i]``. Readers copy, then check ``alive``
-    again: a source that died during the copy may have had its page reused.
+    ``slots[i]`` is the slot of ``rows[i]`` (a list for a small step: made into a tensor only when
+    read). Readers copy, then check ``alive`` again: a source that died during the copy may have had
+    its page reused.
     """
 
     cv: int
-    slots: torch.Tensor
+    slots: torch.Tensor | list[int]
     rows: torch.Tensor
     alive: bool = True
     done: Future | None = None
@@ -62,8 +63,9 @@ class RowSource:
             return None
         # Stable sort, then the rightmost match: the last occurrence wins when one write holds a
         # slot twice (the last chunk wins).
-        order = torch.argsort(self.slots, stable=True)
-        sorted_slots = self.slots[order]
+        slots = torch.as_tensor(self.slots, dtype=torch.int64)
+        order = torch.argsort(slots, stable=True)
+        sorted_slots = slots[order]
         pos = (torch.searchsorted(sorted_slots, want, right=True) - 1).clamp(min=0)
         if not bool((sorted_slots[pos] == want).all()):
             return None

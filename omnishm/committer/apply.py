@@ -318,8 +318,8 @@ def _copy_rows(state: KeyState, staging: Staging, s: np.ndarray, r: np.ndarray) 
 
     Works on the uint8 row views (``KeyState.data``, ``Staging.data``), so each call is a
     memcpy without torch dispatch. A slot listed twice in one step under one claim version gets
-    one of its rows, which one is not specified: the manager never sends that (each write of a
-    step has its own claim version), and every candidate is a row the writer staged for that slot.
+    one of its rows, which one is not specified: the manager refuses a layout that names a slot
+    twice (``_check_slots``), and every candidate is a row the writer staged for that slot.
     """
     dst, src = state.data, staging.data
     assert dst is not None and src is not None
