@@ -145,25 +145,58 @@ def test_a_key_only_the_writer_can_refuse_takes_the_step_id_on_the_writer_too(co
 
 
 @pytest.mark.parametrize("change", ["dtype", "row shape"])
-def test_every_rank_refuses_rows_whose_dtype_or_row_shape_changed(committer, change):
-    """The writer refused rows of a cached key in another dtype or row shape; the reader took them, and
-    served a hit's rows cached as (3,) viewed as (3, 1), or read float32 rows for float64 ones, with no
-    error (a review of 2026-12-04). Every rank now refuses them, and the ranks keep counting alike."""
+def test_a_reader_never_serves_a_hit_in_another_dtype_or_row_shape_than_its_rows_were_saved_in(committer, change):
+    """The writer refuses rows of a cached key in another dtype or row shape; the reader took them and
+    served a hit's rows cached as (3,) viewed as (3, 1), with no error (a review of 2026-12-04)."""
     cfg = small_config(commit_timeout_s=5.0)
     with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
             OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
         z_holds_block_0(w, r)
         h, mm, lay, n, _ = build([Part("b", 1, [0, 2], 4, 3)], BS)
-        if change == "dtype":
-            mm = {k: v.double() for k, v in mm.items()}
-        else:
-            mm = row_shaped(mm)
+        mm = {k: v.double() for k, v in mm.items()} if change == "dtype" else row_shaped(mm)
+        sid = save_where_only_the_writer_refuses(w, r, [started("b", [0, 2], hit=4)], h, mm, lay,
+                                                 OmniPrefixCacheUnmatchError, "float64" if change == "dtype" else "shape")
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="float64" if change == "dtype" else "saved as"):
+            r.materialize(sid, ["b"])
         for m in (w, r):
-            m.new_step_starts([started("b", [0, 2], hit=4)])
-            with pytest.raises(OmniPrefixCacheUnmatchError, match="float64" if change == "dtype" else "shape"):
-                m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay)
             m.new_step_starts([finished("b"), finished("z")])
         assert_reader_follows(w, r)
+
+
+def test_a_reader_holds_a_hit_to_the_layout_of_the_step_that_wrote_it(committer):
+    """A second review: the reader took its first save of a key as the pool's layout, but the writer had
+    refused that save (a key before it the committer would not open) and opened the key with the next
+    step's layout, so the reader refused the writer's layout and served a's (2, 3) rows as (3, 2)."""
+    def sq(parts, shape):
+        h, _, lay, n, _ = build(parts, BS, mm_key=None)
+        vals = torch.cat([rows(p.tag + 700, range(p.first, p.first + p.count), 6) for p in parts])
+        return h, vals.reshape(n, *shape), lay
+
+    cfg = small_config(commit_timeout_s=5.0)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        h, v, lay = sq([Part("z", 5, [12], 0, 4)], (3, 2))
+        r.discard_step(save_where_only_the_writer_refuses(
+            w, r, [started("z", [12])], h, {**unopenable({"f": v.reshape(4, 6)}), "sq": v}, lay,
+            OmniPrefixCacheCommitterError, "bad_key"))
+        h, v, lay = sq([Part("a", 1, [0, 1], 0, 8)], (2, 3))
+        for m in (w, r):  # the writer opens sq with rows of (2, 3); the reader takes it too
+            m.new_step_starts([finished("z"), started("a", [0, 1])])
+            m.discard_step(m.save_outputs(h, {"sq": v}, num_tokens_unpadded=8, num_tokens_padded=8, write_layout=lay))
+        w.wait_idle()
+        h, v, lay = sq([Part("b", 1, [0, 2], 4, 3)], (3, 2))
+        sid = save_where_only_the_writer_refuses(w, r, [started("b", [0, 2], hit=4)], h, {"sq": v}, lay,
+                                                 OmniPrefixCacheUnmatchError, "shape")
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"written by step 1 were saved as .* shape \(2, 3\)"):
+            r.materialize(sid, ["b"])
+        h, v, lay = sq([Part("c", 1, [0, 3], 4, 3)], (2, 3))
+        sids = {}
+        for m in (w, r):  # in the writer's layout the reader reads the same hit exactly
+            m.new_step_starts([finished("a"), finished("b"), started("c", [0, 3], hit=4)])
+            sids[m.role] = m.save_outputs(h, {"sq": v}, num_tokens_unpadded=3, num_tokens_padded=3, write_layout=lay)
+        want = torch.cat([rows(701, range(4), 6), rows(701, range(4, 7), 6)]).reshape(7, 2, 3)
+        for m in (w, r):
+            assert torch.equal(m.materialize(sids[m.role], ["c"]).mm_outputs["c"]["sq"], want), m.role
 
 
 def save_where_only_the_writer_refuses(w, r, events, hidden, mm, lay, refused: type, says: str) -> int:

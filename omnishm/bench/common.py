@@ -370,6 +370,8 @@ class Memcpy:
 
     def time(self, rows: int) -> tuple[float, float]:
         """Seconds to copy ``rows`` rows: (glibc ``memcpy``, torch ``copy_``), in alternating order."""
+        if not 0 <= rows <= len(self.src):
+            raise ValueError(f"Memcpy holds {len(self.src)} rows, asked to copy {rows}")
         src, dst = self.src[:rows], self.dst[:rows]
         sp, dp, n = src.data_ptr(), dst.data_ptr(), rows * self.row_bytes
         self._flip = not self._flip

@@ -109,7 +109,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, torch.Tensor] = {}
         self._keys: dict[TensorName, KeyViews] = {}
-        self._saved_rows: dict[TensorName, tuple[torch.dtype, tuple[int, ...]]] = {}  # reader: _check_saved_rows
+        self._saved_rows: dict[TensorName, list[tuple[StepId, tuple]]] = {}  # reader: _note_saved_rows
         self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
         self._step_sources: dict[tuple[TensorName, StepId], RowSource] = {}  # immediate keys, by (key, step)
         self._translator = PrefixCacheSchedulerAdapter()  # translate_step only: it keeps no state
@@ -315,7 +315,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             if self.is_writer:
                 self._ensure_key(key, rows)
             else:
-                self._check_saved_rows(key, rows, step_id)
+                self._note_saved_rows(key, rows, step_id)
         self._join_previous_write()
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
                       spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},

@@ -23,6 +23,8 @@ from omnishm.interface import OmniPrefixCacheCommitterError, ReqId, StepId, Tens
 from omnishm.versions import cv_epoch, cv_step
 
 _POLL_S = 0.0005
+_LAYOUT_HISTORY = 64
+"""A reader remembers this many changes of a key's dtype or row shape (``_note_saved_rows``)."""
 
 
 class ReadSide:
@@ -128,20 +130,37 @@ class ReadSide:
             self._resolve_rows(kv, span.slots, planned, out, ctx, key, req, ctx.step_id, deadline)
         else:
             kv = self._reader_key(key, out, req, ctx.step_id, deadline)
-            self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
+            self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline,
+                                 (out.dtype, ctx.row_shapes[key]))
 
-    def _check_saved_rows(self, key: TensorName, rows: torch.Tensor, step_id: StepId) -> None:
-        """Reader, engine thread, at a save: refuse rows of ``key`` whose dtype or row shape differs from
-        this rank's first save of it, as the writer refuses them (``_ensure_key``). A reader's steps are
-        its writer's, so its first save is the pool's layout. Without the refusal, a save the writer
-        refused and the reader took had the reader serve a hit's rows in the new shape (rows saved as
-        (3, 5) viewed as (5, 3), same width, no error). Raises ``OmniPrefixCacheUnmatchError``."""
+    def _note_saved_rows(self, key: TensorName, rows: torch.Tensor, step_id: StepId) -> None:
+        """Reader, engine thread, at a save: record the dtype and row shape of ``key`` in this step when
+        they differ from the last ones recorded (``_saved_rows``: (first step, layout) entries, oldest
+        first, at most ``_LAYOUT_HISTORY``). A reader's steps are its writer's, so the rows any step
+        wrote had the layout of this rank's save of that step; ``_check_written_layout`` holds a hit to
+        it. A save is not refused here: what the writer refuses of a key (a layout unlike the one it
+        opened the key with) depends on steps the writer took and this rank may not have."""
         layout = (rows.dtype, tuple(rows.shape[1:]))
-        seen = self._saved_rows.setdefault(key, layout)
-        if seen != layout:
-            raise self._unmatch(f"tensor {key!r} has {layout[0]} rows of shape {layout[1]}, but this rank saved it "
-                                f"as {seen[0]} rows of shape {seen[1]} (the writer refuses this save too)",
-                                key=key, step_id=step_id)
+        history = self._saved_rows.setdefault(key, [])
+        if not history or history[-1][1] != layout:
+            history.append((step_id, layout))
+            del history[:-_LAYOUT_HISTORY]
+
+    def _check_written_layout(self, key: TensorName, claim: torch.Tensor, layout: tuple, req: ReqId,
+                              step_id: StepId) -> None:
+        """Reader: raise unless every step that wrote the hit's rows (``claim``, their claim versions)
+        saved ``key`` in ``layout``, this step's (dtype, row shape). Rows of one row shape viewed in
+        another of the same width are a wrong row with no error. Nothing to check while the key has had
+        one layout; a step older than the oldest record raises."""
+        history = self._saved_rows.get(key, ())
+        if len(history) < 2:
+            return
+        for written in torch.unique((claim >> 16) & 0xFFFFFFFF).tolist():
+            then = [lay for first, lay in history if first <= written]
+            if not then or then[-1] != layout:
+                was = f"{then[-1][0]} rows of shape {then[-1][1]}" if then else "an unrecorded layout"
+                raise self._unmatch(f"hit rows written by step {written} were saved as {was}, this step's are "
+                                    f"{layout[0]} rows of shape {layout[1]}", req_id=req, key=key, step_id=step_id)
 
     def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId,
                     deadline: float) -> KeyViews:
@@ -237,7 +256,7 @@ class ReadSide:
                 time.sleep(_POLL_S)
 
     def _read_committed(self, kv: KeyViews, slots: torch.Tensor, out: torch.Tensor, key: TensorName,
-                        req: ReqId, step_id: StepId, deadline: float) -> None:
+                        req: ReqId, step_id: StepId, deadline: float, layout: tuple) -> None:
         """Reader: wait until the writer's rows for ``slots`` landed, copy, validate (seqlock).
 
         Raises ``OmniPrefixCacheUnmatchError`` for absent or reused rows, and
@@ -258,6 +277,7 @@ class ReadSide:
             if bool((bad_epoch | later).any()):
                 raise self._unmatch("slot reused after the hit was planned (reader has no rescue)",
                                     req_id=req, key=key, step_id=step_id)
+            self._check_written_layout(key, claim, layout, req, step_id)
             if bool((kv.commit[slots] == claim).all()):
                 gather_rows(kv.pool, slots, out)
                 if bool((kv.claim[slots] == claim).all()):
@@ -387,7 +407,8 @@ class ReadSide:
                 for key, step_rows in ctx.step_rows.items():
                     out = torch.empty((len(span.slots), step_rows.shape[1]), dtype=step_rows.dtype)
                     kv = self._reader_key(key, out, req, ctx.step_id, deadline)
-                    self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
+                    self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline,
+                                         (out.dtype, ctx.row_shapes[key]))
                     ctx.prefetched[(req, key)] = out
         except Exception:  # materialize reads again and raises with full context
             pass
