@@ -144,19 +144,30 @@ def test_a_key_only_the_writer_can_refuse_takes_the_step_id_on_the_writer_too(co
         assert_reader_follows(w, r)
 
 
-@pytest.mark.parametrize("change", ["dtype", "row shape"])
+CHANGES = {  # how the rows of feat change: (the writer's refusal, what it says, what the reader's read says)
+    "dtype": (OmniPrefixCacheUnmatchError, "float64", "float64"),
+    "row shape": (OmniPrefixCacheUnmatchError, "shape", "saved as"),
+    "a dtype no cache holds": (OmniPrefixCacheUnmatchError, "complex64", "complex64"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_reader_never_serves_a_hit_in_another_dtype_or_row_shape_than_its_rows_were_saved_in(committer, change):
     """The writer refuses rows of a cached key in another dtype or row shape; the reader took them and
-    served a hit's rows cached as (3,) viewed as (3, 1), with no error (a review of 2026-12-04)."""
+    served a hit's rows cached as (3,) viewed as (3, 1), with no error (a review of 2026-12-04). Rows of a
+    dtype no cache holds raised a ValueError from the reader's key open instead of the unmatch error."""
     cfg = small_config(commit_timeout_s=5.0)
     with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
             OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
         z_holds_block_0(w, r)
         h, mm, lay, n, _ = build([Part("b", 1, [0, 2], 4, 3)], BS)
-        mm = {k: v.double() for k, v in mm.items()} if change == "dtype" else row_shaped(mm)
-        sid = save_where_only_the_writer_refuses(w, r, [started("b", [0, 2], hit=4)], h, mm, lay,
-                                                 OmniPrefixCacheUnmatchError, "float64" if change == "dtype" else "shape")
-        with pytest.raises(OmniPrefixCacheUnmatchError, match="float64" if change == "dtype" else "saved as"):
+        refused, says, reads = CHANGES[change]
+        if change == "row shape":
+            mm = row_shaped(mm)
+        else:
+            mm = {k: v.to(torch.float64 if change == "dtype" else torch.complex64) for k, v in mm.items()}
+        sid = save_where_only_the_writer_refuses(w, r, [started("b", [0, 2], hit=4)], h, mm, lay, refused, says)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=reads):
             r.materialize(sid, ["b"])
         for m in (w, r):
             m.new_step_starts([finished("b"), finished("z")])

@@ -168,9 +168,14 @@ class ReadSide:
         answer is awaited until ``deadline``."""
         kv = self._keys.get(key)
         if kv is None:
+            try:
+                dtype = dtype_name(out.dtype)
+            except ValueError as exc:  # the writer refused such rows at its save; this rank took them
+                raise self._unmatch(f"hit on rows of a dtype the cache cannot hold: {exc}", req_id=req, key=key,
+                                    step_id=step_id) from exc
             timeout_s = max(0.01, deadline - time.monotonic())
             try:
-                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(out.dtype),
+                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype,
                                                                  width=int(out.shape[1])), timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 raise self._unmatch(f"hit on a tensor this reader could not map: the writer never wrote it, "
