@@ -213,3 +213,27 @@ def test_close_ends_at_once_when_its_goodbye_is_answered_no_session(committer_fa
     t0 = time.monotonic()
     link.close()
     assert time.monotonic() - t0 < 2.0
+
+
+def test_gauges_that_raise_leave_the_heartbeats_going(committer_factory):
+    """The manager's gauges were read before its staging pages existed: the AttributeError ended the
+    link's I/O thread, and with it every reply (the next request waited out its 60 s)."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "30")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         staging_rows=0)
+    calls = []
+
+    def broken() -> dict:
+        calls.append(1)
+        raise AttributeError("no _pages yet")
+
+    link.gauges = broken
+    try:
+        deadline = time.monotonic() + 10
+        while link.heartbeats_sent < 5:
+            assert time.monotonic() < deadline, "heartbeats stopped"
+            time.sleep(0.01)
+        assert calls and isinstance(link.request(lambda rid: protocol.Heartbeat(rid=rid), timeout_s=5),
+                                    protocol.HeartbeatAck)
+    finally:
+        link.close()

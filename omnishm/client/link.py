@@ -120,7 +120,8 @@ class CommitterLink(LinkAttach):
         self.counters: dict[str, float] = {}
         self.gauges: Callable[[], dict[str, float]] = dict
         """Called on the I/O thread for each heartbeat and for the goodbye; its values join ``counters``
-        there. For values that must be current when sent (the manager's staging pages in use)."""
+        there. For values that must be current when sent (the manager's staging pages in use). What it
+        raises is logged and the beat goes without them (``_read_gauges``)."""
         self.stats: collections.Counter[str] = collections.Counter()
         """``committer_lost``, ``reconnects``, ``resent`` (requests re-sent after a resume), ``resume_attempts``,
         ``settled_on_resume`` (quiet steps the lost committer had applied, not re-sent)."""
@@ -326,13 +327,21 @@ class CommitterLink(LinkAttach):
             raise OmniPrefixCacheCommitterError(f"cache {self.cache}: committer refused: {reply.reason}")
         return reply
 
+    def _read_gauges(self) -> dict[str, float]:
+        """``gauges()``, or none when it raises: a metric must never stop the I/O thread (its heartbeats)."""
+        try:
+            return self.gauges()
+        except Exception:  # noqa: BLE001 - logged; the beat is sent without the gauges
+            logger.exception("cache %s: reading the client's gauges failed; heartbeat sent without them", self.cache)
+            return {}
+
     def close(self, *, timeout_s: float = 5.0) -> None:
         if self._closed:
             return
         self._leaving = True
         if self._dead is None and self._state == CONNECTED:
             try:
-                self.request(lambda rid: P.Goodbye(rid=rid, counters={**self.counters, **self.gauges()}), timeout_s=timeout_s)
+                self.request(lambda rid: P.Goodbye(rid=rid, counters={**self.counters, **self._read_gauges()}), timeout_s=timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 logger.warning("cache %s: goodbye not acknowledged: %s", self.cache, exc)
         elif self._dead is None:
@@ -443,7 +452,7 @@ class CommitterLink(LinkAttach):
                 next_beat = min(next_beat, now + self._heartbeat_s)  # the period the Welcome set, from the first
                 if now >= next_beat:
                     next_beat = now + self._heartbeat_s
-                    counters = {**self.counters, **self.gauges(), **{f"link_{k}": float(v) for k, v in self.stats.items()}}
+                    counters = {**self.counters, **self._read_gauges(), **{f"link_{k}": float(v) for k, v in self.stats.items()}}
                     # Counted before it is sent: a wait that starts once the beat is on the wire must not
                     # take its answer (which may predate the wait) for a later one.
                     self.heartbeats_sent += 1

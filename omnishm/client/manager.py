@@ -109,7 +109,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, torch.Tensor] = {}
         self._keys: dict[TensorName, KeyViews] = {}
-        self._saved_rows: dict[TensorName, list[tuple[StepId, tuple]]] = {}  # reader: _note_saved_rows
+        self._saved_rows: dict[TensorName, tuple[tuple[StepId, tuple], ...]] = {}  # reader: _note_saved_rows
         self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
         self._step_sources: dict[tuple[TensorName, StepId], RowSource] = {}  # immediate keys, by (key, step)
         self._translator = PrefixCacheSchedulerAdapter()  # translate_step only: it keeps no state
@@ -157,7 +157,6 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
     def _attach(self, config: PrefixCacheConfig, cache: str, cap: int) -> None:
         """``__init__`` after the Welcome: map the control segment (and a reader's keys), start the threads."""
         self._link.counters = self.counters
-        self._link.gauges = self._staging_gauges
         welcome = self._link.welcome
         self._epoch = welcome.epoch
         self._ctl_seg = Segment.attach(welcome.control, readonly=not self.is_writer)
@@ -190,6 +189,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             self._prefetcher = SerialThread("omnishm-prefetch", self._prefetch)
             for seg in welcome.keys:
                 self._keys[seg.key] = KeyViews.map(seg, config.num_slots, readonly=True)
+        self._link.gauges = self._staging_gauges  # once the pages exist: the I/O thread calls it at its next beat
 
     # ------------------------------------------------------------------ API
 

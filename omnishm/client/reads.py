@@ -141,10 +141,10 @@ class ReadSide:
         it. A save is not refused here: what the writer refuses of a key (a layout unlike the one it
         opened the key with) depends on steps the writer took and this rank may not have."""
         layout = (rows.dtype, tuple(rows.shape[1:]))
-        history = self._saved_rows.setdefault(key, [])
+        history = self._saved_rows.get(key, ())
         if not history or history[-1][1] != layout:
-            history.append((step_id, layout))
-            del history[:-_LAYOUT_HISTORY]
+            # A new tuple, never changed in place: the prefetch thread may be reading the old one.
+            self._saved_rows[key] = (*history, (step_id, layout))[-_LAYOUT_HISTORY:]
 
     def _check_written_layout(self, key: TensorName, claim: torch.Tensor, layout: tuple, req: ReqId,
                               step_id: StepId) -> None:
