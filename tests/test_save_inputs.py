@@ -452,7 +452,8 @@ def test_rows_that_are_not_a_dense_tensor_are_a_type_error_and_leave_the_cache_u
     m.new_step_starts([started("a", [1])])
     h, mm, lay, n, _ = build([Part("a", 1, [1], 0, 4)], BS)
     bad = mm["feat"].to_sparse() if form == "sparse" else mm["feat"].to("meta")
-    with pytest.raises(TypeError, match=f"'feat' must be a dense tensor with storage, got a {'torch.sparse_coo' if form == 'sparse' else 'meta'}"):
+    kind = "torch.sparse_coo" if form == "sparse" else "meta"
+    with pytest.raises(TypeError, match=f"'feat' must be a dense tensor with storage, got a {kind}"):
         m.save_outputs(h, {"feat": bad}, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay)
     with pytest.raises(TypeError, match="must be a dense tensor"):
         m.save_outputs(h.to_sparse() if form == "sparse" else h.to("meta"), mm, num_tokens_unpadded=n,

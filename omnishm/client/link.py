@@ -341,7 +341,8 @@ class CommitterLink(LinkAttach):
         self._leaving = True
         if self._dead is None and self._state == CONNECTED:
             try:
-                self.request(lambda rid: P.Goodbye(rid=rid, counters={**self.counters, **self._read_gauges()}), timeout_s=timeout_s)
+                counters = {**self.counters, **self._read_gauges()}
+                self.request(lambda rid: P.Goodbye(rid=rid, counters=counters), timeout_s=timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 logger.warning("cache %s: goodbye not acknowledged: %s", self.cache, exc)
         elif self._dead is None:
@@ -452,7 +453,8 @@ class CommitterLink(LinkAttach):
                 next_beat = min(next_beat, now + self._heartbeat_s)  # the period the Welcome set, from the first
                 if now >= next_beat:
                     next_beat = now + self._heartbeat_s
-                    counters = {**self.counters, **self._read_gauges(), **{f"link_{k}": float(v) for k, v in self.stats.items()}}
+                    counters = {**self.counters, **self._read_gauges(),
+                                **{f"link_{k}": float(v) for k, v in self.stats.items()}}
                     # Counted before it is sent: a wait that starts once the beat is on the wire must not
                     # take its answer (which may predate the wait) for a later one.
                     self.heartbeats_sent += 1

@@ -156,9 +156,9 @@ class ReadSide:
         if len(history) < 2:
             return
         for written in torch.unique((claim >> 16) & 0xFFFFFFFF).tolist():
-            then = [lay for first, lay in history if first <= written]
-            if not then or then[-1] != layout:
-                was = f"{then[-1][0]} rows of shape {then[-1][1]}" if then else "an unrecorded layout"
+            then = next((lay for first, lay in reversed(history) if first <= written), None)
+            if then != layout:
+                was = f"{then[0]} rows of shape {then[1]}" if then else "an unrecorded layout"
                 raise self._unmatch(f"hit rows written by step {written} were saved as {was}, this step's are "
                                     f"{layout[0]} rows of shape {layout[1]}", req_id=req, key=key, step_id=step_id)
 
@@ -194,8 +194,8 @@ class ReadSide:
         """Writer: rows of ``slots`` at versions ``cvs`` from the pool, a live source or a rescue."""
         if bool(((cvs == 0) | ((cvs >> 48) != self._epoch)).any()):
             # 0: never written; another epoch: written by an earlier writer this engine never saw.
-            raise self._unmatch("hit span resolves to absent rows (never written by this writer, or cleared by a refused save)",
-                                req_id=req, key=key, step_id=step_id)
+            raise self._unmatch("hit span resolves to absent rows (never written by this writer, or cleared by a "
+                                "refused save)", req_id=req, key=key, step_id=step_id)
         # Seqlock: committed BEFORE the copy (a row still landing may be copied half old, half new, and
         # be committed by the time a check after the copy runs), and still claimed after it.
         ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
@@ -275,8 +275,8 @@ class ReadSide:
         while True:
             claim = kv.claim[slots].clone()
             if bool((claim == 0).any()):
-                raise self._unmatch("hit span resolves to absent rows (never written, or cleared by a refused save)",
-                                    req_id=req, key=key, step_id=step_id)
+                raise self._unmatch("hit span resolves to absent rows (never written, or cleared by a refused "
+                                    "save)", req_id=req, key=key, step_id=step_id)
             bad_epoch = (claim >> 48) != epoch
             later = ((claim >> 16) & 0xFFFFFFFF) > step_id
             if bool((bad_epoch | later).any()):

@@ -126,8 +126,7 @@ class StepLifecycle:
         run copy and its scatter would each take a different one), and vLLM writes each slot at most
         once a step.
         """
-        converted = slots.dtype is not torch.int64 or slots.device.type != "cpu"
-        if converted:
+        if slots.dtype is not torch.int64 or slots.device.type != "cpu":
             slots = slots.to(device="cpu", dtype=torch.int64)  # a copy
         elif n > _SMALL_STEP:
             slots = slots.clone()

@@ -49,12 +49,12 @@ apply takes milliseconds, so the polls add at most a quarter of a millisecond to
 (a committer restarting) costs at most 4,000 short wakes a second."""
 
 
-
 def _check_dense(rows: torch.Tensor, key: TensorName) -> None:
     """``TypeError`` unless ``rows`` is a dense tensor with storage (the staging copy needs one)."""
     if rows.layout is not torch.strided or rows.is_meta:
         raise TypeError(f"tensor {key!r} must be a dense tensor with storage, got a "
                         f"{'meta' if rows.is_meta else str(rows.layout)} tensor")
+
 
 class WriterSide:
     """Writes of the writer client (mixin; all state lives in the manager)."""
@@ -66,8 +66,9 @@ class WriterSide:
         Raises ``OmniPrefixCacheUnmatchError`` for hidden states not 2-D of ``n`` or ``padded`` rows,
         ``TypeError`` for hidden states that are not a tensor, an mm key that is not a str, and rows that
         are not a dense tensor (sparse or meta: their staging copy would fail after the step id was
-        issued, which turns the writer fatal), and ``ValueError`` for an mm key that is ``HIDDEN_KEY``. Tensors that require grad are taken detached:
-        the copies of them must not join an autograd graph (the staging views would).
+        issued, which turns the writer fatal), and ``ValueError`` for an mm key that is ``HIDDEN_KEY``.
+        Tensors that require grad are taken detached: the copies of them must not join an autograd graph
+        (the staging views would).
         """
         immediate: dict[TensorName, torch.Tensor] = {}
         deferred: dict[TensorName, torch.Tensor] = {}
