@@ -21,7 +21,8 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+"""4: keys carry their row shape (``OpenKey.row_shape``, ``KeySpec.row_shape``, ``KeySegments.row_shape``)."""
 MAX_MESSAGE_BYTES = 64 << 20
 """Frames above this are dropped by libzmq (ZMQ_MAXMSGSIZE) before we decode them."""
 
@@ -49,10 +50,13 @@ copies rows as bytes and needs nothing more of a dtype, so it never imports torc
 
 
 class KeySpec(msgspec.Struct, frozen=True):
-    """Geometry of one tensor name: dtype (a ``DTYPE_ITEMSIZE`` name, e.g. ``bfloat16``) and row width."""
+    """Geometry of one tensor name: dtype (a ``DTYPE_ITEMSIZE`` name, e.g. ``bfloat16``), row width and
+    row shape (the dims of one token's row; their product is ``width``). ``row_shape`` None: not declared
+    (a Hello's layout may leave it out); the first ``OpenKey`` of the key fixes it."""
 
     dtype: str
     width: int
+    row_shape: tuple[int, ...] | None = None
 
 
 class Layout(msgspec.Struct, frozen=True):
@@ -70,6 +74,7 @@ class KeySegments(msgspec.Struct, frozen=True):
     index: int
     dtype: str
     width: int
+    row_shape: tuple[int, ...]
     pool: str
     claim: str
     commit: str
@@ -100,10 +105,15 @@ class Hello(msgspec.Struct, tag="hello"):
 
 
 class OpenKey(msgspec.Struct, tag="open_key"):
+    """Open (writer) or map (reader) one tensor name. Every row of a key has one dtype and one row shape
+    for the life of the cache: an ``OpenKey`` that names another is refused (``layout_mismatch``), so a
+    row is never read back in a shape it was not written in. ``row_shape`` None: flat rows, ``(width,)``."""
+
     rid: int
     key: str
     dtype: str
     width: int
+    row_shape: tuple[int, ...] | None = None
 
 
 class StepWrite(msgspec.Struct, tag="step_write"):

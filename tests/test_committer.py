@@ -226,6 +226,42 @@ def test_layout_mismatch_refused(committer):
     writer.goodbye()
 
 
+def test_a_key_keeps_the_row_shape_it_was_first_opened_with(committer):
+    """Every row of a key has one row shape for the life of the cache: the committer refuses an OpenKey
+    (a writer's, or a reader's map) of the same width in another shape, so no client can read rows back
+    in a shape they were not written in; a malformed shape gets a clear error and the client goes on."""
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, 4)
+    key, flat = unique_key("shape"), unique_key("flat")
+    opened = writer.raw.call(protocol.OpenKey(rid=1, key=key, dtype="float32", width=6, row_shape=(2, 3)))
+    assert isinstance(opened, protocol.KeyOpened) and opened.segments.row_shape == (2, 3)
+    again = writer.raw.call(protocol.OpenKey(rid=2, key=key, dtype="float32", width=6, row_shape=(2, 3)))
+    assert isinstance(again, protocol.KeyOpened) and again.segments.pool == opened.segments.pool
+    for rid, shape in enumerate([(3, 2), (6,), None], start=3):
+        reply = writer.raw.call(protocol.OpenKey(rid=rid, key=key, dtype="float32", width=6, row_shape=shape))
+        assert isinstance(reply, protocol.Error) and reply.code == "layout_mismatch", reply
+        assert "holds rows of shape (2, 3)" in reply.message and f"rows of shape {shape or (6,)}" in reply.message
+    for rid, shape in enumerate([(4, 2), (6, 0), (0,), (-2, -3), (1,) * 9], start=10):
+        reply = writer.raw.call(protocol.OpenKey(rid=rid, key=flat, dtype="float32", width=6, row_shape=shape))
+        assert isinstance(reply, protocol.Error) and reply.code == "bad_row_shape" and "row shape" in reply.message
+    scalar = writer.raw.call(protocol.OpenKey(rid=20, key=flat, dtype="float32", width=1, row_shape=()))
+    assert isinstance(scalar, protocol.KeyOpened) and scalar.segments.row_shape == ()
+    reader = committer.client()
+    declared = reader.hello(protocol.ROLE_READER, protocol.Layout(16, 4, {key: protocol.KeySpec("float32", 6, (3, 2))}))
+    assert isinstance(declared, protocol.Refused) and "holds rows of shape (2, 3)" in declared.reason
+    welcome = reader.hello(protocol.ROLE_READER, protocol.Layout(16, 4))
+    assert isinstance(welcome, protocol.Welcome)
+    assert {ks.key: ks.row_shape for ks in welcome.keys if ks.key in (key, flat)} == {key: (2, 3), flat: ()}
+    refused = reader.call(protocol.OpenKey(rid=1, key=key, dtype="float32", width=6, row_shape=(3, 2)))
+    assert isinstance(refused, protocol.Error) and refused.code == "layout_mismatch"
+    assert "reader asked for rows of shape (3, 2)" in refused.message
+    mapped = reader.call(protocol.OpenKey(rid=2, key=key, dtype="float32", width=6, row_shape=(2, 3)))
+    assert isinstance(mapped, protocol.KeyOpened) and mapped.segments.row_shape == (2, 3)
+    assert writer.raw.status()["rejected"]["layout_mismatch"] >= 4
+    assert isinstance(reader.goodbye(), protocol.Bye)
+    reader.close()
+    writer.goodbye()
+
+
 def test_second_committer_with_same_name_refuses(committer):
     proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", committer.name],
                           capture_output=True, text=True, timeout=60)

@@ -68,6 +68,8 @@ def _wrong_shapes(rng: random.Random) -> list[bytes]:
         m({"type": "step_write", "rid": 1, "step": 1, "keys": "h", "key_idx": 5, "tids": [], "cvs": b"",
            "src_rows": b"", "counts": b"", "slots": b""}),
         m({"type": "heartbeat", "rid": 1, "counters": {"x": "y"}}),
+        m({"type": "open_key", "rid": 1, "key": "h", "dtype": "bfloat16", "width": 8,
+           "row_shape": rng.choice(["2x4", [2.0, 4.0], {"a": 1}, [(1 << 64) - 1]])}),
         m({"rid": 3, "key": "h"}),
         m(None), m(b"\x00" * rng.randrange(64)), m("type"),
         protocol.encode(protocol.Bye(rid=4)),  # a reply type is not a request
@@ -181,7 +183,10 @@ def test_fuzzed_committer_stays_up_and_serves_a_good_client_bit_exact(committer_
                     protocol.encode(protocol.OpenKey(rid=3, key="h", dtype="bfloat16", width=16)),
                     protocol.encode(protocol.OpenKey(rid=4, key="z", dtype="complex64", width=8)),
                     protocol.encode(protocol.OpenKey(rid=5, key="", dtype="bfloat16", width=8)),
-                    protocol.encode(protocol.OpenKey(rid=6, key="w", dtype="int8", width=-1))]
+                    protocol.encode(protocol.OpenKey(rid=6, key="w", dtype="int8", width=-1)),
+                    protocol.encode(protocol.OpenKey(rid=7, key="h", dtype="bfloat16", width=8, row_shape=(2, 4))),
+                    protocol.encode(protocol.OpenKey(rid=8, key="w", dtype="int8", width=8, row_shape=(1 << 62, 2))),
+                    protocol.encode(protocol.OpenKey(rid=9, key="w", dtype="int8", width=8, row_shape=(8, 1, -1, -1)))]
         # Replays: a valid-looking descriptor whose claim version nobody holds (skipped, never applied), twice
         # in a row and duplicated inside one message.
         replay = _step(rng, ["h"], 2, slots=[5, 5], cvs=[7 << 48 | 1, 7 << 48 | 1], tids=[77, 77])

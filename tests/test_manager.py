@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -146,6 +148,36 @@ def test_staging_depth_bounds_unconsumed_step_ids(mgr):
     sid = save(m, [Part("a", 1, [0, 1, 2, 3], 3, 1)], BS)
     for s in (ids[0], ids[2], sid):
         m.discard_step(s)
+
+
+def test_a_shutdown_from_another_thread_wakes_a_save_waiting_for_a_staging_page(mgr):
+    """A save waiting for a page (every page held by an unconsumed step) waited out its whole
+    ``staging_claim_timeout_s`` after another thread shut the manager down, then took its step id and
+    cleared its slots in claim tables it had said goodbye to. Now the shutdown wakes it at once, and it
+    raises without taking a step id."""
+    m = mgr(staging_depth=1, staging_claim_timeout_s=60.0)
+    m.new_step_starts([started("a", [0, 1, 2, 3])])
+    held = save(m, [Part("a", 1, [0, 1, 2, 3], 0, 1)], BS)
+    m.new_step_starts([extended("a", 1)])
+    out: dict[str, BaseException] = {}
+
+    def engine() -> None:
+        try:
+            save(m, [Part("a", 1, [0, 1, 2, 3], 1, 1)], BS)
+        except BaseException as exc:  # the assertion below says what it must be
+            out["raised"] = exc
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while m._pages.waits < 1 and thread.is_alive():  # the save is inside its wait for a page
+        assert time.monotonic() < deadline, "the save never waited for a page"
+        time.sleep(0.005)
+    m.shutdown()
+    thread.join(timeout=30)  # the save's own bound is 60 s
+    assert not thread.is_alive(), "the save still waits for a page after the shutdown"
+    assert isinstance(out.get("raised"), RuntimeError) and "shut down" in str(out["raised"]), out
+    assert m._next_step == held + 1 and held not in m._consumed  # the woken save took no step id
 
 
 def test_step_larger_than_staging_page_raises(mgr):

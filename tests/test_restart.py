@@ -28,7 +28,7 @@ from manager_helpers import BS, Part, rows, save, small_config, started
 from omnishm import protocol, shm
 from omnishm.client import OmniPrefixCacheManager
 from omnishm.client.link import CommitterLink
-from omnishm.interface import HIDDEN_KEY
+from omnishm.interface import HIDDEN_KEY, OmniPrefixCacheCommitterError
 
 FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
@@ -126,6 +126,31 @@ def test_a_crash_around_making_a_new_keys_staging_keeps_the_writer(committer_fac
         assert w.dead is None, w.dead
         assert "has no staging for key 'k1' yet" in second.log()
         assert k0 in shm.list_segments(first.name)  # the staging the writer maps was kept
+    finally:
+        w.close()
+
+
+def test_an_adopted_key_keeps_the_row_shape_it_was_opened_with(committer_factory):
+    """Each key's row shape is in the metadata a restarted committer adopts (metadata version 2), so a
+    key still refuses rows of another shape after a restart, and its segments still name the shape."""
+    first = committer_factory(*FAST)
+    w = CommitterLink(cache=first.name, role=protocol.ROLE_WRITER, endpoint=first.endpoint, layout=LAYOUT,
+                      staging_rows=4, reconnect_timeout_s=20.0)
+    try:
+        def open_sq(shape: tuple[int, ...]) -> protocol.KeyOpened:
+            return w.request(lambda rid: protocol.OpenKey(rid=rid, key="sq", dtype="float32", width=6, row_shape=shape))
+
+        opened = open_sq((2, 3))
+        assert opened.segments.row_shape == (2, 3)
+        first.stop(signal.SIGKILL)
+        second = committer_factory(*FAST, name=first.name)
+        _wait(lambda: w.stats["reconnects"] >= 1 or w.dead is not None, 20, "the resume")
+        assert w.dead is None, w.dead
+        assert "adopted live generation" in second.log()
+        with pytest.raises(OmniPrefixCacheCommitterError, match=r"layout_mismatch.*holds rows of shape \(2, 3\)"):
+            open_sq((3, 2))
+        again = open_sq((2, 3))
+        assert again.segments.row_shape == (2, 3) and again.segments.pool == opened.segments.pool
     finally:
         w.close()
 

@@ -146,7 +146,7 @@ def test_a_key_only_the_writer_can_refuse_takes_the_step_id_on_the_writer_too(co
 
 CHANGES = {  # how the rows of feat change: (the writer's refusal, what it says, what the reader's read says)
     "dtype": (OmniPrefixCacheUnmatchError, "float64", "float64"),
-    "row shape": (OmniPrefixCacheUnmatchError, "shape", "saved as"),
+    "row shape": (OmniPrefixCacheUnmatchError, "shape", r"rows of shape \(3, 1\), the pool holds .* shape \(3,\)"),
     "a dtype no cache holds": (OmniPrefixCacheUnmatchError, "complex64", "complex64"),
 }
 
@@ -174,15 +174,25 @@ def test_a_reader_never_serves_a_hit_in_another_dtype_or_row_shape_than_its_rows
         assert_reader_follows(w, r)
 
 
+NOT_THE_POOLS_SHAPE = (r"holds rows of shape \(2, 3\), reader asked for rows of shape \(3, 2\)"  # the reader's map
+                       r"|rows of shape \(3, 2\), the pool holds torch.float32 rows of shape \(2, 3\)")  # mapped before
+"""What a reader's hit on ``sq`` says when its rows are (3, 2) and the key's (2, 3): the committer refuses
+its map of the key, or, when the reader mapped it before (its welcome names the keys the committer had),
+the reader compares the shapes itself."""
+
+
+def sq(parts: list[Part], shape: tuple[int, ...]):
+    """A step of ``parts`` whose one mm key ``sq`` has rows of 6 values in ``shape``: (hidden, rows, layout)."""
+    h, _, lay, n, _ = build(parts, BS, mm_key=None)
+    vals = torch.cat([rows(p.tag + 700, range(p.first, p.first + p.count), 6) for p in parts])
+    return h, vals.reshape(n, *shape), lay
+
+
 def test_a_reader_holds_a_hit_to_the_layout_of_the_step_that_wrote_it(committer):
     """A second review: the reader took its first save of a key as the pool's layout, but the writer had
     refused that save (a key before it the committer would not open) and opened the key with the next
-    step's layout, so the reader refused the writer's layout and served a's (2, 3) rows as (3, 2)."""
-    def sq(parts, shape):
-        h, _, lay, n, _ = build(parts, BS, mm_key=None)
-        vals = torch.cat([rows(p.tag + 700, range(p.first, p.first + p.count), 6) for p in parts])
-        return h, vals.reshape(n, *shape), lay
-
+    step's layout, so the reader refused the writer's layout and served a's (2, 3) rows as (3, 2). The
+    committer now holds each key's one row shape, and the reader's key open is refused in another."""
     cfg = small_config(commit_timeout_s=5.0)
     with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
             OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
@@ -198,7 +208,7 @@ def test_a_reader_holds_a_hit_to_the_layout_of_the_step_that_wrote_it(committer)
         h, v, lay = sq([Part("b", 1, [0, 2], 4, 3)], (3, 2))
         sid = save_where_only_the_writer_refuses(w, r, [started("b", [0, 2], hit=4)], h, {"sq": v}, lay,
                                                  OmniPrefixCacheUnmatchError, "shape")
-        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"written by step 1 were saved as .* shape \(2, 3\)"):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=NOT_THE_POOLS_SHAPE):
             r.materialize(sid, ["b"])
         h, v, lay = sq([Part("c", 1, [0, 3], 4, 3)], (2, 3))
         sids = {}
@@ -208,6 +218,37 @@ def test_a_reader_holds_a_hit_to_the_layout_of_the_step_that_wrote_it(committer)
         want = torch.cat([rows(701, range(4), 6), rows(701, range(4, 7), 6)]).reshape(7, 2, 3)
         for m in (w, r):
             assert torch.equal(m.materialize(sids[m.role], ["c"]).mm_outputs["c"]["sq"], want), m.role
+
+
+def test_a_reader_whose_saves_never_had_the_writers_row_shape_refuses_the_hit(committer):
+    """Ranks whose rows of a key disagree in shape from the first save (the lockstep contract says they do
+    not; a restarted reader, or ranks with different mm key sets, come to the same). The writer opened the
+    key with its (2, 3) rows, and the reader, which had recorded only its own (3, 2), had nothing to hold
+    a hit to and served the writer's rows as (3, 2) (left open by stop 34). Now the committer holds the
+    key's row shape, and the reader's hit is refused: at its map of the key, or by the reader itself."""
+    cfg = small_config(commit_timeout_s=5.0)
+    shapes = {"writer": (2, 3), "reader": (3, 2)}
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        for m in (w, r):
+            h, v, lay = sq([Part("a", 1, [0, 1], 0, 8)], shapes[m.role])
+            m.new_step_starts([started("a", [0, 1])])
+            m.discard_step(m.save_outputs(h, {"sq": v}, num_tokens_unpadded=8, num_tokens_padded=8, write_layout=lay))
+        w.wait_idle()
+        for attempt in range(2):  # the refused map is not cached: the next hit is refused alike
+            sids = {}
+            for m in (w, r):
+                h, v, lay = sq([Part("b", 1, [0, 2], 4, 3)], shapes[m.role])
+                m.new_step_starts([started("b", [0, 2], hit=4)])
+                sids[m.role] = m.save_outputs(h, {"sq": v}, num_tokens_unpadded=3, num_tokens_padded=3,
+                                              write_layout=lay)
+            want = torch.cat([rows(701, range(4), 6), rows(701, range(4, 7), 6)]).reshape(7, 2, 3)
+            assert torch.equal(w.materialize(sids["writer"], ["b"]).mm_outputs["b"]["sq"], want)
+            with pytest.raises(OmniPrefixCacheUnmatchError, match=NOT_THE_POOLS_SHAPE):
+                r.materialize(sids["reader"], ["b"])
+            for m in (w, r):
+                m.new_step_starts([finished("b")])
+        assert r.counters["unmatch_errors"] == 2 and w.counters["unmatch_errors"] == 0
 
 
 def save_where_only_the_writer_refuses(w, r, events, hidden, mm, lay, refused: type, says: str) -> int:

@@ -109,7 +109,6 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, torch.Tensor] = {}
         self._keys: dict[TensorName, KeyViews] = {}
-        self._saved_rows: dict[TensorName, tuple[tuple[StepId, tuple], ...]] = {}  # reader: _note_saved_rows
         self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
         self._step_sources: dict[tuple[TensorName, StepId], RowSource] = {}  # immediate keys, by (key, step)
         self._translator = PrefixCacheSchedulerAdapter()  # translate_step only: it keeps no state
@@ -140,6 +139,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             reconnect_timeout_s=config.reconnect_timeout_s,
             layout=P.Layout(num_blocks=config.num_blocks, block_size=config.block_size),
             staging_rows=staging_rows)
+        self._pages: StagingPages | None = None
         self._flusher: Flusher | None = None
         self._prefetcher: SerialThread[StepCtx] | None = None
         self._sender: StepSender | None = None
@@ -175,7 +175,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             self._ctl_mv = memoryview(self._ctl.numpy())
             self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
             self._link.acked_marker = self._acked_word
-            self._pages: StagingPages | None = StagingPages(config.staging_depth, cap, cache)
+            self._pages = StagingPages(config.staging_depth, cap, cache)
             self._flusher = Flusher(
                 region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
                 to_host=self._flush_copy, chunk_bytes=config.copy_chunk_bytes,
@@ -277,7 +277,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             return self._save_outputs(step_id, hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded,
                                       write_layout)
         except BaseException:
-            if self._next_step == step_id:  # refused before the id was issued: it is taken all the same
+            # Refused before the id was issued: it is taken all the same, unless the manager was shut down
+            # meanwhile (another thread): no step follows, and its claim tables are no longer this writer's.
+            if self._next_step == step_id and not self._closed:
                 self._burn_step(step_id, write_layout)
             raise
 
@@ -311,11 +313,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 leftover[k], event = ops.leftover(v)
                 leftover_events.append(event)
         freeze_event = ops.record_freeze()
-        for key, rows in itertools.chain(immediate.items(), deferred.items()):
-            if self.is_writer:
+        if self.is_writer:
+            for key, rows in itertools.chain(immediate.items(), deferred.items()):
                 self._ensure_key(key, rows)
-            else:
-                self._note_saved_rows(key, rows, step_id)
         self._join_previous_write()
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
                       spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
@@ -478,10 +478,16 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._release_ctx(self._take_ctx(step_id, "discard_step"))
 
     def shutdown(self) -> None:
-        """Flush open deferred writes, wait for acknowledgements (bounded), detach. Idempotent."""
+        """Flush open deferred writes, wait for acknowledgements (bounded), detach. Idempotent.
+
+        Any thread. A ``save_outputs`` waiting for a staging page on the engine thread meanwhile is woken
+        and raises ``RuntimeError`` (shut down); it takes no step id, as no call does after this one.
+        """
         if self._closed:
             return
         self._closed = True
+        if self._pages is not None:
+            self._pages.close("the manager is shut down")
         try:
             if self.is_writer and self._fatal is None and self._link.dead is None:
                 with self._lock:

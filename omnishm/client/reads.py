@@ -23,8 +23,6 @@ from omnishm.interface import OmniPrefixCacheCommitterError, ReqId, StepId, Tens
 from omnishm.versions import cv_epoch, cv_step
 
 _POLL_S = 0.0005
-_LAYOUT_HISTORY = 64
-"""A reader remembers this many changes of a key's dtype or row shape (``_note_saved_rows``)."""
 
 
 class ReadSide:
@@ -129,43 +127,16 @@ class ReadSide:
                                     step_id=ctx.step_id)
             self._resolve_rows(kv, span.slots, planned, out, ctx, key, req, ctx.step_id, deadline)
         else:
-            kv = self._reader_key(key, out, req, ctx.step_id, deadline)
-            self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline,
-                                 (out.dtype, ctx.row_shapes[key]))
+            kv = self._reader_key(key, out, ctx.row_shapes[key], req, ctx.step_id, deadline)
+            self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
 
-    def _note_saved_rows(self, key: TensorName, rows: torch.Tensor, step_id: StepId) -> None:
-        """Reader, engine thread, at a save: record the dtype and row shape of ``key`` in this step when
-        they differ from the last ones recorded (``_saved_rows``: (first step, layout) entries, oldest
-        first, at most ``_LAYOUT_HISTORY``). A reader's steps are its writer's, so the rows any step
-        wrote had the layout of this rank's save of that step; ``_check_written_layout`` holds a hit to
-        it. A save is not refused here: what the writer refuses of a key (a layout unlike the one it
-        opened the key with) depends on steps the writer took and this rank may not have."""
-        layout = (rows.dtype, tuple(rows.shape[1:]))
-        history = self._saved_rows.get(key, ())
-        if not history or history[-1][1] != layout:
-            # A new tuple, never changed in place: the prefetch thread may be reading the old one.
-            self._saved_rows[key] = (*history, (step_id, layout))[-_LAYOUT_HISTORY:]
-
-    def _check_written_layout(self, key: TensorName, claim: torch.Tensor, layout: tuple, req: ReqId,
-                              step_id: StepId) -> None:
-        """Reader: raise unless every step that wrote the hit's rows (``claim``, their claim versions)
-        saved ``key`` in ``layout``, this step's (dtype, row shape). Rows of one row shape viewed in
-        another of the same width are a wrong row with no error. Nothing to check while the key has had
-        one layout; a step older than the oldest record raises."""
-        history = self._saved_rows.get(key, ())
-        if len(history) < 2:
-            return
-        for written in torch.unique((claim >> 16) & 0xFFFFFFFF).tolist():
-            then = next((lay for first, lay in reversed(history) if first <= written), None)
-            if then != layout:
-                was = f"{then[0]} rows of shape {then[1]}" if then else "an unrecorded layout"
-                raise self._unmatch(f"hit rows written by step {written} were saved as {was}, this step's are "
-                                    f"{layout[0]} rows of shape {layout[1]}", req_id=req, key=key, step_id=step_id)
-
-    def _reader_key(self, key: TensorName, out: torch.Tensor, req: ReqId, step_id: StepId,
-                    deadline: float) -> KeyViews:
-        """Map a key the writer opened; this rank's rows must have the same dtype and width. The committer's
-        answer is awaited until ``deadline``."""
+    def _reader_key(self, key: TensorName, out: torch.Tensor, row_shape: tuple[int, ...], req: ReqId,
+                    step_id: StepId, deadline: float) -> KeyViews:
+        """Map a key the writer opened; this rank's rows (``out``, flat, of ``row_shape``) must have the
+        dtype and row shape of the key's rows. Every row of a key has the one shape the committer holds for
+        it (``OpenKey``), whichever step wrote it, so this step's shape is all there is to check; a rank
+        whose own save took another shape than its writer's is refused here. The committer's answer is
+        awaited until ``deadline``."""
         kv = self._keys.get(key)
         if kv is None:
             try:
@@ -175,17 +146,17 @@ class ReadSide:
                                     step_id=step_id) from exc
             timeout_s = max(0.01, deadline - time.monotonic())
             try:
-                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype,
-                                                                 width=int(out.shape[1])), timeout_s)
+                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype, width=int(out.shape[1]),
+                                                                 row_shape=row_shape), timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 raise self._unmatch(f"hit on a tensor this reader could not map: the writer never wrote it, "
                                     f"wrote it with another layout, or the committer did not answer ({exc})",
                                     req_id=req, key=key, step_id=step_id) from exc
             kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
             self._publish_key(key, kv)
-        if kv.dtype != out.dtype or kv.width != out.shape[1]:
-            raise self._unmatch(f"this rank's rows are {out.dtype} width {out.shape[1]}, the pool holds "
-                                f"{kv.dtype} width {kv.width}", req_id=req, key=key, step_id=step_id)
+        if kv.dtype != out.dtype or kv.row_shape != row_shape:
+            raise self._unmatch(f"this rank's rows are {out.dtype} rows of shape {row_shape}, the pool holds "
+                                f"{kv.dtype} rows of shape {kv.row_shape}", req_id=req, key=key, step_id=step_id)
         return kv
 
     def _resolve_rows(self, kv: KeyViews, slots: torch.Tensor, cvs: torch.Tensor, out: torch.Tensor,
@@ -261,7 +232,7 @@ class ReadSide:
                 time.sleep(_POLL_S)
 
     def _read_committed(self, kv: KeyViews, slots: torch.Tensor, out: torch.Tensor, key: TensorName,
-                        req: ReqId, step_id: StepId, deadline: float, layout: tuple) -> None:
+                        req: ReqId, step_id: StepId, deadline: float) -> None:
         """Reader: wait until the writer's rows for ``slots`` landed, copy, validate (seqlock).
 
         Raises ``OmniPrefixCacheUnmatchError`` for absent or reused rows, and
@@ -282,7 +253,6 @@ class ReadSide:
             if bool((bad_epoch | later).any()):
                 raise self._unmatch("slot reused after the hit was planned (reader has no rescue)",
                                     req_id=req, key=key, step_id=step_id)
-            self._check_written_layout(key, claim, layout, req, step_id)
             if bool((kv.commit[slots] == claim).all()):
                 gather_rows(kv.pool, slots, out)
                 if bool((kv.claim[slots] == claim).all()):
@@ -411,9 +381,8 @@ class ReadSide:
             for req, span in ctx.hits.items():
                 for key, step_rows in ctx.step_rows.items():
                     out = torch.empty((len(span.slots), step_rows.shape[1]), dtype=step_rows.dtype)
-                    kv = self._reader_key(key, out, req, ctx.step_id, deadline)
-                    self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline,
-                                         (out.dtype, ctx.row_shapes[key]))
+                    kv = self._reader_key(key, out, ctx.row_shapes[key], req, ctx.step_id, deadline)
+                    self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
                     ctx.prefetched[(req, key)] = out
         except Exception:  # materialize reads again and raises with full context
             pass

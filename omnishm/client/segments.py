@@ -54,8 +54,7 @@ class KeyViews:
     """Writer: the same words as a memoryview (plain Python stores for small steps); None on readers."""
 
     @classmethod
-    def map(cls, seg: P.KeySegments, num_slots: int, *, readonly: bool,
-            row_shape: tuple[int, ...] | None = None) -> "KeyViews":
+    def map(cls, seg: P.KeySegments, num_slots: int, *, readonly: bool) -> "KeyViews":
         dtype = DTYPES[seg.dtype]
         pool_seg = Segment.attach(seg.pool, readonly=True)
         claim_seg = Segment.attach(seg.claim, readonly=readonly)
@@ -69,7 +68,7 @@ class KeyViews:
         claim = claim_seg.tensor(torch.int64, (num_slots,))
         return cls(
             key=seg.key, index=seg.index, dtype=dtype, width=seg.width,
-            row_shape=row_shape if row_shape is not None else (seg.width,),
+            row_shape=tuple(seg.row_shape),
             pool=pool_seg.tensor(dtype, (num_slots, seg.width)),
             claim=claim, commit=commit_seg.tensor(torch.int64, (num_slots,)),
             staging=staging, segments=segments, claim_np=None if readonly else claim.numpy(),
@@ -88,7 +87,9 @@ class StagingPages:
 
     Thread-safe (own condition). ``claim`` waits for a free page up to the
     timeout and then raises ``OmniPrefixCacheStagingTimeoutError`` naming the
-    unconsumed step ids that hold the pages.
+    unconsumed step ids that hold the pages; once ``close`` was called (the
+    manager's shutdown, from any thread) it raises ``RuntimeError`` at once,
+    also in a wait that had begun.
     """
 
     def __init__(self, depth: int, capacity: int, cache: str = ""):
@@ -99,6 +100,8 @@ class StagingPages:
         self._cond = threading.Condition()
         self._holds: list[set[str]] = [set() for _ in range(depth)]
         self._owner: list[StepId | None] = [None] * depth
+        self._closed = ""
+        """Why claims are refused (``close``); empty while the pages are in use."""
         self.waits = 0
         self.used = 0
         """Pages held now (changed under the condition; read it without, as a gauge)."""
@@ -115,6 +118,8 @@ class StagingPages:
         deadline = 0.0
         with self._cond:
             while True:
+                if self._closed:
+                    raise RuntimeError(f"cache {self.cache}: no staging page for step {step_id}: {self._closed}")
                 for page in range(self.depth):
                     if not self._holds[page]:
                         self._holds[page] = set(holds)
@@ -134,6 +139,12 @@ class StagingPages:
                         f"discard_step() for each, or raise staging_depth (request=None, tensor=None, "
                         f"step_id={step_id})")
                 self._cond.wait(remaining)
+
+    def close(self, why: str) -> None:
+        """Refuse every claim from now on, and wake the ones waiting; any thread, idempotent."""
+        with self._cond:
+            self._closed = self._closed or why
+            self._cond.notify_all()
 
     def release(self, page: int, hold: str) -> None:
         with self._cond:

@@ -114,10 +114,11 @@ class WriterSide:
         row_shape = tuple(rows.shape[1:])
         width = row_width(row_shape)
         if kv is None:
+            # The committer refuses a row shape other than the one the key was first opened with (by this
+            # writer or one before it), so every pool row of the key has the shape its readers check for.
             reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(rows.dtype),
-                                                             width=width))
-            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer,
-                              row_shape=row_shape)
+                                                             width=width, row_shape=row_shape))
+            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer)
             if rows.is_cuda and kv.staging is not None:
                 self._registrations.append(HostRegistration(kv.staging))
             self._publish_key(key, kv)

@@ -38,7 +38,8 @@ from omnishm import protocol, shm
 
 logger = logging.getLogger(__name__)
 
-META_VERSION = 1
+META_VERSION = 2
+"""2: each key records its row shape (1 had none: such a cache is not adopted)."""
 META_OFFSET = 4096
 """Byte offset of the metadata area in the control segment (the control words come first)."""
 SLOT_BYTES = 64 << 10

@@ -9,6 +9,7 @@ Every segment here is created (and at ``close`` unlinked) by this process.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -26,6 +27,7 @@ MAX_KEY_NAME = 200
 MAX_KEYS = 64
 """Key names a cache knows (declared in layouts or opened); a model emits a handful."""
 MAX_WIDTH = 1 << 24
+MAX_ROW_DIMS = 8
 MAX_SLOTS = 1 << 34
 """Upper bound on ``num_blocks * block_size`` (bad input gets a clear error, never an overflow)."""
 MAX_STAGING_ROWS = 1 << 26
@@ -75,6 +77,9 @@ class KeyState:
     dtype_name: str
     """A ``protocol.DTYPE_ITEMSIZE`` name: rows are bytes here, and only the clients see them as tensors."""
     width: int
+    row_shape: tuple[int, ...]
+    """The dims of one row (their product is ``width``), the same for every row of the key: fixed by its
+    first ``OpenKey``; a later one naming another is refused, so no row is read back in another shape."""
     pool_seg: shm.Segment
     claim_seg: shm.Segment
     commit_seg: shm.Segment
@@ -169,9 +174,19 @@ class CachePool(StepApply):
                     f"client sent num_blocks={layout.num_blocks} block_size={layout.block_size}")
         for key, spec in layout.keys.items():
             mine = self.key_specs.get(key)
-            if mine is not None and (mine.dtype, mine.width) != (spec.dtype, spec.width):
-                return (f"cache {self.name} key {key!r} is {mine.dtype}[{mine.width}], "
-                        f"client sent {spec.dtype}[{spec.width}]")
+            why = self.spec_mismatch(key, mine, spec, "client sent") if mine is not None else None
+            if why:
+                return why
+        return None
+
+    def spec_mismatch(self, key: str, have: protocol.KeySpec, want: protocol.KeySpec, who: str) -> str | None:
+        """Why rows of ``want`` cannot be this cache's rows of ``key`` (``have``), or None. A row shape of
+        None on either side (not declared yet) matches any."""
+        if (have.dtype, have.width) != (want.dtype, want.width):
+            return f"cache {self.name} key {key!r} is {have.dtype}[{have.width}], {who} {want.dtype}[{want.width}]"
+        if have.row_shape is not None and want.row_shape is not None and have.row_shape != want.row_shape:
+            return (f"cache {self.name} key {key!r} holds rows of shape {have.row_shape}, {who} rows of shape "
+                    f"{want.row_shape}")
         return None
 
     def set_layout(self, layout: protocol.Layout) -> None:
@@ -183,7 +198,7 @@ class CachePool(StepApply):
             raise PoolError("bad_layout", f"num_blocks*block_size = {layout.num_blocks * layout.block_size} "
                                           f"exceeds {MAX_SLOTS} slots")
         for key, spec in layout.keys.items():
-            self._check_spec(key, spec.dtype, spec.width)
+            self._check_spec(key, spec.dtype, spec.width, spec.row_shape)
         self._check_room(len(set(layout.keys) - set(self.key_specs)))
         if self.layout is None:
             self.layout = protocol.Layout(layout.num_blocks, layout.block_size, {})
@@ -235,7 +250,7 @@ class CachePool(StepApply):
                                              f"{new_keys} more would pass the limit of {MAX_KEYS}")
 
     @staticmethod
-    def _check_spec(key: str, dtype: str, width: int) -> None:
+    def _check_spec(key: str, dtype: str, width: int, row_shape: tuple[int, ...] | None = None) -> None:
         if not isinstance(key, str) or not key or len(key) > MAX_KEY_NAME:
             shown = key if not isinstance(key, str) or len(key) <= 60 else f"{key[:60]}... ({len(key)} characters)"
             raise PoolError("bad_key", f"key name must be a string of 1..{MAX_KEY_NAME} characters, got {shown!r}")
@@ -244,21 +259,28 @@ class CachePool(StepApply):
                                          f"(known: {', '.join(protocol.DTYPE_ITEMSIZE)})")
         if not 0 < width <= MAX_WIDTH:
             raise PoolError("bad_width", f"key {key!r}: width must be in 1..{MAX_WIDTH}, got {width}")
+        if row_shape is not None and (len(row_shape) > MAX_ROW_DIMS or any(d < 1 for d in row_shape)
+                                      or math.prod(row_shape) != width):
+            raise PoolError("bad_row_shape", f"key {key!r}: row shape {tuple(row_shape)} must have at most "
+                                             f"{MAX_ROW_DIMS} dims of at least 1 whose product is the width {width}")
 
     # ------------------------------------------------------------ keys and staging
 
-    def open_key(self, key: str, dtype: str, width: int) -> KeyState:
-        """The key's state, creating pool/claim/commit on first open. Raises PoolError."""
+    def open_key(self, key: str, dtype: str, width: int, row_shape: tuple[int, ...] | None = None) -> KeyState:
+        """The key's state, creating pool/claim/commit on first open (``row_shape`` None: ``(width,)``).
+        Raises PoolError: ``layout_mismatch`` for a key whose rows have another dtype, width or shape."""
         if self.layout is None:
             raise PoolError("no_layout", f"cache {self.name} has no layout yet")
+        shape = (width,) if row_shape is None else tuple(row_shape)
         state = self.keys.get(key)
-        spec = protocol.KeySpec(state.dtype_name, state.width) if state is not None else self.key_specs.get(key)
-        if spec is not None and (spec.dtype, spec.width) != (dtype, width):
-            raise PoolError("layout_mismatch", f"cache {self.name} key {key!r} is {spec.dtype}[{spec.width}], "
-                                               f"OpenKey asked for {dtype}[{width}]")
+        spec = self.key_spec(state) if state is not None else self.key_specs.get(key)
+        why = self.spec_mismatch(key, spec, protocol.KeySpec(dtype, width, shape), "OpenKey asked for") \
+            if spec is not None else None
+        if why:
+            raise PoolError("layout_mismatch", why)
         if state is not None:
             return state
-        self._check_spec(key, dtype, width)
+        self._check_spec(key, dtype, width, shape)
         self._check_room(0 if key in self.key_specs else 1)
         index = len(self.keys)
         row_bytes = width * protocol.DTYPE_ITEMSIZE[dtype]
@@ -279,15 +301,19 @@ class CachePool(StepApply):
         commit = commit_seg.array(np.int64, (n,))
         claim[:] = 0  # fallocate'd pages are zero already; explicit for the contract
         commit[:] = 0
-        state = KeyState(index=index, name=key, dtype_name=dtype, width=width,
+        state = KeyState(index=index, name=key, dtype_name=dtype, width=width, row_shape=shape,
                          pool_seg=pool_seg, claim_seg=claim_seg, commit_seg=commit_seg, claim=claim, commit=commit,
                          row_bytes=row_bytes)
         self.keys[key] = state
-        self.key_specs[key] = protocol.KeySpec(dtype, width)
-        logger.info("cache %s: opened key %r %s[%d], %d slots, %.1f MiB pool", self.name, key, dtype,
-                    width, n, n * row_bytes / 2**20)
+        self.key_specs[key] = protocol.KeySpec(dtype, width, shape)
+        logger.info("cache %s: opened key %r %s rows of shape %s, %d slots, %.1f MiB pool", self.name, key, dtype,
+                    shape, n, n * row_bytes / 2**20)
         self.save_meta()
         return state
+
+    @staticmethod
+    def key_spec(state: KeyState) -> protocol.KeySpec:
+        return protocol.KeySpec(state.dtype_name, state.width, state.row_shape)
 
     def ensure_staging(self, client_id: str, state: KeyState, rows: int) -> Staging:
         staging = state.staging.get(client_id)
@@ -313,7 +339,7 @@ class CachePool(StepApply):
     def key_segments(self, state: KeyState, client_id: str | None = None) -> protocol.KeySegments:
         staging = state.staging.get(client_id) if client_id is not None else None
         return protocol.KeySegments(
-            key=state.name, index=state.index, dtype=state.dtype_name, width=state.width,
+            key=state.name, index=state.index, dtype=state.dtype_name, width=state.width, row_shape=state.row_shape,
             pool=state.pool_seg.name, claim=state.claim_seg.name, commit=state.commit_seg.name,
             staging=staging.segment.name if staging else None, staging_rows=staging.rows if staging else 0)
 
@@ -335,9 +361,10 @@ class CachePool(StepApply):
     def meta_doc(self) -> dict:
         assert self.layout is not None
         doc = meta.empty_doc(self.name, self.generation, self.layout)
-        doc["key_specs"] = {k: [s.dtype, s.width] for k, s in self.key_specs.items()}
-        doc["keys"] = [[s.name, s.index, s.dtype_name, s.width] for s in sorted(self.keys.values(),
-                                                                                  key=lambda s: s.index)]
+        doc["key_specs"] = {k: [s.dtype, s.width, None if s.row_shape is None else list(s.row_shape)]
+                            for k, s in self.key_specs.items()}
+        doc["keys"] = [[s.name, s.index, s.dtype_name, s.width, list(s.row_shape)]
+                       for s in sorted(self.keys.values(), key=lambda s: s.index)]
         doc["epoch"] = self.max_epoch
         # The welcomed writers, from their sessions, not from the staging that exists: a writer has none
         # before its first key, and a new key's is created after the key is recorded. Staging of a writer
@@ -385,7 +412,8 @@ class CachePool(StepApply):
         pool.ctl = ctl_seg.array(np.int64, (protocol.CTL_WORDS,))
         pool.meta_seq = seq
         pool.max_epoch = int(doc["epoch"])
-        pool.key_specs = {k: protocol.KeySpec(v[0], int(v[1])) for k, v in doc["key_specs"].items()}
+        pool.key_specs = {k: protocol.KeySpec(v[0], int(v[1]), None if v[2] is None else tuple(map(int, v[2])))
+                          for k, v in doc["key_specs"].items()}
         n = pool.num_slots
 
         def attach(what: str, size: int) -> shm.Segment:
@@ -410,15 +438,18 @@ class CachePool(StepApply):
                 raise meta.MetaError(f"segment {seg.name} has {seg.size} bytes, the layout needs {max(size, 1)}")
             return seg
 
-        for key, index, dtype, width in doc["keys"]:
-            if dtype not in protocol.DTYPE_ITEMSIZE:
-                raise meta.MetaError(f"key {key!r} has unknown dtype {dtype!r}")
+        for key, index, dtype, width, row_shape in doc["keys"]:
+            try:
+                cls._check_spec(key, dtype, int(width), tuple(map(int, row_shape)))
+            except PoolError as exc:
+                raise meta.MetaError(exc.message) from exc
             row_bytes = int(width) * protocol.DTYPE_ITEMSIZE[dtype]
             pool_seg = attach(f"pool.k{index}", n * row_bytes)
             claim_seg = attach(f"claim.k{index}", n * 8)
             commit_seg = attach(f"commit.k{index}", n * 8)
             pool.keys[key] = KeyState(
-                index=int(index), name=key, dtype_name=dtype, width=int(width), pool_seg=pool_seg,
+                index=int(index), name=key, dtype_name=dtype, width=int(width),
+                row_shape=tuple(map(int, row_shape)), pool_seg=pool_seg,
                 claim_seg=claim_seg, commit_seg=commit_seg, claim=claim_seg.array(np.int64, (n,)),
                 commit=commit_seg.array(np.int64, (n,)), row_bytes=row_bytes)
         for cid, info in doc["writers"].items():
