@@ -106,8 +106,9 @@ class Hello(msgspec.Struct, tag="hello"):
 
 class OpenKey(msgspec.Struct, tag="open_key"):
     """Open (writer) or map (reader) one tensor name. Every row of a key has one dtype and one row shape
-    for the life of the cache: an ``OpenKey`` that names another is refused (``layout_mismatch``), so a
-    row is never read back in a shape it was not written in. ``row_shape`` None: flat rows, ``(width,)``."""
+    for the life of the cache, fixed by its first ``OpenKey`` (or a Hello's layout that declares it): an
+    ``OpenKey`` that names another is refused (``layout_mismatch``), so a row is never read back in a shape
+    it was not written in. ``row_shape`` None: flat rows, ``(width,)``; at most 63 dims."""
 
     rid: int
     key: str

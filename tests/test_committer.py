@@ -243,11 +243,17 @@ def test_a_key_keeps_the_row_shape_it_was_first_opened_with(committer):
     for rid, shape in enumerate([(4, 2), (6, 0), (0,), (-2, -3), (1,) * 9], start=10):
         reply = writer.raw.call(protocol.OpenKey(rid=rid, key=flat, dtype="float32", width=6, row_shape=shape))
         assert isinstance(reply, protocol.Error) and reply.code == "bad_row_shape" and "row shape" in reply.message
+    huge = (1,) * 200_000  # a client's shape is echoed in the reply and the log: cut, not 600 KB of it
+    for rid, name in ((21, key), (22, flat)):
+        reply = writer.raw.call(protocol.OpenKey(rid=rid, key=name, dtype="float32", width=6, row_shape=huge))
+        assert isinstance(reply, protocol.Error) and "200000 dims" in reply.message and len(reply.message) < 400
     scalar = writer.raw.call(protocol.OpenKey(rid=20, key=flat, dtype="float32", width=1, row_shape=()))
     assert isinstance(scalar, protocol.KeyOpened) and scalar.segments.row_shape == ()
     reader = committer.client()
     declared = reader.hello(protocol.ROLE_READER, protocol.Layout(16, 4, {key: protocol.KeySpec("float32", 6, (3, 2))}))
     assert isinstance(declared, protocol.Refused) and "holds rows of shape (2, 3)" in declared.reason
+    declared = reader.hello(protocol.ROLE_READER, protocol.Layout(16, 4, {key: protocol.KeySpec("float32", 6, huge)}))
+    assert isinstance(declared, protocol.Refused) and "200000 dims" in declared.reason and len(declared.reason) < 400
     welcome = reader.hello(protocol.ROLE_READER, protocol.Layout(16, 4))
     assert isinstance(welcome, protocol.Welcome)
     assert {ks.key: ks.row_shape for ks in welcome.keys if ks.key in (key, flat)} == {key: (2, 3), flat: ()}
@@ -256,7 +262,8 @@ def test_a_key_keeps_the_row_shape_it_was_first_opened_with(committer):
     assert "reader asked for rows of shape (3, 2)" in refused.message
     mapped = reader.call(protocol.OpenKey(rid=2, key=key, dtype="float32", width=6, row_shape=(2, 3)))
     assert isinstance(mapped, protocol.KeyOpened) and mapped.segments.row_shape == (2, 3)
-    assert writer.raw.status()["rejected"]["layout_mismatch"] >= 4
+    assert writer.raw.status()["rejected"]["layout_mismatch"] >= 5
+    assert len(committer.log()) < 200_000
     assert isinstance(reader.goodbye(), protocol.Bye)
     reader.close()
     writer.goodbye()

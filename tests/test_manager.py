@@ -180,6 +180,33 @@ def test_a_shutdown_from_another_thread_wakes_a_save_waiting_for_a_staging_page(
     assert m._next_step == held + 1 and held not in m._consumed  # the woken save took no step id
 
 
+def test_a_shutdown_while_a_save_gets_its_page_claims_and_sends_nothing(mgr):
+    """A review of the wake above: a shutdown landing right after the save got its page let the save
+    store its claims in tables it had said goodbye to, then fail its send as a sticky fatal error, and
+    keep the step's page and context. Now it raises at once, as a shut-down manager does."""
+    m = mgr(staging_depth=2)
+    m.new_step_starts([started("a", [0, 1, 2, 3])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1, 2, 3], 0, 1)], BS))
+    m.wait_idle()
+    before = int(m._keys[HIDDEN_KEY].claim[1])
+    real = m._pages.claim
+
+    def claim_then_shut_down(*args, **kw):
+        page = real(*args, **kw)
+        other = threading.Thread(target=m.shutdown)
+        other.start()
+        other.join(timeout=30)
+        assert not other.is_alive()
+        return page
+
+    m._pages.claim = claim_then_shut_down
+    m.new_step_starts([extended("a", 1)])
+    with pytest.raises(RuntimeError, match="shut down"):
+        save(m, [Part("a", 1, [0, 1, 2, 3], 1, 1)], BS)
+    assert m._fatal is None and not m._ctxs and m._pages.used == 0 and m._next_step == 1
+    assert int(m._keys[HIDDEN_KEY].claim[1]) == before  # nothing claimed after the goodbye
+
+
 def test_step_larger_than_staging_page_raises(mgr):
     m = mgr()
     m.new_step_starts([started("a", list(range(10)))])

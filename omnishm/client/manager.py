@@ -325,6 +325,10 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         assert self._pages is not None
         ctx.page = self._pages.claim(step_id, self.config.staging_claim_timeout_s,
                                      holds=("ctx", "write") if self.is_writer else ("ctx",))
+        if self._closed:  # shut down by another thread meanwhile: no id is issued, nothing claimed or sent
+            for hold in ("ctx", "write"):
+                self._pages.release(ctx.page, hold)
+            raise RuntimeError(f"cache {self.cache}: manager is shut down")
         self._next_step += 1
         try:
             if self.is_writer:
@@ -481,7 +485,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         """Flush open deferred writes, wait for acknowledgements (bounded), detach. Idempotent.
 
         Any thread. A ``save_outputs`` waiting for a staging page on the engine thread meanwhile is woken
-        and raises ``RuntimeError`` (shut down); it takes no step id, as no call does after this one.
+        and raises ``RuntimeError`` (shut down), and one that got its page meanwhile raises the same before it
+        issues its step id; neither takes effect, as no call does after this one. A save already past that point
+        when the link closes fails its send (sticky fatal): shut down from the engine thread where it can.
         """
         if self._closed:
             return

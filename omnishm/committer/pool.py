@@ -27,7 +27,8 @@ MAX_KEY_NAME = 200
 MAX_KEYS = 64
 """Key names a cache knows (declared in layouts or opened); a model emits a handful."""
 MAX_WIDTH = 1 << 24
-MAX_ROW_DIMS = 8
+MAX_ROW_DIMS = 63
+"""A row shape's dims at most: torch's 64 dims of a tensor, less the token dim."""
 MAX_SLOTS = 1 << 34
 """Upper bound on ``num_blocks * block_size`` (bad input gets a clear error, never an overflow)."""
 MAX_STAGING_ROWS = 1 << 26
@@ -40,6 +41,14 @@ class WriterRecord(NamedTuple):
     epoch: int
     staging_rows: int
     """The rows of its staging segment for each key (``ensure_staging`` makes one per key)."""
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    """A row shape for a message. A client's shape is echoed in replies and logs, so one longer than any
+    key may have is cut."""
+    if len(shape) <= MAX_ROW_DIMS:
+        return str(tuple(shape))
+    return f"({', '.join(map(str, shape[:4]))}, ... {len(shape)} dims)"
 
 
 class PoolError(Exception):
@@ -185,8 +194,8 @@ class CachePool(StepApply):
         if (have.dtype, have.width) != (want.dtype, want.width):
             return f"cache {self.name} key {key!r} is {have.dtype}[{have.width}], {who} {want.dtype}[{want.width}]"
         if have.row_shape is not None and want.row_shape is not None and have.row_shape != want.row_shape:
-            return (f"cache {self.name} key {key!r} holds rows of shape {have.row_shape}, {who} rows of shape "
-                    f"{want.row_shape}")
+            return (f"cache {self.name} key {key!r} holds rows of shape {shape_text(have.row_shape)}, {who} rows "
+                    f"of shape {shape_text(want.row_shape)}")
         return None
 
     def set_layout(self, layout: protocol.Layout) -> None:
@@ -261,7 +270,7 @@ class CachePool(StepApply):
             raise PoolError("bad_width", f"key {key!r}: width must be in 1..{MAX_WIDTH}, got {width}")
         if row_shape is not None and (len(row_shape) > MAX_ROW_DIMS or any(d < 1 for d in row_shape)
                                       or math.prod(row_shape) != width):
-            raise PoolError("bad_row_shape", f"key {key!r}: row shape {tuple(row_shape)} must have at most "
+            raise PoolError("bad_row_shape", f"key {key!r}: row shape {shape_text(row_shape)} must have at most "
                                              f"{MAX_ROW_DIMS} dims of at least 1 whose product is the width {width}")
 
     # ------------------------------------------------------------ keys and staging
