@@ -116,6 +116,10 @@ class OpenKey(msgspec.Struct, tag="open_key"):
     width: int
     row_shape: tuple[int, ...] | None = None
 
+    def spec(self) -> KeySpec:
+        """The rows this open asks for, with their row shape made concrete."""
+        return KeySpec(self.dtype, self.width, (self.width,) if self.row_shape is None else tuple(self.row_shape))
+
 
 class StepWrite(msgspec.Struct, tag="step_write"):
     rid: int

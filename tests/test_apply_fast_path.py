@@ -35,7 +35,7 @@ def _pool(tag: str) -> CachePool:
     pool.set_layout(LAYOUT)
     gen = torch.Generator().manual_seed(5)
     for key, dtype, width in KEYS:
-        state = pool.open_key(key, dtype, width)
+        state = pool.open_key(key, protocol.KeySpec(dtype, width, (width,)))
         staging = pool.ensure_staging(CLIENT, state, STAGING_ROWS)
         torch.from_numpy(staging.data).copy_(
             torch.randint(0, 256, tuple(staging.data.shape), generator=gen, dtype=torch.uint8))

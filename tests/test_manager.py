@@ -177,7 +177,7 @@ def test_a_shutdown_from_another_thread_wakes_a_save_waiting_for_a_staging_page(
     thread.join(timeout=30)  # the save's own bound is 60 s
     assert not thread.is_alive(), "the save still waits for a page after the shutdown"
     assert isinstance(out.get("raised"), RuntimeError) and "shut down" in str(out["raised"]), out
-    assert m._next_step == held + 1 and held not in m._consumed  # the woken save took no step id
+    assert m._next_step == held + 1 and held + 1 not in m._consumed  # the woken save took no step id (no burn)
 
 
 def test_a_shutdown_while_a_save_gets_its_page_claims_and_sends_nothing(mgr):

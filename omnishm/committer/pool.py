@@ -108,6 +108,11 @@ class KeyState:
     rows_v: np.ndarray | None = None
     """The same rows as one opaque item each (``_void_rows``)."""
 
+    @property
+    def spec(self) -> protocol.KeySpec:
+        """The key's geometry as the protocol names it."""
+        return protocol.KeySpec(self.dtype_name, self.width, self.row_shape)
+
     def __post_init__(self) -> None:
         if self.data is None:
             self.data = _byte_rows(self.pool_seg, len(self.claim), self.row_bytes)
@@ -275,16 +280,17 @@ class CachePool(StepApply):
 
     # ------------------------------------------------------------ keys and staging
 
-    def open_key(self, key: str, dtype: str, width: int, row_shape: tuple[int, ...] | None = None) -> KeyState:
-        """The key's state, creating pool/claim/commit on first open (``row_shape`` None: ``(width,)``).
-        Raises PoolError: ``layout_mismatch`` for a key whose rows have another dtype, width or shape."""
+    def open_key(self, key: str, want: protocol.KeySpec) -> KeyState:
+        """The key's state, creating pool/claim/commit on first open (``want.row_shape`` is concrete:
+        ``OpenKey.spec``). Raises PoolError: ``layout_mismatch`` for a key whose rows have another dtype,
+        width or shape."""
         if self.layout is None:
             raise PoolError("no_layout", f"cache {self.name} has no layout yet")
-        shape = (width,) if row_shape is None else tuple(row_shape)
+        dtype, width, shape = want.dtype, want.width, want.row_shape
+        assert shape is not None
         state = self.keys.get(key)
-        spec = self.key_spec(state) if state is not None else self.key_specs.get(key)
-        why = self.spec_mismatch(key, spec, protocol.KeySpec(dtype, width, shape), "OpenKey asked for") \
-            if spec is not None else None
+        spec = state.spec if state is not None else self.key_specs.get(key)
+        why = self.spec_mismatch(key, spec, want, "OpenKey asked for") if spec is not None else None
         if why:
             raise PoolError("layout_mismatch", why)
         if state is not None:
@@ -319,10 +325,6 @@ class CachePool(StepApply):
                     shape, n, n * row_bytes / 2**20)
         self.save_meta()
         return state
-
-    @staticmethod
-    def key_spec(state: KeyState) -> protocol.KeySpec:
-        return protocol.KeySpec(state.dtype_name, state.width, state.row_shape)
 
     def ensure_staging(self, client_id: str, state: KeyState, rows: int) -> Staging:
         staging = state.staging.get(client_id)

@@ -410,14 +410,13 @@ class Committer(Attach):
                 return protocol.Error(rid=msg.rid, code="unknown_key",
                                       message=f"cache {self.name} has no key {msg.key!r} (the writer opens keys)")
             # A reader's rows must be the writer's rows as they are: same dtype, width and row shape.
-            want = protocol.KeySpec(msg.dtype, msg.width, (msg.width,) if msg.row_shape is None else msg.row_shape)
-            why = self.pool.spec_mismatch(msg.key, self.pool.key_spec(state), want, "reader asked for")
+            why = self.pool.spec_mismatch(msg.key, state.spec, msg.spec(), "reader asked for")
             if why:
                 self.rejected["layout_mismatch"] += 1
                 return protocol.Error(rid=msg.rid, code="layout_mismatch", message=why)
             return protocol.KeyOpened(rid=msg.rid, segments=self.pool.key_segments(state))
         try:
-            state = self.pool.open_key(msg.key, msg.dtype, msg.width, msg.row_shape)
+            state = self.pool.open_key(msg.key, msg.spec())
             self.pool.ensure_staging(session.client_id, state, session.staging_rows)
         except PoolError as exc:
             self.rejected[exc.code] += 1
