@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from omnishm.bench import manager_figures as mf
+from omnishm.bench import overhead as ov
 from omnishm.bench.common import Cleanup, ProcessCommitter
 
 
@@ -30,7 +31,7 @@ def engine(cleanup: Cleanup, args: argparse.Namespace, prof: cProfile.Profile) -
         arm.prepare()
         reps, a, b = mf.calibrate_forward(size.forward_ms, args.device)
         for i in range(args.steps + 3):
-            mf._forward(reps, a, b)
+            mf.simulated_forward(reps, a, b)
             prof.enable()
             dt = arm.step()
             prof.disable()
@@ -45,7 +46,7 @@ def engine(cleanup: Cleanup, args: argparse.Namespace, prof: cProfile.Profile) -
 def overhead(cleanup: Cleanup, args: argparse.Namespace, prof: cProfile.Profile) -> dict[str, list[float]]:
     from omnishm.client import OmniPrefixCacheManager, PrefixCacheConfig
 
-    eng = mf.no_hit_engine(mf.OverheadSize(args.steps, 1024, 256, 20))
+    eng = ov.no_hit_engine(ov.OverheadSize(args.steps, 1024, 256, 20))
     reps, a, b = mf.calibrate_forward(20, args.device)
     cfg = PrefixCacheConfig(num_blocks=512, block_size=mf.BS, staging_capacity_tokens=256, staging_depth=2)
     times: dict[str, list[float]] = defaultdict(list)
@@ -60,7 +61,7 @@ def overhead(cleanup: Cleanup, args: argparse.Namespace, prof: cProfile.Profile)
                 hidden, mm = st.hidden, st.mm
                 if args.device != "cpu":
                     hidden, mm = hidden.to(args.device), {k: v.to(args.device) for k, v in mm.items()}
-                mf._forward(reps, a, b)
+                mf.simulated_forward(reps, a, b)
                 prof.enable()
                 t0 = time.perf_counter()
                 m.new_step_starts(st.step)

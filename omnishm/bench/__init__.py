@@ -68,7 +68,7 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu",
     import torch
 
     from omnishm.bench import manager_figures as mf
-    from omnishm.bench import memory, write_figures as wf
+    from omnishm.bench import memory, overhead, write_figures as wf
     from omnishm.bench.common import Cleanup
 
     rng = np.random.default_rng(seed)
@@ -78,8 +78,8 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu",
             "2": lambda c: mf.figure_read(c, mf.ReadSize(2048, 512, 1024, 3)),
             "3": lambda c: mf.figure_engine(c, mf.EngineSize(512, 256, 8, 512, 4, 3), device),
             "4": lambda c: wf.figure_control(c, wf.ControlSize(2000, 2, 200), rng, 1024),
-            "5": lambda c: memory.figure_memory(c, memory.MemorySize(64, 1024, (1, 2))),
-            "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(8, 256, 128, 3), device),
+            "5": lambda c: memory.figure_memory(c, memory.MemorySize(64, 1024, (1, 2), repeats=2)),
+            "6": lambda c: overhead.figure_overhead(c, overhead.OverheadSize(8, 256, 128, 3), device),
         }
     else:
         plan = {
@@ -88,7 +88,7 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu",
             "3": lambda c: mf.figure_engine(c, mf.EngineSize(4096, 2048, 64, 4096, 20, 20), device),
             "4": lambda c: wf.figure_control(c, wf.ControlSize(40000, 5, 2000), rng, 4096),
             "5": lambda c: memory.figure_memory(c, memory.MemorySize(4096, 4096, (1, 2, 4))),
-            "6": lambda c: mf.figure_overhead(c, mf.OverheadSize(120, 1024, 256, 20), device),
+            "6": lambda c: overhead.figure_overhead(c, overhead.OverheadSize(120, 1024, 256, 20), device),
         }
     rows: list[Any] = []
     errors: dict[str, str] = {}

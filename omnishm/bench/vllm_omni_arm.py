@@ -22,6 +22,7 @@ import torch
 
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
+from omnishm.interface import HIDDEN_KEY
 from omnishm.integrations.vllm_omni import load_prefix_cache
 
 if TYPE_CHECKING:
@@ -39,21 +40,65 @@ def vllm_omni_version() -> str | None:
         return None
 
 
-def same_results(ours: Any, theirs: Any, req_ids: list[str], what: str) -> None:
-    """Raise RuntimeError unless vllm-omni's materialize served exactly omnishm's rows.
+def omni_mode(eager: bool) -> str:
+    """How a row names the mode vllm-omni's cache ran in."""
+    return "eager: its mode without CUDA" if eager else "threaded: its mode with CUDA (copy streams)"
 
-    omnishm nests ``mm_outputs`` request first, vllm-omni tensor name first.
-    """
+
+def served_rows(result: Any, req_ids: list[str], *, key_first: bool = False) -> dict[tuple[str, str], Any]:
+    """What a ``materialize`` handed the next stage: ``{(request, tensor name): value}``, hidden states
+    under ``HIDDEN_KEY``. omnishm nests ``mm_outputs`` request first; vllm-omni (and omnishm's drop-in,
+    which answers in vllm-omni's API) tensor name first: ``key_first``."""
+    rows: dict[tuple[str, str], Any] = {}
     for req in req_ids:
-        if set(ours.mm_outputs[req]) != {key for key, per_req in theirs.mm_outputs.items() if req in per_req}:
-            raise RuntimeError(f"{what}: vllm-omni's multimodal keys for {req} differ from omnishm's")
-        pairs = [("hidden states", ours.hidden_states[req], (theirs.hidden_states or {}).get(req))]
-        pairs += [(key, val, theirs.mm_outputs.get(key, {}).get(req)) for key, val in ours.mm_outputs[req].items()]
-        for key, a, b in pairs:
-            if b is None or a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
-                got = "nothing" if b is None else f"{tuple(b.shape)} {b.dtype}"
-                raise RuntimeError(f"{what}: vllm-omni's {key} for {req} differ from omnishm's "
-                                   f"({tuple(a.shape)} {a.dtype} against {got})")
+        hidden = (result.hidden_states or {}).get(req)
+        if hidden is not None:
+            rows[(req, HIDDEN_KEY)] = hidden
+    if key_first:
+        for key, per_req in result.mm_outputs.items():
+            rows.update(((req, key), per_req[req]) for req in req_ids if req in per_req)
+    else:
+        for req in req_ids:
+            rows.update(((req, key), val) for key, val in result.mm_outputs.get(req, {}).items())
+    return rows
+
+
+def same_rows(want: dict[tuple[str, str], Any], got: dict[tuple[str, str], Any], what: str, who: str) -> None:
+    """Raise RuntimeError unless ``got`` (``who``'s rows) holds exactly ``want``'s tensors, bit for bit.
+
+    Values may also be ``row_digest`` results: they compare as values."""
+    if set(want) != set(got):
+        diff = sorted(set(want) ^ set(got))[:4]
+        raise RuntimeError(f"{what}: {who} served other (request, tensor) pairs than omnishm: {diff}")
+    for name, a in want.items():
+        b = got[name]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            seen = f"{tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}"
+        else:
+            same, seen = a == b, f"{a} against {b}"
+        if not same:
+            raise RuntimeError(f"{what}: {who}'s {name[1]} for {name[0]} differ from omnishm's ({seen})")
+
+
+def same_results(ours: Any, theirs: Any, req_ids: list[str], what: str) -> None:
+    """Raise RuntimeError unless vllm-omni's materialize served exactly omnishm's rows."""
+    same_rows(served_rows(ours, req_ids), served_rows(theirs, req_ids, key_first=True), what, "vllm-omni")
+
+
+def row_digest(rows: dict[tuple[str, str], Any]) -> dict[tuple[str, str], tuple]:
+    """A small stand-in for each value of ``served_rows``, to compare rows no longer held: shape, dtype,
+    the sum, and a sum weighted by row position (rows out of order change it)."""
+    out: dict[tuple[str, str], tuple] = {}
+    for name, t in rows.items():
+        if not isinstance(t, torch.Tensor):
+            out[name] = (repr(t),)
+            continue
+        x = t.detach().to("cpu", torch.float64)
+        per_row = x.reshape(1) if x.dim() == 0 else x.flatten(1).sum(1) if x.dim() > 1 else x
+        out[name] = (tuple(t.shape), t.dtype, float(per_row.sum()),
+                     float((per_row * torch.arange(1, len(per_row) + 1, dtype=torch.float64)).sum()))
+    return out
 
 
 @dataclass
