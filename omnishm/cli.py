@@ -129,7 +129,9 @@ def format_status(st: dict) -> str:
         f"layout: {lay.get('num_blocks', '-')} blocks x {lay.get('block_size', '-')} = {lay.get('num_slots', '-')} "
         f"slots   writer epoch {st['writer_epoch']}   segments {_mib(st['segment_bytes'])}",
         f"writes: {st['steps_applied']} steps, {st['rows_written']} rows ({_mib(st['bytes_written'])}), "
-        f"{st['rows_skipped']} skipped, {st['steps_failed']} failed steps   queue depth {st['queue_depth']}",
+        f"{st['rows_skipped']} skipped, {st['steps_failed']} failed steps   queue depth {st['queue_depth']}   "
+        + (f"non-temporal copies from {nt} B" if (nt := st.get("nontemporal_threshold")) else
+           "glibc's non-temporal threshold"),
         f"recent: {tp.get('rows_per_s', 0.0):.1f} rows/s, {tp.get('bytes_per_s', 0.0) / 1e6:.2f} MB/s "
         f"over the last {tp.get('window_s', 0.0):.1f}s   committer rss "
         f"{_mib(own['rss_bytes']) if 'rss_bytes' in own else '-'}, shared "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from omnishm.committer import stores  # standard library only
 from omnishm.interface import PrefixCacheConfig
 
 CONFIG_ENV = "OMNISHM_CONFIG"
@@ -139,6 +140,9 @@ KNOBS: tuple[Knob, ...] = (
          "(an autostarted one: or once the process that started it is gone)",
          scope="committer"),
     Knob("prefault", "bool", False, "fault every pool page in at creation", scope="committer"),
+    Knob("nontemporal_threshold", "int", stores.DEFAULT_BYTES,
+         "bytes from which the committer's row copies use non-temporal stores (glibc on x86-64; 0: glibc's "
+         "own threshold, tens of MiB or more)", scope="committer", min=0, check=stores.check_threshold),
     Knob("metrics_port", "int", 0, "Prometheus /metrics and /health port (0: off)", scope="committer",
          min=0, max=65535),
     Knob("metrics_host", "str", "127.0.0.1", "address the metrics port binds (loopback only)", scope="committer",

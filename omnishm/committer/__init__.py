@@ -3,8 +3,8 @@
 ``python -m omnishm.committer`` / ``omnishm committer`` / ``scripts/launch_committer.sh``.
 Modules: ``start`` (process start, lock, adoption, exit codes), ``config`` (options,
 endpoint policy), ``server`` (ROUTER loop, dispatch, signals), ``attach`` (Hello, resume), ``pool`` (segments),
-``apply`` (``apply_step``), ``early_stop`` (signals during start-up), ``meta`` (restart metadata),
-``sessions`` (clients, liveness), ``metrics``.
+``apply`` (``apply_step``), ``stores`` (non-temporal pool writes), ``early_stop`` (signals during
+start-up), ``meta`` (restart metadata), ``sessions`` (clients, liveness), ``metrics``.
 Importing this package is cheap; ``main`` imports the server lazily.
 """
 
@@ -17,12 +17,20 @@ def main(argv: list[str] | None = None) -> int:
     Main thread. The start-up signal catcher goes in first: importing the
     server pulls in numpy and zmq (a few hundred ms on a busy host), and a
     SIGTERM in that window must stop the committer with exit 0 like any other,
-    not kill it. The committer never imports torch (``protocol.DTYPE_ITEMSIZE``).
+    not kill it. The committer never imports torch (``protocol.DTYPE_ITEMSIZE``). Once its options are
+    parsed, the process re-executes itself once for non-temporal pool writes (``stores``): call this only
+    as a process's entry point.
     """
     from omnishm.committer.early_stop import EarlyStop
 
     early = EarlyStop()
     try:
+        from omnishm.committer.config import build_parser
+        from omnishm.committer.stores import reexec_with_threshold
+
+        # Before the heavy imports, which the new image would do again. Options are parsed again by
+        # start.main (cheap); a bad one exits 2 here, as it would there.
+        reexec_with_threshold(build_parser().parse_args(argv).nontemporal_threshold, early.signals, early)
         from omnishm.committer.start import main as _main
     except BaseException:
         early.restore()

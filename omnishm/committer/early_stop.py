@@ -62,6 +62,9 @@ class EarlyStop:
         self.reason = ""
         self.signals = stop_signals() if signals is None else signals
         self._old = install(self.signals, self._on_signal)
+        # Blocked when this image was exec'd by a committer that re-executed itself (``stores``): one
+        # that arrived across the exec is pending, and comes in now, to the handler above.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.reason = self.reason or signal.Signals(signum).name

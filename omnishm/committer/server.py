@@ -44,6 +44,7 @@ from omnishm.committer.early_stop import install, restore, stop_signals
 from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
+from omnishm.committer.stores import threshold_in_effect
 from omnishm.shm import proc_identity
 from omnishm.versions import MAX_STEP, make_cv
 
@@ -509,6 +510,7 @@ class Committer(Attach):
             "steps_applied": self.pool.steps_applied, "steps_failed": self.pool.steps_failed,
             "tids_failed": self.pool.tids_failed, "rows_skipped": self.pool.rows_skipped,
             "apply_seconds": self.pool.apply_seconds, "prefault_seconds": self.pool.prefault_seconds,
+            "nontemporal_threshold": threshold_in_effect(),
             "messages": self.messages, "rejected": dict(self.rejected), "decode_errors": dict(self.decode_errors),
             "queue_depth": self.queue_depth,
             **self.obs.status_extras(now),
