@@ -111,6 +111,16 @@ class CommitterHandle:
     def client(self) -> RawClient:
         return RawClient(self.endpoint, self.name)
 
+    def status(self) -> dict:
+        """The committer's status, through an admin session of its own."""
+        admin = self.client()
+        try:
+            assert isinstance(admin.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+            return admin.status()
+        finally:
+            admin.goodbye()
+            admin.close()
+
 
 def wait_ready(handle: CommitterHandle, timeout_s: float = START_TIMEOUT_S) -> None:
     """Bounded wait until an admin Hello round trip succeeds (fails early if the process exits)."""

@@ -13,7 +13,6 @@ import sys
 
 import pytest
 
-from omnishm import protocol
 from omnishm.committer import stores
 
 from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
@@ -29,15 +28,6 @@ def _glibc_reads(tunables: str) -> int:
                          text=True, check=True, timeout=30).stdout
     line = next(line for line in out.splitlines() if line.startswith(TUNABLE + ":"))
     return int(line.split()[1], 16)
-
-
-def _status(handle) -> dict:
-    client = handle.client()
-    try:
-        assert isinstance(client.hello(protocol.ROLE_ADMIN), protocol.Welcome)
-        return client.status()
-    finally:
-        client.close()
 
 
 def test_the_tunable_is_added_to_what_the_operator_set_and_never_replaces_it():
@@ -63,7 +53,7 @@ def test_a_committer_runs_with_non_temporal_pool_writes_under_its_own_pid(commit
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     handle = committer_factory(*extra)
-    st = _status(handle)
+    st = handle.status()
     assert st["pid"] == handle.proc.pid  # re-executed in place: the pid the launcher knows
     if not APPLIES:  # not glibc on x86-64: the committer leaves its environment alone
         want, want_env = None, env.get("GLIBC_TUNABLES")

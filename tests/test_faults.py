@@ -36,16 +36,6 @@ def _until(cond, timeout_s: float, what: str, pace=None):
         (pace or (lambda: time.sleep(0.02)))()
 
 
-def _status(handle) -> dict:
-    admin = handle.client()
-    try:
-        assert isinstance(admin.hello(protocol.ROLE_ADMIN), protocol.Welcome)
-        return admin.status()
-    finally:
-        admin.goodbye()
-        admin.close()
-
-
 def _step_write(rid: int, step: int, key: str, tid: int, cv: int, src: int, slots: list[int]) -> protocol.StepWrite:
     return protocol.StepWrite(rid=rid, step=step, keys=[key], key_idx=pack([0]), tids=pack([tid]), cvs=pack([cv]),
                               src_rows=pack([src]), counts=pack([len(slots)]), slots=pack(slots))
@@ -58,14 +48,14 @@ def test_silent_writer_is_reaped_and_its_late_writes_fail_counted(committer_fact
     stage = view.segments.staging
     assert stage in shm.list_segments(handle.name)
     # The writer says nothing: reaped after the timeout, staging unlinked.
-    _until(lambda: _status(handle)["clients_reaped"] == 1, 15, "the silent writer to be reaped")
+    _until(lambda: handle.status()["clients_reaped"] == 1, 15, "the silent writer to be reaped")
     assert stage not in shm.list_segments(handle.name)
     # Its in-flight write arrives late: failed (every tid), with the reason, and counted.
     done = writer.step_write(1, [("k", 11, writer.new_cv(1), 0, [0, 1]), ("k", 12, writer.new_cv(1), 2, [2])])
     assert isinstance(done, protocol.StepDone), done
     assert unpack(done.done_tids) == [] and sorted(unpack(done.failed_tids)) == [11, 12]
     assert "reaped after" in done.reason and "staging" in done.reason
-    status = _status(handle)
+    status = handle.status()
     assert status["tids_failed_reaped"] == 2 and status["rejected"]["reaped_write"] == 1
     assert "reaped after" in handle.log()
     writer.raw.close()
@@ -166,7 +156,7 @@ def test_restart_adopts_live_cache_keeps_acked_rows_and_lands_resent_writes(comm
         assert torch.equal(bits(view.pool[:16]), bits(staged)), "acked or re-sent rows differ after the restart"
         assert view.commit[:8].eq(cv1).all() and view.commit[8:16].eq(cv2).all()
         assert shm.list_segments(name) == segs, "the restart must adopt the segments, not recreate them"
-        status = _status(second)
+        status = second.status()
         assert status["adopted"] and status["generation"] == writer.welcome.generation
         assert status["writer_epoch"] == epoch and "adopted live generation" in second.log()
         _until(lambda: reader.stats["reconnects"] == 1, 15, "the reader to resume")
@@ -383,7 +373,7 @@ def test_a_manager_whose_construction_fails_after_the_welcome_says_goodbye(commi
         OmniPrefixCacheManager(small_config(), cache=handle.name, autostart=False)
     monkeypatch.undo()
     assert not [t.name for t in threading.enumerate() if t.name == f"omnishm-link-{handle.name}"]
-    _until(lambda: [c["role"] for c in _status(handle)["clients"]] in ([], ["admin"]), 10,
+    _until(lambda: [c["role"] for c in handle.status()["clients"]] in ([], ["admin"]), 10,
            "the failed client's session to end")
     with OmniPrefixCacheManager(small_config(), cache=handle.name, autostart=False) as m:
         assert m.is_writer
