@@ -18,24 +18,29 @@ def main(argv: list[str] | None = None) -> int:
     server pulls in numpy and zmq (a few hundred ms on a busy host), and a
     SIGTERM in that window must stop the committer with exit 0 like any other,
     not kill it. The committer never imports torch (``protocol.DTYPE_ITEMSIZE``). Once its options are
-    parsed, the process re-executes itself once for non-temporal pool writes (``stores``): call this only
-    as a process's entry point.
+    parsed, a process started as the committer alone (``stores.is_entry_point``) re-executes itself once
+    for non-temporal pool writes (``stores``).
     """
     from omnishm.committer.early_stop import EarlyStop
 
     early = EarlyStop()
     try:
+        import os
+
         from omnishm.committer.config import build_parser
         from omnishm.committer.stores import reexec_with_threshold
+        from omnishm.config import CONFIG_ENV
 
-        # Before the heavy imports, which the new image would do again. Options are parsed again by
-        # start.main (cheap); a bad one exits 2 here, as it would there.
-        reexec_with_threshold(build_parser().parse_args(argv).nontemporal_threshold, early.signals, early)
+        # Parsed once (a --config FILE may be a pipe), before the heavy imports, which a new image would
+        # do again; a bad option exits 2 here.
+        args = build_parser().parse_args(argv)
+        reexec_with_threshold(args.nontemporal_threshold, early.signals, early,
+                              config_file=args.config or os.environ.get(CONFIG_ENV) or None)
         from omnishm.committer.start import main as _main
     except BaseException:
         early.restore()
         raise
-    return _main(argv, early)
+    return _main(argv, early, args=args)
 
 
 __all__ = ["main"]

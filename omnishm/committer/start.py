@@ -98,19 +98,21 @@ def _sweep_dead_caches(runtime_dir: Path, name: str) -> None:
         logger.warning("committer %s: could not sweep dead caches of other names: %s", name, exc)
 
 
-def main(argv: list[str] | None = None, early: EarlyStop | None = None) -> int:
+def main(argv: list[str] | None = None, early: EarlyStop | None = None, *,
+         args: argparse.Namespace | None = None) -> int:
     """Run a committer in the foreground. Returns 0 on a clean stop (a signal during start-up included),
     2 when it refuses to start.
 
     ``early``: the start-up signal catcher, installed by ``omnishm.committer.main`` before this module
     was imported; one is installed here when the caller brought none. Restored on return.
+    ``args``: ``argv`` already parsed by ``build_parser`` (a config file is read once).
     """
     early = early or EarlyStop()
     undo_dumps = None
     warned = _Warned()
     logging.getLogger("omnishm").addHandler(warned)
     try:
-        args = build_parser().parse_args(argv)
+        args = args if args is not None else build_parser().parse_args(argv)
         setup_logging(args.log_level)
         if os.environ.get("OMNISHM_AUTOSTART_LOG"):
             # Started by a rank (client/committer_process.py), whose NUMA binding it inherited: the pool must
