@@ -44,7 +44,7 @@ _EXECED = "OMNISHM_COMMITTER_REEXECED"
 
 
 def check_threshold(value: int) -> int:
-    """The ``nontemporal_threshold`` knob's check: 0 (glibc's own), or at least glibc's lower bound."""
+    """The ``nontemporal_threshold`` knob's check: 0 (glibc's own), or within glibc's bounds. Raises ValueError."""
     if 0 < value < MIN_BYTES:
         raise ValueError(f"glibc ignores a threshold under {MIN_BYTES} bytes; use 0 to keep glibc's own")
     if value > MAX_BYTES:
