@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from omnishm import cpus  # standard library only
 from omnishm.committer import stores  # standard library only
 from omnishm.interface import PrefixCacheConfig
 
@@ -173,6 +174,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("result_pool_bytes", "int", _pcc_default("result_pool_bytes"),
          "free pre-faulted host memory kept for materialize's results (0: fresh pages every call)",
          scope="client", min=0),
+    Knob("helper_sched", "str", "batch",
+         "scheduling policy of omnishm's threads in a client's process: batch (SCHED_BATCH: a thread the engine "
+         "thread wakes does not preempt it) or inherit (the starting thread's policy)", scope="client",
+         check=cpus.check_helper_sched),
     Knob("vllm_held_bytes", "int", 1 << 30,
          "vLLM extension: completed prompts' rows kept for omnishm_take_* (beyond it the oldest are dropped)",
          scope="client", min=0),

@@ -8,6 +8,7 @@ Here the constructing thread is pinned to one CPU the way vLLM pins a rank's mai
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 import subprocess
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RUNTIME_DIR, unique_cache_name
+from conftest import REPO, RUNTIME_DIR, unique_cache_name
 from manager_helpers import small_config
 
 from omnishm import cpus, shm
+from omnishm.config import ConfigError
 from omnishm.client import OmniPrefixCacheManager
 from omnishm.shm import proc_identity
 
@@ -156,3 +158,83 @@ def test_unpinned_never_narrows_the_callers_cpu_set(monkeypatch):
     finally:
         os.sched_setaffinity(0, every)
     assert inside >= pinned and after == pinned
+
+
+_POLICIES = r"""
+import json, os, sys, time, zmq
+from omnishm.client import OmniPrefixCacheManager
+from omnishm.interface import PrefixCacheConfig
+
+def threads():
+    return {int(t): open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+
+engine_sock = zmq.Context.instance().socket(zmq.DEALER)  # the engine's own context, made first
+deadline = time.monotonic() + 30
+while sum(name.startswith("ZMQbg/") for name in threads().values()) < 2:  # libzmq names them once they run
+    assert time.monotonic() < deadline, threads()
+    time.sleep(0.01)
+before = threads()
+config = PrefixCacheConfig(num_blocks=16, block_size=4, staging_capacity_tokens=32, staging_depth=3)
+m = OmniPrefixCacheManager(config, cache=sys.argv[1], endpoint=sys.argv[2], autostart=False)
+try:
+    policy = lambda tid: os.sched_getscheduler(tid)
+    ours = {name: policy(tid) for tid, name in threads().items() if tid not in before}
+    ours["omnishm-link"] = policy(m._link._thread.native_id)  # Python's thread names are not the kernel's
+    ours["omnishm-flusher"] = policy(m._flusher._thread._thread.native_id)
+    engines = sorted(policy(tid) for tid, name in before.items() if name.startswith("ZMQbg/"))
+    print(json.dumps({"ours": ours, "engine_zmq": engines, "caller": policy(0)}))
+finally:
+    m.shutdown()
+    engine_sock.close(linger=0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this platform")
+@pytest.mark.parametrize("knob", ["batch", "inherit"])
+def test_the_clients_threads_run_under_sched_batch_and_the_engines_keep_theirs(committer, knob):
+    """Every thread a manager starts (libzmq's I/O thread and reaper of omnishm's own ZeroMQ context, the
+    link's I/O thread, the flusher) runs under SCHED_BATCH, so a step's descriptor that wakes one never
+    preempts the engine thread (omnishm/cpus.py: 190-690 us a send otherwise). The thread that built the
+    manager gets SCHED_OTHER back, and the engine's own ZeroMQ context (``zmq.Context.instance()``, made
+    first) keeps its threads as they were. ``helper_sched = inherit`` leaves every policy as it was."""
+    env = {**os.environ, "OMNISHM_HELPER_SCHED": knob, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", _POLICIES, committer.name, committer.endpoint], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    want = os.SCHED_BATCH if knob == "batch" else os.SCHED_OTHER
+    assert {"ZMQbg/IO/0", "ZMQbg/Reaper", "omnishm-link", "omnishm-flusher"} <= set(seen["ours"]), seen
+    assert set(seen["ours"].values()) == {want}, seen
+    assert seen["engine_zmq"] == [os.SCHED_OTHER, os.SCHED_OTHER], seen
+    assert seen["caller"] == os.SCHED_OTHER, seen
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
+@pytest.mark.parametrize("policy", ["SCHED_IDLE", "SCHED_BATCH"])
+def test_as_helper_changes_only_the_normal_policy(policy):
+    """A caller under another policy than SCHED_OTHER passes its own on and keeps it: one under SCHED_IDLE
+    could not get it back unprivileged, one under a real-time policy not without a privilege either."""
+    want = getattr(os, policy)
+    seen: dict = {}
+
+    def caller() -> None:  # a thread of its own: its policy dies with it
+        os.sched_setscheduler(0, want, os.sched_param(0))
+        with cpus.as_helper():
+            child = threading.Thread(target=lambda: seen.setdefault("child", os.sched_getscheduler(0)))
+            child.start()
+            child.join()
+            seen["inside"] = os.sched_getscheduler(0)
+        seen["after"] = os.sched_getscheduler(0)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join(30)
+    assert seen == {"child": want, "inside": want, "after": want}
+
+
+def test_a_bad_helper_sched_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("OMNISHM_HELPER_SCHED", "fifo")
+    with pytest.raises(ConfigError, match=r"helper_sched = 'fifo' \(from env OMNISHM_HELPER_SCHED\): use one of "
+                                          r"batch, inherit"):
+        with cpus.as_helper():
+            pass

@@ -21,6 +21,7 @@ from omnishm.bench.vllm_omni_arm import (InputBatch, VllmOmniOwnCache, omni_mode
 from omnishm.client import OmniPrefixCacheManager, PrefixCacheConfig
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter
 from omnishm.client.group_view import FullAttentionGroupView
+from omnishm.client.link import client_context
 from omnishm.interface import HIDDEN_KEY
 from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager
 
@@ -61,7 +62,7 @@ class _FloorArm:
     """
 
     def __init__(self, cleanup: Cleanup, capacity: int):
-        ctx = zmq.Context.instance()
+        ctx = client_context()  # the links' context: its I/O thread runs as omnishm's do (omnishm/cpus.py)
         endpoint = f"ipc://{cleanup.runtime_dir}/floor.sock"
         self.pull = ctx.socket(zmq.PULL)
         self.pull.bind(endpoint)

@@ -108,7 +108,8 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     if proc_parent(pid) == os.getpid():
         # This process is a subreaper (prctl PR_SET_CHILD_SUBREAPER): the orphan came back to it, and only
         # it can reap the committer when it exits.
-        threading.Thread(target=_reap, args=(pid,), name=f"omnishm-reap-{cache}", daemon=True).start()
+        with cpus.as_helper():
+            threading.Thread(target=_reap, args=(pid,), name=f"omnishm-reap-{cache}", daemon=True).start()
     logger.info("cache %s: autostarted committer pid %d", cache, pid)
     return AutostartedCommitter(cache, pid, proc_identity(pid))
 

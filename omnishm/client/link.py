@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
@@ -73,6 +74,31 @@ MAX_IN_FLIGHT = 256
 """Unanswered requests a link allows at once; a caller past it waits for room. The committer's
 ROUTER drops a reply, silently, once 1000 wait for this client in its socket and 1000 in ours
 (ZeroMQ's high-water marks), and the request would then only time out."""
+
+
+_CONTEXT_LOCK = threading.Lock()
+_CONTEXT: tuple[int, zmq.Context] | None = None
+"""This process's pid and the ZeroMQ context of its links (``client_context``)."""
+
+
+def client_context() -> zmq.Context:
+    """The ZeroMQ context every link of this process uses; any thread.
+
+    One per process, made again in a forked child, as ``zmq.Context.instance()`` is; but not that one,
+    which the engine may share: libzmq starts a context's I/O thread with its first socket, and the thread
+    inherits the CPU set and scheduling policy of the thread that created that socket. Ours is created here,
+    as a helper (``cpus.as_helper``): the descriptor every step sends wakes it, and it must never preempt the
+    engine thread. The engine's own context keeps its threads as the engine made them.
+    """
+    global _CONTEXT
+    pid = os.getpid()
+    with _CONTEXT_LOCK:
+        if _CONTEXT is None or _CONTEXT[0] != pid or _CONTEXT[1].closed:
+            with cpus.as_helper():
+                ctx = zmq.Context(io_threads=1)
+                ctx.socket(zmq.PAIR).close(linger=0)  # starts the I/O thread now, inside as_helper
+            _CONTEXT = (pid, ctx)
+        return _CONTEXT[1]
 
 
 @dataclass
@@ -175,10 +201,9 @@ class CommitterLink(LinkAttach):
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._sock: zmq.Socket | None = None
         self._sock_fd = -1
-        # libzmq starts its I/O threads with the context's first socket, and they, like the link's I/O
-        # thread, inherit this thread's CPU set: not an engine rank's pinned core (omnishm/cpus.py).
-        with cpus.unpinned():
-            self._ctx = zmq.Context.instance()
+        # The link's I/O thread inherits this thread's CPU set and scheduling policy: a helper's (omnishm/cpus.py).
+        with cpus.as_helper():
+            self._ctx = client_context()
             self._new_socket()
             self._thread = threading.Thread(target=self._run, name=f"omnishm-link-{cache}", daemon=True)
             self._thread.start()

@@ -2,8 +2,9 @@
 
 Used by the flusher (deferred writes), the sender (wait a copy event, then
 send) and the reader's prefetcher. ``stop`` lets the items already queued
-finish, bounded by its timeout. The thread runs on every allowed CPU, not the
-starting engine rank's pinned core (``omnishm/cpus.py``).
+finish, bounded by its timeout. The thread runs as a helper (``cpus.as_helper``):
+on every allowed CPU, not the starting engine rank's pinned core, and under
+``SCHED_BATCH``, so waking it never preempts the engine thread.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class SerialThread(Generic[T]):
         self._handle = handle
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        with cpus.unpinned():
+        with cpus.as_helper():
             self._thread.start()
 
     def put(self, item: T) -> None:
