@@ -174,9 +174,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("result_pool_bytes", "int", _pcc_default("result_pool_bytes"),
          "free pre-faulted host memory kept for materialize's results (0: fresh pages every call)",
          scope="client", min=0),
-    Knob("helper_sched", "str", "batch",
-         "scheduling policy of omnishm's threads in a client's process: batch (SCHED_BATCH: a thread the engine "
-         "thread wakes does not preempt it) or inherit (the starting thread's policy)", scope="client",
+    Knob("helper_sched", "str", "inherit",
+         "scheduling policy of omnishm's threads in a client's process: inherit (the policy of the thread that "
+         "builds the manager) or batch (SCHED_BATCH: a thread the engine thread wakes does not preempt it; for "
+         "hosts whose other cores do real work, not where every core busy-waits)", scope="client",
          check=cpus.check_helper_sched),
     Knob("vllm_held_bytes", "int", 1 << 30,
          "vLLM extension: completed prompts' rows kept for omnishm_take_* (beyond it the oldest are dropped)",

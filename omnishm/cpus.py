@@ -10,16 +10,20 @@ backlog (``ss``: the connection queued, 3.9 KB unread on the writer's), a step s
 in 96 cache starts a rank's heartbeats stopped until the committer reaped it and the engine died. These threads mostly sleep, so they run on every CPU the process may use; the engine's own threads
 keep their pinning.
 
-They also run under ``SCHED_BATCH`` (``as_helper``; knob ``helper_sched``, ``inherit`` to keep the starting
-thread's policy). A thread the engine thread wakes, above all libzmq's I/O thread, which every step's
-descriptor wakes, would otherwise preempt the engine thread on its own core when the other cores are busy:
-the kernel favours a thread that slept. On a 2-vCPU machine right after a forward (torch's OpenMP worker
-still spinning on the other core) a step's ``zmq_send`` took 190-690 us (median of 130 steps; eight runs),
-and 45-54 us with that I/O thread under ``SCHED_BATCH``, which never preempts on wakeup; it still gets its fair
-share of the CPU at the next tick. Only the normal policy is changed: an engine thread under a real-time
-policy or ``SCHED_IDLE`` passes its own on. The committer is left alone (its threads made no difference
-there), and an autostarted one starts with the CPU set only (``unpinned``): how it is scheduled is the
-operator's (``chrt --batch 0``).
+With the knob ``helper_sched = batch`` they also run under ``SCHED_BATCH`` (``as_helper``). A thread the
+engine thread wakes, above all libzmq's I/O thread, which every step's descriptor wakes, otherwise
+preempts the engine thread on its own core when the other cores are busy: the kernel favours a thread
+that slept. On a 2-vCPU machine right after a forward (torch's OpenMP worker still spinning on the other
+core) a step's ``zmq_send`` took 190-690 us (median of 130 steps; eight runs), and 45-54 us with that I/O
+thread under ``SCHED_BATCH``, which never preempts on wakeup and gets its fair share at the next tick.
+It is not the default (``inherit``): where every core busy-waits, as in vLLM's CPU backend with a rank
+per core, preempting a spinning thread costs nothing and waiting for a tick does: a real TP=2 engine on
+that machine took 18.6-20.0 s for the tier's TP test with it against 18.0-19.3 s without (four runs
+each), and figure 6's step ratio did not move (docs/DESIGN-NOTES.md). Only the normal policy is changed:
+an engine thread under a real-time policy or ``SCHED_IDLE`` passes its own on. The committer is left
+alone (its threads made no difference): an autostarted one starts under the policy of the thread that
+built the manager, whichever thread starts it (the link's I/O thread does on a resume), and a launched
+one under the operator's (``chrt --batch 0``).
 
 A CPU set is not all a process inherits from a rank: vLLM also sets OpenMP's binding variables there
 (``GOMP_CPU_AFFINITY`` to the rank's cores, torch's libgomp in ``LD_PRELOAD``), and libgomp binds the thread
@@ -96,7 +100,7 @@ def default_memory_policy() -> bool:
     return True
 
 
-HELPER_SCHED = ("batch", "inherit")
+HELPER_SCHED = ("inherit", "batch")
 """The values of the ``helper_sched`` knob."""
 
 
@@ -107,41 +111,67 @@ def check_helper_sched(value: str) -> str:
     return value
 
 
+_HELPERS_BATCHED: bool | None = None
+"""``helper_sched == "batch"``, read once per process (``helpers_batched``)."""
+
+
+def helpers_batched() -> bool:
+    """Whether omnishm's helper threads run under ``SCHED_BATCH`` (knob ``helper_sched``); any thread.
+
+    Read once per process, at the first call (a manager's link calls it before it builds anything), so a
+    later change of the environment or the config file cannot fail a thread's start halfway through a
+    resume. Raises ``ConfigError`` for a bad value (and stays unread, so every later call raises too)."""
+    global _HELPERS_BATCHED
+    if _HELPERS_BATCHED is None:
+        from omnishm.config import resolve  # here, not at the top: config imports this module
+
+        _HELPERS_BATCHED = resolve("client", names=("helper_sched",))["helper_sched"] == "batch"
+    return _HELPERS_BATCHED
+
+
+def thread_policy() -> int | None:
+    """The calling thread's scheduling policy (``os.SCHED_*``), or None where it cannot be read."""
+    try:
+        return os.sched_getscheduler(0)  # the calling thread's (Linux: pid 0)
+    except (AttributeError, OSError):
+        return None
+
+
 @contextlib.contextmanager
 def as_helper() -> Iterator[None]:
     """The calling thread is set up the way omnishm's helper threads run inside the block, so the threads
     (and libzmq I/O threads) it starts there inherit it: on every allowed CPU (``unpinned``) and, with the
-    ``helper_sched`` knob at ``batch`` (the default), under ``SCHED_BATCH`` when it runs under the normal
-    policy. It gets its CPU set and policy back after. Raises ``ConfigError`` for a bad ``helper_sched``;
-    a policy the kernel refuses (a container's seccomp profile) is logged and left as it was."""
-    from omnishm.config import resolve  # here, not at the top: config imports this module
-
-    batch = resolve("client", names=("helper_sched",))["helper_sched"] == "batch"
-    with unpinned(), (_batch_scheduled() if batch else contextlib.nullcontext()):
+    ``helper_sched`` knob at ``batch`` (not the default), under ``SCHED_BATCH`` when it runs under the
+    normal policy. It gets its CPU set and policy back after. Raises ``ConfigError`` for a bad ``helper_sched``
+    (``helpers_batched``); a policy the kernel refuses (a container's seccomp profile) is logged and left
+    as it was."""
+    batch = helpers_batched()
+    with unpinned(), (scheduled(os.SCHED_BATCH) if batch else contextlib.nullcontext()):
         yield
 
 
 @contextlib.contextmanager
-def _batch_scheduled() -> Iterator[None]:
-    """The calling thread runs under ``SCHED_BATCH`` inside the block if it ran under ``SCHED_OTHER``.
-
-    Only from the normal policy: going back from ``SCHED_BATCH`` to it needs no privilege, while a real-time
-    policy could not be taken back without one, and ``SCHED_IDLE`` is below both already."""
-    try:
-        changed = os.sched_getscheduler(0) == os.SCHED_OTHER  # the calling thread's (Linux: pid 0)
-        if changed:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError) as exc:  # not Linux, or a seccomp profile refusing sched_setscheduler
-        logger.info("omnishm threads keep the caller's scheduling policy: %s", exc)
-        changed = False
+def scheduled(policy: int | None) -> Iterator[None]:
+    """The calling thread runs under ``policy`` inside the block, if that and its own are ``SCHED_OTHER``
+    and ``SCHED_BATCH``; it gets its own back after. Anything else is left as it is: a real-time policy
+    could not be taken back without a privilege, and leaving ``SCHED_IDLE`` needs one too."""
+    normal = (getattr(os, "SCHED_OTHER", None), getattr(os, "SCHED_BATCH", None))
+    own = thread_policy()
+    changed = policy is not None and None not in normal and own in normal and policy in normal and own != policy
+    if changed:
+        try:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+        except OSError as exc:  # a seccomp profile refusing sched_setscheduler
+            logger.info("this thread keeps its scheduling policy %s: %s", own, exc)
+            changed = False
     try:
         yield
     finally:
         if changed:
             try:
-                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            except OSError as exc:  # cannot happen unprivileged or not; said loudly if it does
-                logger.warning("cannot give this thread its normal scheduling policy back: %s", exc)
+                os.sched_setscheduler(0, own, os.sched_param(0))
+            except OSError as exc:  # between the two normal policies this needs no privilege: said if it fails
+                logger.warning("cannot give this thread its scheduling policy %s back: %s", own, exc)
 
 
 @contextlib.contextmanager

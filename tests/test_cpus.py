@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -192,11 +193,12 @@ finally:
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this platform")
 @pytest.mark.parametrize("knob", ["batch", "inherit"])
 def test_the_clients_threads_run_under_sched_batch_and_the_engines_keep_theirs(committer, knob):
-    """Every thread a manager starts (libzmq's I/O thread and reaper of omnishm's own ZeroMQ context, the
+    """With ``helper_sched = batch``, every thread a manager starts (libzmq's I/O thread and reaper of omnishm's own ZeroMQ context, the
     link's I/O thread, the flusher) runs under SCHED_BATCH, so a step's descriptor that wakes one never
     preempts the engine thread (omnishm/cpus.py: 190-690 us a send otherwise). The thread that built the
     manager gets SCHED_OTHER back, and the engine's own ZeroMQ context (``zmq.Context.instance()``, made
-    first) keeps its threads as they were. ``helper_sched = inherit`` leaves every policy as it was."""
+    first) keeps its threads as they were. ``helper_sched = inherit`` (the default) leaves every policy as it
+    was."""
     env = {**os.environ, "OMNISHM_HELPER_SCHED": knob, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", _POLICIES, committer.name, committer.endpoint], env=env,
                          capture_output=True, text=True, timeout=120)
@@ -211,9 +213,10 @@ def test_the_clients_threads_run_under_sched_batch_and_the_engines_keep_theirs(c
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
 @pytest.mark.parametrize("policy", ["SCHED_IDLE", "SCHED_BATCH"])
-def test_as_helper_changes_only_the_normal_policy(policy):
+def test_as_helper_changes_only_the_normal_policy(policy, monkeypatch):
     """A caller under another policy than SCHED_OTHER passes its own on and keeps it: one under SCHED_IDLE
     could not get it back unprivileged, one under a real-time policy not without a privilege either."""
+    monkeypatch.setattr(cpus, "_HELPERS_BATCHED", True)  # helper_sched = batch
     want = getattr(os, policy)
     seen: dict = {}
 
@@ -232,9 +235,40 @@ def test_as_helper_changes_only_the_normal_policy(policy):
     assert seen == {"child": want, "inside": want, "after": want}
 
 
-def test_a_bad_helper_sched_is_refused_by_name(monkeypatch):
+def test_a_bad_helper_sched_is_refused_by_name_before_a_manager_builds_anything(monkeypatch):
+    """The knob is read once per process, by the first link, before it makes a socket or a thread."""
+    monkeypatch.setattr(cpus, "_HELPERS_BATCHED", None)  # as in a process that has read it not yet
     monkeypatch.setenv("OMNISHM_HELPER_SCHED", "fifo")
+    threads = threading.active_count()
     with pytest.raises(ConfigError, match=r"helper_sched = 'fifo' \(from env OMNISHM_HELPER_SCHED\): use one of "
-                                          r"batch, inherit"):
-        with cpus.as_helper():
-            pass
+                                          r"inherit, batch"):
+        OmniPrefixCacheManager(small_config(), cache=unique_cache_name("cpus"), autostart=True,
+                               runtime_dir=RUNTIME_DIR)
+    assert threading.active_count() == threads and cpus._HELPERS_BATCHED is None
+    assert list(RUNTIME_DIR.glob("*.autostart.log")) == []  # nothing was started
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this platform")
+def test_a_committer_autostarted_on_a_resume_gets_the_engines_policy_not_the_io_threads(monkeypatch):
+    """The first committer is autostarted by the thread that builds the manager; after the committer is
+    killed, the link's I/O thread (a helper, under SCHED_BATCH) autostarts the next one while it resumes.
+    Both start under the engine thread's policy (review of the change: the second one inherited BATCH)."""
+    monkeypatch.setattr(cpus, "_HELPERS_BATCHED", True)  # helper_sched = batch
+    name = unique_cache_name("cpus")
+    with OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=RUNTIME_DIR,
+                                connect_timeout_s=60.0) as m:
+        first = m._link.welcome.committer_pid
+        assert os.sched_getscheduler(m._link._thread.native_id) == os.SCHED_BATCH
+        assert os.sched_getscheduler(first) == os.SCHED_OTHER == os.sched_getscheduler(0)
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while m._link.welcome.committer_pid == first:  # the I/O thread resumes with the one it started
+            assert time.monotonic() < deadline, "the link did not resume with a new committer"
+            time.sleep(0.05)
+        second = m._link.welcome.committer_pid
+        assert os.sched_getscheduler(second) == os.SCHED_OTHER
+    deadline = time.monotonic() + 30
+    while proc_identity(second) is not None and time.monotonic() < deadline:  # it exits when idle
+        time.sleep(0.05)
+    assert proc_identity(second) is None
+    assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []

@@ -137,7 +137,8 @@ class LinkAttach:
             shm.ensure_runtime_dir(self.runtime_dir)
             self._last_autostart = now
             try:
-                self._autostarted.append(start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint))
+                self._autostarted.append(start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint,
+                                                         policy=self._spawn_policy))
             except OSError as exc:  # on the I/O thread too (a resume): the link's deadlines fail what waits
                 self._autostart_error = str(exc)
                 logger.warning("cache %s: cannot autostart a committer: %s", self.cache, exc)

@@ -57,7 +57,7 @@ class AutostartedCommitter:
 
 
 def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = None,
-                    exit_when_idle: bool = True) -> AutostartedCommitter:
+                    exit_when_idle: bool = True, policy: int | None = None) -> AutostartedCommitter:
     """Start an embedded committer for ``cache``, detached from this process's tree (``--exit-when-idle``:
     it exits once its clients left or were reaped).
 
@@ -72,8 +72,14 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     ``endpoint``: where the client will connect (default ``ipc://RUNTIME_DIR/NAME.sock``), always passed
     on as a flag: the committer inherits this process's environment, and an ``OMNISHM_ENDPOINT`` (or an
     ``endpoint`` in ``$OMNISHM_CONFIG``) there would otherwise win over the default it was meant to bind.
-    Raises ``OSError`` when the committer cannot be launched.
+    ``policy``: the scheduling policy it starts under (``cpus.scheduled``; None: the calling thread's).
+    A link passes the policy of the thread that built it, so a committer the link's I/O thread starts on
+    a resume does not inherit that helper thread's ``SCHED_BATCH``.
+
+    Raises ``OSError`` when the committer cannot be launched, ``ConfigError`` for a bad ``helper_sched``
+    (before anything starts).
     """
+    cpus.helpers_batched()  # the reaper thread below starts as a helper: a bad knob must fail before the spawn
     cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir),
            "--endpoint", endpoint if endpoint is not None else ipc_endpoint(Path(runtime_dir), cache)]
     if exit_when_idle:
@@ -87,7 +93,8 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     # Started unpinned: not on the starting rank's core, which its busy-waiting main thread keeps
     # (omnishm/cpus.py); a child inherits its parent's CPU set at fork, every thread of it included, and
     # the rank's OpenMP binding variables (left out of ``env``) would pin it again at exec (libgomp preloaded).
-    with cpus.unpinned():
+    # Its scheduling policy is also inherited: ``policy`` keeps a helper thread's out of it.
+    with cpus.unpinned(), cpus.scheduled(policy):
         launcher = subprocess.Popen([SHELL, "-c", _DETACH, str(log_path), *cmd], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                     env=env)

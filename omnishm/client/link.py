@@ -81,14 +81,23 @@ _CONTEXT: tuple[int, zmq.Context] | None = None
 """This process's pid and the ZeroMQ context of its links (``client_context``)."""
 
 
+def _new_context_lock() -> None:
+    global _CONTEXT_LOCK
+    _CONTEXT_LOCK = threading.Lock()  # a fork while another thread held it would leave the child's held
+
+
+os.register_at_fork(after_in_child=_new_context_lock)
+
+
 def client_context() -> zmq.Context:
     """The ZeroMQ context every link of this process uses; any thread.
 
     One per process, made again in a forked child, as ``zmq.Context.instance()`` is; but not that one,
     which the engine may share: libzmq starts a context's I/O thread with its first socket, and the thread
     inherits the CPU set and scheduling policy of the thread that created that socket. Ours is created here,
-    as a helper (``cpus.as_helper``): the descriptor every step sends wakes it, and it must never preempt the
-    engine thread. The engine's own context keeps its threads as the engine made them.
+    as a helper (``cpus.as_helper``: every allowed CPU, and ``SCHED_BATCH`` with ``helper_sched = batch``,
+    since the descriptor every step sends wakes it). The engine's own context keeps its threads as the
+    engine made them.
     """
     global _CONTEXT
     pid = os.getpid()
@@ -161,9 +170,13 @@ class CommitterLink(LinkAttach):
         self.acked_marker: Callable[[], int] | None = None
         """Reads ``CTL_ACKED_STEP`` (set by a writer's manager): a resume does not re-send quiet steps
         the word shows applied. Any thread."""
+        cpus.helpers_batched()  # a bad helper_sched raises here, before anything is built
         self._layout = layout
         self._staging_rows = staging_rows
         self._autostart = autostart
+        self._spawn_policy = cpus.thread_policy()
+        """The policy of the thread that builds the link: a committer it autostarts gets it, also one the
+        I/O thread (a helper's policy) starts on a resume."""
         self._rids = itertools.count(1)
         self._slock = threading.Lock()  # guards _sock (every call on it), _outbox and _state changes
         self._plock = threading.Lock()  # guards _pending and _dead; taken inside _slock, never around it

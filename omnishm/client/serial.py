@@ -4,7 +4,7 @@ Used by the flusher (deferred writes), the sender (wait a copy event, then
 send) and the reader's prefetcher. ``stop`` lets the items already queued
 finish, bounded by its timeout. The thread runs as a helper (``cpus.as_helper``):
 on every allowed CPU, not the starting engine rank's pinned core, and under
-``SCHED_BATCH``, so waking it never preempts the engine thread.
+``SCHED_BATCH`` with ``helper_sched = batch``.
 """
 
 from __future__ import annotations
