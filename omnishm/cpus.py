@@ -146,7 +146,7 @@ def as_helper() -> Iterator[None]:
     (``helpers_batched``); a policy the kernel refuses (a container's seccomp profile) is logged and left
     as it was."""
     batch = helpers_batched()
-    with unpinned(), (scheduled(os.SCHED_BATCH) if batch else contextlib.nullcontext()):
+    with unpinned(), (scheduled(getattr(os, "SCHED_BATCH", None)) if batch else contextlib.nullcontext()):
         yield
 
 
@@ -154,9 +154,15 @@ def as_helper() -> Iterator[None]:
 def scheduled(policy: int | None) -> Iterator[None]:
     """The calling thread runs under ``policy`` inside the block, if that and its own are ``SCHED_OTHER``
     and ``SCHED_BATCH``; it gets its own back after. Anything else is left as it is: a real-time policy
-    could not be taken back without a privilege, and leaving ``SCHED_IDLE`` needs one too."""
+    could not be taken back without a privilege, and leaving ``SCHED_IDLE`` needs one too. Nor is a thread
+    with ``SCHED_RESET_ON_FORK`` (logged): the threads and processes it starts get ``SCHED_OTHER`` whatever
+    its policy is."""
     normal = (getattr(os, "SCHED_OTHER", None), getattr(os, "SCHED_BATCH", None))
     own = thread_policy()
+    reset = getattr(os, "SCHED_RESET_ON_FORK", 0)
+    if policy is not None and own is not None and own != policy and reset and own & reset:
+        logger.info("this thread keeps its scheduling policy %#x: it resets its children's (SCHED_RESET_ON_FORK)",
+                    own)
     changed = policy is not None and None not in normal and own in normal and policy in normal and own != policy
     if changed:
         try:

@@ -7,7 +7,8 @@
 #      memory next to a plain pinned copy_ of the same bytes;
 #   3. `omnishm demo --tp 2 --device cuda`: a writer and a reader process saving from the device;
 #   4. `omnishm bench --only 2,3,6` with figures 3 and 6's outputs on the device (figure 2 reads host memory
-#      either way), then figures 3 and 6 on the CPU, on the
+#      either way), figure 6 on the device again with omnishm's helper threads under SCHED_BATCH
+#      (helper_sched = batch: set it against bench_cuda's figure 6), then figures 3 and 6 on the CPU, on the
 #      same machine (JSON beside the logs), and a cProfile of figure 3's engine step on the device;
 #   5. with SUITE=1, the main test suite on a host where torch sees a CUDA device (its outputs stay on the CPU),
 #      stopped after SUITE_TIMEOUT_S seconds (default 600).
@@ -50,6 +51,9 @@ bench bench_cuda 2,3,6 "${OMNI_SITE:-}" --device cuda
 if [ -n "${OMNI_SITE:-}" ] && [[ " ${failed[*]} " == *" bench_cuda "* ]]; then
     bench bench_cuda_plain 3,6 "" --device cuda
 fi
+export OMNISHM_HELPER_SCHED=batch  # docs/DESIGN-NOTES.md, "omnishm's threads can run under SCHED_BATCH"
+bench bench_cuda_batch 6 "" --device cuda
+unset OMNISHM_HELPER_SCHED
 step profile "$PY" scripts/profile_engine.py --device cuda --steps 20 --top 30
 bench bench_cpu 3,6 "${OMNI_SITE:-}"
 if [ "${SUITE:-0}" = 1 ]; then

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -239,13 +240,17 @@ def test_a_bad_helper_sched_is_refused_by_name_before_a_manager_builds_anything(
     """The knob is read once per process, by the first link, before it makes a socket or a thread."""
     monkeypatch.setattr(cpus, "_HELPERS_BATCHED", None)  # as in a process that has read it not yet
     monkeypatch.setenv("OMNISHM_HELPER_SCHED", "fifo")
+    made: list = []
+    real_socketpair = socket.socketpair
+    monkeypatch.setattr(socket, "socketpair", lambda *a: made.append(a) or real_socketpair(*a))
     threads = threading.active_count()
+    name = unique_cache_name("cpus")
     with pytest.raises(ConfigError, match=r"helper_sched = 'fifo' \(from env OMNISHM_HELPER_SCHED\): use one of "
                                           r"inherit, batch"):
-        OmniPrefixCacheManager(small_config(), cache=unique_cache_name("cpus"), autostart=True,
-                               runtime_dir=RUNTIME_DIR)
+        OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=RUNTIME_DIR)
     assert threading.active_count() == threads and cpus._HELPERS_BATCHED is None
-    assert list(RUNTIME_DIR.glob("*.autostart.log")) == []  # nothing was started
+    assert made == []  # not even the link's wake socketpair (left to the garbage collector otherwise)
+    assert list(RUNTIME_DIR.glob(f"{name}*")) == []  # nothing was started
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH on this platform")
