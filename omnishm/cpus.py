@@ -150,6 +150,11 @@ def as_helper() -> Iterator[None]:
         yield
 
 
+_NORMAL = frozenset((os.SCHED_OTHER, os.SCHED_BATCH)) if hasattr(os, "SCHED_BATCH") else frozenset()
+"""The two policies ``scheduled`` switches between (none where the platform has no ``SCHED_BATCH``)."""
+_RESET_ON_FORK = getattr(os, "SCHED_RESET_ON_FORK", 0)
+
+
 @contextlib.contextmanager
 def scheduled(policy: int | None) -> Iterator[None]:
     """The calling thread runs under ``policy`` inside the block, if that and its own are ``SCHED_OTHER``
@@ -157,13 +162,11 @@ def scheduled(policy: int | None) -> Iterator[None]:
     could not be taken back without a privilege, and leaving ``SCHED_IDLE`` needs one too. Nor is a thread
     with ``SCHED_RESET_ON_FORK`` (logged): the threads and processes it starts get ``SCHED_OTHER`` whatever
     its policy is."""
-    normal = (getattr(os, "SCHED_OTHER", None), getattr(os, "SCHED_BATCH", None))
     own = thread_policy()
-    reset = getattr(os, "SCHED_RESET_ON_FORK", 0)
-    if policy is not None and own is not None and own != policy and reset and own & reset:
+    changed = policy in _NORMAL and own in _NORMAL and own != policy
+    if policy in _NORMAL and own is not None and own & _RESET_ON_FORK:
         logger.info("this thread keeps its scheduling policy %#x: it resets its children's (SCHED_RESET_ON_FORK)",
                     own)
-    changed = policy is not None and None not in normal and own in normal and policy in normal and own != policy
     if changed:
         try:
             os.sched_setscheduler(0, policy, os.sched_param(0))
