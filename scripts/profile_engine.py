@@ -1,10 +1,17 @@
 """cProfile of the engine thread's cache calls, on CPU or with the outputs on a GPU.
 
     python scripts/profile_engine.py [--workload engine|overhead] [--device cuda] [--steps 20] [--top 25]
+                                     [--between forward|spin|none] [--gap-ms 20]
 
 ``engine``: figure 3's mixed step (prefill 4096 + hit 2048 + 64 decodes, width 4096 bf16);
 ``overhead``: figure 6's 0%-hit sim loop (<= 256 tokens x 1024 f32). Prints the median
 time of each manager call and the functions with the most own time.
+
+``--between`` (overhead only) sets what runs between two steps: the forward (default), a Python
+loop spinning ``--gap-ms`` on the clock, or nothing. On the 2-vCPU build hosts the same calls take
+about twice as long after a 20 ms spin (a loop that touches almost no memory) as back to back, and
+no longer after a 5 ms one: the time away, not the forward's data, makes them cold
+(benchmarks/README.md, figure 6, "What is left").
 """
 
 from __future__ import annotations
@@ -61,7 +68,12 @@ def overhead(cleanup: Cleanup, args: argparse.Namespace, prof: cProfile.Profile)
                 hidden, mm = st.hidden, st.mm
                 if args.device != "cpu":
                     hidden, mm = hidden.to(args.device), {k: v.to(args.device) for k, v in mm.items()}
-                mf.simulated_forward(reps, a, b)
+                if args.between == "forward":
+                    mf.simulated_forward(reps, a, b)
+                elif args.between == "spin":
+                    until = time.perf_counter() + args.gap_ms / 1e3
+                    while time.perf_counter() < until:
+                        pass
                 prof.enable()
                 t0 = time.perf_counter()
                 m.new_step_starts(st.step)
@@ -88,6 +100,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--between", default="forward", choices=["forward", "spin", "none"],
+                        help="overhead: what runs between two steps")
+    parser.add_argument("--gap-ms", type=float, default=20.0, help="--between spin: how long")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cleanup = Cleanup()
@@ -97,7 +112,9 @@ def main() -> None:
     finally:
         cleanup.close()
     parts = ", ".join(f"{k} {np.median(v) * 1e3:.3f} ms" for k, v in times.items())
-    print(f"{args.workload} on {args.device}: {parts} (medians of {args.steps} steps)")
+    between = f", {args.between}{f' {args.gap_ms:g} ms' if args.between == 'spin' else ''} between steps" \
+        if args.workload == "overhead" else ""
+    print(f"{args.workload} on {args.device}: {parts} (medians of {args.steps} steps{between})")
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 

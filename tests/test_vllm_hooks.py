@@ -236,3 +236,19 @@ def test_the_hooks_pass_through_on_a_pipeline_stage_before_the_last(committer, m
         assert h.counters["saves"] == 0
     finally:
         h.uninstall()
+
+
+def test_a_preemption_reported_in_a_step_that_schedules_nothing_still_makes_the_re_add_a_resume(hooks):
+    """vLLM does not admit waiting requests in a step that preempted, so a preemption can come in a step of
+    zero tokens. The hooks passed such a step through untranslated: the adapter never learned of the
+    preemption, labelled the re-added request REPLACED (no hit), and its prompt was abandoned. A re-add
+    as new after ``preempted_req_ids`` is how vLLM's V2 runner resumes (the adapter's own test)."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 16, 0, [0])], counts={"A": 4}))
+    step(runner, so(preempted=["A"], counts={}))  # nothing scheduled: only the preemption
+    step(runner, so(new=[("B", 16, 4, [0, 5, 6])], counts={"B": 8}))  # B hits A's block 0
+    # A comes back as new with a hit on B's blocks 0, 5, 6 (12 tokens) and computes its last 4 prompt tokens.
+    step(runner, so(new=[("A", 16, 12, [0, 5, 6, 7])], cached=[("B", 12, [8])], counts={"A": 4, "B": 4}))
+    res = h.take_results()
+    assert "A" in res and torch.equal(res["A"][0], rows(1, range(16)))
+    assert h.stats()["prompts_abandoned"] == 0

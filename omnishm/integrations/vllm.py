@@ -236,12 +236,17 @@ class OmniPrefixCacheRunnerHooks:
         orig = self._orig_execute
         so = scheduler_output
         n = int(so.total_num_scheduled_tokens)
-        if self.disabled or (n == 0 and not so.finished_req_ids and not getattr(so, "aborted_req_ids", None)):
-            return orig(so, intermediate_tensors)  # dummy/profile or idle step: nothing to track
+        idle = n == 0 and not so.finished_req_ids and not getattr(so, "aborted_req_ids", None)
+        if self.disabled or (idle and self.manager is None):
+            return orig(so, intermediate_tensors)  # dummy/profile step before the first real one: nothing to track
         manager = self._ensure_manager()
         if manager is None:
             return orig(so, intermediate_tensors)
+        # Every step once the manager exists, idle ones too: a step that schedules nothing may still report
+        # preempted_req_ids, which the adapter needs to tell a later re-add (a resume) from a replacement.
         step = self._adapter.translate_scheduler_output(so)
+        if idle and not step.events:
+            return orig(so, intermediate_tensors)
         manager.new_step_starts(step)  # before _update_states (inside orig) drops finished requests
         self.counters["steps"] += 1
         computed: dict[ReqId, int] = {}
