@@ -13,6 +13,7 @@ import random
 import uuid
 
 import numpy as np
+import pytest
 import torch
 
 from omnishm import protocol, shm
@@ -28,6 +29,7 @@ NUM_SLOTS = 32
 STAGING_ROWS = 24
 KEYS = [("h", "float32", 8), ("m", "bfloat16", 4), ("i", "int64", 3)]
 CLIENT = "c" * 32
+EPOCH = 1  # the writer CLIENT's epoch: its claim versions are make_cv(EPOCH, ...)
 
 
 def _pool(tag: str) -> CachePool:
@@ -50,7 +52,7 @@ def _message(rng: random.Random, step: int, tid0: int) -> tuple[protocol.StepWri
     r0 = rng.randint(0, STAGING_ROWS - sum(counts))
     starts = list(np.cumsum([r0] + counts[:-1]))
     slots = rng.sample(range(NUM_SLOTS), sum(counts))
-    cvs = [make_cv(1, step, j + 1) for j in range(nw)]
+    cvs = [make_cv(EPOCH, step, j + 1) for j in range(nw)]
     tids = list(range(tid0, tid0 + nw))  # the manager's: consecutive, from one counter
     shape = rng.random()
     if shape < 0.15:  # increasing with gaps
@@ -139,9 +141,9 @@ def test_the_fast_path_applies_exactly_what_the_general_path_applies():
                 if claims[key]:
                     slot = claims[key][0][0]
                     for pool in (fast, slow):
-                        pool.keys[key].claim[slot] = make_cv(1, step + 1, 1)
-            a = fast.apply_step(CLIENT, msg)
-            b = slow.apply_step(CLIENT, msg)
+                        pool.keys[key].claim[slot] = make_cv(EPOCH, step + 1, 1)
+            a = fast.apply_step(CLIENT, msg, EPOCH)
+            b = slow.apply_step(CLIENT, msg, EPOCH)
             assert (a.done_tids, a.failed_tids, a.rows_written, a.rows_skipped, bool(a.reason)) == \
                    (b.done_tids, b.failed_tids, b.rows_written, b.rows_skipped, bool(b.reason)), (step, broken, a, b)
             assert a.reason == b.reason, (step, broken)
@@ -190,15 +192,47 @@ def test_rows_staged_out_of_order_land_in_their_slots_bit_for_bit():
             n = int(rng.integers(2, STAGING_ROWS + 1))
             src = rng.choice(STAGING_ROWS, size=n, replace=False)  # staged out of order
             slots = rng.choice(NUM_SLOTS, size=n, replace=False)
-            cvs = [make_cv(1, step, j + 1) for j in range(n)]
+            cvs = [make_cv(EPOCH, step, j + 1) for j in range(n)]
             state.claim[slots] = cvs
             msg = protocol.StepWrite(rid=step, step=step, keys=[key], key_idx=pack([0] * n),
                                      tids=pack(range(10 * step, 10 * step + n)), cvs=pack(cvs),
                                      src_rows=pack(src.tolist()), counts=pack([1] * n), slots=pack(slots.tolist()))
-            done = pool.apply_step(CLIENT, msg)
+            done = pool.apply_step(CLIENT, msg, EPOCH)
             assert (done.rows_written, done.rows_skipped, done.reason) == (n, 0, ""), done
             assert np.array_equal(state.data[slots], staging.data[src]), step
             assert np.array_equal(state.commit[slots], cvs), step
+    finally:
+        pool.close()
+        assert shm.list_segments(pool.name) == []
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_a_step_naming_another_epochs_claim_versions_is_refused_on_either_path(path):
+    """A review found a writer's step applied with claim versions of an earlier writer's epoch: the row
+    changed under a version that commit and claim still agreed on, so a reader that had planned on it
+    would take the new bytes as the old write's. Claim versions must be the sending writer's epoch."""
+    pool = _pool("e" + path[0])
+    try:
+        if path == "general":
+            pool._apply_repeated = lambda *_a, **_k: None
+        state, staging = pool.keys["h"], pool.keys["h"].staging[CLIENT]
+        staging.data[:2] = 7
+        old = make_cv(EPOCH + 1, 3, 1)  # another writer's claim, its row committed
+        state.claim[5] = state.commit[5] = old
+        state.data[5] = 1
+        before = state.data[5].copy()
+        msg = protocol.StepWrite(rid=1, step=4, keys=["h"], key_idx=pack([0]), tids=pack([9]), cvs=pack([old]),
+                                 src_rows=pack([0]), counts=pack([1]), slots=pack([5]))
+        done = pool.apply_step(CLIENT, msg, EPOCH)
+        assert done.rows_written == 0 and done.failed_tids == pack([9])
+        assert f"another epoch than this writer's {EPOCH}" in done.reason, done.reason
+        assert np.array_equal(state.data[5], before) and state.commit[5] == old
+        mine = make_cv(EPOCH, 4, 1)  # the same step with this writer's own claim lands
+        state.claim[5] = mine
+        msg.cvs = pack([mine])
+        done = pool.apply_step(CLIENT, msg, EPOCH)
+        assert (done.rows_written, done.reason) == (1, ""), done
+        assert np.array_equal(state.data[5], staging.data[0]) and state.commit[5] == mine
     finally:
         pool.close()
         assert shm.list_segments(pool.name) == []

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from omnishm import protocol
+from omnishm.versions import SEQ_BITS, STEP_BITS
 
 if TYPE_CHECKING:
     from omnishm.committer.pool import KeyState, Staging
@@ -52,6 +53,7 @@ _min = np.minimum.reduce
 _and = np.logical_and.reduce
 _I8 = np.dtype("<i8")  # dtype objects, not strings: a string is parsed again at every call (~0.5 us)
 _U8 = np.dtype("<u8")
+_EPOCH_SHIFT = STEP_BITS + SEQ_BITS  # a claim version's epoch (omnishm/versions.py)
 _MAX_I8 = (1 << 63) - 1
 _LITTLE_ENDIAN = sys.byteorder == "little"
 """The fast path compares computed int64s with the wire's little-endian bytes; elsewhere it stands aside."""
@@ -66,8 +68,13 @@ def _ints(buf: bytes, what: str, step: int) -> np.ndarray:
 class StepApply:
     """``validate_step`` and ``apply_step`` of ``CachePool`` (mixin; the state lives in the pool)."""
 
-    def validate_step(self, client_id: str, msg: protocol.StepWrite):
-        """Decode and bounds-check every buffer of ``msg``; raises StepRejected naming the bad value."""
+    def validate_step(self, client_id: str, msg: protocol.StepWrite, epoch: int):
+        """Decode and bounds-check every buffer of ``msg``; raises StepRejected naming the bad value.
+
+        Every claim version must be of ``epoch``, the sending writer's: a version of another epoch is
+        another writer's claim, and applying it would change a committed row under a version a reader
+        already planned on (commit, claim and version would all still agree).
+        """
         step = msg.step
         tids = _ints(msg.tids, "tids", step)
         key_idx = _ints(msg.key_idx, "key_idx", step)
@@ -103,6 +110,9 @@ class StepApply:
             first_bad((key_idx < 0) | (key_idx >= len(states)), f"key_idx out of 0..{len(states) - 1}:", key_idx)
             first_bad(counts < 0, "negative count", counts)
             first_bad(cvs <= 0, "claim version <= 0:", cvs)
+        if int(_min(cvs)) >> _EPOCH_SHIFT != epoch or int(_max(cvs)) >> _EPOCH_SHIFT != epoch:
+            first_bad((cvs >> _EPOCH_SHIFT) != epoch, f"a claim version of another epoch than this writer's {epoch}:",
+                      cvs)
         total = int(counts.sum())
         if total != len(slots):
             raise StepRejected(f"step {step}: counts sum to {total} rows but {len(slots)} slots were sent")
@@ -130,15 +140,15 @@ class StepApply:
                                f"outside 0..{int(limits[e])}")
         return tids, key_idx, cvs, src_rows, counts, slots, states
 
-    def apply_step(self, client_id: str, msg: protocol.StepWrite) -> protocol.StepDone:
-        """Validate, then apply ``msg`` from the writer ``client_id``; never raises on bad input."""
+    def apply_step(self, client_id: str, msg: protocol.StepWrite, epoch: int) -> protocol.StepDone:
+        """Validate, then apply ``msg`` from the writer ``client_id`` of ``epoch``; never raises on bad input."""
         t0 = time.perf_counter()
         if msg.keys:
-            done = self._apply_repeated(client_id, msg, t0)
+            done = self._apply_repeated(client_id, msg, t0, epoch)
             if done is not None:
                 return done
         try:
-            tids, key_idx, cvs, src_rows, counts, slots, states = self.validate_step(client_id, msg)
+            tids, key_idx, cvs, src_rows, counts, slots, states = self.validate_step(client_id, msg, epoch)
         except StepRejected as exc:
             self.steps_failed += 1
             tids = np.frombuffer(msg.tids[: len(msg.tids) // 8 * 8], dtype="<i8")
@@ -189,7 +199,8 @@ class StepApply:
         return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=_unique_tids(tids, len(states)),
                                  rows_written=written, rows_skipped=skipped)
 
-    def _apply_repeated(self, client_id: str, msg: protocol.StepWrite, t0: float) -> protocol.StepDone | None:
+    def _apply_repeated(self, client_id: str, msg: protocol.StepWrite, t0: float, epoch: int
+                        ) -> protocol.StepDone | None:
         """The per-step fast path: what the manager sends, rows staged in entry order.
 
         The manager lists each key's writes in batch order with the same
@@ -238,7 +249,8 @@ class StepApply:
         rows = stagings[0].rows if nk == 1 else min(staging.rows for staging in stagings)
         r0 = src_rows.item(0)
         # 0 <= counts <= total (negative counts are huge as uint64) also rules out int64 overflow below.
-        if int(_max(counts.view(_U8))) > total or int(_min(cvs)) <= 0 or not 0 <= r0 <= rows:
+        if int(_max(counts.view(_U8))) > total or int(_min(cvs)) <= 0 or int(_min(cvs)) >> _EPOCH_SHIFT != epoch \
+                or int(_max(cvs)) >> _EPOCH_SHIFT != epoch or not 0 <= r0 <= rows:
             return None
         ends = src_rows + counts
         r1 = ends.item(-1)

@@ -305,7 +305,7 @@ class Committer(Attach):
                     self.decode_errors["schema"] += 1
                     reply = protocol.Error(rid=-1, code="decode",
                                            message=f"message does not match the protocol: {str(exc)[:200]}")
-                except msgspec.DecodeError as exc:
+                except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
                     self.decode_errors["msgpack"] += 1
                     reply = protocol.Error(rid=-1, code="decode", message=f"undecodable payload: {str(exc)[:200]}")
                 else:
@@ -433,7 +433,7 @@ class Committer(Attach):
             return protocol.Error(rid=msg.rid, code="not_writer",
                                   message=f"cache {self.name}: only the writer sends StepWrite, this is a {session.role}")
         t0 = time.perf_counter()
-        reply = self.pool.apply_step(session.client_id, msg)
+        reply = self.pool.apply_step(session.client_id, msg, session.epoch)
         self.obs.step_applied(time.perf_counter() - t0)
         if reply.reason:
             self.rejected["step_invalid"] += 1
