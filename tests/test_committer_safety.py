@@ -80,6 +80,10 @@ def test_key_names_are_bounded_so_the_metadata_always_fits(committer_factory):
         big = protocol.Layout(8, 4, {"x" * 70_000: protocol.KeySpec("float32", 4)})
         reply = _hello(reader, protocol.ROLE_READER, reader.client_id, big)
         assert isinstance(reply, protocol.Refused) and f"1..{MAX_KEY_NAME} characters" in reply.reason, reply
+        # Counted as the metadata writes them: MAX_KEYS names of 190 "é" took 73 KiB of JSON, past its slot.
+        wide = protocol.Layout(8, 4, {"é" * (MAX_KEY_NAME - 10): protocol.KeySpec("float32", 4)})
+        reply = _hello(reader, protocol.ROLE_READER, reader.client_id, wide)
+        assert isinstance(reply, protocol.Refused) and "bytes as JSON" in reply.reason, reply
         many = protocol.Layout(8, 4, {f"key{i}": protocol.KeySpec("float32", 4) for i in range(MAX_KEYS + 1)})
         reply = _hello(reader, protocol.ROLE_READER, reader.client_id, many)
         assert isinstance(reply, protocol.Refused) and f"limit of {MAX_KEYS}" in reply.reason, reply
