@@ -112,8 +112,8 @@ def main() -> None:
     finally:
         cleanup.close()
     parts = ", ".join(f"{k} {np.median(v) * 1e3:.3f} ms" for k, v in times.items())
-    between = f", {args.between}{f' {args.gap_ms:g} ms' if args.between == 'spin' else ''} between steps" \
-        if args.workload == "overhead" else ""
+    gap = f" {args.gap_ms:g} ms" if args.between == "spin" else ""
+    between = f", {args.between}{gap} between steps" if args.workload == "overhead" else ""
     print(f"{args.workload} on {args.device}: {parts} (medians of {args.steps} steps{between})")
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 

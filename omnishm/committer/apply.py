@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from omnishm import protocol
-from omnishm.versions import SEQ_BITS, STEP_BITS
+from omnishm.versions import cv_epoch
 
 if TYPE_CHECKING:
     from omnishm.committer.pool import KeyState, Staging
@@ -53,10 +53,15 @@ _min = np.minimum.reduce
 _and = np.logical_and.reduce
 _I8 = np.dtype("<i8")  # dtype objects, not strings: a string is parsed again at every call (~0.5 us)
 _U8 = np.dtype("<u8")
-_EPOCH_SHIFT = STEP_BITS + SEQ_BITS  # a claim version's epoch (omnishm/versions.py)
 _MAX_I8 = (1 << 63) - 1
 _LITTLE_ENDIAN = sys.byteorder == "little"
 """The fast path compares computed int64s with the wire's little-endian bytes; elsewhere it stands aside."""
+
+
+def _of_epoch(cvs: np.ndarray, epoch: int) -> bool:
+    """Every claim version is positive and of ``epoch``: two reductions, whatever the number of entries."""
+    lo = int(_min(cvs))
+    return lo > 0 and cv_epoch(lo) == epoch == cv_epoch(int(_max(cvs)))
 
 
 def _ints(buf: bytes, what: str, step: int) -> np.ndarray:
@@ -110,9 +115,8 @@ class StepApply:
             first_bad((key_idx < 0) | (key_idx >= len(states)), f"key_idx out of 0..{len(states) - 1}:", key_idx)
             first_bad(counts < 0, "negative count", counts)
             first_bad(cvs <= 0, "claim version <= 0:", cvs)
-        if int(_min(cvs)) >> _EPOCH_SHIFT != epoch or int(_max(cvs)) >> _EPOCH_SHIFT != epoch:
-            first_bad((cvs >> _EPOCH_SHIFT) != epoch, f"a claim version of another epoch than this writer's {epoch}:",
-                      cvs)
+        if not _of_epoch(cvs, epoch):
+            first_bad(cv_epoch(cvs) != epoch, f"a claim version of another epoch than this writer's {epoch}:", cvs)
         total = int(counts.sum())
         if total != len(slots):
             raise StepRejected(f"step {step}: counts sum to {total} rows but {len(slots)} slots were sent")
@@ -249,8 +253,7 @@ class StepApply:
         rows = stagings[0].rows if nk == 1 else min(staging.rows for staging in stagings)
         r0 = src_rows.item(0)
         # 0 <= counts <= total (negative counts are huge as uint64) also rules out int64 overflow below.
-        if int(_max(counts.view(_U8))) > total or int(_min(cvs)) <= 0 or int(_min(cvs)) >> _EPOCH_SHIFT != epoch \
-                or int(_max(cvs)) >> _EPOCH_SHIFT != epoch or not 0 <= r0 <= rows:
+        if int(_max(counts.view(_U8))) > total or not _of_epoch(cvs, epoch) or not 0 <= r0 <= rows:
             return None
         ends = src_rows + counts
         r1 = ends.item(-1)

@@ -267,9 +267,9 @@ class CachePool(StepApply):
     @staticmethod
     def _check_spec(key: str, dtype: str, width: int, row_shape: tuple[int, ...] | None = None) -> None:
         # Bounded as the metadata writes it (JSON, ASCII-escaped: a non-ASCII or control character takes
-        # 6 bytes or 12), so MAX_KEYS names of the longest kind still fit its slot (a review overflowed it
-        # with 64 names of 190 "é", and every writer's Hello was refused after that).
-        if not isinstance(key, str) or not key or len(key) > MAX_KEY_NAME or len(json.dumps(key)) - 2 > MAX_KEY_NAME:
+        # 6 bytes or 12, so this bounds the characters too): MAX_KEYS names of the longest kind still fit
+        # its slot (a review overflowed it with 64 names of 190 "é", and every writer's Hello was refused).
+        if not isinstance(key, str) or not key or len(json.dumps(key)) - 2 > MAX_KEY_NAME:
             shown = key if not isinstance(key, str) or len(key) <= 60 else f"{key[:60]}... ({len(key)} characters)"
             raise PoolError("bad_key", f"key name must be a string of 1..{MAX_KEY_NAME} characters, at most "
                                        f"{MAX_KEY_NAME} bytes as JSON (a non-ASCII character takes 6), got {shown!r}")
