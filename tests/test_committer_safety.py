@@ -71,6 +71,25 @@ def test_admin_cannot_take_the_writers_client_id(committer_factory):
         writer.goodbye()
 
 
+def test_a_hello_refused_as_a_duplicate_leaves_the_cache_as_it_was(committer_factory):
+    """The duplicate-client refusal comes before anything that changes the pool: a Hello with an attached
+    client's id, and a layout the cache has not taken yet (only an admin is attached), does not fix it."""
+    handle = committer_factory(*FAST)
+    admin, duplicate, reader = (RawClient(handle.endpoint, handle.name) for _ in range(3))
+    try:
+        assert isinstance(_hello(admin, protocol.ROLE_ADMIN, admin.client_id), protocol.Welcome)
+        reply = _hello(duplicate, protocol.ROLE_READER, admin.client_id, protocol.Layout(num_blocks=16, block_size=4))
+        assert isinstance(reply, protocol.Refused) and "already attached" in reply.reason, reply
+        welcome = _hello(reader, protocol.ROLE_READER, reader.client_id, LAYOUT)
+        assert isinstance(welcome, protocol.Welcome), welcome
+        assert welcome.layout.num_blocks == LAYOUT.num_blocks
+        assert isinstance(reader.goodbye(), protocol.Bye)
+        assert isinstance(admin.goodbye(), protocol.Bye)
+    finally:
+        for raw in (admin, duplicate, reader):
+            raw.close()
+
+
 def test_key_names_are_bounded_so_the_metadata_always_fits(committer_factory):
     """A key name past MAX_KEY_NAME, or more than MAX_KEYS names, is refused with the reason."""
     handle = committer_factory(*SLOW)

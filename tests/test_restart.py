@@ -23,6 +23,7 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from manager_helpers import BS, Part, rows, save, small_config, started
 from omnishm import protocol, shm
@@ -193,7 +194,7 @@ def _writer_that_waits(name: str, endpoint: str) -> str:
         link = CommitterLink(cache={name!r}, role="writer", endpoint={endpoint!r},
                              layout=protocol.Layout(num_blocks=8, block_size=4), staging_rows=4)
         link.request(lambda rid: protocol.OpenKey(rid=rid, key="k", dtype="float32", width=4))
-        print("ready", flush=True)
+        print("ready", link.client_id, flush=True)
         time.sleep(300)
     """)
 
@@ -205,7 +206,8 @@ def test_a_new_writer_waits_for_the_adopted_seat_of_a_dead_writer(committer_fact
                                    stdout=subprocess.PIPE, text=True)
     reader = None
     try:
-        assert dead_writer.stdout.readline().strip() == "ready"
+        ready, dead_id = dead_writer.stdout.readline().split()
+        assert ready == "ready"
         # A reader holds the cache, so the next committer adopts it with the dead writer's seat kept.
         reader = CommitterLink(cache=first.name, role=protocol.ROLE_READER, endpoint=first.endpoint, layout=LAYOUT,
                                reconnect_timeout_s=30.0)
@@ -213,6 +215,7 @@ def test_a_new_writer_waits_for_the_adopted_seat_of_a_dead_writer(committer_fact
         dead_writer.wait()
         first.stop(signal.SIGKILL)
         second = committer_factory(*args, name=first.name)
+        _a_socket_cannot_pose_as_the_seat(second.endpoint, dead_id)
         t0 = time.monotonic()
         writer = CommitterLink(cache=first.name, role=protocol.ROLE_WRITER, endpoint=second.endpoint, layout=LAYOUT,
                                staging_rows=4, connect_timeout_s=30.0)
@@ -228,6 +231,24 @@ def test_a_new_writer_waits_for_the_adopted_seat_of_a_dead_writer(committer_fact
             dead_writer.wait()
         if reader is not None:
             reader.close()
+
+
+def _a_socket_cannot_pose_as_the_seat(endpoint: str, client_id: str) -> None:
+    """The adopted seat has no socket, so no routing id a DEALER may choose reaches it (the placeholders were
+    once keyed by ``b"adopted:" + client_id``): the impostor is a stranger, and keeps nobody's seat alive."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        for routing_id in (b"adopted:" + client_id.encode(), client_id.encode(), b"\x00" + client_id.encode()):
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+            sock.connect(endpoint)
+            sock.send(protocol.encode(protocol.Heartbeat(rid=7)))
+            assert sock.poll(10_000), "no reply to the impostor's heartbeat"
+            reply = protocol.reply_decoder.decode(sock.recv())
+            assert isinstance(reply, protocol.Error) and reply.code == "no_session", (routing_id, reply)
+            sock.disconnect(endpoint)
+    finally:
+        sock.close()
 
 
 _STALL_READER_HELLO = """

@@ -85,6 +85,13 @@ class Attach:
             return self.welcome(msg.rid, previous)
         if previous is not None:  # same socket says Hello again as someone else: start over
             self.detach(previous, REHELLO)
+        other = self.sessions.by_client(msg.client_id)
+        # Before anything below changes the pool (a layout set, staging made). The one session a Hello may
+        # take over by its client_id is a writer's seat kept by an adopting restart (below).
+        seat = other is not None and other.adopted and other is self.sessions.writer
+        if other is not None and not (seat and msg.role == protocol.ROLE_WRITER):
+            return self.refuse(msg, f"client_id {msg.client_id} is already attached on another socket "
+                                    f"(resume with Hello(resume=True) to move it)", "duplicate_client")
         if msg.role == protocol.ROLE_WRITER and self.sessions.writer is not None:
             w = self.sessions.writer
             if w.adopted and w.client_id == msg.client_id:
@@ -118,9 +125,6 @@ class Attach:
         now = time.monotonic()
         session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
                           attached_at=now, last_seen=now, staging_rows=msg.staging_rows)
-        if self.sessions.by_client(msg.client_id) is not None:  # admins too: detach acts on the client_id
-            return self.refuse(msg, f"client_id {msg.client_id} is already attached on another socket "
-                                    f"(resume with Hello(resume=True) to move it)", "duplicate_client")
         if msg.role == protocol.ROLE_WRITER:
             refused = self._make_staging(msg, msg.staging_rows)
             if refused is not None:

@@ -136,7 +136,7 @@ class Committer(Attach):
         if self.pool.adopted:
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
             for client_id, record in self.pool.writers.items():
-                self.sessions.add(Session(identity=b"adopted:" + client_id.encode(), client_id=client_id,
+                self.sessions.add(Session(identity=b"", client_id=client_id,
                                           role=protocol.ROLE_WRITER, pid=0, uid=os.geteuid(),
                                           attached_at=self.started, last_seen=self.started,
                                           staging_rows=record.staging_rows, epoch=record.epoch, adopted=True))
@@ -452,7 +452,7 @@ class Committer(Attach):
     # ------------------------------------------------------------ liveness
 
     def detach(self, session: Session, why: str) -> None:
-        self.sessions.remove(session.identity)
+        self.sessions.remove(session)
         # Only a writer owns staging; any other role's client_id must not reach the writer's segments.
         removed = self.pool.drop_client(session.client_id) if session.role == protocol.ROLE_WRITER else []
         self.obs.departed(session)

@@ -7,7 +7,9 @@ the client chose) survives the socket: a client that lost its committer
 resumes on a new socket, and the session moves to the new identity
 (``rekey``). A committer that adopted a live cache holds a placeholder
 session (``adopted``) for each writer it found, so a writer that never comes
-back is reaped like a silent one.
+back is reaped like a silent one. Placeholders have no socket: they are kept
+apart from the sessions by identity, so no message is ever taken as one's
+(a DEALER can choose any routing id, so no identity is out of a peer's reach).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Session:
     """One attached client. ``staging_rows`` is only meaningful for the writer."""
 
     identity: bytes
+    """The ROUTER identity of the client's socket; ``b""`` for a placeholder (``adopted``)."""
     client_id: str
     role: str
     pid: int
@@ -45,10 +48,12 @@ class Session:
 
 
 class SessionTable:
-    """Sessions by identity, plus the (at most one) writer."""
+    """Sessions by identity, placeholders by client_id, plus the (at most one) writer."""
 
     def __init__(self) -> None:
         self._by_identity: dict[bytes, Session] = {}
+        self._placeholders: dict[str, Session] = {}
+        """Adopted writers not resumed yet, by client_id: never found by ``get`` or ``touch``."""
         self.writer: Session | None = None
         self.ever_had_data_client = False
         self.reaped = 0
@@ -59,37 +64,53 @@ class SessionTable:
         """ROUTER identity -> client_id of reaped sessions (bounded): late writes are failed and counted."""
 
     def __len__(self) -> int:
-        return len(self._by_identity)
+        return len(self._by_identity) + len(self._placeholders)
 
     def __iter__(self):
-        return iter(list(self._by_identity.values()))
+        return iter(self._all())
+
+    def _all(self) -> list[Session]:
+        return [*self._by_identity.values(), *self._placeholders.values()]
 
     def get(self, identity: bytes) -> Session | None:
+        """The session of the socket ``identity``; never a placeholder."""
         return self._by_identity.get(identity)
 
     def add(self, session: Session) -> None:
-        """Register ``session`` (the caller has checked the writer slot is free)."""
-        self._by_identity[session.identity] = session
+        """Register ``session``, a placeholder when ``session.adopted`` (the caller has checked the writer slot
+        is free and that no session holds ``session.identity``)."""
+        if session.adopted:
+            session.identity = b""
+            self._placeholders[session.client_id] = session
+        else:
+            self._by_identity[session.identity] = session
         if session.role == protocol.ROLE_WRITER:
             self.writer = session
         if session.is_data_client:
             self.ever_had_data_client = True
 
-    def remove(self, identity: bytes) -> Session | None:
-        session = self._by_identity.pop(identity, None)
-        if session is not None and self.writer is session:
+    def remove(self, session: Session) -> None:
+        """Forget ``session`` (live or placeholder); a no-op when it is not registered."""
+        table = self._placeholders if session.adopted else self._by_identity
+        key = session.client_id if session.adopted else session.identity
+        if table.get(key) is session:
+            del table[key]
+        if self.writer is session:
             self.writer = None
-        return session
 
     def by_client(self, client_id: str) -> Session | None:
-        for s in self._by_identity.values():
+        for s in self._all():
             if s.client_id == client_id:
                 return s
         return None
 
     def rekey(self, session: Session, identity: bytes, now: float) -> None:
-        """Move ``session`` to the socket ``identity`` (a resume); it is live again from ``now``."""
-        self._by_identity.pop(session.identity, None)
+        """Move ``session`` (live, or a placeholder) to the socket ``identity`` (a resume); it is live again from
+        ``now``. The caller has detached any other session of ``identity``."""
+        was_writer = self.writer is session
+        self.remove(session)
+        if was_writer:
+            self.writer = session
         session.identity = identity
         session.adopted = False
         session.last_seen = now
@@ -100,7 +121,8 @@ class SessionTable:
     def mark_reaped(self, session: Session, why: str, keep: int = 4096) -> None:
         self.reaped += 1
         self.reaped_ids[session.client_id] = why
-        self.reaped_identities[session.identity] = session.client_id
+        if not session.adopted:  # a placeholder had no socket
+            self.reaped_identities[session.identity] = session.client_id
         while len(self.reaped_ids) > keep:
             self.reaped_ids.popitem(last=False)
         while len(self.reaped_identities) > keep:
@@ -114,13 +136,13 @@ class SessionTable:
 
     def expired(self, now: float, timeout_s: float) -> list[Session]:
         """Sessions silent for longer than ``timeout_s`` (not removed; the caller reaps)."""
-        return [s for s in self._by_identity.values() if now - s.last_seen > timeout_s]
+        return [s for s in self._all() if now - s.last_seen > timeout_s]
 
     def readers(self) -> int:
         return sum(1 for s in self._by_identity.values() if s.role == protocol.ROLE_READER)
 
     def data_clients(self) -> int:
-        return sum(1 for s in self._by_identity.values() if s.is_data_client)
+        return sum(1 for s in self._all() if s.is_data_client)
 
     def idle(self) -> bool:
         """True once a writer/reader has attached and none remains."""
@@ -128,7 +150,7 @@ class SessionTable:
 
     def describe(self, now: float) -> list[dict]:
         out = []
-        for s in self._by_identity.values():
+        for s in self._all():
             entry = {"client_id": s.client_id, "role": s.role, "pid": s.pid,
                      "last_seen_s_ago": round(now - s.last_seen, 3),
                      "attached_s_ago": round(now - s.attached_at, 3)}
