@@ -7,14 +7,16 @@ writer reads a later step's claims as its own and serves another request's rows.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 import torch
 
-from manager_helpers import (BS, MM_WIDTH, Part, build, expect, finished, quick_config, rows, save, small_config,
-                             started)
+from manager_helpers import (BS, MM_WIDTH, Part, build, expect, finished, one_applied_step, quick_config, rows, save,
+                             small_config, started)
 from omnishm.client import (ModelCachePolicy, OmniPrefixCacheCommitterError, OmniPrefixCacheManager,
                             OmniPrefixCacheUnmatchError)
 from omnishm.client import steps as steps_mod
@@ -522,6 +524,31 @@ def test_the_callers_slot_buffer_may_be_rewritten_after_the_save(mgr):
     assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 1, 4, 3, mm=True))
     assert torch.equal(out.hidden_states["b"], expect(1, 4, 1, 4, 3))
     m.new_step_starts([finished("b")])
+
+
+def test_a_same_step_hit_is_served_from_the_step_source_after_the_caller_rewrote_its_slot_buffer(mgr, committer):
+    """An immediate key's step source keeps a small step's slots as a list, not the caller's buffer. Here d
+    hits, in the very step that writes it, the block c writes; the committer is frozen, so d's prefix can only
+    come from the step source, and ``materialize`` runs after the runner rewrote its slot buffer for the next
+    step (a permutation of the same slots, so only the order of the rows could go wrong)."""
+    m = mgr()
+    one_applied_step(m)  # the keys are open: nothing below needs the committer to answer
+    m.new_step_starts([finished("a"), started("c", [1, 2]), started("d", [1, 3], hit=4)])
+    h, mm, lay, n, _ = build([Part("c", 5, [1, 2], 0, 8), Part("d", 5, [1, 3], 4, 3)], BS)
+    buf = lay.slots.clone()
+    os.kill(committer.proc.pid, signal.SIGSTOP)
+    try:
+        step = m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n,
+                              write_layout=PrefixCacheWriteLayout(lay.writes, buf))
+        buf[:8] = torch.tensor([5, 4, 7, 6, 9, 8, 11, 10])  # the runner's next step
+        out = m.materialize(step, ["c", "d"])
+    finally:
+        os.kill(committer.proc.pid, signal.SIGCONT)
+    assert torch.equal(out.hidden_states["d"], expect(5, 4, 5, 4, 3))
+    assert torch.equal(out.mm_outputs["d"]["feat"], expect(5, 4, 5, 4, 3, mm=True))
+    assert torch.equal(out.hidden_states["c"], expect(5, 0, 5, 0, 8))
+    m.new_step_starts([finished("c"), finished("d")])
+    m.wait_idle()
 
 
 def test_a_refused_save_clears_every_slot_its_layout_names(mgr):
