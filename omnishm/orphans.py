@@ -135,29 +135,38 @@ def _remove_dead_runtime_files(runtime_dir: Path, cache: str) -> list[str]:
 
     Holding the lock while unlinking means a committer starting meanwhile either
     waits for it or finds the file replaced (``CacheLock.acquire`` re-checks the
-    inode): it never ends up locking a file that is already gone.
+    inode): it never ends up locking a file that is already gone. The sweep makes
+    the same check: the file it opened may have been removed (a clean stop, another
+    sweep) and a new committer's made before its ``flock``, and a lock on a removed
+    file guards nothing. A socket with no lock file is swept under a lock file made
+    for the purpose, since a committer starting now makes its lock before its socket.
     """
-    lock = lock_path(runtime_dir, cache)
-    fd = -1
+    lock, sock = lock_path(runtime_dir, cache), socket_path(runtime_dir, cache)
+    made = False
     try:
         fd = os.open(lock, os.O_RDWR)
     except FileNotFoundError:
-        pass
-    if fd >= 0:
+        if not sock.exists():
+            return []
+        try:
+            fd, made = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+        except OSError:
+            return []  # made meanwhile: a committer starting
+    removed = []
+    try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
             return []  # live
-    removed = []
-    try:
-        for path in (socket_path(runtime_dir, cache), lock):
+        if not still_names(lock, fd):
+            return []  # replaced since the open: whoever made the new file owns it
+        for path in (sock, lock):
             try:
                 path.unlink()
-                removed.append(str(path))
+                if not (made and path == lock):
+                    removed.append(str(path))
             except FileNotFoundError:
                 pass
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
     return removed

@@ -364,3 +364,82 @@ def test_an_autostarted_committer_stopped_with_a_writer_attached_warns_and_keeps
         assert sorted(os.listdir(runtime)) == [log_path.name]
     else:
         assert sorted(os.listdir(runtime)) == []
+
+
+def _another_autostart(name: str, runtime: Path) -> subprocess.Popen:
+    """One more committer of ``name`` autostarted into ``runtime``: its output appended to the same log."""
+    log_path = runtime / f"{name}.autostart.log"
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
+                                 str(runtime)], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)})
+
+
+def _serving(runtime: Path, name: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (shm.cache_is_live(runtime, name) and (runtime / f"{name}.sock").exists()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the committer did not come up"
+        time.sleep(0.05)
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_loser_stopped_while_starting_leaves_the_running_committers_log(tmp_path):
+    """Autostarts of one name share ``NAME.autostart.log``. A losing committer its client stops while it is
+    still starting (exit 0) must not remove the log the running one writes to (review: it did)."""
+    from conftest import unique_cache_name
+
+    name = unique_cache_name("sharedlog")
+    runtime, log_path, winner = _start_as_autostarted(name, tmp_path)
+    loser = None
+    try:
+        _serving(runtime, name, winner)
+        loser = _another_autostart(name, runtime)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not catches_signal(loser.pid, signal.SIGTERM):
+            assert loser.poll() is None and time.monotonic() < deadline
+        loser.send_signal(signal.SIGTERM)
+        assert loser.wait(30) == 0
+        assert winner.poll() is None and log_path.exists()
+        assert "before it started" in log_path.read_text()
+        winner.send_signal(signal.SIGTERM)
+        assert winner.wait(30) == 0
+    finally:
+        _stop(winner, *([loser] if loser is not None else []))
+    assert not log_path.exists() and sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
+
+
+def test_a_committer_whose_log_was_removed_while_it_started_writes_a_new_one(tmp_path):
+    """The committer before it stopped cleanly and removed the shared log while the next one was starting with
+    that file as its output: once the next one holds the cache lock, it writes to a log at the path again."""
+    from conftest import unique_cache_name
+
+    name = unique_cache_name("relog")
+    runtime, log_path, first = _start_as_autostarted(name, tmp_path)
+    second = None
+    try:
+        _serving(runtime, name, first)
+        second = _another_autostart(name, runtime)
+        os.kill(second.pid, signal.SIGSTOP)  # long before it could reach the cache lock
+        try:
+            first.send_signal(signal.SIGTERM)
+            assert first.wait(30) == 0 and not log_path.exists()  # a clean stop removes its log
+        finally:
+            os.kill(second.pid, signal.SIGCONT)
+        _serving(runtime, name, second)
+        assert log_path.exists()
+        os.kill(second.pid, signal.SIGUSR1)  # writes its threads' stacks to its log
+        deadline = time.monotonic() + 30
+        while "most recent call first" not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+    finally:
+        _stop(first, *([second] if second is not None else []))
+    assert not log_path.exists() and sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import types
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,41 @@ def test_a_sweep_without_a_name_leaves_runtime_files_no_committer_wrote(tmp_path
     (rt / f"{dead}.sock").touch()
     assert sorted(orphans.sweep(rt)) == sorted([str(rt / f"{dead}.lock"), str(rt / f"{dead}.sock")])
     assert sorted(os.listdir(rt)) == ["app.lock", "docker.sock"]
+
+
+def test_a_sweep_leaves_the_files_of_a_committer_that_started_while_it_waited_for_the_lock(tmp_path, monkeypatch):
+    """The sweep opened a dead committer's lock file; before its ``flock`` the file went (a clean stop, another
+    sweep) and a new committer made its own lock and socket. The sweep's lock on the removed file guards
+    nothing: it leaves the new files alone (it removed them, and a third committer then started beside the
+    second; review)."""
+    rt = shm.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("restarted")
+    lock_file, sock_file = shm.lock_path(rt, cache), Path(rt, f"{cache}.sock")
+    lock_file.write_text("gen0 4194304\n")  # the dead committer's
+    held: list[shm.CacheLock] = []
+    real_fcntl = orphans.fcntl
+
+    def flock(fd, op):
+        if not held:  # between the sweep's open and its flock
+            lock_file.unlink()
+            held.append(shm.CacheLock.acquire(rt, cache, "gen1"))
+            sock_file.touch()
+        return real_fcntl.flock(fd, op)
+
+    monkeypatch.setattr(orphans, "fcntl", types.SimpleNamespace(flock=flock, LOCK_EX=real_fcntl.LOCK_EX,
+                                                                LOCK_NB=real_fcntl.LOCK_NB))
+    try:
+        assert orphans.sweep(rt, cache) == []
+        assert sock_file.exists() and held[0] is not None and shm.still_names(lock_file, held[0].fd)
+    finally:
+        monkeypatch.undo()
+        if held and held[0] is not None:
+            held[0].release()
+        sock_file.unlink(missing_ok=True)
+    # A socket left without its lock file is swept under a lock the sweep makes, and only the socket is reported.
+    sock_file.touch()
+    assert orphans.sweep(rt, cache) == [str(sock_file)]
+    assert os.listdir(rt) == []
 
 
 def test_cache_name_checked():

@@ -182,21 +182,28 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
     # autostart): the server knows it by pid and start time (--spawned-by PID:START), not as its parent.
     from omnishm.committer import server
 
+    generation = uuid.uuid4().hex[:8]
     if early.reason:  # stopped before anything was made: nothing to clean up but an autostart log
         logger.info("committer %s stopped (%s) before it started", cfg.name, early.reason)
-        _drop_autostart_log(runtime_dir, cfg.name, EXIT_OK, warned.seen)
+        lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
+        if lock is not None:  # else the log is a running committer's too (autostarts of one name share it)
+            try:
+                _drop_autostart_log(runtime_dir, cfg.name, EXIT_OK, warned.seen)
+            finally:
+                lock.release(remove=True)
         return EXIT_OK
-    generation = uuid.uuid4().hex[:8]
     lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
     if lock is None:
         print(f"omnishm committer: cache {cfg.name!r} already has a running committer "
               f"({_lock_holder(runtime_dir, cfg.name)}, lock file {shm.lock_path(runtime_dir, cfg.name)}); "
               f"refusing to start a second one", file=sys.stderr)
         return EXIT_REFUSED
+    _reopen_autostart_log(runtime_dir, cfg.name)
     committer: Committer | None = None
     adopted: CachePool | None = None
     owner: shm.GenerationOwner | None = None
     served = False
+    code: int | None = None
     try:
         adopted, owner = adopt_live_cache(cfg)
         serving = adopted.generation if adopted is not None else generation
@@ -235,27 +242,63 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         removed = committer.close(unlink=not leave) if committer is not None else []
         if owner is not None:
             owner.release(unlink=not leave)
-        if leave:
-            logger.warning("committer %s refused to start; the adopted generation %s is left for the next "
-                           "committer to adopt", cfg.name, adopted.generation)
-        lock.release(remove=True)
-    if committer is not None:
-        if attached:  # its clients lose the cache: worth a warning, and the log is kept
-            logger.warning("committer %s stopped (%s) with %d client(s) attached, which lose the cache: %d "
-                           "segment(s) unlinked", cfg.name, committer.stop_reason or "error", attached, len(removed))
-        else:
-            logger.info("committer %s stopped (%s): %d segment(s) unlinked", cfg.name,
-                        committer.stop_reason or "error", len(removed))
-    _drop_autostart_log(runtime_dir, cfg.name, code, warned.seen)
+        try:
+            if leave:
+                logger.warning("committer %s refused to start; the adopted generation %s is left for the next "
+                               "committer to adopt", cfg.name, adopted.generation)
+            if committer is not None and attached:  # its clients lose the cache: worth a warning; the log is kept
+                logger.warning("committer %s stopped (%s) with %d client(s) attached, which lose the cache: %d "
+                               "segment(s) unlinked", cfg.name, committer.stop_reason or "error", attached,
+                               len(removed))
+            elif committer is not None:
+                logger.info("committer %s stopped (%s): %d segment(s) unlinked", cfg.name,
+                            committer.stop_reason or "error", len(removed))
+            if code is not None:  # else an exception is on its way to the log, which is kept
+                # Under the lock: the next committer of the name reopens the log once it holds the lock.
+                _drop_autostart_log(runtime_dir, cfg.name, code, warned.seen)
+        finally:
+            lock.release(remove=True)
     return code
 
 
-def _drop_autostart_log(runtime_dir: Path, name: str, code: int, warned: bool = False) -> None:
-    """An embedded committer's log is kept when it did not stop cleanly or logged a warning (it says why)."""
+def _autostart_log(runtime_dir: Path, name: str) -> Path | None:
+    """The autostart log this committer writes to (its stdout and stderr), if a client autostarted it."""
     path = os.environ.get("OMNISHM_AUTOSTART_LOG")
-    if code != 0 or warned or not path or Path(path) != Path(runtime_dir) / f"{name}.autostart.log":
+    if not path or Path(path) != Path(runtime_dir) / f"{name}.autostart.log":
+        return None
+    return Path(path)
+
+
+def _reopen_autostart_log(runtime_dir: Path, name: str) -> None:
+    """Once this committer holds the cache lock: its autostart log must be the file at the log's path again.
+
+    Every autostart of a name writes into the same file, and a committer of the name that stops cleanly
+    removes it (``_drop_autostart_log``, under the lock), maybe while this one was starting with the file
+    as its stderr. What this one logs from now on goes to a file an operator can find.
+    """
+    path = _autostart_log(runtime_dir, name)
+    if path is None or shm.still_names(path, 2):
         return
     try:
-        Path(path).unlink()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError as exc:
+        logger.warning("committer %s: cannot reopen its autostart log %s: %s", name, path, exc)
+        return
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def _drop_autostart_log(runtime_dir: Path, name: str, code: int, warned: bool = False) -> None:
+    """An embedded committer's log is kept when it did not stop cleanly or logged a warning (it says why).
+    The caller holds the cache lock: no other committer of the name is running, and the next one reopens
+    the log once it holds the lock (``_reopen_autostart_log``)."""
+    path = _autostart_log(runtime_dir, name)
+    if code != 0 or warned or path is None:
+        return
+    try:
+        path.unlink()
     except FileNotFoundError:
         pass
