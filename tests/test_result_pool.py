@@ -57,6 +57,19 @@ def test_best_fit_cap_small_allocations_and_disabled_pool():
     assert off.stats["unpooled"] == 1 and off.free_bytes == 0
 
 
+def test_blocks_over_the_cap_are_let_go_by_the_next_small_result_too():
+    """A burst of large results, all dropped, then only small ones (short steps): the pool holds at most its
+    cap of them from the next call on (it held all four until the next large result; review)."""
+    cap = 64 << 20
+    pool = ResultPool(cap, min_bytes=1 << 20)
+    results = [pool.empty((40 << 20,), torch.uint8) for _ in range(4)]
+    del results
+    gc.collect()
+    pool.empty((16,), torch.float32)
+    assert sum(b.nbytes for b in pool._returned) == 0
+    assert pool._free_bytes <= cap and pool.stats["dropped"] >= 2
+
+
 def test_blocks_released_from_other_threads():
     pool = ResultPool(256 * MIB, min_bytes=0)
     held = [pool.empty((GRAIN // 4,), torch.float32) for _ in range(16)]

@@ -61,6 +61,12 @@ class ResultPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if self.max_free_bytes <= 0 or nbytes < self.min_bytes:
             self.stats["unpooled"] += 1
+            if self._returned:
+                # Blocks back from a burst of large results are filed (and the surplus over the cap let go)
+                # by small calls too: else they stay held until the next large one, whatever the cap.
+                with self._lock:
+                    dropped = self._drain_returned()
+                del dropped  # unmapped here, after the lock (see _drain_returned)
             return torch.empty(shape, dtype=dtype)
         block = self._take(nbytes)
         if block is None:
