@@ -177,6 +177,31 @@ def test_writes_out_of_batch_order_are_refused(committer):
         m.shutdown()
 
 
+def test_a_step_write_that_cannot_be_sent_leaves_no_step_behind(committer):
+    """The link refuses the step's StepWrite (nothing is sent): ``save_outputs`` raises the sticky error, so the
+    caller never gets the step id, and the step's context, page holds and hit pins go with it (they stayed,
+    and the id was listed as unconsumed for good; review)."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        one_applied_step(m)
+
+        def down(make, **kw):
+            raise OSError("link down")
+
+        m._link.submit = down
+        m.new_step_starts([started("b", [0, 1], hit=4)])
+        try:
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="write of step 1 could not be sent: link down"):
+                save(m, [Part("b", 1, [0, 1], 4, 2)], BS)
+        finally:
+            del m._link.submit  # the link's own again, for the Goodbye
+        assert m.unconsumed_step_ids() == [] and m._pages.in_use() == 0 and int(m._pin_count.sum()) == 0
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="could not be sent"):
+            m.materialize(1, ["b"])
+    finally:
+        m.shutdown()
+
+
 def test_a_save_that_fails_after_its_step_id_was_issued_frees_its_page_and_is_sticky(committer):
     """Anything raising between the page claim and the step's registration (here the copy-on-write
     check) re-raises as is, frees the staging page, and turns the writer sticky-fatal naming the step:

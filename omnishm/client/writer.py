@@ -380,10 +380,10 @@ class WriterSide:
                 ctx.pending_send = self._sender.submit(ctx.d2h_event, make, marker)
                 fut = ctx.pending_send.outer
         except BaseException as exc:  # nothing was sent: the page is free, the step's claims will never land
-            self._drop_sources(ctx)
-            self._pages.release(page, "write")
-            raise self._set_fatal(f"write of step {ctx.step_id} could not be sent: {exc}",
-                                  step_id=ctx.step_id) from exc
+            err = self._set_fatal(f"write of step {ctx.step_id} could not be sent: {exc}", step_id=ctx.step_id)
+            # The caller never gets the step id: the step's context, its page holds and its pins go now.
+            self._abandon_step(ctx)
+            raise err from exc
 
         def done(f: Future) -> None:
             self._drop_sources(ctx)
