@@ -11,9 +11,12 @@ import signal
 import threading
 import time
 
+import pytest
+
 from omnishm import protocol
 from omnishm.client import OmniPrefixCacheManager
 from omnishm.client.link import CommitterLink
+from omnishm.interface import OmniPrefixCacheCommitterError
 
 from manager_helpers import Part, extended, save, small_config, started
 
@@ -235,5 +238,71 @@ def test_gauges_that_raise_leave_the_heartbeats_going(committer_factory):
             time.sleep(0.01)
         assert calls and isinstance(link.request(lambda rid: protocol.Heartbeat(rid=rid), timeout_s=5),
                                     protocol.HeartbeatAck)
+    finally:
+        link.close()
+
+
+_NESTED_STATUS_REPLY = """
+    import sys
+    import msgspec
+    from omnishm import protocol
+    encode = protocol.encode
+    sent = []
+    def hostile(msg):
+        if isinstance(msg, protocol.StatusReply) and not sent:  # the first one only
+            sent.append(1)
+            return (b"\\x83\\xa4type\\xacstatus_reply\\xa3rid" + msgspec.msgpack.encode(msg.rid) + b"\\xa6status"
+                    + b"\\x81\\xa1a" + b"\\x91" * 100_000 + b"\\xc0")  # nested past msgspec's recursion limit
+        return encode(msg)
+    protocol.encode = hostile
+    from omnishm.committer.start import main
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_reply_nested_too_deep_to_decode_is_dropped_and_the_link_goes_on(committer_factory):
+    """msgspec raises ``RecursionError``, not a ``DecodeError``, for a reply nested too deep: it ended the
+    link's I/O thread, and with it every reply and heartbeat, and the link never went dead (review)."""
+    import textwrap
+
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "30",
+                               python_args=("-c", textwrap.dedent(_NESTED_STATUS_REPLY)))
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         staging_rows=0)
+    try:
+        with pytest.raises(OmniPrefixCacheCommitterError, match="did not answer within"):  # the reply was dropped
+            link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=1.0)
+        beats = link.heartbeats_sent
+        reply = link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=5.0)
+        assert isinstance(reply, protocol.StatusReply) and reply.status["name"] == handle.name
+        deadline = time.monotonic() + 10
+        while link.heartbeats_sent < beats + 3:
+            assert time.monotonic() < deadline and link._thread.is_alive(), "heartbeats stopped"
+            time.sleep(0.01)
+        assert link.dead is None
+    finally:
+        link.close()
+
+
+def test_an_error_on_the_links_io_thread_makes_the_link_dead_with_the_reason(committer_factory):
+    """Anything raised in the I/O thread's loop ended the thread and left the link looking alive: requests
+    were taken and never answered, and ``reconnect_timeout_s`` never ran out (review). Now the link is dead
+    at once, naming the error, and every request fails with it."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "2")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         staging_rows=0)
+    try:
+        def broken() -> None:
+            raise RuntimeError("injected in the I/O loop")
+
+        link._flush_outbox = broken
+        link._wake()
+        deadline = time.monotonic() + 10
+        while link.dead is None:
+            assert time.monotonic() < deadline, "the link did not go dead"
+            time.sleep(0.01)
+        assert "I/O thread failed" in link.dead and "injected in the I/O loop" in link.dead
+        with pytest.raises(OmniPrefixCacheCommitterError, match="injected in the I/O loop"):
+            link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=5.0)
     finally:
         link.close()

@@ -122,7 +122,7 @@ class LinkAttach:
             reason = reply.reason if isinstance(reply, P.Refused) else f"{reply.code}: {reply.message}"
             raise OmniPrefixCacheCommitterError(f"cache {self.cache}: committer refused this {self.role}: {reason}")
 
-    def _autostart_if_down(self, now: float) -> None:
+    def _autostart_if_down(self, now: float, *, io_thread: bool = False) -> None:
         """Start an embedded committer when this link may (``autostart``, an ipc endpoint), nothing holds
         the cache lock, the last start was over 5 s ago, and no committer this link started still runs.
 
@@ -130,18 +130,34 @@ class LinkAttach:
         starting is waited for, not joined by another: each more starting on a machine that vLLM's
         busy-waiting processes already fill slowed the first one further (seen: four committers started
         for one cache of a TP=2 engine).
+
+        A runtime dir that cannot be used raises (``PermissionError``, ``OSError``) on the attaching thread;
+        on the I/O thread (``io_thread``, a resume) that error, like a launch that fails anywhere, is kept
+        for the link's deadlines to report: nothing may raise into the link's loop.
         """
-        if self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0 \
-                and not shm.cache_is_live(self.runtime_dir, self.cache) \
-                and not any(p.alive() for p in self._autostarted):
+        if not (self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0
+                and not any(p.alive() for p in self._autostarted)):
+            return
+        try:
+            if shm.cache_is_live(self.runtime_dir, self.cache):
+                return
             shm.ensure_runtime_dir(self.runtime_dir)
-            self._last_autostart = now
-            try:
-                self._autostarted.append(start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint,
-                                                         policy=self._spawn_policy))
-            except OSError as exc:  # on the I/O thread too (a resume): the link's deadlines fail what waits
-                self._autostart_error = str(exc)
-                logger.warning("cache %s: cannot autostart a committer: %s", self.cache, exc)
+        except OSError as exc:
+            if not io_thread:
+                raise
+            self._autostart_failed(now, exc)
+            return
+        self._last_autostart = now
+        try:
+            self._autostarted.append(start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint,
+                                                     policy=self._spawn_policy))
+        except OSError as exc:
+            self._autostart_failed(now, exc)
+
+    def _autostart_failed(self, now: float, exc: OSError) -> None:
+        self._last_autostart = now  # tried again in 5 s, not at every tick
+        self._autostart_error = str(exc)
+        logger.warning("cache %s: cannot autostart a committer: %s", self.cache, exc)
 
     def _stop_autostart_losers(self, committer_pid: int) -> None:
         """Stop every committer this link autostarted that is not the one that welcomed it (``committer_pid``).
@@ -258,7 +274,7 @@ class LinkAttach:
             return
         if now < self._attempt_deadline:
             return
-        self._autostart_if_down(now)
+        self._autostart_if_down(now, io_thread=True)
         self._new_socket()
         self.stats["resume_attempts"] += 1
         self._hello_rid = next(self._rids)

@@ -517,6 +517,10 @@ class CommitterLink(LinkAttach):
                     if now - oldest > self._heartbeat_timeout_s:
                         self._lost(f"no answer for {now - self._last_heard:.1f}s (heartbeat timeout "
                                    f"{self._heartbeat_timeout_s:.1f}s)")
+        except Exception as exc:  # noqa: BLE001 - the link must not outlive its thread: every wait fails now
+            if not self._closed:
+                logger.exception("cache %s: the link's I/O thread failed", self.cache)
+                self._go_dead(f"cache {self.cache}: the link's I/O thread failed: {exc!r}")
         finally:
             with self._slock:
                 if self._sock is not None:
@@ -575,7 +579,7 @@ class CommitterLink(LinkAttach):
             self._last_heard = time.monotonic()
             try:
                 reply = P.reply_decoder.decode(frame.buffer)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep for msgspec
                 logger.error("cache %s: undecodable reply from committer: %s", self.cache, exc)
                 continue
             if self._state == RECONNECTING:
