@@ -306,3 +306,33 @@ def test_an_error_on_the_links_io_thread_makes_the_link_dead_with_the_reason(com
             link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=5.0)
     finally:
         link.close()
+
+
+def test_a_dead_link_closes_its_socket_so_a_late_reply_cannot_make_it_spin(committer_factory):
+    """No committer resumed in time (here a frozen one), so the link is dead with its last resume Hello still
+    queued. The committer answered it once it ran again, and nothing drained the dead link's socket: its I/O
+    thread polled a readable socket with no timeout until the link was closed (review: a core at 100 %)."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "30")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         staging_rows=0, heartbeat_timeout_s=0.5, reconnect_timeout_s=1.0)
+    probe = None
+    try:
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 15
+            while link.dead is None:
+                assert time.monotonic() < deadline, "the link did not give up on a frozen committer"
+                time.sleep(0.02)
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        probe = CommitterLink(cache=handle.name, role=protocol.ROLE_ADMIN, endpoint=handle.endpoint)
+        assert isinstance(probe.request(lambda rid: protocol.StatusRequest(rid=rid)), protocol.StatusReply)
+        cpu0, wall0 = time.thread_time(), time.monotonic()
+        cpu_all0 = time.process_time()
+        time.sleep(1.0)  # the window measured: this thread idles, the link's thread must too
+        busy = (time.process_time() - cpu_all0) - (time.thread_time() - cpu0)
+        assert busy < 0.3 * (time.monotonic() - wall0), f"{busy:.2f}s of CPU in 1 s with a dead link"
+    finally:
+        if probe is not None:
+            probe.close()
+        link.close()

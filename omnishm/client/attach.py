@@ -255,6 +255,7 @@ class LinkAttach:
         self._lost_reason = reason
         self._reconnect_deadline = now + self.reconnect_timeout_s
         self._attempt_deadline = 0.0
+        self._hello_rid = 0  # no resume sent yet: no reply (a committer's rid -1, an earlier resume's) answers one
         logger.warning("cache %s: session with the committer at %s lost (%s); resuming for up to %.1fs", self.cache,
                        self.endpoint, reason, self.reconnect_timeout_s)
         with self._plock:

@@ -204,7 +204,8 @@ class CommitterLink(LinkAttach):
         self._lost_reason = ""
         self._reconnect_deadline = 0.0
         self._attempt_deadline = 0.0
-        self._hello_rid = -1
+        self._hello_rid = 0
+        """The rid of the resume ``Hello`` in flight; 0 while none is (rids start at 1)."""
         self._last_autostart = 0.0
         self._autostarted: list[AutostartedCommitter] = []  # committers this link started, until a Welcome
         self._autostart_error = ""  # why the latest autostart could not launch a committer, for the error
@@ -452,10 +453,16 @@ class CommitterLink(LinkAttach):
                 entry.fut.set_exception(OmniPrefixCacheCommitterError(reason))
 
     def _go_dead(self, reason: str) -> None:
+        """I/O thread: the link is over. Its socket closes now: a late frame would else keep it readable
+        with nobody draining it, and the loop would spin on it until ``close``."""
         with self._slock:
             with self._plock:
                 self._dead = reason
             self._state = DEAD
+            if self._sock is not None:
+                self._poller.unregister(self._sock_fd)
+                self._sock.close(linger=0)
+                self._sock = None
         logger.error("%s", reason)
         self._fail_all(reason)
 
@@ -583,7 +590,7 @@ class CommitterLink(LinkAttach):
                 logger.error("cache %s: undecodable reply from committer: %s", self.cache, exc)
                 continue
             if self._state == RECONNECTING:
-                if reply.rid == self._hello_rid:
+                if reply.rid == self._hello_rid > 0:
                     self._on_resume_reply(reply)
                 continue  # anything else answers a socket we gave up
             if isinstance(reply, P.Error) and reply.code == "no_session" and self._welcomed and not self._leaving:
