@@ -578,7 +578,8 @@ class CommitterLink(LinkAttach):
     def _drain(self) -> None:
         while True:
             with self._slock:
-                assert self._sock is not None
+                if self._sock is None:  # the link went dead on a reply just taken (a refused resume)
+                    return
                 try:
                     frame = self._sock.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
