@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import re
+import socket
 import stat
 import time
 import warnings
@@ -408,6 +409,23 @@ def ensure_runtime_dir(path: Path | str | None = None) -> Path:
             f"runtime dir {path} has mode {stat.S_IMODE(st.st_mode):04o}; others could replace our socket. "
             f"Run `chmod 700 {path}` or pick another --runtime-dir")
     return path
+
+
+def socket_in_use(path: Path) -> bool:
+    """Whether a live process listens on the unix socket ``path`` (a connect succeeds): a socket file is
+    stale, and may be replaced, only when a connect is refused. The cache lock guards a cache's default
+    socket; an explicit endpoint may be named by committers of other caches or runtime dirs too (trap 4)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # cannot tell (a full backlog, a timeout, no permission): never take it over
+    finally:
+        probe.close()
+    return True
 
 
 def check_socket_path(path: Path) -> None:

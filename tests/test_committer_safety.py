@@ -25,7 +25,7 @@ import uuid
 import posix_ipc
 import torch
 
-from omnishm import protocol, shm
+from omnishm import orphans, protocol, shm
 from omnishm.committer import meta
 from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, MAX_STAGING_ROWS, CachePool
 
@@ -280,3 +280,78 @@ def test_a_socket_that_keeps_saying_hello_as_another_client_cannot_fill_the_log(
         assert log.count("(re-hello)") <= 10 and log.count(" attached (pid") <= 12, log
     finally:
         raw.close()
+
+
+def test_a_committer_never_takes_over_a_live_socket_at_an_explicit_endpoint(committer_factory, tmp_path):
+    """The cache lock guards a cache's own socket only: a committer of another cache given the same explicit
+    ipc endpoint unlinked the live socket and bound its own (trap 4), and clients of the first cache reached
+    it (review). It is refused now (exit 2), and the first committer keeps serving there."""
+    from conftest import unique_cache_name, wait_ready
+
+    endpoint = f"ipc://{tmp_path}/shared.sock"
+    first = committer_factory("--endpoint", endpoint, name=unique_cache_name("ep"), wait=False)
+    first.endpoint = endpoint
+    wait_ready(first)
+    second = committer_factory("--endpoint", endpoint, name=unique_cache_name("ep"), wait=False)
+    assert second.proc.wait(30) == 2
+    assert "served by a live process" in second.log()
+    client = RawClient(endpoint, first.name)
+    try:
+        assert isinstance(client.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+        assert isinstance(client.goodbye(), protocol.Bye)
+    finally:
+        client.close()
+
+
+_RECORD_SOCKET_MODE = """
+import os, sys
+from omnishm.committer import server
+chmod = os.chmod
+def recording(path, mode, *a, **kw):  # the socket's mode as bound, before the committer's own chmod
+    open(os.environ["OMNISHM_TEST_MODE_FILE"], "w").write(oct(os.stat(path).st_mode & 0o777))
+    return chmod(path, mode, *a, **kw)
+server.os.chmod = recording
+os.umask(0o002)
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_explicit_endpoints_socket_is_private_from_the_moment_it_is_bound(committer_factory, tmp_path,
+                                                                             monkeypatch):
+    """Bound under the caller's umask (002 here) and only then made 0600, an explicit endpoint's socket in a
+    shared sticky dir was connectable by the group in between (review)."""
+    from conftest import unique_cache_name, wait_ready
+
+    record = tmp_path / "mode"
+    monkeypatch.setenv("OMNISHM_TEST_MODE_FILE", str(record))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    endpoint = f"ipc://{shared}/s.sock"
+    handle = committer_factory("--endpoint", endpoint, name=unique_cache_name("mode"), wait=False,
+                               python_args=("-c", _RECORD_SOCKET_MODE))
+    handle.endpoint = endpoint
+    wait_ready(handle)
+    assert int(record.read_text(), 8) & 0o077 == 0, record.read_text()
+
+
+def test_a_start_stopped_before_it_began_removes_a_killed_committers_stale_socket(committer_factory):
+    """A SIGKILLed committer leaves its socket and lock file; the next start of the name, stopped before its
+    loop, removed the lock file only, and sweeps go by lock files: the socket stayed (review)."""
+    from conftest import RUNTIME_DIR
+    from omnishm.committer import start
+    from omnishm.committer.early_stop import EarlyStop
+
+    handle = committer_factory()
+    handle.proc.send_signal(signal.SIGKILL)
+    handle.proc.wait()
+    sock = RUNTIME_DIR / f"{handle.name}.sock"
+    assert sock.exists() and (RUNTIME_DIR / f"{handle.name}.lock").exists()
+    early = EarlyStop()
+    early.reason = "SIGTERM"
+    try:
+        assert start.main(["--name", handle.name, "--runtime-dir", str(RUNTIME_DIR)], early) == 0
+        assert not sock.exists() and not (RUNTIME_DIR / f"{handle.name}.lock").exists()
+    finally:
+        orphans.sweep(RUNTIME_DIR, handle.name)  # the killed committer's segments (main restored the handlers)

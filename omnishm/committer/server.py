@@ -164,7 +164,11 @@ class Committer(Attach):
         self.sock.setsockopt(zmq.LINGER, 1000)
         if self.cfg.endpoint.startswith("tcp://") and ("[" in self.cfg.endpoint or "::1" in self.cfg.endpoint):
             self.sock.setsockopt(zmq.IPV6, 1)
-        self.sock.bind(self.cfg.endpoint)
+        umask = os.umask(0o077)  # the socket is 0600 from its first instant: no one else connects meanwhile
+        try:
+            self.sock.bind(self.cfg.endpoint)
+        finally:
+            os.umask(umask)
         if self.cfg.ipc_path is not None:
             os.chmod(self.cfg.ipc_path, 0o600)
 

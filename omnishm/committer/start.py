@@ -189,6 +189,9 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         if lock is not None:  # else the log is a running committer's too (autostarts of one name share it)
             try:
                 _drop_autostart_log(runtime_dir, cfg.name, EXIT_OK, warned.seen)
+                # A killed committer's socket would else outlive its lock file, which sweeps go by.
+                if cfg.ipc_path is not None and cfg.ipc_path.exists() and not shm.socket_in_use(cfg.ipc_path):
+                    cfg.ipc_path.unlink()
             finally:
                 lock.release(remove=True)
         return EXIT_OK
@@ -219,7 +222,11 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
             logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
         _sweep_dead_caches(runtime_dir, cfg.name)
         if cfg.ipc_path is not None and cfg.ipc_path.exists():
-            cfg.ipc_path.unlink()  # stale: we hold the lock, so no live committer is bound there (trap 4)
+            if shm.socket_in_use(cfg.ipc_path):  # another cache's committer, or one of another runtime dir
+                print(f"omnishm committer: endpoint {cfg.endpoint} is served by a live process; refusing to "
+                      f"take its socket over", file=sys.stderr)
+                return EXIT_REFUSED
+            cfg.ipc_path.unlink()  # stale (trap 4)
         committer = server.Committer(cfg, generation, pool=adopted)
         committer.bind()
         try:
