@@ -414,9 +414,7 @@ class CommitterLink(LinkAttach):
         socket would be a socket call outside ``_slock``.
         """
         with self._slock:
-            if self._sock is not None:
-                self._poller.unregister(self._sock_fd)
-                self._sock.close(linger=0)
+            self._close_socket_locked()
             sock = self._ctx.socket(zmq.DEALER)
             if self.endpoint.startswith("tcp://["):  # ::1 (the committer's ROUTER sets it too)
                 sock.setsockopt(zmq.IPV6, 1)
@@ -426,6 +424,13 @@ class CommitterLink(LinkAttach):
             self._sock_fd = sock.getsockopt(zmq.FD)
             self._poller.register(self._sock_fd, zmq.POLLIN)
             self._sock = sock
+
+    def _close_socket_locked(self) -> None:
+        """``_slock`` held: close the socket, if any, and stop polling it."""
+        if self._sock is not None:
+            self._poller.unregister(self._sock_fd)
+            self._sock.close(linger=0)
+            self._sock = None
 
     def _shutdown_thread(self) -> None:
         self._closed = True
@@ -459,10 +464,7 @@ class CommitterLink(LinkAttach):
             with self._plock:
                 self._dead = reason
             self._state = DEAD
-            if self._sock is not None:
-                self._poller.unregister(self._sock_fd)
-                self._sock.close(linger=0)
-                self._sock = None
+            self._close_socket_locked()
         logger.error("%s", reason)
         self._fail_all(reason)
 
@@ -530,10 +532,7 @@ class CommitterLink(LinkAttach):
                 self._go_dead(f"cache {self.cache}: the link's I/O thread failed: {exc!r}")
         finally:
             with self._slock:
-                if self._sock is not None:
-                    self._poller.unregister(self._sock_fd)
-                    self._sock.close(linger=0)
-                    self._sock = None
+                self._close_socket_locked()
 
     def _note_stall(self, ran_at: float, tick_ms: int) -> float:
         """I/O thread, after each poll and before the silence check: log and count a loop that did not run for
@@ -591,7 +590,7 @@ class CommitterLink(LinkAttach):
                 logger.error("cache %s: undecodable reply from committer: %s", self.cache, exc)
                 continue
             if self._state == RECONNECTING:
-                if reply.rid == self._hello_rid > 0:
+                if self._hello_rid > 0 and reply.rid == self._hello_rid:
                     self._on_resume_reply(reply)
                 continue  # anything else answers a socket we gave up
             if isinstance(reply, P.Error) and reply.code == "no_session" and self._welcomed and not self._leaving:

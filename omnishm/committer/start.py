@@ -189,9 +189,7 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         if lock is not None:  # else the log is a running committer's too (autostarts of one name share it)
             try:
                 _drop_autostart_log(runtime_dir, cfg.name, EXIT_OK, warned.seen)
-                # A killed committer's socket would else outlive its lock file, which sweeps go by.
-                if cfg.ipc_path is not None and cfg.ipc_path.exists() and not shm.socket_in_use(cfg.ipc_path):
-                    cfg.ipc_path.unlink()
+                _remove_stale_socket(cfg)  # a killed committer's would else outlive its lock file, which sweeps go by
             finally:
                 lock.release(remove=True)
         return EXIT_OK
@@ -221,12 +219,10 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         if swept:
             logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
         _sweep_dead_caches(runtime_dir, cfg.name)
-        if cfg.ipc_path is not None and cfg.ipc_path.exists():
-            if shm.socket_in_use(cfg.ipc_path):  # another cache's committer, or one of another runtime dir
-                print(f"omnishm committer: endpoint {cfg.endpoint} is served by a live process; refusing to "
-                      f"take its socket over", file=sys.stderr)
-                return EXIT_REFUSED
-            cfg.ipc_path.unlink()  # stale (trap 4)
+        if not _remove_stale_socket(cfg):  # another cache's committer, or one of another runtime dir
+            print(f"omnishm committer: endpoint {cfg.endpoint} is served by a live process; refusing to "
+                  f"take its socket over", file=sys.stderr)
+            return EXIT_REFUSED
         committer = server.Committer(cfg, generation, pool=adopted)
         committer.bind()
         try:
@@ -266,6 +262,18 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         finally:
             lock.release(remove=True)
     return code
+
+
+def _remove_stale_socket(cfg: CommitterConfig) -> bool:
+    """The caller holds the cache lock: unlink the ipc endpoint's socket file when it is stale (trap 4).
+    False when a live process serves it (an explicit endpoint that another cache's committer, or one of
+    another runtime dir, was given too): it is left alone."""
+    if cfg.ipc_path is None or not cfg.ipc_path.exists():
+        return True
+    if shm.socket_in_use(cfg.ipc_path):
+        return False
+    cfg.ipc_path.unlink(missing_ok=True)
+    return True
 
 
 def _autostart_log(runtime_dir: Path, name: str) -> Path | None:
