@@ -223,16 +223,17 @@ def test_a_reader_waiting_for_a_step_the_writer_never_publishes_stops_once_the_w
             r.new_step_starts(step0)
             out = r.materialize(save(r, [Part("a", 1, [0, 1], 0, 8)], BS), ["a"])
             assert torch.equal(out.hidden_states["a"], rows(1, range(8)))
-        r.new_step_starts([finished("a"), started("b", [2])])
-        ahead = save(r, [Part("b", 2, [2], 0, 4)], BS)
+        # Steps with hits (on a's block 0): only they need the writer's publication.
+        r.new_step_starts([finished("a"), started("b", [0, 2], hit=4)])
+        ahead = save(r, [Part("b", 2, [0, 2], 4, 2)], BS)
         with pytest.raises(OmniPrefixCacheUnmatchError,
                            match=r"writer left the cache \(goodbye, or reaped\) before publishing step 1 "
                                  r"\(published 0\).*step_id=1"):
             r.materialize(ahead, ["b"])
         # Every later wait too, the heartbeat answers saying "no writer" by now (a soak found each later
         # step waiting out the whole timeout).
-        r.new_step_starts([finished("b"), started("c", [3])])
-        further = save(r, [Part("c", 3, [3], 0, 4)], BS)
+        r.new_step_starts([finished("b"), started("c", [0, 3], hit=4)])
+        further = save(r, [Part("c", 3, [0, 3], 4, 2)], BS)
         with pytest.raises(OmniPrefixCacheUnmatchError, match=r"writer left the cache.*step 2 .*step_id=2"):
             r.materialize(further, ["c"])
     finally:
@@ -339,19 +340,24 @@ def test_a_reader_mapping_a_key_for_its_first_hit_waits_at_most_commit_timeout_s
 
 def test_a_reader_waits_for_a_writer_that_attaches_after_the_previous_writer_left(committer_factory):
     """The cache's previous writer left (its epoch is still in the control segment); a reader starts
-    waiting for step 0 before the next writer attaches. Heartbeats answered "no writer" meanwhile must
-    not end the wait: the new writer's rows are served once it publishes them."""
+    waiting for step 1 (a hit on step 0's rows) before the next writer attaches. Heartbeats answered
+    "no writer" meanwhile must not end the wait: the new writer's rows are served once it publishes them."""
     handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
     config = cfg(commit_timeout_s=60.0)
     OmniPrefixCacheManager(config, cache=handle.name, autostart=False).shutdown()  # epoch 1 attached and left
     step0 = [started("a", [0, 1])]
+    step1 = [finished("a"), started("b", [0, 2], hit=4)]
     r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
     got: list = []
     try:
         r.new_step_starts(step0)
-        sid = save(r, [Part("a", 1, [0, 1], 0, 8)], BS)
+        # No hits: the reader's own rows, with no writer to wait for.
+        assert torch.equal(r.materialize(save(r, [Part("a", 1, [0, 1], 0, 8)], BS), ["a"]).hidden_states["a"],
+                           rows(1, range(8)))
+        r.new_step_starts(step1)
+        sid = save(r, [Part("b", 2, [0, 2], 4, 2)], BS)
         first = r._link.heartbeats_sent
-        reader = threading.Thread(target=lambda: got.append(_outcome(lambda: r.materialize(sid, ["a"]))))
+        reader = threading.Thread(target=lambda: got.append(_outcome(lambda: r.materialize(sid, ["b"]))))
         reader.start()
         deadline = time.monotonic() + 30
         while r._link.writer_ack[0] < first + 2:  # two answers "no writer" while the reader waits
@@ -361,9 +367,11 @@ def test_a_reader_waits_for_a_writer_that_attaches_after_the_previous_writer_lef
         with OmniPrefixCacheManager(config, cache=handle.name, autostart=False) as w:
             w.new_step_starts(step0)
             w.materialize(save(w, [Part("a", 1, [0, 1], 0, 8)], BS), ["a"])
+            w.new_step_starts(step1)
+            w.materialize(save(w, [Part("b", 2, [0, 2], 4, 2)], BS), ["b"])
             reader.join(60)
         assert not reader.is_alive()
-        assert torch.equal(got[0].hidden_states["a"], rows(1, range(8))), got
+        assert torch.equal(got[0].hidden_states["b"], torch.cat([rows(1, range(4)), rows(2, [4, 5])])), got
     finally:
         r.shutdown()
 
@@ -407,14 +415,36 @@ def test_a_reader_that_saw_its_writer_leave_refuses_every_later_step_at_once(com
             assert time.monotonic() < deadline, "no heartbeat answered"
             time.sleep(0.01)
         for step, req, block in ((1, "b", 2), (2, "c", 3)):
-            r.new_step_starts([started(req, [block])])
-            sid = save(r, [Part(req, step + 1, [block], 0, 4)], BS)
+            r.new_step_starts([started(req, [0, block], hit=4)])  # a hit: only then is the writer waited for
+            sid = save(r, [Part(req, step + 1, [0, block], 4, 2)], BS)
             with pytest.raises(OmniPrefixCacheUnmatchError,
                                match=rf"writer left the cache.*before publishing step {step} .*step_id={step}"):
                 r.materialize(sid, [req])
     finally:
         w.shutdown()
         r.shutdown()
+
+
+def test_a_readers_step_without_hits_never_waits_for_its_writer(committer):
+    """REVIEW (2026-12-05): a reader's step without hits reads nothing of the writer's, yet its materialize
+    waited for the writer's publication of the step. A writer that is late or stuck (a fatal writer
+    keeps heartbeating, so it never counts as gone) stalled every such step of every reader's engine
+    thread for commit_timeout_s (60 s here), then raised. Now it returns the reader's own rows at once;
+    a step with hits still waits, bounded as before."""
+    config = cfg(commit_timeout_s=60.0)
+    with OmniPrefixCacheManager(config, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(config, cache=committer.name, role="reader", autostart=False) as r:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.materialize(save(m, [Part("a", 1, [0], 0, 4)], BS), ["a"])
+        # The writer never saves step 1 (it is alive and attached); the reader runs it alone.
+        r.new_step_starts([finished("a"), started("b", [1])])
+        sid = save(r, [Part("b", 2, [1], 0, 4)], BS)
+        t0 = time.monotonic()
+        out = r.materialize(sid, ["b"])
+        assert time.monotonic() - t0 < 10, "the reader waited for a publication it does not need"
+        assert torch.equal(out.hidden_states["b"], rows(2, range(4)))
+        assert out.num_hit_tokens == {"b": 0}
 
 
 def test_a_step_with_no_tokens_is_saved_alike_on_writer_and_reader(committer):

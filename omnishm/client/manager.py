@@ -415,7 +415,10 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         try:  # at once: a consumed step's page and pins go back whatever is raised from here on
             nkeys = len(ctx.step_rows)
             deadline = self._deadline()  # one bound for every wait of this call, not one per wait
-            if not self.is_writer:
+            if not self.is_writer and ctx.hits:
+                # Only hit rows come from the writer: a step without hits is this rank's own rows, and
+                # waiting for a publication it does not need would stall the engine thread on a late or
+                # stuck writer (up to commit_timeout_s every step).
                 self._wait_published(step_id, deadline)
             hidden: dict[ReqId, Any] = {}
             mm: dict[ReqId, dict[TensorName, Any]] = {}
