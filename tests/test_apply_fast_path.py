@@ -236,3 +236,57 @@ def test_a_step_naming_another_epochs_claim_versions_is_refused_on_either_path(p
     finally:
         pool.close()
         assert shm.list_segments(pool.name) == []
+
+
+def test_a_step_writing_more_rows_of_a_key_than_it_staged_is_refused_whole():
+    """REVIEW (2026-12-05): entries repeating one staging row multiplied a step's copy and its gather buffer
+    without bound; a 10,000-entry step of 4 MiB rows asked for 39 GiB, failed with an ``internal`` error
+    and left its first key applied. A staged row goes to one slot, so a key's rows never outnumber its
+    staging rows: such a step is refused before anything is copied, naming the key."""
+    pool = _pool("r")
+    try:
+        h, m = pool.keys["h"], pool.keys["m"]
+        cv = make_cv(EPOCH, 1, 1)
+        h.claim[0] = cv
+        m.claim[1] = cv
+        n = STAGING_ROWS + 1  # one more row of "m" than it has staging rows, all staging row 0 to slot 1
+        msg = protocol.StepWrite(rid=1, step=1, keys=["h", "m"], key_idx=pack([0] + [1] * n),
+                                 tids=pack([7] * (n + 1)), cvs=pack([cv] * (n + 1)), src_rows=pack([0] * (n + 1)),
+                                 counts=pack([1] * (n + 1)), slots=pack([0] + [1] * n))
+        done = pool.apply_step(CLIENT, msg, EPOCH)
+        assert done.failed_tids == pack([7]) and done.rows_written == 0, done
+        assert f"key 'm' writes {n} rows, more than its {STAGING_ROWS} staging rows" in done.reason, done.reason
+        assert h.commit[0] == 0 and m.commit[1] == 0  # nothing of the step was applied, "h" included
+        one = protocol.StepWrite(rid=2, step=1, keys=["h", "m"], key_idx=pack([0, 1]), tids=pack([7, 7]),
+                                 cvs=pack([cv, cv]), src_rows=pack([0, 0]), counts=pack([1, 1]), slots=pack([0, 1]))
+        assert (pool.apply_step(CLIENT, one, EPOCH).rows_written, h.commit[0], m.commit[1]) == (2, cv, cv)
+    finally:
+        pool.close()
+        assert shm.list_segments(pool.name) == []
+
+
+def test_the_gather_buffer_stays_within_its_bound_whatever_the_step():
+    """A step staged out of order goes through a key's gather buffer, the committer's private memory, kept
+    for the next gather: it used to grow to the largest step ever gathered (at least 64 rows, 16 MiB of
+    256 KiB rows). It is filled in pieces of ``GATHER_BYTES``, bit for bit as before."""
+    pool = CachePool(f"tgath{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:8])
+    try:
+        pool.set_layout(LAYOUT)
+        width = 1 << 16  # float32: 256 KiB rows, 16 to a piece
+        state = pool.open_key("h", protocol.KeySpec("float32", width, (width,)))
+        staging = pool.ensure_staging(CLIENT, state, STAGING_ROWS)
+        torch.from_numpy(staging.data).copy_(torch.randint(0, 256, tuple(staging.data.shape), dtype=torch.uint8))
+        src = np.arange(STAGING_ROWS)[::-1].copy()  # out of order: the gather path
+        slots = np.arange(STAGING_ROWS)
+        cvs = [make_cv(EPOCH, 1, j + 1) for j in range(STAGING_ROWS)]
+        state.claim[slots] = cvs
+        msg = protocol.StepWrite(rid=1, step=1, keys=["h"], key_idx=pack([0] * STAGING_ROWS),
+                                 tids=pack(range(STAGING_ROWS)), cvs=pack(cvs), src_rows=pack(src.tolist()),
+                                 counts=pack([1] * STAGING_ROWS), slots=pack(slots.tolist()))
+        done = pool.apply_step(CLIENT, msg, EPOCH)
+        assert (done.rows_written, done.reason) == (STAGING_ROWS, ""), done
+        assert np.array_equal(state.data[slots], staging.data[src])
+        assert state.scratch is not None and state.scratch.nbytes <= 4 << 20, state.scratch.shape  # GATHER_BYTES
+    finally:
+        pool.close()
+        assert shm.list_segments(pool.name) == []

@@ -43,6 +43,9 @@ Measured (2 vCPU, 8 KiB rows): a numpy fancy-indexed row scatter runs at 0.8-0.9
 memcpy, a slice assignment at memcpy speed plus ~1 us of Python per run, so runs
 below ~64 KiB are cheaper inside the single scatter."""
 
+GATHER_BYTES = 4 << 20
+"""Rows gathered by one ``np.take`` into a key's gather buffer (at least one row): the bound of that buffer."""
+
 
 class StepRejected(Exception):
     """A StepWrite that failed validation; nothing was applied."""
@@ -127,6 +130,15 @@ class StepApply:
             e = int(np.searchsorted(np.cumsum(counts), r, side="right"))
             raise StepRejected(f"step {step}: key {states[int(key_idx[e])].name!r} entry {e} (tid {int(tids[e])}) "
                                f"slot {int(slots[r])} out of range 0..{num_slots - 1}")
+        # A staged row goes to one slot, so no key's rows outnumber its staging rows (the manager's steps and
+        # the flusher's pieces both stage each row once). Without this bound, entries repeating one staging
+        # row multiplied the copy and the gather buffer of a step without limit: a 10,000-entry step asked
+        # for 39 GiB and failed half-applied (review, 2026-12-05).
+        key_rows = [total] if len(states) == 1 else np.bincount(key_idx, weights=counts, minlength=len(states))
+        for state, rows in zip(states, key_rows):
+            if int(rows) > state.staging[client_id].rows:
+                raise StepRejected(f"step {step}: key {state.name!r} writes {int(rows)} rows, more than its "
+                                   f"{state.staging[client_id].rows} staging rows (a staged row goes to one slot)")
         if len(states) == 1:
             limit = states[0].staging[client_id].rows
             # src_rows > limit - counts, not src_rows + counts > limit: the sum can wrap around int64.
@@ -375,4 +387,9 @@ def _scatter(state: KeyState, dst: np.ndarray, src: np.ndarray, s: np.ndarray, r
         # (so that a bad index leaves it unchanged), two more copies of every row: 734 against 390 us for
         # 256 rows of 8 KiB (2026-12-05), and worse with non-temporal stores (``stores``), which send those
         # copies to memory and read them back. ``validate_step`` bounded every staging row already.
-        dst[s] = np.take(src, r, axis=0, out=state.gather_buffer(m), mode="clip")
+        # In pieces of GATHER_BYTES: the buffer is the committer's private memory and is kept for the next
+        # gather, so its size must not follow the largest step ever gathered.
+        step = max(1, GATHER_BYTES // max(state.row_bytes, 1))
+        for lo in range(0, m, step):
+            hi = min(m, lo + step)
+            dst[s[lo:hi]] = np.take(src, r[lo:hi], axis=0, out=state.gather_buffer(hi - lo), mode="clip")

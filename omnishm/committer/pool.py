@@ -19,7 +19,7 @@ import numpy as np
 
 from omnishm import protocol, shm
 from omnishm.committer import meta
-from omnishm.committer.apply import RUN_BYTES, StepApply
+from omnishm.committer.apply import GATHER_BYTES, RUN_BYTES, StepApply
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,11 @@ class KeyState:
         self.min_run = int(max(2, -(-RUN_BYTES // max(self.row_bytes, 1))))
 
     def gather_buffer(self, rows: int) -> np.ndarray:
-        """Preallocated gather target (an allocating gather pays page faults on every call)."""
+        """Preallocated gather target (an allocating gather pays page faults on every call). ``_scatter``
+        asks for at most ``GATHER_BYTES`` of rows (or one row), and so the buffer stays that small."""
         if self.scratch is None or self.scratch.shape[0] < rows:
-            self.scratch = np.empty((max(rows, 64), self.row_bytes), dtype=np.uint8)
+            least = min(64, max(1, GATHER_BYTES // max(self.row_bytes, 1)))
+            self.scratch = np.empty((max(rows, least), self.row_bytes), dtype=np.uint8)
         return self.scratch[:rows]
 
 
