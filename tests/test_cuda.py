@@ -82,3 +82,30 @@ def test_reader_materialize_waits_for_its_deferred_clones(committer):
             w.discard_step(sids[0])
             out = r.materialize(sids[1], [req])  # no synchronize in between
             assert torch.equal(out.mm_outputs[req]["talker_feat"], torch.full((n, 4), float(i))), i
+
+
+def test_keys_on_two_devices_save_and_materialize_exact_on_writer_and_reader(committer):
+    """Hidden states on the device, one mm tensor on the host (REVIEW 2026-12-05, argued from the code):
+    the writer's ``to_host`` called ``record_stream`` on the host key's clone (no CPU kernel: the cache
+    turned sticky-fatal), and a reader kept only the host key's copy event and read the device key's
+    pinned rows before they landed. A long kernel queue ahead of the rows makes that copy late."""
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False, role="reader") as r:
+        for i in range(10):
+            req = f"a{i}"
+            h, mm, layout, n, pad = build([Part(req, i + 1, [0, 1], 0, 8)], BS)
+            big = torch.randn(2048, 2048, device="cuda")
+            for _ in range(20):
+                big = big @ big / 2048
+            hidden = h.cuda() + big[:pad, :1] * 0  # ready only after the queue
+            sids = []
+            for m in (w, r):
+                m.new_step_starts([started(req, [0, 1])] + ([finished(f"a{i - 1}")] if i else []))
+                sids.append(m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=pad,
+                                           write_layout=layout))
+            for m, sid in zip((w, r), sids):
+                out = m.materialize(sid, [req])
+                assert torch.equal(out.hidden_states[req], rows(i + 1, range(8))), (m.role, i)
+                assert torch.equal(out.mm_outputs[req]["feat"], rows(i + 501, range(8), 3)), (m.role, i)
+            assert isinstance(w._ops, CudaOps) and isinstance(r._ops, CudaOps)

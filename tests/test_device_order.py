@@ -14,8 +14,11 @@ import threading
 import pytest
 import torch
 
-from manager_helpers import small_config, Part, build, extended, finished, rows, save, started
+from manager_helpers import MM_WIDTH, WIDTH, small_config, Part, build, extended, finished, rows, save, started
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
+from omnishm.client import manager as manager_module
+from omnishm.client.adapter import PrefixCacheWriteLayout
+from omnishm.client.device import DONE, CpuOps, CudaOps
 from omnishm.interface import HIDDEN_KEY
 
 BS = 4
@@ -213,6 +216,129 @@ def test_hits_on_in_flight_deferred_rows_read_through_the_read_path(committer):
         ops.auto = True
         for e in list(ops.events):
             e.complete()
+
+
+class LandsOnWait:
+    """A device event: the copies it stands for land when it is waited (as late as CUDA may land them)."""
+
+    def __init__(self):
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def synchronize(self) -> None:
+        for dst, src in self.pending:
+            dst.copy_(src)
+        self.pending.clear()
+
+    def query(self) -> bool:
+        return not self.pending
+
+
+class MixedOps:
+    """``CudaOps`` for a step whose keys live on different devices: rows ``device_width`` wide are on the
+    device, the others on the host. A device clone (``freeze``) lands when the step's freeze event is
+    waited, a device-to-host copy (``leftover``) when its own event is; host rows are copied at once and
+    get ``DONE``, as ``CudaOps`` gives them. A reader never stages."""
+
+    is_cuda = True
+
+    def __init__(self, device_width: int):
+        self.device_width = device_width
+        self._freeze = LandsOnWait()
+
+    def _unlanded(self, t: torch.Tensor, event: LandsOnWait, src: torch.Tensor) -> torch.Tensor:
+        out = torch.full(t.shape, -999.0, dtype=t.dtype)
+        event.pending.append((out, src))
+        return out
+
+    def freeze(self, t):
+        return t.clone() if t.shape[-1] != self.device_width else self._unlanded(t, self._freeze, t.clone())
+
+    def record_freeze(self):
+        event, self._freeze = self._freeze, LandsOnWait()
+        return event
+
+    def to_host(self, pairs, after):
+        raise AssertionError("a reader never stages")
+
+    def read_rows(self, t, index=None):
+        return t.index_select(0, index) if index is not None else t.clone()
+
+    def leftover(self, value):
+        if value.shape[-1] != self.device_width:
+            return value.clone(), DONE
+        event = LandsOnWait()
+        return self._unlanded(value, event, value), event  # copies the clone when it lands (stream order)
+
+
+@pytest.mark.parametrize("device_key", [HIDDEN_KEY, "feat"])
+def test_a_readers_step_with_keys_on_two_devices_waits_every_copy_before_reading(committer, device_key):
+    """REVIEW (2026-12-05): a reader kept the copy event of the step's last immediate key only. With the
+    hidden states on the device and "feat" on the host, the host key's DONE hid the hidden states' copy
+    in flight, and materialize served the pinned buffer's old bytes. With "feat" deferred on the device
+    and the hidden states on the host, that DONE also skipped the wait for the device clones."""
+    ops = MixedOps(WIDTH if device_key == HIDDEN_KEY else MM_WIDTH)
+    with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, role="reader",
+                                   device_ops=ops) as r:
+        if device_key == "feat":
+            for m in (w, r):
+                m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+        h, mm, layout, n, pad = build([Part("a", 1, [0, 1], 0, 6)], BS)
+        sids = []
+        for m in (w, r):
+            m.new_step_starts([started("a", [0, 1])])
+            sids.append(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout))
+        w.materialize(sids[0], ["a"])
+        out = r.materialize(sids[1], ["a"])
+        assert torch.equal(out.hidden_states["a"], rows(1, range(6)))
+        assert torch.equal(out.mm_outputs["a"]["feat"], rows(501, range(6), MM_WIDTH))
+
+
+def test_a_first_step_without_rows_does_not_choose_the_device(committer, monkeypatch):
+    """REVIEW (2026-12-05): the device ops were chosen once, from the first save's tensors. The
+    vllm-omni drop-in saves a step of 0 tokens with no tensor at all, and CPU ops were then kept for
+    good: every later step of device rows copied to the host on the engine thread, with no freeze
+    clone. A step without rows now chooses nothing; the first step with rows chooses."""
+    chosen: list[list[str]] = []
+    cuda_like = FakeOps()
+    cuda_like.auto = True
+
+    def ops_for(tensors):
+        chosen.append([t.device.type for t in tensors])
+        return cuda_like if tensors else CpuOps()
+
+    monkeypatch.setattr(manager_module, "ops_for", ops_for)
+    with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False) as m:
+        m.new_step_starts([])
+        m.discard_step(m.save_outputs(None, {}, num_tokens_unpadded=0, num_tokens_padded=0,
+                                      write_layout=PrefixCacheWriteLayout((), torch.empty(0, dtype=torch.int64))))
+        for step in range(2):
+            m.new_step_starts([started(f"r{step}", [step])])
+            out = m.materialize(save(m, [Part(f"r{step}", 1, [step], 0, 4)], BS), [f"r{step}"])
+            assert torch.equal(out.hidden_states[f"r{step}"], rows(1, range(4)))
+        assert m._ops is cuda_like and len(chosen) == 2 and chosen[0] == [], chosen
+        assert ("freeze", "MainThread") in cuda_like.log  # the device path ran: a clone of the live rows
+
+
+def test_cuda_ops_stage_a_host_key_beside_device_keys(monkeypatch):
+    """REVIEW (2026-12-05): a writer whose hidden states are on the device and one mm tensor on the host
+    gets ``CudaOps`` (any device tensor chooses them), whose ``to_host`` called ``record_stream`` on every
+    source: on the host key's CPU clone that raises NotImplementedError (no CPU kernel), after the step
+    id was issued, and the cache turned sticky-fatal. The real ``to_host``, with the CUDA-only objects
+    stood in for (a CPU stream, an event that records nothing): a host source is copied, not recorded."""
+
+    class Recorded:
+        def record(self, stream=None) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Recorded)
+    ops = object.__new__(CudaOps)
+    ops.device = torch.device("cuda", 0)
+    ops.copy_stream = torch.Stream(device="cpu")
+    dst = torch.zeros(4, MM_WIDTH)
+    src = rows(501, range(4), MM_WIDTH)
+    assert isinstance(ops.to_host([(dst, src)], DONE), Recorded)
+    assert torch.equal(dst, src)
 
 
 def test_step_sender_sends_each_step_once_and_hands_copy_errors_to_the_waiter():

@@ -132,8 +132,9 @@ class CudaOps:
                 after.synchronize()
             for dst, src in pairs:
                 dst.copy_(src.reshape(dst.shape), non_blocking=True)
-                # The clone must outlive the copy although the engine drops it.
-                src.record_stream(self.copy_stream)
+                if src.is_cuda:  # a host key's rows (a CPU clone) were copied at once; record_stream has no CPU kernel
+                    # The clone must outlive the copy although the engine drops it.
+                    src.record_stream(self.copy_stream)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         return done
@@ -261,7 +262,9 @@ class HostRegistration:
     that copies into or out of a segment registers it itself; the committer
     never does (it never initialises CUDA). On failure the sticky CUDA error is
     cleared, one loud warning is logged and the fallback is counted: copies then
-    run unpinned (slower, still correct). ``unregister`` must run before the
+    run unpinned, still correct but slower, and they stall: a device-to-host copy
+    into pageable memory returns only once it ran, so ``save_outputs`` then waits
+    its step's compute on the engine thread. ``unregister`` must run before the
     mapping goes away.
     """
 
@@ -286,7 +289,8 @@ class HostRegistration:
                 if not type(self)._warned:
                     type(self)._warned = True
                     logger.warning("cudaHostRegister of %d bytes failed (error %s): staging copies fall back to "
-                                   "unpinned memory, which is slower. Check RLIMIT_MEMLOCK and the driver.",
+                                   "unpinned memory, which is slower and makes save_outputs wait for each step's "
+                                   "compute. Check RLIMIT_MEMLOCK and the driver.",
                                    size, int(rc))
                 self.unregister()
                 return

@@ -299,10 +299,13 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         starts = [w.token_start for w in writes]
         counts = [w.num_tokens for w in writes]
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
-        if self._ops is None:
-            self._ops = ops_for(list(immediate.values()) + list(deferred.values()) +
-                                [v for v in leftover.values() if isinstance(v, torch.Tensor)])
         ops = self._ops
+        if ops is None:
+            tensors = (list(immediate.values()) + list(deferred.values()) +
+                       [v for v in leftover.values() if isinstance(v, torch.Tensor)])
+            ops = ops_for(tensors)
+            if tensors:  # chosen for good from a step with rows: a step without any (n == 0) says no device
+                self._ops = ops
         # Freeze first: the live (graph) buffers may be overwritten once this call returns.
         immediate = {k: ops.freeze(v) for k, v in immediate.items()}
         if deferred:
@@ -344,10 +347,13 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 self._follow_writer()  # the writer attached now is the one this reader's steps are
                 for key, data in immediate.items():
                     # An explicit width: reshape(n, -1) cannot infer -1 for a step of 0 tokens.
-                    ctx.step_rows[key], ctx.d2h_event = ops.leftover(data.reshape(n, row_width(ctx.row_shapes[key])))
-                if ctx.d2h_event is None:
-                    # Only deferred keys (device clones): materialize's read must wait for the clones.
-                    ctx.d2h_event = freeze_event
+                    ctx.step_rows[key], event = ops.leftover(data.reshape(n, row_width(ctx.row_shapes[key])))
+                    # Every key's copy is waited: keeping the last key's event only, a host key's DONE
+                    # hid a device key's copy in flight, and its rows were read before they landed.
+                    ctx.leftover_events.append(event)
+                # Deferred keys are device clones made on the engine's stream: materialize's reads wait for
+                # them (and the reads of the read stream are ordered after the copy stream only).
+                ctx.d2h_event = freeze_event
             for key, data in deferred.items():
                 ctx.step_rows[key] = data.reshape(n, row_width(ctx.row_shapes[key]))
             to_flush: list[WriteTask] = []
