@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from omnishm import protocol, shm
 from omnishm.committer.config import check_endpoint
@@ -490,6 +491,54 @@ def test_a_stalled_committer_loop_is_logged_and_counted(committer_factory, busy)
             thread.join(timeout=30)
         client.close()
         other.close()
+
+
+@pytest.mark.parametrize("beating", [False, True], ids=["silent", "beating"])
+def test_a_committer_that_stood_still_reaps_no_client_for_its_own_silence(committer_factory, beating):
+    """REVIEW (2026-12-05): a committer frozen for longer than its heartbeat timeout (a starved host, a VM
+    pause) reaped its writer on waking, before the heartbeats sent meanwhile were readable (in a frozen
+    process libzmq's own thread stands still too): staging unlinked, the writer's resume refused, its link
+    dead. The time its loop stood still is not its clients' silence. Silent: a whole host paused, the
+    client beats again only after; beating: the client kept beating on its socket throughout."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1")
+    writer = RawClient(handle.endpoint, handle.name)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(0.05):
+            writer.send(protocol.Heartbeat(rid=writer.next_rid(), counters={}))
+
+    thread = threading.Thread(target=beat, daemon=True)
+    try:
+        assert isinstance(writer.hello(protocol.ROLE_WRITER, LAYOUT, 4), protocol.Welcome)
+        assert isinstance(writer.call(protocol.Heartbeat(rid=writer.next_rid(), counters={})),
+                          protocol.HeartbeatAck)
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            if beating:
+                thread.start()
+            stopped = time.monotonic()
+            while time.monotonic() - stopped < 2.5:  # the stall: over the heartbeat timeout (1 s)
+                time.sleep(0.05)
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        if not beating:
+            time.sleep(0.3)  # the paused host's client beats again a little after the committer woke
+        done.set()
+        if thread.is_alive():
+            thread.join(timeout=30)
+        while writer.sock.poll(500, zmq.POLLIN):  # the answers to the beats sent meanwhile
+            writer.sock.recv()
+        reply = writer.call(protocol.Heartbeat(rid=writer.next_rid(), counters={}))
+        assert isinstance(reply, protocol.HeartbeatAck), reply
+        status = writer.status()
+        assert status["clients_reaped"] == 0 and status["loop_stalls"] >= 1, status
+        assert "detached" not in handle.log(), handle.log()
+    finally:
+        done.set()
+        if thread.is_alive():
+            thread.join(timeout=30)
+        writer.close()
 
 
 def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_committer_goes_on(committer_factory):

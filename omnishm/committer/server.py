@@ -475,10 +475,17 @@ class Committer(Attach):
 
         Its clients then heard nothing from it for as long: each sees a silent committer (and resumes)
         once that passes their heartbeat timeout. A client's own stalls are logged by its link.
+
+        A stall longer than a heartbeat period is not its clients' silence: it is taken off every
+        session's silence (``SessionTable.credit``). A live client beat meanwhile, but in a frozen
+        process libzmq's own thread stood still too, so those beats may not be readable yet, and a reap
+        right after the stall detached live clients, the writer's staging included (review, 2026-12-05).
         """
         now = time.monotonic()
         stalled = now - self._answered_at - self._poll_ms / 1000
         self._answered_at = now
+        if stalled > self.cfg.heartbeat_s:
+            self.sessions.credit(stalled, now)
         if stalled > max(1.0, 2 * self.cfg.heartbeat_s):
             self.loop_stalls += 1
             logger.warning("committer %s: its loop answered nothing for %.1f s (the process was starved of CPU "
@@ -486,7 +493,10 @@ class Committer(Attach):
                            self.name, stalled, self.cfg.heartbeat_timeout_s)
 
     def reap(self, now: float) -> None:
-        """Detach sessions silent beyond the heartbeat timeout: staging unlinked, later writes failed and counted."""
+        """Detach sessions silent beyond the heartbeat timeout: staging unlinked, later writes failed and counted.
+        A stall just before it is checked first (``note_stall``): it is not the sessions' silence."""
+        self.note_stall()
+        now = max(now, self._answered_at)
         for session in self.sessions.expired(now, self.cfg.heartbeat_timeout_s):
             why = (f"reaped after {now - session.last_seen:.1f}s of silence"
                    + (" (adopted at restart, never resumed)" if session.adopted else ""))

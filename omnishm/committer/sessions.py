@@ -134,6 +134,12 @@ class SessionTable:
             session.last_seen = now
         return session
 
+    def credit(self, seconds: float, now: float) -> None:
+        """Take ``seconds`` in which the committer's loop stood still off every session's silence (up to
+        ``now``): placeholders of adopted writers included, whose clock runs from adoption."""
+        for s in self._all():
+            s.last_seen = min(now, s.last_seen + seconds)
+
     def expired(self, now: float, timeout_s: float) -> list[Session]:
         """Sessions silent for longer than ``timeout_s`` (not removed; the caller reaps)."""
         return [s for s in self._all() if now - s.last_seen > timeout_s]
