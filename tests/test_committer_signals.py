@@ -7,6 +7,7 @@ started with SIGHUP ignored keeps running through a hangup.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from omnishm import protocol, shm
 
 from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
-from helpers import Writer, catches_signal, ignores_signal
+from helpers import RawClient, Writer, catches_signal, ignores_signal
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 SLOW = ("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "60")
@@ -143,3 +144,38 @@ def test_a_hangup_while_the_committer_imports_stops_it_cleanly(committer_factory
         assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
     assert_clean_stop(handle, signal.SIGHUP)
     assert "stopped (SIGHUP) before it started" in handle.log(), handle.log()
+
+
+def test_a_hello_queued_when_the_stop_signal_came_is_refused_for_now_and_the_next_committer_welcomes_it(
+        committer_factory):
+    """REVIEW (2026-12-05): a writer's Hello waiting at a committer when SIGTERM came was answered on the
+    way out: a Welcome naming segments it unlinked next, and the manager failed with a raw
+    FileNotFoundError mapping them. A stopping committer refuses a new client for now (retryable); the
+    client's Hello then reaches the next committer of the cache (here a supervisor's restart)."""
+    first = committer_factory(*SLOW)
+    raw = RawClient(first.endpoint, first.name)
+    try:
+        raw.send_raw(b"not a message")  # connected before the freeze: the Hello below waits in its queue
+        assert isinstance(raw.recv(), protocol.Error)
+        hello = protocol.Hello(rid=raw.next_rid(), protocol=protocol.PROTOCOL_VERSION, client_id=raw.client_id,
+                               pid=os.getpid(), uid=os.geteuid(), role=protocol.ROLE_WRITER, cache=first.name,
+                               layout=LAYOUT, staging_rows=4)
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        try:
+            raw.send(hello)
+            time.sleep(0.2)  # on its way while the committer stands still
+            os.kill(first.proc.pid, signal.SIGTERM)
+        finally:
+            os.kill(first.proc.pid, signal.SIGCONT)
+        reply = raw.recv()
+        assert isinstance(reply, protocol.Refused) and reply.retry_after_s > 0, reply
+        assert f"committer {first.name} is stopping (SIGTERM)" in reply.reason, reply
+        assert first.proc.wait(timeout=30) == 0
+        assert "0 segment(s) unlinked" in first.log(), first.log()  # no layout was set, no staging made
+        second = committer_factory(*SLOW, name=first.name)
+        hello.rid = raw.next_rid()
+        welcome = raw.call(hello)  # the client's retry
+        assert isinstance(welcome, protocol.Welcome) and welcome.committer_pid == second.proc.pid, welcome
+        assert isinstance(raw.goodbye(), protocol.Bye)
+    finally:
+        raw.close()

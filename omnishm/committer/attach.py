@@ -75,6 +75,12 @@ class Attach:
                                "staging")
         if msg.resume:
             return self.on_resume(identity, msg)  # a resumed writer keeps the staging it has
+        if self.stopping:
+            # Answered on the way out (a Hello queued before the stop signal): a Welcome would name segments
+            # this committer unlinks next, and the client failed mapping them. Refused for now instead: the
+            # client tries again, and the next committer of the cache (a supervisor's, an autostart) answers.
+            return self.refuse(msg, f"committer {self.name} is stopping ({self.stop_reason or 'signal'})",
+                               "stopping", retry_after_s=0.5)
         if msg.role == protocol.ROLE_WRITER and msg.staging_rows < 1:
             return self.refuse(msg, f"staging_rows must be >= 1 for a writer, got {msg.staging_rows}", "staging")
         previous = self.sessions.get(identity)
