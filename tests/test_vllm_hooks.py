@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from manager_helpers import rows
-from omnishm.integrations.vllm import OmniPrefixCacheRunnerHooks
+from omnishm.integrations.vllm import EXTENSION_CLS, OmniPrefixCacheRunnerHooks, OmniPrefixCacheWorkerExtension
 
 BS = 4
 NUM_BLOCKS = 16
@@ -252,3 +252,38 @@ def test_a_preemption_reported_in_a_step_that_schedules_nothing_still_makes_the_
     res = h.take_results()
     assert "A" in res and torch.equal(res["A"][0], rows(1, range(16)))
     assert h.stats()["prompts_abandoned"] == 0
+
+
+class _Worker(OmniPrefixCacheWorkerExtension):
+    """vLLM's worker as far as the extension reads it: its config names the extension."""
+
+    def __init__(self) -> None:
+        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=EXTENSION_CLS))
+
+
+def test_results_completed_before_a_shutdown_are_still_taken_after_it(committer, monkeypatch):
+    """REVIEW (2026-12-05): ``omnishm_shutdown`` (the README asks for it before the engine goes away) dropped
+    the hooks and every result they held, uncounted, though results are held until taken. Retired hooks
+    keep theirs for the takes, through a new install and a runner swapped too."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    worker = _Worker()
+    runner = FakeV1Runner()
+    worker.model_runner = runner  # installs the hooks
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert worker.omnishm_shutdown()["requests"] == 1
+    assert worker.omnishm_install()  # fresh hooks on the same runner
+    step(runner, so(new=[("B", 8, 0, [2, 3])], counts={"B": 8}))
+    worker.model_runner = FakeV1Runner()  # a swapped runner retires the hooks too
+    got = worker.omnishm_take_prompt_hidden()
+    assert sorted(got) == ["A", "B"] and all(torch.equal(t, rows(1, range(8))) for t in got.values()), got
+    assert worker.omnishm_take_prompt_hidden() == {} and worker.omnishm_take_results() == {}
+    assert worker.__dict__["_omnishm_retired"] == []  # let go once a take found them empty
+    worker.omnishm_shutdown()
+
+
+def test_a_negative_bound_on_held_rows_is_refused_when_the_hooks_are_made(committer):
+    """REVIEW (2026-12-05): ``held_bytes=-1`` was taken, and the first completed prompt raised StopIteration
+    on the engine thread (evicting from empty tables). The knob refuses it; the argument now does too."""
+    with pytest.raises(ValueError, match="held_bytes must be >= 0, got -1"):
+        OmniPrefixCacheRunnerHooks(FakeV1Runner(), cache=committer.name, held_bytes=-1)

@@ -148,6 +148,8 @@ class OmniPrefixCacheRunnerHooks:
         file; a name given without an endpoint means that cache's own socket (``config.manager_connection``)."""
         self.capture_raw = settings.vllm["vllm_capture_raw"] if capture_raw is None else bool(capture_raw)
         self.held_bytes = settings.vllm["vllm_held_bytes"] if held_bytes is None else int(held_bytes)
+        if self.held_bytes < 0:  # the knob's own check, for the argument too
+            raise ValueError(f"omnishm: held_bytes must be >= 0, got {self.held_bytes}")
         """Bytes of completed rows (``_done`` and ``_raw_done``) kept for the takers; the oldest go beyond it."""
         self.manager: OmniPrefixCacheManager | None = None
         self.disabled = False
@@ -379,6 +381,11 @@ class OmniPrefixCacheRunnerHooks:
             self._held -= sum(_nbytes(v) for v in out.values())
         return out
 
+    def holds(self) -> bool:
+        """Whether results are held that no take has returned yet. Any thread."""
+        with self._lock:
+            return bool(self._done or self._raw_done)
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["cache"] = self.cache
@@ -415,8 +422,7 @@ class OmniPrefixCacheWorkerExtension:
     def model_runner(self, runner: Any) -> None:
         old = self.__dict__.get("_omnishm_hooks")
         if old is not None and old.runner is not runner:
-            old.uninstall()
-            self.__dict__.pop("_omnishm_hooks", None)
+            self._omnishm_retire(old)
         self.__dict__["_omnishm_model_runner"] = runner
         if runner is not None and self._omnishm_enabled():
             self.omnishm_install()
@@ -428,6 +434,21 @@ class OmniPrefixCacheWorkerExtension:
 
     def _omnishm_hooks_or_none(self) -> OmniPrefixCacheRunnerHooks | None:
         return self.__dict__.get("_omnishm_hooks")
+
+    def _omnishm_retire(self, hooks: OmniPrefixCacheRunnerHooks) -> dict[str, Any]:
+        """Uninstall ``hooks`` and keep them for the ``omnishm_take_*`` calls: the results they hold were
+        held until taken, and a shutdown used to drop them, uncounted (review, 2026-12-05)."""
+        self.__dict__.pop("_omnishm_hooks", None)
+        self.__dict__.setdefault("_omnishm_retired", []).append(hooks)
+        return hooks.uninstall()
+
+    def _omnishm_holders(self) -> list[OmniPrefixCacheRunnerHooks]:
+        """Hooks whose results a take drains: retired ones (oldest first), then the installed ones. Retired
+        hooks are let go once a take found them empty."""
+        retired = self.__dict__.get("_omnishm_retired", [])
+        retired[:] = [h for h in retired if h.holds()]
+        hooks = self._omnishm_hooks_or_none()
+        return [*retired, *([hooks] if hooks is not None else [])]
 
     def omnishm_install(self, cache: str | None = None) -> bool:
         """Install the hooks on the current model runner; False without a runner.
@@ -449,9 +470,10 @@ class OmniPrefixCacheWorkerExtension:
         return True
 
     def omnishm_shutdown(self) -> dict[str, Any]:
-        """Flush and detach the manager, remove the hooks; returns the final stats ({} if none)."""
-        hooks = self.__dict__.pop("_omnishm_hooks", None)
-        return hooks.uninstall() if hooks is not None else {}
+        """Flush and detach the manager, remove the hooks; returns the final stats ({} if none). Results
+        completed before it stay for the ``omnishm_take_*`` calls."""
+        hooks = self._omnishm_hooks_or_none()
+        return self._omnishm_retire(hooks) if hooks is not None else {}
 
     def omnishm_take_prompt_hidden(self) -> dict[ReqId, torch.Tensor]:
         """``{runner req id: full-prompt hidden states [P, H]}`` completed since the last take.
@@ -460,24 +482,19 @@ class OmniPrefixCacheWorkerExtension:
         boundary use ``omnishm_take_results`` (plain types) instead, unless
         ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
         """
-        hooks = self._omnishm_hooks_or_none()
-        return {} if hooks is None else {rid: t for rid, (t, _h) in hooks.take_results().items()}
+        return {rid: t for h in self._omnishm_holders() for rid, (t, _h) in h.take_results().items()}
 
     def omnishm_take_results(self) -> dict[ReqId, dict[str, Any]]:
         """Completed requests as plain types (crosses vLLM's msgpack RPC): see ``decode_results``.
 
         ``{runner req id: {"hidden": encoded [P, H], "hit_tokens": int}}`` (hit tokens as in ``take_results``).
         """
-        hooks = self._omnishm_hooks_or_none()
-        if hooks is None:
-            return {}
         return {rid: {"hidden": encode_tensor(t), "hit_tokens": int(h)}
-                for rid, (t, h) in hooks.take_results().items()}
+                for hooks in self._omnishm_holders() for rid, (t, h) in hooks.take_results().items()}
 
     def omnishm_take_raw_prompt_hidden(self) -> dict[ReqId, dict[str, Any]]:
         """Full-prompt hidden states read directly from the runner for requests without a hit (encoded)."""
-        hooks = self._omnishm_hooks_or_none()
-        return {} if hooks is None else {rid: encode_tensor(t) for rid, t in hooks.take_raw().items()}
+        return {rid: encode_tensor(t) for hooks in self._omnishm_holders() for rid, t in hooks.take_raw().items()}
 
     def omnishm_stats(self) -> dict[str, Any]:
         hooks = self._omnishm_hooks_or_none()
