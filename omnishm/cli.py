@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from omnishm import paths
+from omnishm.interface import MAX_TIMEOUT_S  # standard library only
 
 # Subcommands that live in other modules: name -> (module, help). The module is
 # imported only when its subcommand runs; it provides ``cli_main(args) -> int``
@@ -203,13 +204,19 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from omnishm import config as knobs
-    from omnishm import orphans
+    from omnishm import orphans, shm
 
     try:  # the runtime dir by the same rules as the committer's: flag > OMNISHM_* > config file > default
         r = knobs.resolve("both", {"runtime_dir": args.runtime_dir}, config_file=args.config, names=("runtime_dir",))
     except knobs.ConfigError as exc:
         print(f"omnishm cleanup: {exc}", file=sys.stderr)
         return 2
+    if args.name is not None:
+        try:  # it names files in the runtime dir: "../x" would remove x.sock and x.lock elsewhere
+            shm.check_cache_name(args.name)
+        except ValueError as exc:
+            print(f"omnishm cleanup: --name: {exc}", file=sys.stderr)
+            return 2
     removed = orphans.sweep(_runtime_dir(r["runtime_dir"]), args.name, force=args.force)
     for name in removed:
         print(f"removed {name}")
@@ -224,12 +231,13 @@ def cmd_committer(args: argparse.Namespace) -> int:
 
 
 def _positive_float(text: str) -> float:
+    """Seconds of a wait: a ZeroMQ poll of ``inf`` (or 1e300) s raised OverflowError, a traceback."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= {MAX_TIMEOUT_S:g}, got {text!r}")
     return value
 
 

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from omnishm import cpus  # standard library only
 from omnishm.committer import stores  # standard library only
-from omnishm.interface import PrefixCacheConfig
+from omnishm.interface import MAX_TIMEOUT_S, PrefixCacheConfig
 
 CONFIG_ENV = "OMNISHM_CONFIG"
 ENV_PREFIX = "OMNISHM_"
@@ -133,9 +133,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("endpoint", "str", None, "ZeroMQ endpoint; tcp only on loopback", check=check_endpoint,
          default_doc="ipc://RUNTIME_DIR/NAME.sock"),
     Knob("heartbeat_s", "float", 1.0, "heartbeat interval the committer tells clients to use", scope="committer",
-         min=0, min_exclusive=True),
+         min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
     Knob("heartbeat_timeout_s", "float", 10.0, "reap a client silent this long (at least heartbeat_s)",
-         scope="committer", min=0, min_exclusive=True),
+         scope="committer", min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
     Knob("exit_when_idle", "bool", False,
          "exit once the last writer/reader left (after one attached), or when none attached within 60 s "
          "(an autostarted one: or once the process that started it is gone)",
@@ -152,14 +152,15 @@ KNOBS: tuple[Knob, ...] = (
          check=_check_level),
     Knob("autostart", "bool", True, "start an embedded committer when none answers (ipc only)", scope="client"),
     Knob("connect_timeout_s", "float", 30.0, "how long a client waits for the committer's Welcome",
-         scope="client", min=0, min_exclusive=True),
+         scope="client", min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
     Knob("staging_depth", "int", _pcc_default("staging_depth"),
          "unconsumed step ids a client may hold (a writer's are staging pages)", scope="client", min=1),
     Knob("staging_capacity_tokens", "int", _pcc_default("staging_capacity_tokens"),
          "rows of one staging page (one step)", scope="client", min=1,
          default_doc=f"{_pcc_default('staging_capacity_tokens')} (vLLM: max_num_batched_tokens)"),
     Knob("staging_claim_timeout_s", "float", _pcc_default("staging_claim_timeout_s"),
-         "how long a save waits for a free staging page", scope="client", min=0, min_exclusive=True),
+         "how long a save waits for a free staging page", scope="client", min=0, min_exclusive=True,
+         max=MAX_TIMEOUT_S),
     Knob("gpu_staging_bytes", "int", _pcc_default("gpu_staging_bytes"),
          "bytes of deferred (JOIN_ON_FINISH) row copies held (device clones on CUDA, host clones on CPU) "
          "before the oldest write is flushed", scope="client", min=1),
@@ -167,10 +168,11 @@ KNOBS: tuple[Knob, ...] = (
          "bytes of a deferred write per message through the staging flush region (a step's write waits behind "
          "at most one)", scope="client", min=1),
     Knob("commit_timeout_s", "float", _pcc_default("commit_timeout_s"),
-         "how long a client waits for a committer reply", scope="client", min=0, min_exclusive=True),
+         "how long a client waits for a committer reply", scope="client", min=0, min_exclusive=True,
+         max=MAX_TIMEOUT_S),
     Knob("reconnect_timeout_s", "float", _pcc_default("reconnect_timeout_s"),
          "how long a client tries to resume with a restarted committer", scope="client", min=0,
-         min_exclusive=True),
+         min_exclusive=True, max=MAX_TIMEOUT_S),
     Knob("result_pool_bytes", "int", _pcc_default("result_pool_bytes"),
          "free pre-faulted host memory kept for materialize's results (0: fresh pages every call)",
          scope="client", min=0),

@@ -29,6 +29,11 @@ HIDDEN_KEY: TensorName = "__hidden_states__"
 """Pool key of the full-prompt hidden states (the shared identity)."""
 
 
+MAX_TIMEOUT_S = 1e6
+"""The longest wait a timeout may name (about 11.6 days): a thread join or a ZeroMQ poll fails with
+OverflowError on one past ~9.2e9 s, long after it was set (a review's 1e10 s broke a shutdown)."""
+
+
 class WriteSchedule(enum.Enum):
     """When a write's rows go from the client to the pool.
 
@@ -104,8 +109,9 @@ class PrefixCacheConfig:
         for name in ("staging_claim_timeout_s", "commit_timeout_s", "reconnect_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ValueError(f"PrefixCacheConfig.{name} must be a positive finite number, got {value!r}")
+                    or not 0 < value <= MAX_TIMEOUT_S:
+                raise ValueError(f"PrefixCacheConfig.{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                                 f"got {value!r}")
 
     @property
     def num_slots(self) -> int:

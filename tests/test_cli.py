@@ -175,3 +175,28 @@ def test_ping_reaches_a_live_committer_whose_ipc_socket_lives_outside_the_runtim
         time.sleep(0.1)
     code, out, err = run(capsys, "ping", "--name", name, "--endpoint", endpoint, "--timeout-s", "10")
     assert code == 0, err
+
+
+def test_cleanup_refuses_a_name_that_is_no_cache_name_and_touches_nothing(tmp_path, capsys, monkeypatch):
+    """REVIEW (2026-12-05): ``cleanup --name`` was the one command that did not check the name, and it names
+    files in the runtime dir: ``--name ../outside/important`` removed important.sock and .lock elsewhere."""
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for suffix in ("sock", "lock"):
+        (outside / f"important.{suffix}").write_text("data")
+    code, out, err = run(capsys, "cleanup", "--runtime-dir", str(runtime), "--name", "../outside/important")
+    assert code == 2 and "invalid cache name '../outside/important'" in err and out == "", (out, err)
+    assert sorted(p.name for p in outside.iterdir()) == ["important.lock", "important.sock"]
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0"])
+def test_a_wait_no_poll_can_take_is_refused_as_an_option(committer_factory, capsys, value):
+    """REVIEW (2026-12-05): ``ping --timeout-s inf`` (or 1e300) against a live committer ended in an
+    OverflowError traceback from ZeroMQ's poll. It is refused as the option it is (exit 2)."""
+    handle = committer_factory()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["ping", "--name", handle.name, "--timeout-s", value])
+    assert exc.value.code == 2
+    assert "--timeout-s: must be > 0 and <= 1e+06" in capsys.readouterr().err

@@ -76,6 +76,8 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     ({}, {"OMNISHM_HEARTBEAT_TIMEOUT_S": "nan"}, "", "heartbeat_timeout_s = 'nan' (from env "
      "OMNISHM_HEARTBEAT_TIMEOUT_S): expected a finite number"),
     ({"heartbeat_s": "inf"}, {}, "", "expected a finite number"),
+    ({}, {"OMNISHM_COMMIT_TIMEOUT_S": "1e10"}, "", "bad commit_timeout_s = '1e10' (from env "
+     "OMNISHM_COMMIT_TIMEOUT_S): must be <= 1e+06"),  # a review's: accepted, then shutdown's join overflowed
     ({}, {"OMNISHM_METRICS_PORT": "70000"}, "", "must be <= 65535"),
     ({}, {"OMNISHM_METRICS_PORT": "1.5"}, "", "expected an integer"),
     ({"metrics_host": "0.0.0.0"}, {}, "", "metrics are served on loopback only"),
@@ -203,7 +205,7 @@ def test_committer_refuses_a_runtime_dir_it_cannot_create_with_exit_2_and_no_tra
     assert "omnishm committer:" in proc.stderr and "a-file" in proc.stderr
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e10])
 def test_prefix_cache_config_refuses_non_finite_timeouts(value):
     """The knob path refuses them ("nan passes every bound check, inf makes a deadline that never
     comes"); a PrefixCacheConfig built directly, which the manager takes as given, must too."""
