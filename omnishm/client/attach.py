@@ -1,8 +1,9 @@
 """Attaching a ``CommitterLink`` to its committer, and resuming the session when the committer is lost.
 
 ``LinkAttach`` is a mixin of ``CommitterLink`` (``client/link.py``, the
-transport: the socket, the I/O thread, pending requests) and works on its
-state, all of which ``CommitterLink.__init__`` creates. The committer's side
+transport: the socket, pending requests; its I/O thread's loop is
+``client/link_io.py``) and works on its state, all of which
+``CommitterLink.__init__`` creates. The committer's side
 of the same exchange is ``committer/attach.py``. The first ``Hello`` runs on
 the thread that constructs the link (``_hello``, through ``submit``); losing
 the committer (``_lost``, called when the transport sees silence, a gone
@@ -53,7 +54,7 @@ from omnishm.versions import cv_step
 if TYPE_CHECKING:
     from omnishm.client.link import _Pending
 
-logger = logging.getLogger("omnishm.client.link")  # one logger for the whole link, as before the split
+logger = logging.getLogger("omnishm.client.link")  # one logger for the whole link, as before the splits
 
 # The link's states (``CommitterLink.state``), changed under ``_slock``. Here rather than in link.py because
 # losing and resuming the committer is what moves between them; link.py imports them from here.
