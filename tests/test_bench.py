@@ -60,3 +60,49 @@ def test_bench_forward_threads_applies_to_the_engine_figures_only():
     bad = subprocess.run([sys.executable, "-m", "omnishm", "bench", "--forward-threads", "0"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--forward-threads must be >= 1" in bad.stderr
+
+
+def test_a_measured_committer_that_died_or_failed_is_reported_not_swept():
+    """REVIEW (2026-12-05): the bench's committers hid their failures. A committer subprocess killed during
+    a figure stopped without a word, and the sweep removed what it left before the leak check looked; the
+    in-process baseline's thread kept the error that ended it and ``stop`` never raised it."""
+    import os
+    import signal
+
+    import pytest
+    import zmq
+
+    from omnishm.bench.common import Cleanup, ProcessCommitter, ThreadCommitter
+
+    cleanup = Cleanup()
+    try:
+        com = ProcessCommitter(cleanup, "crash")
+        os.kill(com.pid, signal.SIGKILL)
+        com.proc.wait()
+        with pytest.raises(RuntimeError, match=rf"committer {com.name} exited -9; left \d+ segment\(s\)"):
+            com.stop()
+        assert shm.list_segments(com.name) == []  # swept all the same
+        inproc = ThreadCommitter(cleanup, "thread")
+
+        def fail() -> None:
+            raise ValueError("a bug on the committer thread")
+
+        inproc.committer.serve_pending = fail
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(inproc.endpoint)
+        sock.send(b"wake it")
+        inproc.thread.join(30)
+        sock.close()
+        with pytest.raises(RuntimeError, match="failed while serving: ValueError"):
+            inproc.stop()
+    finally:
+        assert cleanup.close() == []
+
+
+def test_bench_refuses_a_selection_of_no_figure():
+    """REVIEW (2026-12-05): ``--only ,`` ran nothing and exited 0 with an empty report."""
+    for only in (",", ""):
+        proc = subprocess.run([sys.executable, "-m", "omnishm", "bench", "--quick", "--only", only], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "names no figure" in proc.stderr, (only, proc.returncode, proc.stderr)

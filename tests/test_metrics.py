@@ -237,3 +237,37 @@ def test_staging_pages_in_use_drops_when_the_steps_are_consumed(committer_factor
         wait_for(port, "no page held", lambda m: value(m, "omnishm_client_staging_pages_in_use", role="writer") == 0)
     finally:
         writer.shutdown()
+
+
+def test_the_links_own_counters_survive_the_goodbye(committer_factory):
+    """REVIEW (2026-12-05): heartbeats carry the link's own ``link_*`` stats, the goodbye did not, and the
+    committer kept only what the last report named: a client that had lost its committer once, or stalled,
+    took its share out of ``omnishm_client_link_*_total`` when it left (a counter going back)."""
+    port = free_port()
+    handle = committer_factory("--metrics-port", str(port), "--heartbeat-s", "0.1")
+    writer = OmniPrefixCacheManager(config(), cache=handle.name, autostart=False)
+    try:
+        writer._link.stats["committer_lost"] += 2  # what the link's I/O thread counts on a loss, a stall
+        writer._link.stats["io_stalls"] += 1
+        wait_for(port, "the link's counters", lambda m: value(
+            m, "omnishm_client_link_committer_lost_total", role="writer") == 2)
+    finally:
+        writer.shutdown()
+    m = wait_for(port, "the writer gone", lambda m: value(m, "omnishm_clients", role="writer") == 0)
+    assert (value(m, "omnishm_client_link_committer_lost_total", role="writer"),
+            value(m, "omnishm_client_link_io_stalls_total", role="writer")) == (2, 1)
+
+
+def test_a_cumulative_counter_left_out_or_dropped_keeps_its_value(committer):
+    """REVIEW (2026-12-05): a report that left a cumulative counter out, or sent a value dropped as invalid,
+    took the counter back to nothing."""
+    raw = committer.client()
+    try:
+        assert isinstance(raw.hello(protocol.ROLE_READER, protocol.Layout(16, 4)), protocol.Welcome)
+        for counters in ({"hit_tokens": 1000.0}, {"hit_tokens": float("nan")}, {}):
+            assert isinstance(raw.call(protocol.Heartbeat(rid=raw.next_rid(), counters=counters)),
+                              protocol.HeartbeatAck)
+            me = [c for c in raw.status()["clients"] if c["client_id"] == raw.client_id][0]
+            assert me["counters"] == {"hit_tokens": 1000.0}, (counters, me["counters"])
+    finally:
+        raw.close()

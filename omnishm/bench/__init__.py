@@ -144,6 +144,9 @@ def format_table(rows: list[Any]) -> str:
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     only = {f.strip() for f in args.only.split(",") if f.strip()}
+    if not only:  # "--only ," or "--only ''" would run nothing and report success
+        print(f"omnishm bench: --only {args.only!r} names no figure; known: {', '.join(FIGURES)}", file=sys.stderr)
+        return 2
     unknown = only - set(FIGURES)
     if unknown:
         print(f"omnishm bench: unknown figure(s) {sorted(unknown)}; known: {', '.join(FIGURES)}", file=sys.stderr)

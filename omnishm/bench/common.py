@@ -157,7 +157,11 @@ class ProcessCommitter:
                     raise RuntimeError(f"committer {self.name} did not answer within {START_TIMEOUT_S}s") from None
                 time.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, *, check: bool = True) -> None:
+        """SIGTERM, wait, sweep what is left. With ``check``, raises when the committer did not stop cleanly
+        (exit status not 0, killed after ``STOP_TIMEOUT_S``, or segments left): a committer that died during
+        a figure must not pass unnoticed, and the sweep would else hide what it left from ``Cleanup``."""
+        killed = False
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -165,13 +169,22 @@ class ProcessCommitter:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                killed = True
+        left = shm.list_segments(self.name)
         orphans.sweep(self.runtime_dir, self.name)
+        problems = [f"did not stop within {STOP_TIMEOUT_S}s of SIGTERM (killed)"] if killed else \
+            [f"exited {self.proc.returncode}"] if self.proc.returncode != 0 else []
+        if left:
+            problems.append(f"left {len(left)} segment(s): {', '.join(sorted(left))}")
+        if check and problems:
+            raise RuntimeError(f"committer {self.name} {'; '.join(problems)}: "
+                               f"{self.log_path.read_text(errors='replace')[-2000:]}")
 
     def __enter__(self) -> "ProcessCommitter":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.stop(check=exc_type is None)  # an error on the way out is the one to report
 
 
 class ThreadCommitter:
@@ -213,7 +226,7 @@ class ThreadCommitter:
         self.thread = threading.Thread(target=self._run, name=f"omnishm-bench-committer-{tag}", daemon=True)
         self.thread.start()
         if not self._ready.wait(START_TIMEOUT_S) or self._error is not None:
-            self.stop()
+            self.stop(check=False)
             raise RuntimeError(f"in-process committer {self.name} did not start: {self._error}")
 
     def _run(self) -> None:
@@ -235,7 +248,9 @@ class ThreadCommitter:
         finally:
             c.close()
 
-    def stop(self) -> None:
+    def stop(self, *, check: bool = True) -> None:
+        """Stop the thread and release the cache. With ``check``, raises what ended the thread early: the
+        figure must not pass on a baseline whose committer died (it would else show only as a timeout)."""
         self._stop.set()
         self.thread.join(STOP_TIMEOUT_S)
         if self.thread.is_alive():  # still serving: its cache stays owned (and mapped) until the process exits
@@ -247,12 +262,15 @@ class ThreadCommitter:
             self.lock.release(remove=True)
             self.lock = None
         orphans.sweep(self.runtime_dir, self.name)
+        if check and self._error is not None:
+            raise RuntimeError(f"in-process committer {self.name} failed while serving: {self._error!r}") \
+                from self._error
 
     def __enter__(self) -> "ThreadCommitter":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.stop(check=exc_type is None)
 
 
 # ---------------------------------------------------------------- a raw writer (protocol by hand)

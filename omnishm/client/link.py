@@ -376,13 +376,18 @@ class CommitterLink(LinkIO, LinkAttach):
             logger.exception("cache %s: reading the client's gauges failed; heartbeat sent without them", self.cache)
             return {}
 
+    def _report(self) -> dict[str, float]:
+        """What a heartbeat and the goodbye carry: the client's counters, its gauges and the link's own
+        ``link_*`` stats. The goodbye once left the last out, and the committer's totals went back by them."""
+        return {**self.counters, **self._read_gauges(), **{f"link_{k}": float(v) for k, v in self.stats.items()}}
+
     def close(self, *, timeout_s: float = 5.0) -> None:
         if self._closed:
             return
         self._leaving = True
         if self._dead is None and self._state == CONNECTED:
             try:
-                counters = {**self.counters, **self._read_gauges()}
+                counters = self._report()
                 self.request(lambda rid: P.Goodbye(rid=rid, counters=counters), timeout_s=timeout_s)
             except OmniPrefixCacheCommitterError as exc:
                 logger.warning("cache %s: goodbye not acknowledged: %s", self.cache, exc)

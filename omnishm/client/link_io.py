@@ -56,8 +56,7 @@ class LinkIO:
                 next_beat = min(next_beat, now + self._heartbeat_s)  # the period the Welcome set, from the first
                 if now >= next_beat:
                     next_beat = now + self._heartbeat_s
-                    counters = {**self.counters, **self._read_gauges(),
-                                **{f"link_{k}": float(v) for k, v in self.stats.items()}}
+                    counters = self._report()
                     # Counted before it is sent: a wait that starts once the beat is on the wire must not
                     # take its answer (which may predate the wait) for a later one.
                     self.heartbeats_sent += 1

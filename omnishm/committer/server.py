@@ -387,9 +387,10 @@ class Committer(Attach):
 
         Names up to ``MAX_COUNTER_NAME`` characters and finite values >= 0 only;
         the exported names first, then others up to ``MAX_COUNTERS`` in all; a
-        cumulative counter never goes back (the largest value seen is kept).
+        cumulative counter never goes back (the largest value seen is kept, also
+        when a report leaves it out or sends a value that is dropped).
         """
-        kept: dict[str, float] = {}
+        kept: dict[str, float] = {name: v for name, v in session.counters.items() if name in CLIENT_COUNTERS}
         dropped = 0
         ordered = sorted(counters.items(), key=lambda kv: kv[0] not in EXPORTED_CLIENT_NAMES)
         for name, value in ordered:
