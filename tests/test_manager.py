@@ -97,6 +97,59 @@ def test_hits_must_be_block_aligned_and_carry_block_ids(mgr):
         m.new_step_starts([started("y", [0], hit=8)])
 
 
+def test_a_refused_hit_loses_no_other_event_of_its_step(mgr):
+    """REVIEW (2026-12-05): one malformed hit raised before any event of the step was applied. A request
+    that finished in that step kept its deferred write open for good (its rows never landed), and another
+    request's valid hit in the same step was dropped: its materialize served its own rows only, with no
+    error. Every other event now applies, then the error names each refused request."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    assert ("a", "feat") in m._open  # a's deferred write waits for a's end
+    with pytest.raises(OmniPrefixCacheUnmatchError,
+                       match=r"not a multiple of block_size.*request 'y': prefix hit of 8 tokens carries 1 "
+                             r"block ids.*request='x'"):
+        m.new_step_starts([finished("a"), started("b", [0, 5], hit=4), started("x", [1, 2], hit=6),
+                           started("y", [3], hit=8)])
+    assert ("a", "feat") not in m._open and "a" not in m._live
+    sid = save(m, [Part("b", 2, [0, 5], 4, 2)], BS)
+    out = m.materialize(sid, ["b"])
+    assert out.num_hit_tokens["b"] == 4 and torch.equal(out.hidden_states["b"], expect(1, 4, 2, 4, 2))
+    m.wait_idle()  # a's rows landed
+    feat = m._keys["feat"]
+    assert bool((feat.commit[0:4] == feat.claim[0:4]).all())
+
+
+def test_an_interrupt_after_a_save_registered_its_step_abandons_it_and_hands_over_its_closed_writes(mgr):
+    """REVIEW (2026-12-05): an interrupt (SIGINT) after ``save_outputs`` registered its step and before it
+    sent the step (here in the hand-off of the deferred write the step's rows pushed over the byte budget)
+    left the step behind: its context, page and pins held for good, its claims never landing, the write it
+    closed never handed to the flusher, and the cache not failed. The step is abandoned (the writer turns
+    sticky-fatal, as on every failure after an id was issued) and the write it closed is handed over."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=1)
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))  # over the budget at once: flushed
+    m.wait_idle()
+    real_put = m._flusher.put
+    handed: list = []
+
+    def put(task) -> None:
+        handed.append(task)
+        if len(handed) == 1:
+            raise KeyboardInterrupt  # SIGINT in the hand-off
+        real_put(task)
+
+    m._flusher.put = put
+    m.new_step_starts([extended("a", 4, [1])])
+    with pytest.raises(KeyboardInterrupt):
+        save(m, [Part("a", 1, [0, 1], 4, 4)], BS)
+    assert m.unconsumed_step_ids() == [] and m._pages.in_use() == 0 and not m._pinned
+    assert len(handed) == 2 and handed[0] is handed[1] and handed[1].req_id == "a"  # handed over after all
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"save_outputs of step 1 failed after the step id"):
+        m.new_step_starts([])
+
+
 def test_absent_hit_raises_and_releases_staging(mgr):
     m = mgr()
     m.new_step_starts([started("b", [9, 10], hit=4)])  # block 9 was never written

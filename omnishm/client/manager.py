@@ -27,7 +27,6 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout  # builtin TimeoutError only from Python 3.11
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -208,34 +207,30 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         """Handle one scheduler step. Engine thread only, exactly once per real step.
 
         Call it before the runner's ``_update_states`` drops finished requests.
-        Registers new and resumed requests' prefix hits (raises at once when a
-        hit is not block aligned or lacks block ids), and closes the open
+        Registers new and resumed requests' prefix hits, and closes the open
         deferred writes of finished or aborted requests (aborts still land) and
         of hit rows, handing them to the flusher after the lock is released.
+        A hit that is not block aligned, lacks block ids or names a block outside
+        the pool is refused: every other event of the step is applied all the
+        same, then ``OmniPrefixCacheUnmatchError`` names each refused request
+        (the request itself stays live, without a hit).
         """
         self._check_usable()
         step = self._translator.translate_step(events, num_scheduled_tokens)
         bs = self.config.block_size
         planned: dict[ReqId, torch.Tensor | None] = {}
+        refused: list[tuple[ReqId, str]] = []
         # An id that finishes and is added again in this step (the adapter emits FINISHED first) is a
         # new request: its STARTED carries a real prefix hit, not a live request re-entering.
         ended = {ev.req_id for ev in step.events if ev.kind in _END_KINDS}
         for ev in step.events:
             if ev.num_computed_tokens > 0 and ev.kind in _HIT_KINDS and \
                     not (ev.kind == EventKind.STARTED and ev.req_id in self._live and ev.req_id not in ended):
-                hit = ev.num_computed_tokens
-                if hit % bs:
-                    raise self._unmatch(f"prefix hit of {hit} tokens is not a multiple of block_size {bs} "
-                                        "(sub-block prefix match is not supported)", req_id=ev.req_id)
-                nblocks = hit // bs
-                if len(ev.block_ids) < nblocks:
-                    raise self._unmatch(f"prefix hit of {hit} tokens carries {len(ev.block_ids)} block ids, "
-                                        f"needs {nblocks}", req_id=ev.req_id)
-                bad = [b for b in ev.block_ids[:nblocks] if not 0 <= b < self.config.num_blocks]
-                if bad:
-                    raise self._unmatch(f"prefix hit names block id {bad[0]} outside 0..{self.config.num_blocks - 1}",
-                                        req_id=ev.req_id)
-                blocks = torch.as_tensor(list(ev.block_ids[:nblocks]), dtype=torch.int64)
+                why = self._bad_hit(ev)
+                if why:
+                    refused.append((ev.req_id, why))
+                    continue
+                blocks = torch.as_tensor(list(ev.block_ids[:ev.num_computed_tokens // bs]), dtype=torch.int64)
                 planned[ev.req_id] = (blocks[:, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1)
         to_flush: list[WriteTask] = []
         with self._lock:
@@ -256,6 +251,12 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                         self._pending_hits.pop(ev.req_id, None)
         self._flush(to_flush)
         self._settle_if_acked()
+        if refused:
+            # After the rest of the step: one bad hit used to lose every other event of it (finished
+            # requests' deferred writes left open for good, other requests' valid hits dropped).
+            req, why = refused[0]
+            more = "".join(f"; request {r!r}: {w}" for r, w in refused[1:])
+            raise self._unmatch(why + more, req_id=req)
 
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None, *,
                      num_tokens_unpadded: int, num_tokens_padded: int,
@@ -379,19 +380,30 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         except BaseException:
             self._abandon_step(ctx)
             raise
-        self._flush(to_flush)
-        if self._prefetcher is not None and ctx.hits:
-            ctx.prefetch_done = threading.Event()
-            ctx.prefetch_taken = threading.Lock()
-            self._prefetcher.put(ctx)
-        if self.is_writer:
-            # Tagged with this writer's epoch: a reader takes no other writer's publication for its own.
-            self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
-            slot_bytes = (struct.pack(f"<{n}q", *slot_list) if slot_list is not None
-                          else slots_np.astype("<i8", copy=False).tobytes())
-            self._send_step(ctx, cvs, starts, counts, slot_bytes, immediate)
-            if self.eager:
-                self._join_previous_write()
+        sending = False
+        try:  # until the step is handed to _send_step, which owns its failures (and abandons the step itself)
+            self._flush(to_flush)
+            if self._prefetcher is not None and ctx.hits:
+                ctx.prefetch_done = threading.Event()
+                ctx.prefetch_taken = threading.Lock()
+                self._prefetcher.put(ctx)
+            if self.is_writer:
+                # Tagged with this writer's epoch: a reader takes no other writer's publication for its own.
+                self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
+                slot_bytes = (struct.pack(f"<{n}q", *slot_list) if slot_list is not None
+                              else slots_np.astype("<i8", copy=False).tobytes())
+                sending = True
+                self._send_step(ctx, cvs, starts, counts, slot_bytes, immediate)
+        except BaseException:
+            # An interrupt (SIGINT) after the step was registered: the caller never gets its id, and on the
+            # writer its claims would never land. The step goes (the writer turns sticky-fatal), and the
+            # deferred writes it closed are still handed to the flusher (review, 2026-12-05).
+            if not sending:
+                self._abandon_step(ctx)
+                self._flush(to_flush)
+            raise
+        if self.is_writer and self.eager:
+            self._join_previous_write()
         self.counters["steps_saved"] += 1
         self.counters["save_seconds"] += time.perf_counter() - t0
         return step_id
@@ -509,7 +521,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                     tasks = [t for t in self._open.values()]
                     for t in tasks:
                         self._close_task_locked(t)
-                self._flush(tasks)
+                self._flush(list(tasks))  # _flush empties the list it is given
                 for t in tasks:
                     try:
                         t.done.result(timeout=self.config.commit_timeout_s)
@@ -546,31 +558,6 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
     @property
     def client_id(self) -> str:
         return self._link.client_id
-
-    def wait_idle(self, timeout_s: float | None = None) -> None:
-        """Block until every closed write was acknowledged (tests, demos, shutdown).
-
-        Open deferred writes stay open: they land when their request ends.
-        Any thread but the engine thread's hot path; raises on a failed write
-        (at once when one already made the cache sticky-fatal: its writes may never be acknowledged),
-        and ``TimeoutError`` when ``timeout_s`` (default ``commit_timeout_s``) passes first.
-        """
-        self._check_usable()
-        timeout_s = self.config.commit_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            closed = [t for t in self._closing.values()]
-        for t in closed:
-            try:
-                t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
-            except FutureTimeout:  # the builtin TimeoutError, on Python 3.10 too
-                raise TimeoutError(f"cache {self.cache}: deferred write {t.tid} of request {t.req_id!r} tensor "
-                                   f"{t.key!r} not acknowledged within {timeout_s:.1f}s") from None
-        prev = self._prev_write
-        if prev is not None:
-            # The outcome itself: the done callback that records a failure may not have run yet.
-            self._check_reply(self._await_step_write(prev, max(deadline - time.monotonic(), 0.001)))
-        self._check_usable()
 
     def unconsumed_step_ids(self) -> list[StepId]:
         with self._lock:

@@ -113,6 +113,21 @@ class StepLifecycle:
                                 "(writes must be contiguous from row 0)", step_id=step_id)
         return writes
 
+    def _bad_hit(self, ev: Any) -> str:
+        """Why the prefix hit of ``ev`` cannot be served (not block aligned, too few block ids, a block
+        outside the pool), or ""."""
+        hit, bs = ev.num_computed_tokens, self.config.block_size
+        if hit % bs:
+            return f"prefix hit of {hit} tokens is not a multiple of block_size {bs} (sub-block prefix match is " \
+                   "not supported)"
+        nblocks = hit // bs
+        if len(ev.block_ids) < nblocks:
+            return f"prefix hit of {hit} tokens carries {len(ev.block_ids)} block ids, needs {nblocks}"
+        bad = [b for b in ev.block_ids[:nblocks] if not 0 <= b < self.config.num_blocks]
+        if bad:
+            return f"prefix hit names block id {bad[0]} outside 0..{self.config.num_blocks - 1}"
+        return ""
+
     def _check_slots(self, slots: torch.Tensor, n: int, step_id: StepId
                      ) -> tuple[torch.Tensor, list[int] | None, np.ndarray | None]:
         """The layout's slots (``_check_layout`` checked their type and count), checked alike on every

@@ -13,6 +13,7 @@ import struct
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # builtin TimeoutError only from Python 3.11
 from typing import Any
 
 import numpy as np
@@ -478,13 +479,43 @@ class WriterSide:
                     out.append(task)
         return out
 
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Block until every closed write was acknowledged (tests, demos, shutdown).
+
+        Open deferred writes stay open: they land when their request ends.
+        Any thread but the engine thread's hot path; raises on a failed write
+        (at once when one already made the cache sticky-fatal: its writes may never be acknowledged),
+        and ``TimeoutError`` when ``timeout_s`` (default ``commit_timeout_s``) passes first.
+        """
+        self._check_usable()
+        timeout_s = self.config.commit_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            closed = [t for t in self._closing.values()]
+        for t in closed:
+            try:
+                t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
+            except FutureTimeout:  # the builtin TimeoutError, on Python 3.10 too
+                raise TimeoutError(f"cache {self.cache}: deferred write {t.tid} of request {t.req_id!r} tensor "
+                                   f"{t.key!r} not acknowledged within {timeout_s:.1f}s") from None
+        prev = self._prev_write
+        if prev is not None:
+            # The outcome itself: the done callback that records a failure may not have run yet.
+            self._check_reply(self._await_step_write(prev, max(deadline - time.monotonic(), 0.001)))
+        self._check_usable()
+
     def _flush(self, tasks: list[WriteTask]) -> None:
+        """Hand closed deferred writes to the flusher, taking each out of ``tasks`` once handed over: after
+        an interrupt, what is left in the list is handed over again by the caller. A write handed over twice
+        (an interrupt between the two) lands twice, the same rows under the same claim versions; one lost
+        would never land."""
         if not tasks:
             return
         assert self._flusher is not None
-        for t in tasks:
+        while tasks:
+            self._flusher.put(tasks[0])
+            del tasks[0]
             self.counters["deferred_flushes"] += 1
-            self._flusher.put(t)
 
     def _on_task_done(self, task: WriteTask, result: Any) -> None:
         """Flusher thread: a deferred write landed (or failed)."""
