@@ -169,7 +169,8 @@ class SimEngine:
 
     def __init__(self, *, num_blocks: int, block_size: int, max_batched_tokens: int, width: int,
                  mm_key: str | None = "mm_feat", mm_width: int = 4, seed: int = 0, system_prompts: int = 3,
-                 system_len: int = 96, max_running: int = 8, abort_rate: float = 0.05, vocab: int = 997):
+                 system_len: int = 96, max_running: int = 8, abort_rate: float = 0.05, vocab: int = 997,
+                 preempt_rate: float = 0.0):
         self.alloc = BlockAllocator(num_blocks, block_size)
         self.bs = block_size
         self.budget = max_batched_tokens
@@ -179,6 +180,9 @@ class SimEngine:
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.abort_rate = abort_rate
+        self.preempt_rate = preempt_rate
+        """Chance per step that the last running request is preempted although blocks are left: the demo's
+        default sizes almost never run out of blocks, and so almost never resumed a request with a hit."""
         self.max_running = max_running
         self.systems = [[self.rng.randrange(vocab) for _ in range(system_len)] for _ in range(system_prompts)]
         self.histories: list[list[int]] = []
@@ -188,6 +192,9 @@ class SimEngine:
         self.counter = 0
         self.requests_done = 0
         self.same_step_hits = 0
+        self.preemptions = 0
+        self.resumed_hits = 0
+        """RESUMED events with a prefix hit: a preempted request scheduled again on cached blocks."""
         self.max_prompt = self.max_prompt_tokens(block_size, max_batched_tokens)
 
     @staticmethod
@@ -258,6 +265,7 @@ class SimEngine:
 
     def _preempt(self) -> None:
         victim = self.running[-1]
+        self.preemptions += 1
         self.running.remove(victim)
         self.alloc.release(victim.blocks)
         victim.blocks = []
@@ -278,6 +286,8 @@ class SimEngine:
             events.append(PrefixCacheRequestEvent(
                 PrefixCacheEventKind.ABORTED if aborted else PrefixCacheEventKind.FINISHED, rid))
         self.pending_finished = []
+        if self.preempt_rate and len(self.running) > 1 and self.rng.random() < self.preempt_rate:
+            self._preempt()  # no draw at rate 0: the schedules of a seed stay what they were
         budget = self.budget
         batch: list[tuple[SimRequest, int, int]] = []  # req, hit, count
         written: set[int] = set()  # blocks whose rows this step computes
@@ -320,6 +330,7 @@ class SimEngine:
             req.num_computed = hit
             self._ensure_blocks(req, hit + count)
             kind = PrefixCacheEventKind.RESUMED if req.started else PrefixCacheEventKind.STARTED
+            self.resumed_hits += kind == PrefixCacheEventKind.RESUMED and hit > 0
             req.started = True
             events.append(PrefixCacheRequestEvent(kind, req.req_id, num_computed_tokens=hit,
                                                   block_ids=tuple(req.blocks)))

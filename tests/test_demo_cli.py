@@ -192,6 +192,7 @@ def test_refused_reads_fail_the_demo_only_where_no_read_can_come_late():
     (("--block-size", "0"), "--block-size"),
     (("--hidden-size", "0"), "--hidden-size"),
     (("--lag", "-1"), "--lag"),
+    (("--preempt-rate", "1.5"), "--preempt-rate"),
 ])
 def test_bad_demo_arguments_exit_2_with_a_message_before_anything_starts(bad, message):
     """Wrong input is a usage error (exit 2, naming the argument), like --tp 0 or a too small --num-blocks:

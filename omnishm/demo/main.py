@@ -32,6 +32,17 @@ def _at_least(low: int):
     return parse
 
 
+def _rate(text: str) -> float:
+    """An argparse type: a probability, 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
 def _cache_name(text: str) -> str:
     try:
         return shm.check_cache_name(text)
@@ -52,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=_at_least(1), default=256)
     parser.add_argument("--mm-width", type=_at_least(1), default=16)
     parser.add_argument("--lag", type=_at_least(0), default=0, help="steps between save and materialize")
+    parser.add_argument("--preempt-rate", type=_rate, default=0.02,
+                        help="chance per step that the simulated scheduler preempts a running request (it resumes "
+                             "later, with a hit on its own cached blocks)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="save the outputs from this device (cuda: copy stream, events, pinned staging)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
@@ -72,6 +86,7 @@ def summarize(opts: RankOptions, results: list[RankResult], leaked: list[str], s
     mirror = max((r.mirror_bytes for r in results), default=0)
     return {
         "tp": opts.tp, "steps": writer.steps, "requests": writer.requests,
+        "preemptions": writer.preemptions, "resumed_hits": writer.resumed_hits,
         "hit_tokens": sum(r.hit_tokens for r in results),
         "rows_served": sum(r.rows_served for r in results),
         "rows_checked": sum(r.rows_checked for r in results),
@@ -90,7 +105,7 @@ def cli_main(args: argparse.Namespace) -> int:
                        duration_s=args.duration_s, num_blocks=args.num_blocks, block_size=args.block_size,
                        max_batched_tokens=args.max_batched_tokens, width=args.hidden_size,
                        mm_width=args.mm_width, lag=args.lag, lockstep=args.duration_s is None,
-                       device=args.device)
+                       device=args.device, preempt_rate=args.preempt_rate)
     from omnishm.sim import MAX_NEW_TOKENS, SimEngine  # torch: only once the demo runs
 
     need = SimEngine.blocks_for_longest_request(opts.block_size, opts.max_batched_tokens)
@@ -198,6 +213,7 @@ def _wait_for_cleanup(opts: RankOptions, timeout_s: float = 20.0) -> list[str]:
 def format_table(s: dict) -> str:
     rows = [
         ("TP ranks", s["tp"]), ("steps", s["steps"]), ("requests finished", s["requests"]),
+        ("preempted (resumed with a hit)", f"{s['preemptions']} ({s['resumed_hits']})"),
         ("hit tokens (all ranks)", s["hit_tokens"]), ("rows served", s["rows_served"]),
         ("rows checked", s["rows_checked"]), ("mismatches", s["mismatches"]),
         ("errors raised", s["errors"] or 0), ("failed ranks", s["failures"] or 0),

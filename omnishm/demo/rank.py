@@ -50,6 +50,9 @@ class RankOptions:
     device: str = "cpu"
     """Where the rank's outputs live when saved (``cuda``: the CUDA path; the buffers are clobbered after
     each save, as a graph replay does)."""
+    preempt_rate: float = 0.02
+    """Chance per step that the sim preempts a running request although blocks are left (``SimEngine``):
+    resumed requests, and their hits on their own cached blocks, in every run."""
     verify_pool: bool = False
     """Writer only: at the end, after every write was acknowledged, check each claimed pool row of the
     immediate key against ground truth (``lost_writes``: rows claimed, acknowledged and not there)."""
@@ -86,6 +89,9 @@ class RankResult:
     pool_rows_verified: int = 0
     link: dict[str, int] = field(default_factory=dict)
     """The client link's fault counters: committer_lost, reconnects, resent, resume_attempts."""
+    preemptions: int = 0
+    resumed_hits: int = 0
+    """Of the rank's simulated scheduler: preempted requests, and those scheduled again with a hit."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,7 +140,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
         cfg = opts.prefix_cache_config()
         eng = SimEngine(num_blocks=opts.num_blocks, block_size=opts.block_size,
                         max_batched_tokens=opts.max_batched_tokens, width=opts.width, mm_width=opts.mm_width,
-                        seed=opts.seed)
+                        seed=opts.seed, preempt_rate=opts.preempt_rate)
     except BaseException:
         break_meeting()
         raise
@@ -230,6 +236,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
     if link is not None:
         result.link = {k: int(v) for k, v in link.stats.items()}
     result.requests = eng.requests_done
+    result.preemptions, result.resumed_hits = eng.preemptions, eng.resumed_hits
     result.errors = dict(errors)
     result.seconds = time.perf_counter() - t0
     if progress is not None:
