@@ -17,7 +17,7 @@ import pytest
 from omnishm import shm
 from omnishm.shm import proc_identity
 
-from conftest import RUNTIME_DIR, unique_cache_name
+from conftest import REPO, RUNTIME_DIR, unique_cache_name
 from helpers import catches_signal
 
 SMALL = ("--tp", "2", "--duration-s", "120", "--num-blocks", "64", "--block-size", "8",
@@ -238,3 +238,26 @@ def test_a_sigterm_while_the_demo_imports_stops_it_with_130_and_nothing_started(
             proc.wait()
     assert proc.returncode == 130, err
     assert "Traceback" not in err
+
+
+_LATE_SIGNAL = """
+import os, signal, sys, time
+import omnishm.demo.main as demo
+wait_for_cleanup = demo._wait_for_cleanup
+def late(opts, *args, **kw):  # the signal comes while the demo waits for its committer to go
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    return wait_for_cleanup(opts, *args, **kw)
+demo._wait_for_cleanup = late
+from omnishm import cli
+sys.exit(cli.main(["demo", "--tp", "2", "--steps", "5", "--name", sys.argv[1]]))
+"""
+
+
+def test_a_signal_while_the_demo_waits_for_its_committer_to_go_exits_130_with_the_report():
+    """REVIEW (2026-12-05): the demo put the default signal handlers back as soon as its ranks were done,
+    and then waited up to 20 s for its committer to go: a SIGTERM then ended it with 143 and no report."""
+    proc = subprocess.run([sys.executable, "-c", _LATE_SIGNAL, unique_cache_name("late")], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert "interrupted; ranks stopped, leaked segments 0" in proc.stderr, proc.stderr[-2000:]

@@ -199,6 +199,33 @@ def signal_rank_at_step(group: RankGroup, rank: int, sig: int, step: int = 20):
     return on_progress, sent
 
 
+def test_a_rank_killed_holding_the_meeting_lock_does_not_hang_the_demo(committer_factory):
+    """REVIEW (2026-12-05): a rank SIGKILLed while it held the lockstep barrier's lock (each wait takes it
+    for a moment) left it held for good; the demo's abort of the meeting took that lock with no timeout
+    and hung, its --timeout-s never firing, and the peers hung at their next meeting. Here the demo's
+    barrier stands in for one whose lock died (its abort never returns): the demo stops the other ranks
+    and reports at once, long before the peers' own meeting timeout (60 s here) or the demo's (600 s)."""
+    from omnishm.demo import launch
+
+    class DeadLock:
+        def abort(self) -> None:
+            threading.Event().wait()  # the lock a killed rank held: never free again
+
+    group = RankGroup(rank_opts(committer_factory().name, tp=2, lag=0, steps=10_000, commit_timeout_s=60.0))
+    group.start()
+    real = group.barrier  # kept: the ranks unpickle its semaphores from the parent's, by name
+    group.barrier = DeadLock()
+    on_progress, killed = signal_rank_at_step(group, 1, signal.SIGKILL, step=10)
+    t0 = time.monotonic()
+    results = group.wait(600, on_progress)
+    assert killed and time.monotonic() - t0 < 45, (time.monotonic() - t0, results)
+    assert group._meeting_dead and all(not p.is_alive() for p in group.procs)
+    assert results[1].failure == f"process exited with {-signal.SIGKILL}", results[1]
+    assert results[0].failure is not None and results[0].steps < 10_000, results[0]
+    assert launch.ABORT_WAIT_S < 45
+    del real
+
+
 def test_killing_a_reader_leaves_the_writer_and_the_other_reader_working(committer_factory):
     group = RankGroup(rank_opts(committer_factory().name, lockstep=False, steps=120))
     group.start()

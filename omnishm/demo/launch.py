@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -16,6 +17,8 @@ from omnishm.demo.rank import RankOptions, RankResult, run_rank
 
 _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10.0
+ABORT_WAIT_S = 2.0
+"""How long ``RankGroup.wait`` waits for the lockstep meeting's abort (see ``_abort_meeting``)."""
 STACK_DUMP_WAIT_S = 2.0
 """How long ``RankGroup.wait`` gives a rank that outlived its deadline to write its threads' stacks (SIGUSR1)
 before it kills it."""
@@ -90,6 +93,8 @@ class RankGroup:
         self.progress = self.ctx.Queue() if with_progress else None
         self.results = self.ctx.Queue()
         self.barrier = self.ctx.Barrier(opts.tp)  # every rank attaches before any step (``run_rank``)
+        self._meeting_dead = False
+        """The meeting's lock died with a rank (``_abort_meeting``): the others were stopped."""
         self.procs = [self.ctx.Process(target=_rank_main, name=f"omnishm-rank{r}", daemon=True,
                                        args=(r, opts, self.progress, self.results, self.barrier, os.getpid()))
                       for r in range(opts.tp)]
@@ -121,7 +126,7 @@ class RankGroup:
                     # Killed without a word (SIGKILL, say): its peers may wait for it at a meeting that will
                     # never be (run_rank breaks it itself whenever it can). A rank gone after the start is
                     # waited for by nobody without lockstep, so the abort then changes nothing.
-                    self.barrier.abort()
+                    self._abort_meeting()
         self._pump(on_progress)
         for p in self.procs:
             p.join(timeout=max(deadline - time.monotonic(), 1.0))
@@ -138,6 +143,27 @@ class RankGroup:
         for r in range(len(self.procs)):
             got.setdefault(r, RankResult(rank=r, role="writer" if r == 0 else "reader", failure="timed out"))
         return [got[r] for r in range(len(self.procs))]
+
+    def _abort_meeting(self) -> None:
+        """Break the ranks' meeting for the peers of a rank that died. ``mp.Barrier.abort`` takes the
+        barrier's lock with no timeout, and a rank killed while it held it (every ``wait`` takes it for a
+        moment) leaves it held for good: the abort, and every peer at its next meeting, would block forever
+        (review, 2026-12-05). So the abort gets ``ABORT_WAIT_S`` on a thread of its own; past that the
+        meeting is dead and the ranks still running are stopped."""
+        if self._meeting_dead:
+            return
+        done = threading.Event()
+
+        def abort() -> None:
+            self.barrier.abort()
+            done.set()
+
+        threading.Thread(target=abort, name="omnishm-demo-abort", daemon=True).start()
+        if not done.wait(ABORT_WAIT_S):
+            self._meeting_dead = True
+            print("omnishm demo: a rank died holding the ranks' meeting lock; stopping the others",
+                  file=sys.stderr, flush=True)
+            self.stop()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Interrupt every rank still running (SIGTERM: each shuts its manager down) and reap them;

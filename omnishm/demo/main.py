@@ -157,6 +157,11 @@ def cli_main(args: argparse.Namespace) -> int:
     try:
         group = RankGroup(opts)
         results = group.start().wait(args.timeout_s, on_progress)
+        if not args.json and tty:
+            sys.stderr.write("\n")
+        # Still under InterruptOnce: the wait for the committer's exit takes up to 20 s, and a signal in it
+        # ended the demo by the default action (143, or a traceback), not 130 with its report (review).
+        leaked = _wait_for_cleanup(opts)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the ranks, let the committer go, report what is left
         if group is not None:
             group.stop()
@@ -166,9 +171,6 @@ def cli_main(args: argparse.Namespace) -> int:
         return 130
     finally:
         interrupts.restore()
-    if not args.json and tty:
-        sys.stderr.write("\n")
-    leaked = _wait_for_cleanup(opts)
     summary = summarize(opts, results, leaked, time.perf_counter() - t0)
     if args.json:
         print(json.dumps(summary, indent=2))
