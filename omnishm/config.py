@@ -58,6 +58,11 @@ def check_endpoint(endpoint: str) -> str:
     if endpoint.startswith("ipc://"):
         if len(endpoint) <= len("ipc://"):
             raise ValueError(f"endpoint {endpoint!r} has no socket path")
+        if endpoint.startswith("ipc://@"):
+            # ZeroMQ's Linux abstract socket: no file, so no 0600 mode keeps other users out, and the
+            # committer took "@NAME" for a file in its working directory (it removed one there).
+            raise ValueError(f"endpoint {endpoint!r} refused: abstract ipc sockets have no file permissions; "
+                             f"use ipc://PATH")
         return endpoint
     if endpoint.startswith("tcp://"):
         parts = urlsplit(endpoint)

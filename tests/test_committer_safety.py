@@ -303,6 +303,31 @@ def test_a_committer_never_takes_over_a_live_socket_at_an_explicit_endpoint(comm
         client.close()
 
 
+def test_a_stopping_committer_removes_only_the_socket_it_bound(committer_factory, tmp_path):
+    """REVIEW (2026-12-05): a committer's stop unlinked whatever file was at its ipc path. At an explicit
+    endpoint another cache's committer may have bound its own socket there since (two starting at the same
+    instant both pass the live check), and the first one's stop took the second's away. Here the path
+    holds another listening socket by then: it is left alone."""
+    import socket as pysocket
+
+    from conftest import assert_clean_stop, unique_cache_name, wait_ready
+
+    path = tmp_path / "shared.sock"
+    first = committer_factory("--endpoint", f"ipc://{path}", name=unique_cache_name("ep"), wait=False)
+    first.endpoint = f"ipc://{path}"
+    wait_ready(first)
+    path.unlink()
+    other = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        other.bind(str(path))  # the socket of the committer that took the path since
+        other.listen()
+        assert_clean_stop(first)
+        assert path.exists() and shm.socket_in_use(path)
+    finally:
+        other.close()
+        path.unlink(missing_ok=True)
+
+
 _RECORD_SOCKET_MODE = """
 import os, sys
 from omnishm.committer import server

@@ -82,6 +82,8 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     ({}, {"OMNISHM_METRICS_PORT": "1.5"}, "", "expected an integer"),
     ({"metrics_host": "0.0.0.0"}, {}, "", "metrics are served on loopback only"),
     ({}, {}, 'endpoint = "tcp://10.0.0.1:5555"\n', "tcp is allowed only on loopback"),
+    # A review's: the committer took "@x" for a file in its working directory, removed one, then crashed.
+    ({"endpoint": "ipc://@x"}, {}, "", "abstract ipc sockets have no file permissions"),
     ({}, {}, "staging_depth = 0\n", "bad staging_depth = 0 (from file"),
     ({}, {}, 'prefault = "maybe"\n', "expected a boolean"),
     ({}, {}, "staging_dpeth = 3\n", "unknown key 'staging_dpeth' (did you mean 'staging_depth'?)"),

@@ -506,3 +506,31 @@ def test_an_interrupt_right_after_materialize_took_its_step_still_frees_the_page
     assert m._pages.in_use() == 0 and not m._pinned and int(m._pin_count.sum()) == 0
     m.new_step_starts([started("c", [5])])
     m.discard_step(save(m, [Part("c", 3, [5], 0, 4)], BS))
+
+
+def test_a_forked_childs_copy_of_a_manager_shuts_down_at_once_and_leaves_the_parents_alone(mgr):
+    """REVIEW (2026-12-05): a process forked from one with a live manager (a vLLM worker's helper, say) ran
+    the hooks' exit handler, ``shutdown`` of its copy, on the parent's socket with no I/O thread: it hung in
+    libzmq for good. A copy in another process returns at once and touches nothing of the parent's."""
+    import faulthandler
+    import os
+    import sys
+
+    from manager_helpers import one_applied_step
+
+    m = mgr()
+    one_applied_step(m)
+    pid = os.fork()
+    if pid == 0:  # the child: a watchdog ends it with 1 if the shutdown hangs
+        faulthandler.dump_traceback_later(20, exit=True, file=sys.__stderr__)
+        try:
+            m.shutdown()
+        except BaseException:  # noqa: BLE001 - the exit code tells the parent
+            os._exit(3)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    m.new_step_starts([started("b", [1])])  # the parent's manager is untouched
+    out = m.materialize(save(m, [Part("b", 2, [1], 0, 4)], BS), ["b"])
+    assert torch.equal(out.hidden_states["b"], rows(2, range(4)))
+    m.wait_idle()

@@ -477,6 +477,41 @@ def test_a_readers_step_without_hits_never_waits_for_its_writer(committer):
         assert out.num_hit_tokens == {"b": 0}
 
 
+def test_a_key_whose_segments_went_away_before_the_reader_mapped_them_is_a_clear_refusal(committer_factory):
+    """REVIEW (2026-12-05): the committer answers the reader's OpenKey, then its segments are unlinked (it
+    stopped, or was swept) before the reader maps them: a raw FileNotFoundError escaped materialize. It is
+    OmniPrefixCacheUnmatchError naming the request, the tensor and the step."""
+    import posix_ipc
+
+    from omnishm import protocol as P
+
+    handle = committer_factory()
+    with OmniPrefixCacheManager(cfg(), cache=handle.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg(), cache=handle.name, role="reader", autostart=False) as r:
+        ask = r._link.request
+
+        def request(make, *args, **kw):
+            reply = ask(make, *args, **kw)
+            if isinstance(reply, P.KeyOpened):
+                try:
+                    posix_ipc.unlink_shared_memory(reply.segments.pool)
+                except posix_ipc.ExistentialError:
+                    pass  # the prefetch thread's OpenKey came first
+            return reply
+
+        r._link.request = request
+        ids = [None, None]
+        for i, m in enumerate((w, r)):
+            m.new_step_starts([started("a", [0, 1])])
+            m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))
+            m.new_step_starts([finished("a"), started("b", [0, 2], hit=4)])
+            ids[i] = save(m, [Part("b", 1, [0, 2], 4, 2)], BS)
+        w.materialize(ids[0], ["b"])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"segments were gone before this reader mapped "
+                                                              r"them.*request='b', tensor='[^']+', step_id=1"):
+            r.materialize(ids[1], ["b"])
+
+
 def test_a_step_with_no_tokens_is_saved_alike_on_writer_and_reader(committer):
     """SOAK (2026-12-02): the demo's sim schedules 0-token steps when it starves; the writer's save_outputs
     returns a step id for them, a reader's raised RuntimeError from ``data.reshape(0, -1)`` (a tensor of 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import os
 import struct
 import threading
 import time
@@ -101,6 +102,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._lock = threading.Lock()
         self._fatal: BaseException | None = None
         self._closed = False
+        self._pid = os.getpid()
+        """The process that made this manager: a forked child's copy never touches its link (``shutdown``)."""
         self._next_step: StepId = 0
         self._ctxs: dict[StepId, StepCtx] = {}
         self._pinned: dict[StepId, StepCtx] = {}
@@ -513,6 +516,10 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            # A forked child's copy (its exit handlers run the vLLM hooks' shutdown): the link's socket and
+            # threads are the parent's, and using them hung the child for good (review, 2026-12-05).
+            return
         if self._pages is not None:
             self._pages.close("the manager is shut down")
         try:

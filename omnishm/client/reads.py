@@ -152,7 +152,12 @@ class ReadSide:
                 raise self._unmatch(f"hit on a tensor this reader could not map: the writer never wrote it, "
                                     f"wrote it with another layout, or the committer did not answer ({exc})",
                                     req_id=req, key=key, step_id=step_id) from exc
-            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
+            try:
+                kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=True)
+            except OSError as exc:  # unlinked after the answer (the committer stopped, or was swept)
+                raise self._unmatch(f"hit on a tensor whose segments were gone before this reader mapped them "
+                                    f"(its committer stopped?): {exc}", req_id=req, key=key,
+                                    step_id=step_id) from exc
             self._publish_key(key, kv)
         if kv.dtype != out.dtype or kv.row_shape != row_shape:
             raise self._unmatch(f"this rank's rows are {out.dtype} rows of shape {row_shape}, the pool holds "

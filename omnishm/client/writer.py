@@ -119,7 +119,11 @@ class WriterSide:
             # writer or one before it), so every pool row of the key has the shape its readers check for.
             reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(rows.dtype),
                                                              width=width, row_shape=row_shape))
-            kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer)
+            try:
+                kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer)
+            except OSError as exc:  # unlinked after the answer (the committer stopped, or was swept)
+                raise self._unmatch(f"tensor {key!r}: its segments were gone before this client mapped them "
+                                    f"(its committer stopped?): {exc}", key=key, step_id=self._next_step) from exc
             if rows.is_cuda and kv.staging is not None:
                 self._registrations.append(HostRegistration(kv.staging))
             self._publish_key(key, kv)

@@ -150,6 +150,8 @@ class Committer(Attach):
         self.rejected: collections.Counter[str] = collections.Counter()
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
+        self._sock_ino = 0
+        """The inode of the ipc socket file this committer bound (0: none): ``close`` removes only that one."""
         # At least once a second, so metrics snapshots and /health stay fresh on an idle cache.
         self.tick_s = max(0.01, min(1.0, cfg.heartbeat_s, cfg.heartbeat_timeout_s / 4))
         self._poll_ms = max(int(1000 * self.tick_s), 10)
@@ -171,6 +173,7 @@ class Committer(Attach):
             os.umask(umask)
         if self.cfg.ipc_path is not None:
             os.chmod(self.cfg.ipc_path, 0o600)
+            self._sock_ino = os.stat(self.cfg.ipc_path).st_ino
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.stopping = True
@@ -545,9 +548,12 @@ class Committer(Attach):
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
-        if self.cfg.ipc_path is not None:
+        if self.cfg.ipc_path is not None and self._sock_ino:
             try:
-                self.cfg.ipc_path.unlink()
+                # Only the socket this committer bound: at an explicit endpoint another cache's committer
+                # may have bound its own since (a start racing this one's), and that one must keep it.
+                if os.stat(self.cfg.ipc_path).st_ino == self._sock_ino:
+                    self.cfg.ipc_path.unlink()
             except FileNotFoundError:
                 pass
         return removed
