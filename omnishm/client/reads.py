@@ -385,7 +385,9 @@ class ReadSide:
             self._wait_published(ctx.step_id, deadline)
             for req, span in ctx.hits.items():
                 for key, step_rows in ctx.step_rows.items():
-                    out = torch.empty((len(span.slots), step_rows.shape[1]), dtype=step_rows.dtype)
+                    # Recycled, pre-faulted memory: a fresh buffer paid its page faults every step (a review
+                    # measured a 32 MiB hit at 20.5 ms against 2.6 ms, 2026-12-05).
+                    out = self.result_pool.empty((len(span.slots), step_rows.shape[1]), step_rows.dtype)
                     kv = self._reader_key(key, out, ctx.row_shapes[key], req, ctx.step_id, deadline)
                     self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
                     ctx.prefetched[(req, key)] = out
