@@ -534,3 +534,89 @@ def test_a_forked_childs_copy_of_a_manager_shuts_down_at_once_and_leaves_the_par
     out = m.materialize(save(m, [Part("b", 2, [1], 0, 4)], BS), ["b"])
     assert torch.equal(out.hidden_states["b"], rows(2, range(4)))
     m.wait_idle()
+
+
+class _InterruptingTids:
+    """The writer's tid counter, raising KeyboardInterrupt (a SIGINT) once when armed: inside ``_send_step``,
+    while it builds the step's message."""
+
+    def __init__(self) -> None:
+        import itertools
+
+        self._it = itertools.count(1000)
+        self.armed = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return next(self._it)
+
+
+@pytest.mark.parametrize("where", ["building the message", "the eager join"])
+def test_an_interrupt_anywhere_after_a_save_registered_its_step_abandons_it(committer, where):
+    """REVIEW (2026-12-05, of the fix above): an interrupt inside ``_send_step`` outside its own try (while it
+    builds the message), or in the eager join after the step was sent, was cleaned up by nobody: the step's
+    context and page held for good, the writer not failed, the step's claims never landing."""
+    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False,
+                               eager=where == "the eager join")
+    try:
+        m.new_step_starts([started("a", [0, 1])])
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))
+        m.wait_idle()
+        if where == "the eager join":
+            real = m._await_step_write
+            armed = [True]
+
+            def await_step_write(fut, timeout_s):
+                if armed.pop() if armed else False:
+                    raise KeyboardInterrupt
+                return real(fut, timeout_s)
+
+            m._await_step_write = await_step_write
+        else:
+            m._tids = _InterruptingTids()
+            m._tids.armed = True
+        m.new_step_starts([started("b", [2])])
+        with pytest.raises(KeyboardInterrupt):
+            save(m, [Part("b", 2, [2], 0, 4)], BS)
+        assert m.unconsumed_step_ids() == [] and m._pages.in_use() == 0
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"save_outputs of step 1 failed after the step id"):
+            m.new_step_starts([])
+    finally:
+        m.shutdown()
+
+
+def test_a_deferred_write_handed_over_twice_keeps_the_flusher_alive(mgr):
+    """REVIEW (2026-12-05): an interrupt right after the flusher took a write, before ``_flush`` noted it,
+    hands the write over again (never lose one). Its second outcome completed its future again:
+    InvalidStateError ended the flusher thread, and every write after it never ran."""
+    from omnishm.client.writes import WriteTask
+
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=1)
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    real_put = m._flusher.put
+    handed: list = []
+
+    def put(task) -> None:
+        real_put(task)
+        handed.append(task)
+        if len(handed) == 1:
+            raise KeyboardInterrupt  # after the put, before _flush took the write off its list
+
+    m._flusher.put = put
+    m.new_step_starts([extended("a", 4, [1])])
+    with pytest.raises(KeyboardInterrupt):
+        save(m, [Part("a", 1, [0, 1], 4, 4)], BS)
+    assert len(handed) == 2 and handed[0] is handed[1]
+    handed[0].done.result(timeout=30)
+    # A write queued behind the second hand-over is still handled: the flusher thread lived through it.
+    probe = WriteTask(tid=-1, req_id="probe", key="no such key", opened_step=0)
+    real_put(probe)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="deferred write -1 of request 'probe'"):
+        probe.done.result(timeout=30)

@@ -278,7 +278,41 @@ def test_results_completed_before_a_shutdown_are_still_taken_after_it(committer,
     got = worker.omnishm_take_prompt_hidden()
     assert sorted(got) == ["A", "B"] and all(torch.equal(t, rows(1, range(8))) for t in got.values()), got
     assert worker.omnishm_take_prompt_hidden() == {} and worker.omnishm_take_results() == {}
-    assert worker.__dict__["_omnishm_retired"] == []  # let go once a take found them empty
+    assert worker.omnishm_stats()["retired_held_bytes"] == 0
+    worker.omnishm_shutdown()
+
+
+def test_results_kept_past_shutdowns_stay_within_the_bound_and_keep_no_runner_alive(committer, monkeypatch):
+    """REVIEW (2026-12-05, of the fix above): the retired hooks were kept whole, each with up to
+    ``held_bytes`` of results, and each with its runner (in vLLM: the model and its KV cache), until a take.
+    A server that never takes grew by one bound per shutdown. Only the results are kept now, within the
+    bound (the oldest dropped first, counted)."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    one = rows(1, range(8)).numel() * 4  # one completed 8-token prompt
+    monkeypatch.setenv("OMNISHM_VLLM_HELD_BYTES", str(2 * one))
+    worker = _Worker()
+    runner = FakeV1Runner()
+    worker.model_runner = runner
+    for i in range(4):
+        if i:
+            assert worker.omnishm_install()
+        step(runner, so(new=[(f"R{i}", 8, 0, [2 * i, 2 * i + 1])], counts={f"R{i}": 8}))
+        worker.omnishm_shutdown()
+    stats = worker.omnishm_stats()
+    assert stats == {"retired_held_bytes": 2 * one, "retired_results_dropped": 2}, stats
+    assert sorted(worker.omnishm_take_prompt_hidden()) == ["R2", "R3"]
+    assert worker.omnishm_install()
+    step(runner, so(new=[("S", 8, 0, [8, 9])], counts={"S": 8}))
+    ref = weakref.ref(runner)
+    worker.model_runner = FakeV1Runner()  # the old runner is swapped out; its result stays
+    del runner
+    gc.collect()
+    assert ref() is None, "the retired results kept the swapped-out runner alive"
+    assert sorted(worker.omnishm_take_prompt_hidden()) == ["S"]
     worker.omnishm_shutdown()
 
 

@@ -383,8 +383,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         except BaseException:
             self._abandon_step(ctx)
             raise
-        sending = False
-        try:  # until the step is handed to _send_step, which owns its failures (and abandons the step itself)
+        try:
             self._flush(to_flush)
             if self._prefetcher is not None and ctx.hits:
                 ctx.prefetch_done = threading.Event()
@@ -395,18 +394,17 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
                 slot_bytes = (struct.pack(f"<{n}q", *slot_list) if slot_list is not None
                               else slots_np.astype("<i8", copy=False).tobytes())
-                sending = True
                 self._send_step(ctx, cvs, starts, counts, slot_bytes, immediate)
+                if self.eager:
+                    self._join_previous_write()
         except BaseException:
-            # An interrupt (SIGINT) after the step was registered: the caller never gets its id, and on the
-            # writer its claims would never land. The step goes (the writer turns sticky-fatal), and the
-            # deferred writes it closed are still handed to the flusher (review, 2026-12-05).
-            if not sending:
-                self._abandon_step(ctx)
-                self._flush(to_flush)
+            # An interrupt (SIGINT) after the step was registered, or a failure: the caller never gets its id.
+            # The step goes (on the writer the cache turns sticky-fatal: its claims may never land, and if it
+            # was sent its page may still be read, so no later save may reuse it), and the deferred writes it
+            # closed are still handed to the flusher (reviews, 2026-12-05). _send_step may have abandoned it.
+            self._abandon_step(ctx)
+            self._flush(to_flush)
             raise
-        if self.is_writer and self.eager:
-            self._join_previous_write()
         self.counters["steps_saved"] += 1
         self.counters["save_seconds"] += time.perf_counter() - t0
         return step_id

@@ -57,6 +57,8 @@ class StepCtx:
     """CUDA writer: the step's ``PendingSend`` (``client/device.py``); materialize sends it if still unsent."""
     leftover_events: list[Any] = field(default_factory=list)
     prefetched: dict[tuple[ReqId, TensorName], torch.Tensor] = field(default_factory=dict)
+    abandoned: bool = False
+    """``_abandon_step`` ran (it runs at most once)."""
     prefetch_done: threading.Event | None = None
     prefetch_taken: threading.Lock | None = None
     """Reader: taken once, by whoever comes to the step first: the prefetch thread (it reads the hit rows)
@@ -281,8 +283,11 @@ class StepLifecycle:
         Frees the step's staging page. On the writer the cache turns sticky-fatal:
         the step's claim-table stores may be half done and its rows will never
         land, so a later hit on those slots must raise at once, not wait out
-        ``commit_timeout_s``. A reader only loses this step.
+        ``commit_timeout_s``. A reader only loses this step. At most once per step; later calls return.
         """
+        if ctx.abandoned:
+            return
+        ctx.abandoned = True
         if self.is_writer:
             self._drop_sources(ctx)
             self._set_fatal(f"save_outputs of step {ctx.step_id} failed after the step id was issued",

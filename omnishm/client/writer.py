@@ -522,7 +522,11 @@ class WriterSide:
             self.counters["deferred_flushes"] += 1
 
     def _on_task_done(self, task: WriteTask, result: Any) -> None:
-        """Flusher thread: a deferred write landed (or failed)."""
+        """Flusher thread: a deferred write landed (or failed). A write handed over twice (``_flush``, after an
+        interrupt) is done by the first outcome; the second is dropped (completing the future again raised
+        InvalidStateError and ended the flusher thread)."""
+        if task.done.done():
+            return
         failed: str | None = None
         if isinstance(result, BaseException):
             failed = f"{type(result).__name__}: {result}"  # str() alone is "" for a bare TimeoutError

@@ -381,11 +381,6 @@ class OmniPrefixCacheRunnerHooks:
             self._held -= sum(_nbytes(v) for v in out.values())
         return out
 
-    def holds(self) -> bool:
-        """Whether results are held that no take has returned yet. Any thread."""
-        with self._lock:
-            return bool(self._done or self._raw_done)
-
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["cache"] = self.cache
@@ -436,19 +431,21 @@ class OmniPrefixCacheWorkerExtension:
         return self.__dict__.get("_omnishm_hooks")
 
     def _omnishm_retire(self, hooks: OmniPrefixCacheRunnerHooks) -> dict[str, Any]:
-        """Uninstall ``hooks`` and keep them for the ``omnishm_take_*`` calls: the results they hold were
-        held until taken, and a shutdown used to drop them, uncounted (review, 2026-12-05)."""
+        """Uninstall ``hooks`` and keep the results they hold for the ``omnishm_take_*`` calls (a shutdown
+        used to drop them, uncounted; review, 2026-12-05), without the hooks themselves: they hold the old
+        runner, whose model and KV cache must go."""
         self.__dict__.pop("_omnishm_hooks", None)
-        self.__dict__.setdefault("_omnishm_retired", []).append(hooks)
-        return hooks.uninstall()
+        stats = hooks.uninstall()
+        retired = self.__dict__.setdefault("_omnishm_retired", RetiredResults())
+        retired.keep(hooks.take_results(), hooks.take_raw(), hooks.held_bytes)
+        return stats
 
-    def _omnishm_holders(self) -> list[OmniPrefixCacheRunnerHooks]:
-        """Hooks whose results a take drains: retired ones (oldest first), then the installed ones. Retired
-        hooks are let go once a take found them empty."""
-        retired = self.__dict__.get("_omnishm_retired", [])
-        retired[:] = [h for h in retired if h.holds()]
+    def _omnishm_retired_or_empty(self) -> "RetiredResults":
+        return self.__dict__.get("_omnishm_retired") or RetiredResults()
+
+    def _omnishm_take(self) -> dict[ReqId, tuple[torch.Tensor, int]]:
         hooks = self._omnishm_hooks_or_none()
-        return [*retired, *([hooks] if hooks is not None else [])]
+        return {**self._omnishm_retired_or_empty().take("done"), **(hooks.take_results() if hooks else {})}
 
     def omnishm_install(self, cache: str | None = None) -> bool:
         """Install the hooks on the current model runner; False without a runner.
@@ -482,23 +479,70 @@ class OmniPrefixCacheWorkerExtension:
         boundary use ``omnishm_take_results`` (plain types) instead, unless
         ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
         """
-        return {rid: t for h in self._omnishm_holders() for rid, (t, _h) in h.take_results().items()}
+        return {rid: t for rid, (t, _h) in self._omnishm_take().items()}
 
     def omnishm_take_results(self) -> dict[ReqId, dict[str, Any]]:
         """Completed requests as plain types (crosses vLLM's msgpack RPC): see ``decode_results``.
 
         ``{runner req id: {"hidden": encoded [P, H], "hit_tokens": int}}`` (hit tokens as in ``take_results``).
         """
-        return {rid: {"hidden": encode_tensor(t), "hit_tokens": int(h)}
-                for hooks in self._omnishm_holders() for rid, (t, h) in hooks.take_results().items()}
+        return {rid: {"hidden": encode_tensor(t), "hit_tokens": int(h)} for rid, (t, h) in self._omnishm_take().items()}
 
     def omnishm_take_raw_prompt_hidden(self) -> dict[ReqId, dict[str, Any]]:
         """Full-prompt hidden states read directly from the runner for requests without a hit (encoded)."""
-        return {rid: encode_tensor(t) for hooks in self._omnishm_holders() for rid, t in hooks.take_raw().items()}
+        hooks = self._omnishm_hooks_or_none()
+        raw = {**self._omnishm_retired_or_empty().take("raw"), **(hooks.take_raw() if hooks else {})}
+        return {rid: encode_tensor(t) for rid, t in raw.items()}
 
     def omnishm_stats(self) -> dict[str, Any]:
+        """The installed hooks' stats ({} if none), with the results retired hooks left for the takes
+        (``retired_held_bytes``, ``retired_results_dropped``) once there are any."""
         hooks = self._omnishm_hooks_or_none()
-        return {} if hooks is None else hooks.stats()
+        out = {} if hooks is None else hooks.stats()
+        retired = self.__dict__.get("_omnishm_retired")
+        if retired is not None:
+            out.update(retired.stats())
+        return out
+
+
+class RetiredResults:
+    """Results of uninstalled hooks, kept for the takes within the bound of the hooks that held them
+    (``vllm_held_bytes``: at most twice the bound in all, with the installed hooks'), oldest dropped first,
+    raw rows before results, counted. Any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tables: dict[str, dict[ReqId, Any]] = {"raw": {}, "done": {}}
+        self._held = 0
+        self._dropped = 0
+
+    def keep(self, done: dict[ReqId, Any], raw: dict[ReqId, Any], bound: int) -> None:
+        dropped = 0
+        with self._lock:
+            for name, new in (("done", done), ("raw", raw)):
+                for rid, value in new.items():
+                    old = self._tables[name].pop(rid, None)
+                    self._held += _nbytes(value) - (_nbytes(old) if old is not None else 0)
+                    self._tables[name][rid] = value
+            while self._held > bound:
+                victims = self._tables["raw"] or self._tables["done"]
+                self._held -= _nbytes(victims.pop(next(iter(victims))))
+                dropped += 1
+            self._dropped += dropped
+        if dropped:
+            logger.warning("omnishm: %d untaken result(s) of shut-down hooks dropped past vllm_held_bytes=%d "
+                           "(counted in retired_results_dropped)", dropped, bound)
+
+    def take(self, name: str) -> dict[ReqId, Any]:
+        """``"done"`` or ``"raw"``: everything kept of that kind, now no longer kept."""
+        with self._lock:
+            out, self._tables[name] = self._tables[name], {}
+            self._held -= sum(_nbytes(v) for v in out.values())
+        return out
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"retired_held_bytes": self._held, "retired_results_dropped": self._dropped}
 
 
 def _own(value: Any) -> Any:
