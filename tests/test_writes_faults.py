@@ -232,3 +232,34 @@ def test_a_save_that_fails_after_its_step_id_was_issued_frees_its_page_and_is_st
         assert torch.equal(m2._keys[HIDDEN_KEY].pool[4:8], rows(3, range(4)))
     finally:
         m2.shutdown()
+
+
+def test_a_refused_step_that_names_no_failed_tid_still_fails_the_write(committer):
+    """A refusal of a step whose tids field is empty comes back as a StepDone with a reason and no failed
+    tid; the writer took that for success, and the step's rows, never written, were waited for by every
+    hit on them. Here the step's message loses its tids on the way (a client bug, as far as the committer
+    knows): the write fails, sticky, with the committer's reason."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        one_applied_step(m)
+        submit = m._link.submit
+
+        def no_tids(make, **kw):
+            def mangled(rid: int):
+                msg = make(rid)
+                if isinstance(msg, P.StepWrite):
+                    msg.tids = b""
+                return msg
+            return submit(mangled, **kw)
+
+        m._link.submit = no_tids
+        m.new_step_starts([started("b", [2])])
+        try:
+            m.discard_step(save(m, [Part("b", 2, [2], 0, 4)], BS))
+            with pytest.raises(OmniPrefixCacheUnmatchError, match=r"write of step 1 failed: step 1: key_idx has \d+ "
+                                                                  r"entries, tids has 0"):
+                m.wait_idle()
+        finally:
+            del m._link.submit
+    finally:
+        m.shutdown()

@@ -293,7 +293,9 @@ class WriterSide:
         return done if self._link.settle(rid, done) else None
 
     def _check_reply(self, reply: Any) -> None:
-        if isinstance(reply, P.StepDone) and not reply.failed_tids:
+        """A write's reply: a ``StepDone`` that failed no tid and gives no reason, else the sticky error (a
+        refusal of a step without tids has a reason and no failed tid)."""
+        if isinstance(reply, P.StepDone) and not reply.failed_tids and not reply.reason:
             return
         reason = reply.reason if isinstance(reply, P.StepDone) else repr(reply)
         raise self._set_fatal(f"write of step {getattr(reply, 'step', '?')} failed: {reason}",
@@ -530,8 +532,8 @@ class WriterSide:
         failed: str | None = None
         if isinstance(result, BaseException):
             failed = f"{type(result).__name__}: {result}"  # str() alone is "" for a bare TimeoutError
-        elif result.failed_tids:
-            failed = result.reason
+        elif result.failed_tids or result.reason:
+            failed = result.reason or "tids failed"
         with self._lock:
             task.state = TaskState.FAILED if failed else TaskState.DONE
             self._closing.pop(task.tid, None)
