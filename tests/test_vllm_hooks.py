@@ -278,7 +278,7 @@ def test_results_completed_before_a_shutdown_are_still_taken_after_it(committer,
     got = worker.omnishm_take_prompt_hidden()
     assert sorted(got) == ["A", "B"] and all(torch.equal(t, rows(1, range(8))) for t in got.values()), got
     assert worker.omnishm_take_prompt_hidden() == {} and worker.omnishm_take_results() == {}
-    assert worker.omnishm_stats()["retired_held_bytes"] == 0
+    assert worker.omnishm_stats()["held_bytes"] == 0
     worker.omnishm_shutdown()
 
 
@@ -303,7 +303,7 @@ def test_results_kept_past_shutdowns_stay_within_the_bound_and_keep_no_runner_al
         step(runner, so(new=[(f"R{i}", 8, 0, [2 * i, 2 * i + 1])], counts={f"R{i}": 8}))
         worker.omnishm_shutdown()
     stats = worker.omnishm_stats()
-    assert stats == {"retired_held_bytes": 2 * one, "retired_results_dropped": 2}, stats
+    assert stats == {"held_bytes": 2 * one, "results_dropped": 2}, stats
     assert sorted(worker.omnishm_take_prompt_hidden()) == ["R2", "R3"]
     assert worker.omnishm_install()
     step(runner, so(new=[("S", 8, 0, [8, 9])], counts={"S": 8}))

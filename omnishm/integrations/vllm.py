@@ -46,8 +46,8 @@ caller's id); ``external_req_id`` strips that suffix.
 
 Threads: every hook runs on the engine (worker) thread; the RPC methods run on
 the thread vLLM uses for ``collective_rpc`` (the same thread in both the
-in-process and the engine-core-process setups), and take ``_lock`` for the
-result tables anyway. Errors from the cache (``OmniPrefixCacheUnmatchError``
+in-process and the engine-core-process setups), and the held results
+(``HeldResults``) take a lock of their own anyway. Errors from the cache (``OmniPrefixCacheUnmatchError``
 and subclasses) propagate into vLLM: they are fatal by contract.
 
 Import invariant: vllm is imported only inside functions.
@@ -126,11 +126,11 @@ class OmniPrefixCacheRunnerHooks:
 
     ``install`` wraps ``runner.execute_model`` on the instance; ``uninstall``
     shuts the manager down and removes the wrapper. Engine thread only, apart
-    from the ``take_*``/``stats`` readers, which take ``_lock``.
+    from the ``take_*``/``stats`` readers (``HeldResults`` locks).
     """
 
     def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool | None = None,
-                 held_bytes: int | None = None) -> None:
+                 held_bytes: int | None = None, held: "HeldResults | None" = None) -> None:
         for attr in ("execute_model", "_update_states", "execute_model_state", "input_batch"):
             if not hasattr(runner, attr):
                 raise RuntimeError(f"omnishm: model runner {type(runner).__name__} has no {attr!r}; the vLLM "
@@ -147,25 +147,25 @@ class OmniPrefixCacheRunnerHooks:
         """The name passed in, or None: the manager then resolves name and endpoint from OMNISHM_* and the
         file; a name given without an endpoint means that cache's own socket (``config.manager_connection``)."""
         self.capture_raw = settings.vllm["vllm_capture_raw"] if capture_raw is None else bool(capture_raw)
-        self.held_bytes = settings.vllm["vllm_held_bytes"] if held_bytes is None else int(held_bytes)
-        if self.held_bytes < 0:  # the knob's own check, for the argument too
-            raise ValueError(f"omnishm: held_bytes must be >= 0, got {self.held_bytes}")
-        """Bytes of completed rows (``_done`` and ``_raw_done``) kept for the takers; the oldest go beyond it."""
+        self.held = held if held is not None else HeldResults(
+            settings.vllm["vllm_held_bytes"] if held_bytes is None else int(held_bytes))
+        """Completed rows kept for the takers (``held_bytes``). Given: the worker's, which outlives these hooks
+        (``OmniPrefixCacheWorkerExtension``), so what they completed is still taken after their shutdown."""
         self.manager: OmniPrefixCacheManager | None = None
         self.disabled = False
         self._adapter = PrefixCacheSchedulerAdapter()
         self._block_size = 0
         self._orig_execute: Any = None
-        self._lock = threading.Lock()
         self._prompts: dict[ReqId, _PromptRows] = {}
         self._raw: dict[ReqId, _PromptRows] = {}
-        self._done: dict[ReqId, tuple[torch.Tensor, int]] = {}
-        self._raw_done: dict[ReqId, torch.Tensor] = {}
-        self._held = 0  # bytes in _done and _raw_done, under _lock
         self.counters: dict[str, int] = {k: 0 for k in (
             "steps", "saves", "rows_saved", "requests", "hit_requests", "hit_tokens", "rows", "raw_requests",
-            "incomplete_dropped", "max_hit_requests_per_step", "prompts_abandoned", "raw_abandoned",
-            "results_dropped")}
+            "incomplete_dropped", "max_hit_requests_per_step", "prompts_abandoned", "raw_abandoned")}
+
+    @property
+    def held_bytes(self) -> int:
+        """The bound on the rows held for the takers."""
+        return self.held.bound
 
     # ------------------------------------------------------------------ install
 
@@ -294,7 +294,7 @@ class OmniPrefixCacheRunnerHooks:
                         continue
                     rows = hidden[w.token_start:w.token_start + w.num_tokens].detach().to("cpu", copy=True)
                     if raw.add(start, rows):
-                        self._hold(self._raw_done, w.req_id, raw.tensor())
+                        self.held.hold("raw", w.req_id, raw.tensor())
                         self.counters["raw_requests"] += 1
         return out
 
@@ -319,39 +319,13 @@ class OmniPrefixCacheRunnerHooks:
                 continue
             acc.hit_tokens = max(acc.hit_tokens, hit)
             if acc.add(start, rows):
-                self._hold(self._done, rid, (acc.tensor(), acc.hit_tokens))
+                self.held.hold("done", rid, (acc.tensor(), acc.hit_tokens))
                 self.counters["requests"] += 1
                 self.counters["rows"] += acc.prompt_len
                 if acc.hit_tokens:
                     self.counters["hit_requests"] += 1
                     self.counters["hit_tokens"] += acc.hit_tokens
-                acc.parts = []  # the tensor lives in _done now
-
-    def _hold(self, table: dict[ReqId, Any], rid: ReqId, value: Any) -> None:
-        """Keep a completed request's rows for the takers, within ``held_bytes`` (engine thread).
-
-        Past the bound the oldest held rows go, raw ones first (a check, not a result), so a server
-        that never calls ``omnishm_take_*`` holds at most ``held_bytes`` (counted in ``results_dropped``,
-        with a warning on the first drop).
-        """
-        value = _own(value)  # a view would keep the whole step's result buffer alive, uncounted
-        with self._lock:
-            old = table.pop(rid, None)
-            if old is not None:
-                self._held -= _nbytes(old)
-            table[rid] = value
-            self._held += _nbytes(value)
-            dropped = 0
-            while self._held > self.held_bytes:
-                victims = self._raw_done or self._done
-                oldest = next(iter(victims))
-                self._held -= _nbytes(victims.pop(oldest))
-                dropped += 1
-        if dropped:
-            if not self.counters["results_dropped"]:
-                logger.warning("omnishm: completed prompt rows exceed vllm_held_bytes=%d (no omnishm_take_* call "
-                               "took them); dropping the oldest (counted in results_dropped)", self.held_bytes)
-            self.counters["results_dropped"] += dropped
+                acc.parts = []  # the tensor is held now
 
     def _drop(self, rid: ReqId) -> None:
         acc = self._prompts.pop(rid, None)
@@ -369,23 +343,15 @@ class OmniPrefixCacheRunnerHooks:
         first scheduling's (a real-engine soak, 2026-12-02: 27 preempted requests of 8,093; their rows
         were right).
         """
-        with self._lock:
-            out, self._done = self._done, {}
-            self._held -= sum(_nbytes(v) for v in out.values())
-        return out
+        return self.held.take("done")
 
     def take_raw(self) -> dict[ReqId, torch.Tensor]:
         """Full-prompt hidden states read straight from the runner, for requests that had no hit."""
-        with self._lock:
-            out, self._raw_done = self._raw_done, {}
-            self._held -= sum(_nbytes(v) for v in out.values())
-        return out
+        return self.held.take("raw")
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.counters)
+        out: dict[str, Any] = {**self.counters, **self.held.stats()}
         out["cache"] = self.cache
-        with self._lock:
-            out["held_bytes"] = self._held
         out["pid"] = os.getpid()
         if self.manager is not None:
             out["manager"] = dict(self.manager.counters)
@@ -431,21 +397,20 @@ class OmniPrefixCacheWorkerExtension:
         return self.__dict__.get("_omnishm_hooks")
 
     def _omnishm_retire(self, hooks: OmniPrefixCacheRunnerHooks) -> dict[str, Any]:
-        """Uninstall ``hooks`` and keep the results they hold for the ``omnishm_take_*`` calls (a shutdown
-        used to drop them, uncounted; review, 2026-12-05), without the hooks themselves: they hold the old
-        runner, whose model and KV cache must go."""
+        """Uninstall ``hooks`` and let them go (they hold the old runner, whose model and KV cache must go):
+        what they completed stays in the worker's ``HeldResults`` for the ``omnishm_take_*`` calls (a
+        shutdown used to drop it, uncounted; review, 2026-12-05)."""
         self.__dict__.pop("_omnishm_hooks", None)
-        stats = hooks.uninstall()
-        retired = self.__dict__.setdefault("_omnishm_retired", RetiredResults())
-        retired.keep(hooks.take_results(), hooks.take_raw(), hooks.held_bytes)
-        return stats
+        return hooks.uninstall()
 
-    def _omnishm_retired_or_empty(self) -> "RetiredResults":
-        return self.__dict__.get("_omnishm_retired") or RetiredResults()
+    def _omnishm_held(self) -> "HeldResults":
+        """The worker's completed rows, within ``vllm_held_bytes``, shared by all its hooks in turn."""
+        held = self.__dict__.get("_omnishm_held_results")
+        if held is None:
+            from omnishm.config import client_settings
 
-    def _omnishm_take(self) -> dict[ReqId, tuple[torch.Tensor, int]]:
-        hooks = self._omnishm_hooks_or_none()
-        return {**self._omnishm_retired_or_empty().take("done"), **(hooks.take_results() if hooks else {})}
+            held = self.__dict__["_omnishm_held_results"] = HeldResults(client_settings().vllm["vllm_held_bytes"])
+        return held
 
     def omnishm_install(self, cache: str | None = None) -> bool:
         """Install the hooks on the current model runner; False without a runner.
@@ -460,7 +425,7 @@ class OmniPrefixCacheWorkerExtension:
             return False
         hooks = self._omnishm_hooks_or_none()
         if hooks is None or hooks.runner is not runner:
-            hooks = OmniPrefixCacheRunnerHooks(runner, cache=cache)
+            hooks = OmniPrefixCacheRunnerHooks(runner, cache=cache, held=self._omnishm_held())
             self.__dict__["_omnishm_hooks"] = hooks
             atexit.register(_shutdown_quietly, weakref.ref(hooks))
         hooks.install()
@@ -479,62 +444,66 @@ class OmniPrefixCacheWorkerExtension:
         boundary use ``omnishm_take_results`` (plain types) instead, unless
         ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
         """
-        return {rid: t for rid, (t, _h) in self._omnishm_take().items()}
+        return {rid: t for rid, (t, _h) in self._omnishm_held().take("done").items()}
 
     def omnishm_take_results(self) -> dict[ReqId, dict[str, Any]]:
         """Completed requests as plain types (crosses vLLM's msgpack RPC): see ``decode_results``.
 
         ``{runner req id: {"hidden": encoded [P, H], "hit_tokens": int}}`` (hit tokens as in ``take_results``).
         """
-        return {rid: {"hidden": encode_tensor(t), "hit_tokens": int(h)} for rid, (t, h) in self._omnishm_take().items()}
+        return {rid: {"hidden": encode_tensor(t), "hit_tokens": int(h)}
+                for rid, (t, h) in self._omnishm_held().take("done").items()}
 
     def omnishm_take_raw_prompt_hidden(self) -> dict[ReqId, dict[str, Any]]:
         """Full-prompt hidden states read directly from the runner for requests without a hit (encoded)."""
-        hooks = self._omnishm_hooks_or_none()
-        raw = {**self._omnishm_retired_or_empty().take("raw"), **(hooks.take_raw() if hooks else {})}
-        return {rid: encode_tensor(t) for rid, t in raw.items()}
+        return {rid: encode_tensor(t) for rid, t in self._omnishm_held().take("raw").items()}
 
     def omnishm_stats(self) -> dict[str, Any]:
-        """The installed hooks' stats ({} if none), with the results retired hooks left for the takes
-        (``retired_held_bytes``, ``retired_results_dropped``) once there are any."""
+        """The installed hooks' stats; without hooks, what is still held for the takes ({} if nothing ever
+        was)."""
         hooks = self._omnishm_hooks_or_none()
-        out = {} if hooks is None else hooks.stats()
-        retired = self.__dict__.get("_omnishm_retired")
-        if retired is not None:
-            out.update(retired.stats())
-        return out
+        if hooks is not None:
+            return hooks.stats()
+        held = self.__dict__.get("_omnishm_held_results")
+        return {} if held is None else held.stats()
 
 
-class RetiredResults:
-    """Results of uninstalled hooks, kept for the takes within the bound of the hooks that held them
-    (``vllm_held_bytes``: at most twice the bound in all, with the installed hooks'), oldest dropped first,
-    raw rows before results, counted. Any thread."""
+class HeldResults:
+    """Completed prompts' rows kept for the takers: results (``"done"``: rows and hit tokens) and raw rows
+    (``"raw"``), within ``bound`` bytes. Past it the oldest go, raw ones first (a check, not a result), so a
+    server that never calls ``omnishm_take_*`` holds at most ``bound`` (counted in ``results_dropped``,
+    with a warning on the first drop). ``hold`` on the engine thread; ``take`` and ``stats`` any thread,
+    under the lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, bound: int) -> None:
+        if bound < 0:  # the knob's own check, for an argument too
+            raise ValueError(f"omnishm: held_bytes must be >= 0, got {bound}")
+        self.bound = bound
         self._lock = threading.Lock()
         self._tables: dict[str, dict[ReqId, Any]] = {"raw": {}, "done": {}}
         self._held = 0
         self._dropped = 0
 
-    def keep(self, done: dict[ReqId, Any], raw: dict[ReqId, Any], bound: int) -> None:
+    def hold(self, name: str, rid: ReqId, value: Any) -> None:
+        value = _own(value)  # a view would keep the whole step's result buffer alive, uncounted
         dropped = 0
         with self._lock:
-            for name, new in (("done", done), ("raw", raw)):
-                for rid, value in new.items():
-                    old = self._tables[name].pop(rid, None)
-                    self._held += _nbytes(value) - (_nbytes(old) if old is not None else 0)
-                    self._tables[name][rid] = value
-            while self._held > bound:
+            table = self._tables[name]
+            old = table.pop(rid, None)
+            self._held += _nbytes(value) - (_nbytes(old) if old is not None else 0)
+            table[rid] = value
+            while self._held > self.bound:
                 victims = self._tables["raw"] or self._tables["done"]
                 self._held -= _nbytes(victims.pop(next(iter(victims))))
                 dropped += 1
+            first = dropped and not self._dropped
             self._dropped += dropped
-        if dropped:
-            logger.warning("omnishm: %d untaken result(s) of shut-down hooks dropped past vllm_held_bytes=%d "
-                           "(counted in retired_results_dropped)", dropped, bound)
+        if first:
+            logger.warning("omnishm: completed prompt rows exceed vllm_held_bytes=%d (no omnishm_take_* call "
+                           "took them); dropping the oldest (counted in results_dropped)", self.bound)
 
     def take(self, name: str) -> dict[ReqId, Any]:
-        """``"done"`` or ``"raw"``: everything kept of that kind, now no longer kept."""
+        """Everything held of ``name`` (``"done"`` or ``"raw"``), now no longer held."""
         with self._lock:
             out, self._tables[name] = self._tables[name], {}
             self._held -= sum(_nbytes(v) for v in out.values())
@@ -542,7 +511,7 @@ class RetiredResults:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"retired_held_bytes": self._held, "retired_results_dropped": self._dropped}
+            return {"held_bytes": self._held, "results_dropped": self._dropped}
 
 
 def _own(value: Any) -> Any:
