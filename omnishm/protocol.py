@@ -197,6 +197,13 @@ class StepDone(msgspec.Struct, tag="step_done"):
     rows_written: int = 0
     rows_skipped: int = 0
 
+    def failure(self) -> str:
+        """Why the write failed, "" when it did not: failed tids, or a reason alone (the refusal of a step
+        whose tids field was empty fails none, and was once taken for success)."""
+        if self.reason:
+            return self.reason
+        return "tids failed" if self.failed_tids else ""
+
 
 class HeartbeatAck(msgspec.Struct, tag="heartbeat_ack"):
     rid: int

@@ -293,9 +293,8 @@ class WriterSide:
         return done if self._link.settle(rid, done) else None
 
     def _check_reply(self, reply: Any) -> None:
-        """A write's reply: a ``StepDone`` that failed no tid and gives no reason, else the sticky error (a
-        refusal of a step without tids has a reason and no failed tid)."""
-        if isinstance(reply, P.StepDone) and not reply.failed_tids and not reply.reason:
+        """A write's reply: a ``StepDone`` without a ``failure``, else the sticky error."""
+        if isinstance(reply, P.StepDone) and not reply.failure():
             return
         reason = reply.reason if isinstance(reply, P.StepDone) else repr(reply)
         raise self._set_fatal(f"write of step {getattr(reply, 'step', '?')} failed: {reason}",
@@ -529,11 +528,8 @@ class WriterSide:
         InvalidStateError and ended the flusher thread)."""
         if task.done.done():
             return
-        failed: str | None = None
-        if isinstance(result, BaseException):
-            failed = f"{type(result).__name__}: {result}"  # str() alone is "" for a bare TimeoutError
-        elif result.failed_tids or result.reason:
-            failed = result.reason or "tids failed"
+        # str() alone is "" for a bare TimeoutError
+        failed = f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else result.failure()
         with self._lock:
             task.state = TaskState.FAILED if failed else TaskState.DONE
             self._closing.pop(task.tid, None)

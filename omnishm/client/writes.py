@@ -209,7 +209,7 @@ class Flusher:
                 raise
             if not isinstance(reply, P.StepDone):
                 raise RuntimeError(f"unexpected reply to a deferred flush: {reply!r}")
-            if reply.failed_tids or reply.reason:  # a refusal; one of a step without tids fails none
+            if reply.failure():
                 return reply
             written += reply.rows_written
             skipped += reply.rows_skipped
