@@ -241,7 +241,7 @@ class ThreadCommitter:
                 c.note_stall()  # as the process's loop does: an idle poll is not a stall
                 if ready:
                     c.serve_pending()
-                c.reap(time.monotonic())
+                c.reap()
         except BaseException as exc:  # reported by start/stop; the thread must not die silently
             self._error = exc
             self._ready.set()

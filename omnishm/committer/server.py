@@ -212,7 +212,7 @@ class Committer(Attach):
                 except BlockingIOError:
                     pass
                 self.serve_pending()
-                self.reap(time.monotonic())
+                self.reap()
                 self.obs.tick(time.monotonic())
                 reason = self._done_serving(started) if self.cfg.exit_when_idle and not self.stopping else ""
                 if reason:
@@ -496,11 +496,12 @@ class Committer(Attach):
                            "or frozen, or one request took that long); clients judge silence after %.1f s",
                            self.name, stalled, self.cfg.heartbeat_timeout_s)
 
-    def reap(self, now: float) -> None:
+    def reap(self) -> None:
         """Detach sessions silent beyond the heartbeat timeout: staging unlinked, later writes failed and counted.
-        A stall just before it is checked first (``note_stall``): it is not the sessions' silence."""
+        A stall just before it is checked first (``note_stall``, whose clock reading is now): it is not the
+        sessions' silence."""
         self.note_stall()
-        now = max(now, self._answered_at)
+        now = self._answered_at
         for session in self.sessions.expired(now, self.cfg.heartbeat_timeout_s):
             why = (f"reaped after {now - session.last_seen:.1f}s of silence"
                    + (" (adopted at restart, never resumed)" if session.adopted else ""))
