@@ -389,7 +389,6 @@ def _scatter(state: KeyState, dst: np.ndarray, src: np.ndarray, s: np.ndarray, r
         # copies to memory and read them back. ``validate_step`` bounded every staging row already.
         # In pieces of GATHER_BYTES: the buffer is the committer's private memory and is kept for the next
         # gather, so its size must not follow the largest step ever gathered.
-        step = max(1, GATHER_BYTES // max(state.row_bytes, 1))
-        for lo in range(0, m, step):
-            hi = min(m, lo + step)
+        for lo in range(0, m, state.gather_rows):
+            hi = min(m, lo + state.gather_rows)
             dst[s[lo:hi]] = np.take(src, r[lo:hi], axis=0, out=state.gather_buffer(hi - lo), mode="clip")

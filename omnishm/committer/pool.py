@@ -105,6 +105,8 @@ class KeyState:
     """uint8[num_slots, row_bytes] view of ``pool_seg`` (the copy engine's target)."""
     min_run: int = 2
     """Shortest run (rows) copied by its own slice assignment: RUN_BYTES worth, at least 2."""
+    gather_rows: int = 1
+    """Rows gathered at once into the gather buffer (``_scatter``): GATHER_BYTES worth, at least 1."""
 
     rows_v: np.ndarray | None = None
     """The same rows as one opaque item each (``_void_rows``)."""
@@ -120,13 +122,13 @@ class KeyState:
         if self.rows_v is None:
             self.rows_v = _void_rows(self.data)
         self.min_run = int(max(2, -(-RUN_BYTES // max(self.row_bytes, 1))))
+        self.gather_rows = max(1, GATHER_BYTES // max(self.row_bytes, 1))
 
     def gather_buffer(self, rows: int) -> np.ndarray:
         """Preallocated gather target (an allocating gather pays page faults on every call). ``_scatter``
-        asks for at most ``GATHER_BYTES`` of rows (or one row), and so the buffer stays that small."""
+        asks for at most ``gather_rows``, and so the buffer stays that small."""
         if self.scratch is None or self.scratch.shape[0] < rows:
-            least = min(64, max(1, GATHER_BYTES // max(self.row_bytes, 1)))
-            self.scratch = np.empty((max(rows, least), self.row_bytes), dtype=np.uint8)
+            self.scratch = np.empty((max(rows, min(64, self.gather_rows)), self.row_bytes), dtype=np.uint8)
         return self.scratch[:rows]
 
 
