@@ -461,6 +461,15 @@ def lock_path(runtime_dir: Path, cache: str) -> Path:
     return Path(runtime_dir) / f"{cache}.lock"
 
 
+def socket_lock_path(sock: Path) -> Path:
+    """The lock file ``<sock>.lock`` that a committer given an explicit ipc endpoint holds for its whole life.
+
+    Checking a socket file, unlinking it when stale and binding are one step only under a lock: two
+    committers of different caches given one endpoint at once each found it stale, and the second
+    unlinked the first's new socket. A cache's default socket is guarded by the cache lock itself."""
+    return Path(sock).with_name(Path(sock).name + ".lock")
+
+
 @dataclass
 class CacheLock:
     """An exclusive flock held for a committer's whole life; the kernel drops it on death."""
@@ -471,7 +480,12 @@ class CacheLock:
     @classmethod
     def acquire(cls, runtime_dir: Path, cache: str, generation: str) -> "CacheLock | None":
         """Take the lock, or None when a live process holds it."""
-        path = lock_path(runtime_dir, cache)
+        return cls.at(lock_path(runtime_dir, cache), generation)
+
+    @classmethod
+    def at(cls, path: Path, generation: str) -> "CacheLock | None":
+        """Take the lock file ``path`` (a cache's, or a socket's: ``socket_lock_path``), or None when a live
+        process holds it."""
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             if not flock_within(fd, 0.2):  # a live committer holds it for good; a probe for microseconds

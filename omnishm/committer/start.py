@@ -187,10 +187,16 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         logger.info("committer %s stopped (%s) before it started", cfg.name, early.reason)
         lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
         if lock is not None:  # else the log is a running committer's too (autostarts of one name share it)
+            sock_lock = None
             try:
                 _drop_autostart_log(runtime_dir, cfg.name, EXIT_OK, warned.seen)
+                sock_lock = _lock_socket(cfg, runtime_dir, generation)
                 _remove_stale_socket(cfg)  # a killed committer's would else outlive its lock file, which sweeps go by
+            except (_SocketTaken, OSError):
+                pass  # another committer's, or no socket could be there: nothing stale to remove
             finally:
+                if sock_lock is not None:
+                    sock_lock.release(remove=True)
                 lock.release(remove=True)
         return EXIT_OK
     lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
@@ -203,9 +209,21 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
     committer: Committer | None = None
     adopted: CachePool | None = None
     owner: shm.GenerationOwner | None = None
+    sock_lock: shm.CacheLock | None = None
     served = False
     code: int | None = None
     try:
+        try:
+            sock_lock = _lock_socket(cfg, runtime_dir, generation)
+        except _SocketTaken as exc:
+            print(f"omnishm committer: endpoint {cfg.endpoint} belongs to a running committer ({exc}, lock file "
+                  f"{shm.socket_lock_path(cfg.ipc_path)}); refusing to take its socket over", file=sys.stderr)
+            code = EXIT_REFUSED
+            return code
+        except OSError as exc:  # the endpoint's directory is missing or not writable: it could not be bound either
+            print(f"omnishm committer: cannot bind {cfg.endpoint}: {exc.strerror or exc}", file=sys.stderr)
+            code = EXIT_REFUSED
+            return code
         adopted, owner = adopt_live_cache(cfg)
         serving = adopted.generation if adopted is not None else generation
         if owner is None:
@@ -260,8 +278,31 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
                 # Under the lock: the next committer of the name reopens the log once it holds the lock.
                 _drop_autostart_log(runtime_dir, cfg.name, code, warned.seen)
         finally:
+            if sock_lock is not None:  # after close: the socket goes under its lock
+                sock_lock.release(remove=True)
             lock.release(remove=True)
     return code
+
+
+class _SocketTaken(Exception):
+    """The lock of an explicit endpoint's socket is held by another process (the holder is the message)."""
+
+
+def _lock_socket(cfg: CommitterConfig, runtime_dir: Path, generation: str) -> shm.CacheLock | None:
+    """The caller holds the cache lock: take the lock of an explicit ipc endpoint's socket (``shm.socket_lock_path``).
+
+    None when the cache lock guards the socket already (the cache's default socket) or the endpoint is not
+    ipc. Raises ``_SocketTaken`` when another process holds it, OSError when the lock file cannot be made."""
+    if cfg.ipc_path is None:
+        return None
+    path = shm.socket_lock_path(cfg.ipc_path)
+    if os.path.abspath(path) == os.path.abspath(shm.lock_path(runtime_dir, cfg.name)):
+        return None
+    lock = shm.CacheLock.at(path, generation)
+    if lock is None:
+        held = shm.CacheLock.holder(path)
+        raise _SocketTaken(f"generation {held[0]}, pid {held[1]}" if held else "holder unknown")
+    return lock
 
 
 def _remove_stale_socket(cfg: CommitterConfig) -> bool:
