@@ -200,3 +200,42 @@ def catches_signal(pid: int, sig: int) -> bool:
 def ignores_signal(pid: int, sig: int) -> bool:
     """Whether process ``pid`` ignores ``sig``."""
     return _signal_mask_has(pid, sig, "SigIgn")
+
+
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until every thread of process ``pid`` stands still after a SIGSTOP (``kill`` returns before they
+    do: a thread may still read a socket meanwhile). Raises AssertionError at the deadline."""
+    import glob
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(stat, "rb") as f:
+                    text = f.read()
+            except OSError:
+                continue  # a thread that ended meanwhile
+            states.append(text[text.rfind(b")") + 2:][:1])
+        if states and all(s == b"T" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped within {timeout_s}s: {states}"
+        time.sleep(0.001)
+
+
+def wait_queued_at(sock_path: str, timeout_s: float = 10.0) -> None:
+    """Wait until bytes wait in the receive queue of a connection accepted on unix socket ``sock_path``: a
+    message sent to a stopped process (``wait_stopped``) has reached it. Polls ``ss -x`` (iproute2), whose Recv-Q
+    column is that queue; raises AssertionError at the deadline."""
+    import subprocess
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = subprocess.run(["ss", "-xH", "src", str(sock_path)], capture_output=True, text=True,
+                              check=True).stdout.split("\n")
+        if any(len(f) > 2 and f[2].isdigit() and int(f[2]) > 0 for f in (r.split() for r in rows)):
+            return
+        assert time.monotonic() < deadline, f"nothing queued at {sock_path} within {timeout_s}s: {rows}"
+        time.sleep(0.01)

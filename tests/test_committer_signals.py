@@ -18,7 +18,7 @@ import pytest
 from omnishm import protocol, shm
 
 from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
-from helpers import RawClient, Writer, catches_signal, ignores_signal
+from helpers import RawClient, Writer, catches_signal, ignores_signal, wait_queued_at, wait_stopped
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 SLOW = ("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "60")
@@ -162,8 +162,9 @@ def test_a_hello_queued_when_the_stop_signal_came_is_refused_for_now_and_the_nex
                                layout=LAYOUT, staging_rows=4)
         os.kill(first.proc.pid, signal.SIGSTOP)
         try:
+            wait_stopped(first.proc.pid)
             raw.send(hello)
-            time.sleep(0.2)  # on its way while the committer stands still
+            wait_queued_at(first.endpoint[len("ipc://"):])  # in the stopped committer's queue
             os.kill(first.proc.pid, signal.SIGTERM)
         finally:
             os.kill(first.proc.pid, signal.SIGCONT)

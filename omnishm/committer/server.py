@@ -63,6 +63,12 @@ a 2-core machine, a context switch); one send per message cost ~15 us of the com
 UNUSED_EXIT_S = 60.0
 """An ``--exit-when-idle`` committer that no writer or reader attached to within this long exits
 (an autostarted one sooner: once the client process that started it is gone, ``Committer._unused``)."""
+STOP_QUIET_S = 0.02
+STOP_DRAIN_S = 0.2
+"""A committer stopped by a signal answers what reaches it until nothing came for STOP_QUIET_S, for at
+most STOP_DRAIN_S: a message already in the kernel's socket queue reaches libzmq's I/O thread only once
+that thread runs (a committer stopped and continued, a busy machine), and one not received goes
+unanswered until its client's timeout."""
 EXPORTED_CLIENT_NAMES = frozenset(CLIENT_COUNTERS) | frozenset(CLIENT_GAUGES)
 """Client counters kept first when a client sends more than ``MAX_COUNTERS``."""
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -226,14 +232,26 @@ class Committer(Attach):
                         self.stop_reason = reason
                         break
             else:
-                # Stopped by a signal: handle (and answer) everything already received before unlinking.
-                self.serve_pending()
+                # Stopped by a signal: handle (and answer) everything already sent to it before unlinking.
+                self._serve_until_quiet()
         finally:
             signal.set_wakeup_fd(old_fd)
             restore(old_handlers)
             wake_r.close()
             wake_w.close()
         return EXIT_OK
+
+    def _serve_until_quiet(self) -> None:
+        """Stopping on a signal: answer what arrives until STOP_QUIET_S pass without a message, for at most
+        STOP_DRAIN_S. Loop thread; a Hello is refused for now (``self.stopping``)."""
+        assert self.sock is not None
+        deadline = time.monotonic() + STOP_DRAIN_S
+        self.serve_pending()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(min(STOP_QUIET_S, left) * 1000) or 1, zmq.POLLIN):
+                return
+            self.serve_pending()
 
     def _done_serving(self, started: float) -> str:
         """``--exit-when-idle``: why this committer is done ("idle": the last writer/reader left; "unused":

@@ -295,9 +295,9 @@ def _lock_socket(cfg: CommitterConfig, runtime_dir: Path, generation: str) -> sh
     ipc. Raises ``_SocketTaken`` when another process holds it, OSError when the lock file cannot be made."""
     if cfg.ipc_path is None:
         return None
-    path = shm.socket_lock_path(cfg.ipc_path)
-    if os.path.abspath(path) == os.path.abspath(shm.lock_path(runtime_dir, cfg.name)):
+    if os.path.abspath(cfg.ipc_path) == os.path.abspath(shm.socket_path(runtime_dir, cfg.name)):
         return None
+    path = shm.socket_lock_path(cfg.ipc_path)
     lock = shm.CacheLock.at(path, generation)
     if lock is None:
         held = shm.CacheLock.holder(path)
