@@ -17,7 +17,7 @@ belongs to; ``StepDone`` reports every tid of the message as done or failed.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -25,6 +25,12 @@ PROTOCOL_VERSION = 4
 """4: keys carry their row shape (``OpenKey.row_shape``, ``KeySpec.row_shape``, ``KeySegments.row_shape``)."""
 MAX_MESSAGE_BYTES = 64 << 20
 """Frames above this are dropped by libzmq (ZMQ_MAXMSGSIZE) before we decode them."""
+MAX_ITEMS = 4096
+"""Every list, tuple and map of a request holds at most this many items: a decoder refuses a longer one
+from its length header, before making any item (a 64 MiB StepWrite of 22 M two-byte key names took the
+committer 1.6 GiB and 2 s to decode, before the session check refused it). Far above every real use (64
+keys, 63 dims, a few dozen counters): the committer's own limits refuse with their reasons below it."""
+Items = msgspec.Meta(max_length=MAX_ITEMS)
 
 ROLE_WRITER = "writer"
 ROLE_READER = "reader"
@@ -56,7 +62,7 @@ class KeySpec(msgspec.Struct, frozen=True):
 
     dtype: str
     width: int
-    row_shape: tuple[int, ...] | None = None
+    row_shape: Annotated[tuple[int, ...], Items] | None = None
 
 
 class Layout(msgspec.Struct, frozen=True):
@@ -64,7 +70,7 @@ class Layout(msgspec.Struct, frozen=True):
 
     num_blocks: int
     block_size: int
-    keys: dict[str, KeySpec] = {}
+    keys: Annotated[dict[str, KeySpec], Items] = {}
 
 
 class KeySegments(msgspec.Struct, frozen=True):
@@ -101,7 +107,7 @@ class Hello(msgspec.Struct, tag="hello"):
     re-registers the session with its existing staging (see docs/FAULTS.md)."""
     resume_generation: str = ""
     resume_epoch: int = 0
-    resume_staging: list[str] = []
+    resume_staging: Annotated[list[str], Items] = []
 
 
 class OpenKey(msgspec.Struct, tag="open_key"):
@@ -114,7 +120,7 @@ class OpenKey(msgspec.Struct, tag="open_key"):
     key: str
     dtype: str
     width: int
-    row_shape: tuple[int, ...] | None = None
+    row_shape: Annotated[tuple[int, ...], Items] | None = None
 
     def spec(self) -> KeySpec:
         """The rows this open asks for, with their row shape made concrete."""
@@ -124,7 +130,7 @@ class OpenKey(msgspec.Struct, tag="open_key"):
 class StepWrite(msgspec.Struct, tag="step_write"):
     rid: int
     step: int
-    keys: list[str]
+    keys: Annotated[list[str], Items]
     key_idx: bytes
     tids: bytes
     cvs: bytes
@@ -138,7 +144,7 @@ class StepWrite(msgspec.Struct, tag="step_write"):
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     rid: int
-    counters: dict[str, float] = {}
+    counters: Annotated[dict[str, float], Items] = {}
 
 
 class StatusRequest(msgspec.Struct, tag="status"):
@@ -147,7 +153,7 @@ class StatusRequest(msgspec.Struct, tag="status"):
 
 class Goodbye(msgspec.Struct, tag="goodbye"):
     rid: int
-    counters: dict[str, float] = {}
+    counters: Annotated[dict[str, float], Items] = {}
     """The client's final counters, so nothing counted after its last heartbeat is lost."""
 
 

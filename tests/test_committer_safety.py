@@ -22,6 +22,7 @@ import time
 import types
 import uuid
 
+import msgspec
 import posix_ipc
 import torch
 
@@ -407,3 +408,30 @@ def test_a_start_stopped_before_it_began_removes_a_killed_committers_stale_socke
         assert not sock.exists() and not (RUNTIME_DIR / f"{handle.name}.lock").exists()
     finally:
         orphans.sweep(RUNTIME_DIR, handle.name)  # the killed committer's segments (main restored the handlers)
+
+
+def _peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_message_with_millions_of_tiny_items_is_refused_from_its_header(committer_factory):
+    """REVIEW (2026-12-05, wire fuzz): a request's lists and maps had no bound on their items, and a frame is
+    decoded in full before the session check: one 64 MiB StepWrite of 22 M two-byte key names took the
+    committer from 40 MiB to 1.6 GiB and 2 s. Every list, tuple and map holds at most ``protocol.MAX_ITEMS``
+    now, refused from its length header (here 3 M names, a 9 MiB frame, from a socket with no session)."""
+    handle = committer_factory()
+    raw = handle.client()
+    try:
+        before = _peak_rss_kib(handle.proc.pid)
+        frame = msgspec.msgpack.encode({"type": "step_write", "rid": 7, "step": 1, "keys": ["hh"] * 3_000_000,
+                                        "key_idx": b"", "tids": b"", "cvs": b"", "src_rows": b"", "counts": b"",
+                                        "slots": b""})
+        raw.send_raw(frame)
+        reply = raw.recv()
+        assert isinstance(reply, protocol.Error) and f"length <= {protocol.MAX_ITEMS}" in reply.message, reply
+        assert _peak_rss_kib(handle.proc.pid) - before < 32 << 10  # without the bound: +230 MiB
+        assert isinstance(raw.hello(protocol.ROLE_ADMIN), protocol.Welcome)  # still serving
+        assert isinstance(raw.goodbye(), protocol.Bye)
+    finally:
+        raw.close()
