@@ -20,7 +20,7 @@ from omnishm import protocol, shm
 from omnishm.committer.config import check_endpoint
 
 from conftest import RUNTIME_DIR, unique_cache_name
-from helpers import RawClient, Writer, bits, catches_signal, pack, random_rows, unpack
+from helpers import RawClient, Writer, bits, catches_signal, pack, random_rows, unpack, wait_stopped
 
 LAYOUT = protocol.Layout(num_blocks=16, block_size=4)  # the shared committer's layout: 64 slots
 NUM_SLOTS = 64
@@ -244,17 +244,21 @@ def test_a_key_keeps_the_row_shape_it_was_first_opened_with(committer):
     for rid, shape in enumerate([(4, 2), (6, 0), (0,), (-2, -3), (1,) * 9], start=10):
         reply = writer.raw.call(protocol.OpenKey(rid=rid, key=flat, dtype="float32", width=6, row_shape=shape))
         assert isinstance(reply, protocol.Error) and reply.code == "bad_row_shape" and "row shape" in reply.message
-    huge = (1,) * 200_000  # a client's shape is echoed in the reply and the log: cut, not 600 KB of it
+    huge = (1,) * protocol.MAX_ITEMS  # a client's shape is echoed in the reply and the log: cut, not all of it
     for rid, name in ((21, key), (22, flat)):
         reply = writer.raw.call(protocol.OpenKey(rid=rid, key=name, dtype="float32", width=6, row_shape=huge))
-        assert isinstance(reply, protocol.Error) and "200000 dims" in reply.message and len(reply.message) < 400
+        assert isinstance(reply, protocol.Error) and "4096 dims" in reply.message and len(reply.message) < 400
+    writer.raw.send(protocol.OpenKey(rid=23, key=key, dtype="float32", width=6, row_shape=huge + (1,)))
+    undecodable = writer.raw.recv()  # refused from its length header (protocol.MAX_ITEMS)
+    assert isinstance(undecodable, protocol.Error) and undecodable.code == "decode", undecodable
+    assert "length <= 4096 - at `$.row_shape`" in undecodable.message and len(undecodable.message) < 400
     scalar = writer.raw.call(protocol.OpenKey(rid=20, key=flat, dtype="float32", width=1, row_shape=()))
     assert isinstance(scalar, protocol.KeyOpened) and scalar.segments.row_shape == ()
     reader = committer.client()
     declared = reader.hello(protocol.ROLE_READER, protocol.Layout(16, 4, {key: protocol.KeySpec("float32", 6, (3, 2))}))
     assert isinstance(declared, protocol.Refused) and "holds rows of shape (2, 3)" in declared.reason
     declared = reader.hello(protocol.ROLE_READER, protocol.Layout(16, 4, {key: protocol.KeySpec("float32", 6, huge)}))
-    assert isinstance(declared, protocol.Refused) and "200000 dims" in declared.reason and len(declared.reason) < 400
+    assert isinstance(declared, protocol.Refused) and "4096 dims" in declared.reason and len(declared.reason) < 400
     welcome = reader.hello(protocol.ROLE_READER, protocol.Layout(16, 4))
     assert isinstance(welcome, protocol.Welcome)
     assert {ks.key: ks.row_shape for ks in welcome.keys if ks.key in (key, flat)} == {key: (2, 3), flat: ()}
@@ -539,6 +543,43 @@ def test_a_committer_that_stood_still_reaps_no_client_for_its_own_silence(commit
         if thread.is_alive():
             thread.join(timeout=30)
         writer.close()
+
+
+def test_a_killed_writer_credited_by_a_stall_still_lets_its_replacement_retry(committer_factory):
+    """REVIEW (2026-12-05): a stall's credit moved a killed engine's writer's silence later, so the restarted
+    engine's writer, refused as a second writer, was told no retry (silence under two heartbeats: a live
+    writer) and failed at once. Whether a writer is likely dead goes by its last message now; the wait, by
+    the credited clock. The new writer is told to retry, and is welcomed once the dead one is reaped."""
+    handle = committer_factory("--heartbeat-s", "0.2", "--heartbeat-timeout-s", "3")
+    dead, new = RawClient(handle.endpoint, handle.name), RawClient(handle.endpoint, handle.name)
+    try:
+        assert isinstance(dead.hello(protocol.ROLE_WRITER, LAYOUT, 4), protocol.Welcome)
+        dead.close()  # the engine is killed: its writer never says another word
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            wait_stopped(handle.proc.pid)
+            stopped = time.monotonic()
+            while time.monotonic() - stopped < 1.5:  # the stall: longer than two heartbeats
+                time.sleep(0.05)
+            new.send(protocol.Hello(rid=new.next_rid(), protocol=protocol.PROTOCOL_VERSION,
+                                    client_id=new.client_id, pid=os.getpid(), uid=os.geteuid(),
+                                    role=protocol.ROLE_WRITER, cache=handle.name, layout=LAYOUT, staging_rows=4))
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        refused = new.recv()
+        assert isinstance(refused, protocol.Refused) and "already has a writer" in refused.reason, refused
+        assert 0.5 < refused.retry_after_s <= 3, refused  # the dead writer is reaped 3 s after the stall ended
+        deadline = time.monotonic() + 30
+        while True:  # the client's retries
+            reply = new.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+            if isinstance(reply, protocol.Welcome):
+                break
+            assert isinstance(reply, protocol.Refused) and reply.retry_after_s > 0, reply
+            assert time.monotonic() < deadline, reply
+            time.sleep(min(reply.retry_after_s, 0.5))  # as the link's retry waits
+        assert isinstance(new.goodbye(), protocol.Bye)
+    finally:
+        new.close()
 
 
 def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_committer_goes_on(committer_factory):

@@ -45,13 +45,18 @@ class Attach:
         return protocol.Refused(rid=msg.rid, reason=reason, retry_after_s=retry_after_s)
 
     def _reaped_soon(self, sessions: list[Session]) -> float:
-        """Seconds until the last of ``sessions`` is reaped when every one of them has been silent for over two
-        heartbeat periods (each heartbeats every ``heartbeat_s``: likely a killed process), else 0."""
-        now = time.monotonic()
-        silent = [now - s.last_seen for s in sessions]
-        if not silent or min(silent) <= 2 * self.cfg.heartbeat_s:
+        """Seconds until the last of ``sessions`` is reaped when nothing came from any of them for over two
+        heartbeat periods (each heartbeats every ``heartbeat_s``: likely a killed process), else 0.
+
+        Likely dead goes by the last message (``heard_at``), the wait by the reaping clock (``last_seen``,
+        which a stall of the committer moved later): a stall credited a killed engine's writer, and the
+        restarted engine's writer was refused for good instead of told to retry (review)."""
+        if not sessions:
             return 0.0
-        return max(0.1, self.cfg.heartbeat_timeout_s - min(silent))
+        now = time.monotonic()
+        if min(now - s.heard_at for s in sessions) <= 2 * self.cfg.heartbeat_s:
+            return 0.0
+        return max(0.1, self.cfg.heartbeat_timeout_s - min(now - s.last_seen for s in sessions))
 
     def on_hello(self, identity: bytes, msg: protocol.Hello) -> msgspec.Struct:
         if msg.protocol != protocol.PROTOCOL_VERSION:
@@ -87,7 +92,7 @@ class Attach:
         if previous is not None and (previous.client_id, previous.role) == (msg.client_id, msg.role) \
                 and msg.role != protocol.ROLE_ADMIN:
             # A retried Hello of the same client (its first reply was slow): keep its staging, answer again.
-            previous.last_seen = time.monotonic()
+            previous.heard(time.monotonic())
             return self.welcome(msg.rid, previous)
         if previous is not None:  # same socket says Hello again as someone else: start over
             self.detach(previous, REHELLO)

@@ -521,7 +521,7 @@ class Committer(Attach):
         self.note_stall()
         now = self._answered_at
         for session in self.sessions.expired(now, self.cfg.heartbeat_timeout_s):
-            why = (f"reaped after {now - session.last_seen:.1f}s of silence"
+            why = (f"reaped after {now - session.heard_at:.1f}s of silence"
                    + (" (adopted at restart, never resumed)" if session.adopted else ""))
             self.sessions.mark_reaped(session, why)
             self.detach(session, why)

@@ -34,12 +34,23 @@ class Session:
     uid: int
     attached_at: float
     last_seen: float
+    """When its silence began, for reaping: its last message, moved later by time the committer stood still
+    (``SessionTable.credit``)."""
     staging_rows: int = 0
     epoch: int = 0
     counters: dict[str, float] = field(default_factory=dict)
     adopted: bool = False
     """Placeholder of a writer found by an adopting restart; no socket until it resumes."""
     resumes: int = 0
+    heard_at: float = field(init=False)
+    """When its last message came, never credited: whether it is likely dead (``Attach._reaped_soon``)."""
+
+    def __post_init__(self) -> None:
+        self.heard_at = self.last_seen
+
+    def heard(self, now: float) -> None:
+        """A message from the client came at ``now``."""
+        self.last_seen = self.heard_at = now
 
     @property
     def is_data_client(self) -> bool:
@@ -113,7 +124,7 @@ class SessionTable:
             self.writer = session
         session.identity = identity
         session.adopted = False
-        session.last_seen = now
+        session.heard(now)
         session.resumes += 1
         self.resumed += 1
         self._by_identity[identity] = session
@@ -131,7 +142,7 @@ class SessionTable:
     def touch(self, identity: bytes, now: float) -> Session | None:
         session = self._by_identity.get(identity)
         if session is not None:
-            session.last_seen = now
+            session.heard(now)
         return session
 
     def credit(self, seconds: float, now: float) -> None:
@@ -158,7 +169,7 @@ class SessionTable:
         out = []
         for s in self._all():
             entry = {"client_id": s.client_id, "role": s.role, "pid": s.pid,
-                     "last_seen_s_ago": round(now - s.last_seen, 3),
+                     "last_seen_s_ago": round(now - s.heard_at, 3),
                      "attached_s_ago": round(now - s.attached_at, 3)}
             if s.role == protocol.ROLE_WRITER:
                 entry["epoch"] = s.epoch
