@@ -443,3 +443,32 @@ def test_a_committer_whose_log_was_removed_while_it_started_writes_a_new_one(tmp
     finally:
         _stop(first, *([second] if second is not None else []))
     assert not log_path.exists() and sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
+
+
+def test_a_client_whose_autostarted_committers_are_refused_fails_at_once_saying_why(tmp_path, monkeypatch):
+    """REVIEW (2026-12-05, newcomer): a committer that refuses to start (here a bad OMNISHM_LOG_LEVEL it
+    inherits) was started again every 5 s until connect_timeout_s (30 s by default), and the error named
+    the log only. After AUTOSTART_TRIES starts that ended with nothing holding the cache lock, the first
+    Hello fails at once with the end of the autostart log."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager, attach as attach_mod
+    from omnishm.interface import OmniPrefixCacheCommitterError
+
+    name = unique_cache_name("refused")
+    runtime = tmp_path / "rt"
+    monkeypatch.setenv("OMNISHM_LOG_LEVEL", "bogus")
+    real_start = attach_mod.start_committer
+    started = []
+    monkeypatch.setattr(attach_mod, "start_committer", lambda *a, **kw: started.append(real_start(*a, **kw))
+                        or started[-1])
+    t0 = time.monotonic()
+    with pytest.raises(OmniPrefixCacheCommitterError) as err:
+        OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=runtime,
+                               connect_timeout_s=60.0)
+    assert time.monotonic() - t0 < 30  # not connect_timeout_s: each start ends within a second or so
+    assert len(started) == attach_mod.AUTOSTART_TRIES and not any(p.alive() for p in started)
+    assert f"the {attach_mod.AUTOSTART_TRIES} committers autostart started ended without serving" in str(err.value)
+    assert "bad log_level = 'bogus' (from env OMNISHM_LOG_LEVEL)" in str(err.value), err.value
+    assert shm.list_segments(name) == []
+    (runtime / f"{name}.autostart.log").unlink()  # kept for the post-mortem, as a refused start's is

@@ -39,6 +39,7 @@ import logging
 import os
 import time
 from concurrent.futures import TimeoutError as FutureTimeout  # builtin TimeoutError only from Python 3.11
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -62,6 +63,11 @@ CONNECTED = "connected"
 RECONNECTING = "reconnecting"
 DEAD = "dead"
 
+AUTOSTART_TRIES = 2
+"""Committers a link starts that end while nothing holds the cache lock (each started at once when the
+last one ended) before it stops starting more: such a start was refused (a bad ``OMNISHM_*`` value, a
+metrics port taken), and its successor would be too. The first Hello then fails at once with the end of
+the autostart log, instead of starting one every 5 s until ``connect_timeout_s``."""
 HELLO_RETRY_S = 2.0
 """How long the first ``Hello`` waits for its answer before it is sent again (``_hello``); a retried ``Hello``
 of the same client is answered like the first."""
@@ -84,6 +90,8 @@ class LinkAttach:
             # the lock to another rank's, which then exited before this Hello reached it (nobody had
             # attached to it, and the rank that started it was gone).
             self._autostart_if_down(time.monotonic())
+            if len(self._autostarted) >= AUTOSTART_TRIES and self._autostart_error:
+                raise OmniPrefixCacheCommitterError(f"cache {self.cache}: {self._autostart_error}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if refused:
@@ -136,17 +144,25 @@ class LinkAttach:
         on the I/O thread (``io_thread``, a resume) that error, like a launch that fails anywhere, is kept
         for the link's deadlines to report: nothing may raise into the link's loop.
         """
-        if not (self._autostart and self.endpoint.startswith("ipc://") and now - self._last_autostart > 5.0
-                and not any(p.alive() for p in self._autostarted)):
+        if not (self._autostart and self.endpoint.startswith("ipc://")) or any(p.alive() for p in self._autostarted):
             return
+        if not self._autostarted and now - self._last_autostart <= 5.0:
+            return  # a launch that failed (``_autostart_failed``): again in 5 s; one that ended: again at once
         try:
             if shm.cache_is_live(self.runtime_dir, self.cache):
-                return
+                return  # another rank's won the lock (the one this link started lost it and ended)
             shm.ensure_runtime_dir(self.runtime_dir)
         except OSError as exc:
             if not io_thread:
                 raise
             self._autostart_failed(now, exc)
+            return
+        if len(self._autostarted) >= AUTOSTART_TRIES:
+            if not self._autostart_error:
+                log = Path(self.runtime_dir) / f"{self.cache}.autostart.log"
+                self._autostart_error = (f"the {len(self._autostarted)} committers autostart started ended without "
+                                         f"serving (a refused start); {log} ends with: {_tail(log)}")
+                logger.warning("cache %s: %s", self.cache, self._autostart_error)
             return
         self._last_autostart = now
         try:
@@ -343,3 +359,14 @@ class LinkAttach:
         logger.warning("cache %s: session resumed with committer pid %d (generation %s); re-sent %d unacknowledged "
                        "request(s), settled %d step(s) the lost committer had applied", self.cache,
                        reply.committer_pid, reply.generation, resent, len(applied))
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    """The last ``lines`` non-empty lines of a log, joined, or why it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(cannot read it: {exc.strerror or exc})"
+    return " | ".join([line.strip() for line in text.splitlines() if line.strip()][-lines:]) or "(nothing)"
