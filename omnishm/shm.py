@@ -270,7 +270,13 @@ class Segment:
             raise FileExistsError(errno.EEXIST, f"shared memory segment {name} already exists") from exc
         try:
             os.fchmod(shm.fd, 0o600)  # mode is filtered by umask; make it exact
-            os.posix_fallocate(shm.fd, 0, size)
+            try:
+                os.posix_fallocate(shm.fd, 0, size)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise OSError(errno.ENOSPC, f"No space left on device: {SHM_DIR} cannot hold segment {name} of "
+                                            f"{size / 2**20:.1f} MiB ({_free_mib()} MiB free)") from None
             mm = mmap.mmap(shm.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             shm.close_fd()
@@ -455,6 +461,15 @@ def check_socket_path(path: Path) -> None:
         return
     if sock_uid != os.geteuid():
         raise PermissionError(f"socket {path} belongs to uid {sock_uid}, not to us (uid {os.geteuid()})")
+
+
+def _free_mib() -> str:
+    """Free bytes of SHM_DIR in MiB, as text ("?" when it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return "?"
+    return f"{st.f_bavail * st.f_frsize / 2**20:.1f}"
 
 
 def lock_path(runtime_dir: Path, cache: str) -> Path:
