@@ -77,6 +77,10 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
 
         path = Path(endpoint[len("ipc://"):])
         if not path.exists():
+            held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name)) if runtime_dir is not None else None
+            if held is not None and shm.cache_is_live(runtime_dir, name):  # started with another --endpoint
+                raise CommitterUnavailable(f"the committer of cache {name!r} (pid {held[1]}) does not serve {endpoint} "
+                                           f"(socket {path} does not exist): pass the --endpoint it was started with")
             raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} does not exist")
         # The cache's own socket, with nobody holding the lock beside it: a crashed committer's (trap 4).
         if runtime_dir is not None and path == paths.socket_path(runtime_dir, name) \

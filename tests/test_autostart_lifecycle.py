@@ -472,3 +472,22 @@ def test_a_client_whose_autostarted_committers_are_refused_fails_at_once_saying_
     assert "bad log_level = 'bogus' (from env OMNISHM_LOG_LEVEL)" in str(err.value), err.value
     assert shm.list_segments(name) == []
     (runtime / f"{name}.autostart.log").unlink()  # kept for the post-mortem, as a refused start's is
+
+
+def test_a_client_at_a_tcp_endpoint_nobody_serves_is_told_how_to_start_one_there(tmp_path):
+    """REVIEW (2026-12-05, newcomer): with autostart on (the default) and a tcp endpoint, the error said
+    `omnishm committer --name NAME` (which binds the cache's own ipc socket, not the endpoint waited on) or
+    "pass autostart=True" (it was on; it covers ipc endpoints only)."""
+    from conftest import unique_cache_name
+    from helpers import free_port
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.interface import OmniPrefixCacheCommitterError
+
+    name = unique_cache_name("tcp")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(OmniPrefixCacheCommitterError) as err:
+        OmniPrefixCacheManager(small_config(), cache=name, endpoint=endpoint, runtime_dir=tmp_path / "rt",
+                               connect_timeout_s=1.0)
+    assert f"`omnishm committer --name {name} --endpoint {endpoint}`" in str(err.value), err.value
+    assert "autostart covers ipc endpoints only" in str(err.value) and "pass autostart=True" not in str(err.value)

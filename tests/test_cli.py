@@ -175,6 +175,10 @@ def test_ping_reaches_a_live_committer_whose_ipc_socket_lives_outside_the_runtim
         time.sleep(0.1)
     code, out, err = run(capsys, "ping", "--name", name, "--endpoint", endpoint, "--timeout-s", "10")
     assert code == 0, err
+    # Without its --endpoint, ping looked at the cache's own socket and said no committer ran (review).
+    code, out, err = run(capsys, "ping", "--name", name, "--timeout-s", "10")
+    assert code == 1 and f"the committer of cache {name!r} (pid {handle.proc.pid}) does not serve" in err, err
+    assert "pass the --endpoint it was started with" in err, err
 
 
 def test_cleanup_refuses_a_name_that_is_no_cache_name_and_touches_nothing(tmp_path, capsys, monkeypatch):

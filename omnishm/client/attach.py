@@ -104,8 +104,11 @@ class LinkAttach:
                     hint = (f"autostart is on: why the committer it started did not answer is in "
                             f"{self.runtime_dir}/{self.cache}.autostart.log")
                 else:
-                    hint = (f"start one with `omnishm committer --name {self.cache}` (or scripts/launch_committer.sh) "
-                            f"or pass autostart=True")
+                    own = self.endpoint == shm.ipc_endpoint(self.runtime_dir, self.cache)
+                    hint = (f"start one with `omnishm committer --name {self.cache}"
+                            f"{'' if own else f' --endpoint {self.endpoint}'}` (or scripts/launch_committer.sh)"
+                            + ("; autostart covers ipc endpoints only" if not self.endpoint.startswith("ipc://")
+                               else " or pass autostart=True"))
                 raise OmniPrefixCacheCommitterError(
                     f"cache {self.cache}: no committer answered at {self.endpoint} within {timeout_s:.1f}s; {hint}")
             fut = self.submit(lambda rid: self._hello_msg(rid, resume=False))
