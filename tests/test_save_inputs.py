@@ -323,10 +323,20 @@ def test_an_mm_key_that_is_not_a_str_is_a_type_error_at_once(mgr, key):
     hit_round(m)
 
 
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
 @pytest.mark.parametrize("out", [lambda ok: ["a"], lambda ok: {"a": None}, lambda ok: {"a": {"feat": [0.0]}},
-                                 lambda ok: {"a": {"feat": ok.to("meta")}}],
-                         ids=["not a mapping", "request None", "not a tensor", "meta device"])
+                                 lambda ok: {"a": {"feat": ok.to("meta")}},
+                                 lambda ok: {"a": {"feat": ok.requires_grad_()}},
+                                 lambda ok: {"a": {"feat": _inference(ok)}}],
+                         ids=["not a mapping", "request None", "not a tensor", "meta device", "requires grad",
+                              "inference tensor"])
 def test_materialize_refuses_bad_out_buffers_before_consuming_the_step(mgr, out):
+    """The last two were a bare torch RuntimeError once the step id was consumed, its rows lost (review):
+    torch writes neither a tensor that requires grad nor, outside inference mode, an inference tensor."""
     m = mgr()
     m.new_step_starts([started("a", [0])])
     sid = save(m, [Part("a", 1, [0], 0, 4)], BS)

@@ -115,6 +115,13 @@ class ReadSide:
                     raise ValueError(f"materialize out[{req!r}][{key!r}] must be a contiguous CPU tensor "
                                      f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype} "
                                      f"on {given.device}")
+                # torch refuses these writes only once the step is consumed (review): say so before
+                if given.requires_grad:
+                    raise ValueError(f"materialize out[{req!r}][{key!r}] requires grad: rows cannot be copied "
+                                     f"into it (pass a tensor that does not, e.g. made under torch.no_grad())")
+                if given.is_inference() and not torch.is_inference_mode_enabled():
+                    raise ValueError(f"materialize out[{req!r}][{key!r}] was made under torch.inference_mode and "
+                                     f"this thread is not in it: torch refuses to write it here")
 
     def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId,
                   deadline: float) -> None:
