@@ -219,8 +219,8 @@ def mgr(committer):
 
     made = []
 
-    def make(policy=None, **kw):
-        m = OmniPrefixCacheManager(quick_config(**kw), cache=committer.name, autostart=False)
+    def make(policy=None, eager=False, **kw):
+        m = OmniPrefixCacheManager(quick_config(**kw), cache=committer.name, autostart=False, eager=eager)
         if policy is not None:
             m.register_policy(policy)
         made.append(m)

@@ -300,6 +300,23 @@ def test_deferred_rows_land_only_when_the_request_ends_and_aborts_still_land(mgr
     assert torch.equal(feat.pool[b_slots], rows(502, range(6), 3))
 
 
+def test_eager_mode_lands_an_ended_requests_deferred_rows_before_new_step_starts_returns(mgr):
+    """REVIEW (2026-12-05, seed conformance): the seed's eager escalate writes a finished or aborted request's
+    still-open writes to the pool inside ``new_step_starts``; omnishm's eager mode waited only in
+    ``save_outputs``, and the rows landed later on the flusher thread."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), eager=True)
+    m.new_step_starts([started("a", [0, 1]), started("b", [4, 5])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 6), Part("b", 2, [4, 5], 0, 6)], BS))
+    feat = m._keys["feat"]
+    a_slots, b_slots = torch.arange(0, 6), torch.arange(16, 22)
+    assert not bool((feat.commit[a_slots] == feat.claim[a_slots]).any())  # JOIN_ON_FINISH: still open
+    m.new_step_starts([finished("a"), aborted("b")])
+    assert torch.equal(feat.commit[a_slots], feat.claim[a_slots])  # no wait_idle: landed on return
+    assert torch.equal(feat.pool[a_slots], rows(501, range(6), 3))
+    assert torch.equal(feat.commit[b_slots], feat.claim[b_slots])
+    assert torch.equal(feat.pool[b_slots], rows(502, range(6), 3))
+
+
 def test_budget_forces_the_oldest_pending_write_out(mgr):
     row_bytes = 3 * 4
     m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=6 * row_bytes)

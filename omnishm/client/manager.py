@@ -252,7 +252,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                         to_flush.extend(self._close_hit_writes_locked(slots))
                     else:
                         self._pending_hits.pop(ev.req_id, None)
+        handed = list(to_flush) if self.eager else []
         self._flush(to_flush)
+        self._join_flushed(handed)  # eager: they land before this returns, as the seed's escalate writes them
         self._settle_if_acked()
         if refused:
             # After the rest of the step: one bad hit used to lose every other event of it (finished

@@ -522,6 +522,20 @@ class WriterSide:
             del tasks[0]
             self.counters["deferred_flushes"] += 1
 
+    def _join_flushed(self, tasks: list[WriteTask]) -> None:
+        """Eager mode, the engine thread: wait until the deferred writes just handed over (``_flush``) landed,
+        as the seed's eager escalate writes the pool before ``new_step_starts`` returns. Raises what a
+        failed write raised (the cache is sticky-fatal then), and a sticky-fatal error when one is not
+        acknowledged within ``commit_timeout_s``."""
+        deadline = time.monotonic() + self.config.commit_timeout_s
+        for t in tasks:
+            try:
+                t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
+            except FutureTimeout:  # the builtin TimeoutError, on Python 3.10 too
+                raise self._set_fatal(f"deferred write {t.tid} of request {t.req_id!r} tensor {t.key!r} not "
+                                      f"acknowledged within {self.config.commit_timeout_s:.1f}s", req_id=t.req_id,
+                                      key=t.key, step_id=t.opened_step) from None
+
     def _on_task_done(self, task: WriteTask, result: Any) -> None:
         """Flusher thread: a deferred write landed (or failed). A write handed over twice (``_flush``, after an
         interrupt) is done by the first outcome; the second is dropped (completing the future again raised
