@@ -109,3 +109,23 @@ def test_keys_on_two_devices_save_and_materialize_exact_on_writer_and_reader(com
                 assert torch.equal(out.hidden_states[req], rows(i + 1, range(8))), (m.role, i)
                 assert torch.equal(out.mm_outputs[req]["feat"], rows(i + 501, range(8), 3)), (m.role, i)
             assert isinstance(w._ops, CudaOps) and isinstance(r._ops, CudaOps)
+
+
+def test_device_tensors_nested_in_a_leftover_value_come_back_on_the_host_exact(committer):
+    """REVIEW (2026-12-05, argued from the code): tensors inside a list or dict leftover were deep-copied
+    on the GPU, without waiting the engine's stream, and returned there. They come back on the host now,
+    exact even when the engine's stream is still busy and the buffer is overwritten after the save."""
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w:
+        w.new_step_starts([started("a", [0, 1])])
+        h, mm, layout, n, pad = build([Part("a", 1, [0, 1], 0, 8)], BS)
+        big = torch.randn(2048, 2048, device="cuda")
+        for _ in range(20):
+            big = big @ big / 2048
+        inner = torch.arange(5.0, device="cuda") + big[0, :5] * 0  # ready only after the queue
+        sid = w.save_outputs(h.cuda(), {**mm, "nested": [inner, {"x": inner}]}, num_tokens_unpadded=n,
+                             num_tokens_padded=pad, write_layout=layout)
+        inner.fill_(-1)
+        value = w.materialize(sid, ["a"]).mm_outputs["a"]["nested"]
+        assert value[0].device.type == "cpu" and value[1]["x"].device.type == "cpu"
+        assert torch.equal(value[0], torch.arange(5.0)) and torch.equal(value[1]["x"], torch.arange(5.0))

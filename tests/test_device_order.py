@@ -378,3 +378,34 @@ def test_step_sender_sends_each_step_once_and_hands_copy_errors_to_the_waiter():
     finally:
         sender.stop(5.0)
     assert sent == [2, 3]
+
+
+def test_tensors_nested_in_a_leftover_value_go_through_the_device_copy_and_materialize_waits_them(committer):
+    """REVIEW (2026-12-05, seed conformance): "Leftover mm is copied to CPU here so materialize never reads
+    live graph buffers". Only top-level leftover tensors were; tensors inside a list or dict were deep-copied
+    where they lay (on the GPU: returned on the GPU, held for every unconsumed step, copied again without
+    waiting the engine's stream). Every one goes through ``ops.leftover`` now, and materialize waits its
+    event; other values are still deep-copied."""
+    ops = FakeOps()
+    with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, device_ops=ops) as m:
+        m.new_step_starts([started("a", [0, 1])])
+        inner, meta = torch.arange(3.0), {"n": [1, 2]}
+        sid = save(m, [Part("a", 1, [0, 1], 0, 6)], BS, extra_mm={"nested": [inner, {"x": inner}, meta]})
+        inner.fill_(-1)
+        meta["n"].append(3)
+        leftovers = [e for e in ops.events if e.name == "leftover"]
+        assert len(leftovers) == 2  # one device copy for each tensor in the value
+        for e in ops.events:
+            if e.name != "leftover":
+                e.complete()
+        done = threading.Event()
+        got: dict = {}
+        thread = threading.Thread(target=lambda: (got.update(out=m.materialize(sid, ["a"])), done.set()))
+        thread.start()
+        assert not done.wait(0.3)  # every other event is complete: it waits the copies of the nested tensors
+        for e in leftovers:
+            e.complete()
+        thread.join(10)
+        value = got["out"].mm_outputs["a"]["nested"]
+        assert torch.equal(value[0], torch.arange(3.0)) and torch.equal(value[1]["x"], torch.arange(3.0))
+        assert value[2] == {"n": [1, 2]}

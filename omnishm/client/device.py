@@ -29,9 +29,11 @@ fakes to check the order of waits, copies and sends.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
@@ -160,6 +162,40 @@ class CudaOps:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return out, event
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, inside mappings, lists and tuples too."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [map_tensors(fn, v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(map_tensors(fn, v) for v in value)
+    return value
+
+
+def snapshot_leftover(ops: "DeviceOps", value: Any, events: list[Event]) -> Any:
+    """Engine thread: a copy of a leftover value (one not written to the pool) that later writes to the
+    caller's buffers cannot change: every tensor in it, in mappings, lists and tuples too, goes through
+    ``ops.leftover`` (a device tensor to pinned host memory without blocking; its event appended to
+    ``events``), and the rest is deep-copied. Nested device tensors were deep-copied on the device (review):
+    they came back from materialize on the GPU, beside top-level ones on the CPU, held GPU memory for
+    every unconsumed step, and were copied again without waiting for the engine's stream."""
+    snaps: list[torch.Tensor] = []
+
+    def snap(t: torch.Tensor) -> torch.Tensor:
+        out, event = ops.leftover(t.detach() if t.requires_grad else t)
+        snaps.append(out)
+        events.append(event)
+        return out
+
+    mapped = map_tensors(snap, value)
+    if isinstance(mapped, torch.Tensor):
+        return mapped
+    return copy.deepcopy(mapped, {id(s): s for s in snaps})  # the snapshots are copies already
 
 
 def ops_for(tensors: list[torch.Tensor]) -> DeviceOps:

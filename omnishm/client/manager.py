@@ -36,7 +36,7 @@ import torch
 from omnishm import protocol as P
 from omnishm.client.adapter import PrefixCacheEventKind as EventKind
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter
-from omnishm.client.device import DeviceOps, HostRegistration, StepSender, ops_for
+from omnishm.client.device import DeviceOps, HostRegistration, StepSender, map_tensors, ops_for, snapshot_leftover
 from omnishm.client.link import CommitterLink
 from omnishm.client.reads import ReadSide
 from omnishm.client.result_pool import ResultPool
@@ -307,8 +307,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         ops = self._ops
         if ops is None:
-            tensors = (list(immediate.values()) + list(deferred.values()) +
-                       [v for v in leftover.values() if isinstance(v, torch.Tensor)])
+            tensors = list(immediate.values()) + list(deferred.values())
+            map_tensors(tensors.append, list(leftover.values()))  # nested in leftover values too
             ops = ops_for(tensors)
             if tensors:  # chosen for good from a step with rows: a step without any (n == 0) says no device
                 self._ops = ops
@@ -316,11 +316,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         immediate = {k: ops.freeze(v) for k, v in immediate.items()}
         if deferred:
             deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone()) for k, v in deferred.items()}
-        leftover_events = []
-        for k, v in list(leftover.items()):
-            if isinstance(v, torch.Tensor):
-                leftover[k], event = ops.leftover(v)
-                leftover_events.append(event)
+        leftover_events: list = []
+        # Copied now, so later overwrites of live (graph) buffers change nothing.
+        leftover = {k: snapshot_leftover(ops, v, leftover_events) for k, v in leftover.items()}
         freeze_event = ops.record_freeze()
         if self.is_writer:
             for key, rows in itertools.chain(immediate.items(), deferred.items()):

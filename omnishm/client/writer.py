@@ -7,7 +7,6 @@ state of its own. Claim-table writes happen only on the engine thread.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import struct
 import time
@@ -99,8 +98,7 @@ class WriterSide:
                 else:
                     immediate[key] = rows
             else:
-                # Leftover: copied now so later overwrites of live (graph) buffers change nothing.
-                leftover[key] = value if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                leftover[key] = value  # copied by save_outputs (device.snapshot_leftover), tensors in it too
         return immediate, deferred, leftover
 
     def _flush_copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:

@@ -43,12 +43,13 @@ import logging
 import sys
 import threading
 import types
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAdapter, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
+from omnishm.client.device import map_tensors
 from omnishm.client.group_view import FullAttentionGroupView
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, vllm_runner_role
@@ -263,7 +264,7 @@ class VllmOmniPrefixCacheManager:
             leftover = saved.leftover
             if saved.leftover_event is not None:
                 saved.leftover_event.synchronize()
-                leftover = _map_tensors(_unpin, leftover)
+                leftover = map_tensors(_unpin, leftover)
             from vllm_omni.utils.mm_outputs import to_payload_element  # imports vllm, as vllm-omni's does here
 
             index = {r: i for i, r in enumerate(saved.spans)}  # batch order
@@ -297,19 +298,6 @@ class VllmOmniPrefixCacheManager:
             raise self._vo.OmniPrefixCacheUnmatchError(str(exc)) from exc
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor in it, inside mappings, lists and tuples too."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return {k: _map_tensors(fn, v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map_tensors(fn, v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_map_tensors(fn, v) for v in value)
-    return value
-
-
 def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     """CPU copies of the leftover values, and a CUDA event after them (None when nothing was on CUDA).
 
@@ -324,7 +312,7 @@ def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
         return t.clone() if t.device.type == "cpu" else t.detach().to("cpu")
 
-    out = _map_tensors(copy, values)
+    out = map_tensors(copy, values)
     event = None
     if cuda:
         event = torch.cuda.Event()
