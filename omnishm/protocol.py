@@ -58,7 +58,8 @@ copies rows as bytes and needs nothing more of a dtype, so it never imports torc
 class KeySpec(msgspec.Struct, frozen=True):
     """Geometry of one tensor name: dtype (a ``DTYPE_ITEMSIZE`` name, e.g. ``bfloat16``), row width and
     row shape (the dims of one token's row; their product is ``width``). ``row_shape`` None: not declared
-    (a Hello's layout may leave it out); the first ``OpenKey`` of the key fixes it."""
+    (a Hello's layout may leave it out); the first ``OpenKey`` of the key fixes it. A reader's Hello layout
+    is only checked against the cache's specs, never adds one."""
 
     dtype: str
     width: int
@@ -112,7 +113,7 @@ class Hello(msgspec.Struct, tag="hello"):
 
 class OpenKey(msgspec.Struct, tag="open_key"):
     """Open (writer) or map (reader) one tensor name. Every row of a key has one dtype and one row shape
-    for the life of the cache, fixed by its first ``OpenKey`` (or a Hello's layout that declares it): an
+    for the life of the cache, fixed by its first ``OpenKey`` (or a writer's Hello layout that declares it): an
     ``OpenKey`` that names another is refused (``layout_mismatch``), so a row is never read back in a shape
     it was not written in. ``row_shape`` None: flat rows, ``(width,)``; at most 63 dims."""
 

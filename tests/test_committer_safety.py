@@ -435,3 +435,32 @@ def test_a_message_with_millions_of_tiny_items_is_refused_from_its_header(commit
         assert isinstance(raw.goodbye(), protocol.Bye)
     finally:
         raw.close()
+
+
+def test_a_readers_hello_layout_fixes_no_key_the_writer_has_not_opened(committer_factory):
+    """REVIEW (2026-12-05, wire fuzz): a reader's Hello layout was stored as the cache's key specs, for the life
+    of the cache, though the writer opens keys: a reader (a misconfigured rank, a stray tool) declaring
+    'feat' as int8[1], or 64 names, made the writer's later opens fail (layout_mismatch, too_many_keys). A
+    reader's layout is only checked now; one that disagrees with a key the cache holds is still refused."""
+    handle = committer_factory()
+    reader, writer = handle.client(), Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    try:
+        junk = {f"junk{i}": protocol.KeySpec("int8", 1) for i in range(MAX_KEYS - 1)}
+        declared = reader.hello(protocol.ROLE_READER, protocol.Layout(8, 4, {"feat": protocol.KeySpec("int8", 1),
+                                                                             **junk}))
+        assert isinstance(declared, protocol.Welcome), declared
+        assert isinstance(reader.goodbye(), protocol.Bye)
+        opened = writer.raw.call(protocol.OpenKey(rid=writer.raw.next_rid(), key="feat", dtype="float32", width=3))
+        assert isinstance(opened, protocol.KeyOpened) and opened.segments.dtype == "float32", opened
+        more = writer.raw.call(protocol.OpenKey(rid=writer.raw.next_rid(), key="other", dtype="float32", width=3))
+        assert isinstance(more, protocol.KeyOpened), more
+        assert [k["name"] for k in writer.raw.status()["keys"]] == ["feat", "other"]
+        late = handle.client()
+        try:
+            refused = late.hello(protocol.ROLE_READER, protocol.Layout(8, 4, {"feat": protocol.KeySpec("int8", 1)}))
+            assert isinstance(refused, protocol.Refused) and "layout mismatch" in refused.reason, refused
+        finally:
+            late.close()
+    finally:
+        reader.close()
+        writer.goodbye()

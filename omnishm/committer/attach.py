@@ -127,7 +127,7 @@ class Attach:
                                        self._reaped_soon([c for c in self.sessions if c.is_data_client])
                                        if self.cfg.exit_when_idle else 0.0)
                 try:
-                    self.pool.set_layout(msg.layout)
+                    self.pool.set_layout(msg.layout, declare=msg.role == protocol.ROLE_WRITER)
                 except PoolError as exc:
                     return self.refuse(msg, exc.message, exc.code)
             elif self.pool.layout is None:

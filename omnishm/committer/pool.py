@@ -208,8 +208,13 @@ class CachePool(StepApply):
                     f"of shape {shape_text(want.row_shape)}")
         return None
 
-    def set_layout(self, layout: protocol.Layout) -> None:
-        """Fix the layout (first Hello with one) and create the control segment; raises PoolError."""
+    def set_layout(self, layout: protocol.Layout, *, declare: bool = True) -> None:
+        """Fix the layout (first Hello with one) and create the control segment; raises PoolError.
+
+        ``declare``: the layout's key specs become the cache's where it has none yet (a writer's Hello).
+        A reader's are only checked (``layout_mismatch``, by the caller): the writer opens keys, and a
+        reader's Hello fixed the spec, or used up the key limit, of keys the writer had not opened, after
+        which the writer was refused for the life of the cache (review)."""
         if layout.num_blocks <= 0 or layout.block_size <= 0:
             raise PoolError("bad_layout", f"num_blocks and block_size must be positive, got "
                                           f"{layout.num_blocks} and {layout.block_size}")
@@ -218,7 +223,10 @@ class CachePool(StepApply):
                                           f"exceeds {MAX_SLOTS} slots")
         for key, spec in layout.keys.items():
             self._check_spec(key, spec.dtype, spec.width, spec.row_shape)
-        self._check_room(len(set(layout.keys) - set(self.key_specs)))
+        if declare:
+            self._check_room(len(set(layout.keys) - set(self.key_specs)))
+        elif len(layout.keys) > MAX_KEYS:  # more than any cache of this committer can hold
+            raise PoolError("too_many_keys", f"a layout of {len(layout.keys)} key names passes the limit of {MAX_KEYS}")
         if self.layout is None:
             self.layout = protocol.Layout(layout.num_blocks, layout.block_size, {})
             # Control words, then the metadata a restarted committer adopts (committer/meta.py).
@@ -227,9 +235,9 @@ class CachePool(StepApply):
             self.ctl[:] = 0
             self.ctl[protocol.CTL_PUBLISHED_STEP] = -1
             self.ctl[protocol.CTL_COMMITTER_PID] = os.getpid()
-        new_specs = [k for k in layout.keys if k not in self.key_specs]
-        for key, spec in layout.keys.items():
-            self.key_specs.setdefault(key, spec)
+        new_specs = [k for k in layout.keys if k not in self.key_specs] if declare else []
+        for key in new_specs:
+            self.key_specs[key] = layout.keys[key]
         if self.meta_seq == 0 or new_specs:
             self.save_meta()
 
