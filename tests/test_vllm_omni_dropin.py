@@ -376,3 +376,20 @@ def test_one_dimensional_hidden_states_are_refused_and_leave_the_key_alone(commi
     finally:
         ours.shutdown()
         theirs.shutdown()
+
+
+def test_a_block_table_of_another_block_size_than_the_caches_is_refused_not_handed_to_vllm_omnis_view(committer):
+    """REVIEW (2026-12-05, slot mapping): omnishm's group view refuses a block table whose block size is not
+    the cache's, and the drop-in took that refusal for a layout only vllm-omni's view reads: it fell back to
+    that view, which does not check, and saved 16-token blocks' rows at the slots of 32-token blocks (a real
+    vLLM table: vLLM's slots 112..127, 48..63, 144..151; the drop-in's 224..255, 96..103)."""
+    from types import SimpleNamespace
+
+    from omnishm.client.group_view import PrefixCacheConfigError
+
+    table = SimpleNamespace(block_size=16, block_table=SimpleNamespace(cpu=torch.zeros(4, 16, dtype=torch.int32)))
+    batch = SimpleNamespace(req_ids=["a"], req_id_to_index={"a": 0}, block_table=SimpleNamespace(block_tables=[table]))
+    view = SimpleNamespace(_input_batch=batch, block_size=32)
+    cfg = VO.PrefixCacheConfig(num_blocks=64, block_size=32, staging_capacity_tokens=128, staging_depth=2)
+    with pytest.raises(PrefixCacheConfigError, match="uses block_size 16, the cache uses 32"):
+        VllmOmniPrefixCacheManager(cfg, view, cache=committer.name, autostart=False, role="writer")

@@ -50,7 +50,7 @@ import torch
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAdapter, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
 from omnishm.client.device import map_tensors
-from omnishm.client.group_view import FullAttentionGroupView
+from omnishm.client.group_view import FullAttentionGroupView, PrefixCacheConfigError
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, vllm_runner_role
 from omnishm.config import load_prefix_cache_config
@@ -128,7 +128,8 @@ class VllmOmniPrefixCacheManager:
     connection keywords go to omnishm's manager (default: ``$OMNISHM_NAME``, the rank's role from
     vLLM's parallel state, an autostarted committer). ``parallel_config`` (default: that of the runner
     whose ``_ensure_omni_prefix_cache`` builds this, once ``install`` ran) names a DP replica's cache
-    (``replica_cache_name``). Raises vllm-omni's ``OmniPrefixCacheUnmatchError`` when no committer answers.
+    (``replica_cache_name``). Raises vllm-omni's ``OmniPrefixCacheUnmatchError`` when no committer answers,
+    ``PrefixCacheConfigError`` when the batch's block table has another block size than ``config``.
     """
 
     def __init__(self, config: Any, view: Any, *, eager: bool | None = None, cache: str | None = None,
@@ -163,6 +164,10 @@ class VllmOmniPrefixCacheManager:
             return None
         try:
             return FullAttentionGroupView(batch, block_size)
+        except PrefixCacheConfigError:
+            # The block table's block size is not the cache's: vllm-omni's view, which does not check it, would
+            # take block ids of one size for the other's and save rows at slots vLLM does not use (review).
+            raise
         except (AttributeError, IndexError, TypeError, ValueError):  # a layout only vllm-omni's view reads
             return None
 
