@@ -24,6 +24,7 @@ import uuid
 
 import msgspec
 import posix_ipc
+import pytest
 import torch
 
 from omnishm import orphans, protocol, shm
@@ -464,3 +465,30 @@ def test_a_readers_hello_layout_fixes_no_key_the_writer_has_not_opened(committer
     finally:
         reader.close()
         writer.goodbye()
+
+
+def test_an_adoption_names_a_control_segment_cut_short_and_a_torn_metadata_slot(caplog):
+    """REVIEW (2026-12-05, restart): a control segment cut to one metadata slot was adopted from that slot,
+    then failed in its save with "mmap slice assignment is wrong size" and a traceback; a torn newest slot
+    was passed over without a word. The size is checked first, and a slot passed over is logged."""
+    import logging
+
+    from conftest import unique_cache_name
+
+    name, generation = unique_cache_name("meta"), "feedf00d"
+    short = meta.CTL_BYTES - meta.SLOT_BYTES
+    seg = shm.Segment.create(shm.segment_name(name, generation, "ctl"), short)
+    try:
+        with pytest.raises(meta.MetaError, match=f"has {short} bytes, expected {meta.CTL_BYTES}"):
+            CachePool.adopt(name, generation)
+    finally:
+        seg.unlink()
+        seg.close()
+    area = bytearray(meta.CTL_BYTES)
+    meta.write(area, {"version": meta.META_VERSION, "keys": ["a"]}, 1)
+    meta.write(area, {"version": meta.META_VERSION, "keys": ["a", "b"]}, 2)
+    area[meta.META_OFFSET + 32] ^= 0xFF  # slot 0 (sequence 2), torn by a crash inside its write
+    with caplog.at_level(logging.WARNING, logger="omnishm.committer.meta"):
+        seq, doc = meta.read(area)
+    assert seq == 1 and doc["keys"] == ["a"]
+    assert "slot 0: checksum mismatch (torn write); using the other slot (sequence 1)" in caplog.text, caplog.text

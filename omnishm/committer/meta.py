@@ -97,6 +97,10 @@ def read(mm) -> tuple[int, dict[str, Any]]:
             best = (seq, doc)
     if best is None:
         raise MetaError("no valid metadata in the control segment: " + "; ".join(problems))
+    torn = [p for p in problems if not p.endswith(": empty")]
+    if torn:  # the other slot holds the state before the last change, which a crash in its save lost
+        logger.warning("metadata of the control segment: %s; using the other slot (sequence %d)", "; ".join(torn),
+                       best[0])
     if best[1].get("version") != META_VERSION:
         raise MetaError(f"metadata version {best[1].get('version')!r}, this committer reads {META_VERSION}")
     return best

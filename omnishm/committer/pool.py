@@ -430,6 +430,9 @@ class CachePool(StepApply):
             ctl_seg = shm.Segment.attach(pool._seg("ctl"))
         except (FileNotFoundError, PermissionError) as exc:
             raise meta.MetaError(f"cannot map the control segment: {exc}") from exc
+        if ctl_seg.size != meta.CTL_BYTES:  # cut short or grown by someone: nothing in it can be trusted
+            ctl_seg.close()
+            raise meta.MetaError(f"control segment {ctl_seg.name} has {ctl_seg.size} bytes, expected {meta.CTL_BYTES}")
         seq, doc = meta.read(ctl_seg.mmap)
         if doc.get("cache") != name or doc.get("generation") != generation:
             raise meta.MetaError(f"metadata names cache {doc.get('cache')!r} generation {doc.get('generation')!r}, "
