@@ -12,7 +12,10 @@ the tensor holds a numpy view of the block, and a ``weakref.finalize`` on that
 view returns the block. Nothing is reused while any tensor of it is alive, so a
 caller may keep, mutate or hand on a result for as long as it likes; a block
 held long just means the next call faults in a new one. Free blocks are kept up
-to ``max_free_bytes`` (the surplus is freed). Allocations under ``min_bytes``
+to ``max_free_bytes``; the surplus is freed at the pool's next call (``empty`` or
+``free_bytes``), not when the caller drops it: after a burst of large results, a
+process that calls no more keeps that peak until it does (a finalizer may run on
+any thread, inside a call holding the lock, so it only files the block). Allocations under ``min_bytes``
 (32 MiB) come from torch's allocator: glibc serves those from its heap, which
 recycles freed memory without faults once its dynamic mmap threshold has risen,
 and that threshold stops at 32 MiB, so every larger allocation is a fresh mmap
