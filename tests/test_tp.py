@@ -669,3 +669,53 @@ def test_a_reader_never_follows_a_killed_engines_writer_that_still_holds_the_sea
         for m in (r, w):
             if m is not None:
                 m.shutdown()
+
+
+@pytest.mark.parametrize("ids", [["d"], ["e", "d", "d"]], ids=["one", "duplicates-and-no-hit"])
+def test_a_readers_prefetched_hit_is_its_result_not_copied_again(committer, ids):
+    """A reader's prefetch read a hit into a buffer of its own, which materialize copied into the result
+    (a second copy of every hit row on the reader's engine thread: 32 MiB took 5.9 ms, now 0.7 ms). The
+    prefetch now makes the request's whole result, hit rows in place, and materialize adds the step's
+    rows and returns it. A request named twice gets a result of its own the second time."""
+    cfg = small_config()
+    w = OmniPrefixCacheManager(cfg, cache=committer.name, role="writer", autostart=False)
+    r = OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False)
+    handle = r._prefetcher._handle
+    made: dict = {}
+
+    class Recording(dict):
+        def __setitem__(self, key, value):
+            made[key] = value.data_ptr()
+            super().__setitem__(key, value)
+
+    prefetched = threading.Event()
+
+    def recording(ctx):
+        ctx.prefetched = Recording()
+        handle(ctx)
+        prefetched.set()  # as during the forward: it has read by the time the engine materializes
+
+    r._prefetcher._handle = recording
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        w.wait_idle()
+        sids = []
+        for m in (w, r):
+            m.new_step_starts([started("d", [0, 2], hit=4), started("e", [3])])
+            sids.append(save(m, [Part("d", 4, [0, 2], 4, 2), Part("e", 5, [3], 0, 3)], BS))
+        w.discard_step(sids[0])
+        assert prefetched.wait(30)  # the first step had no hits: it was never handed to the prefetch
+        out = r.materialize(sids[1], ids)
+        assert torch.equal(out.hidden_states["d"], expect(1, 4, 4, 4, 2))
+        assert torch.equal(out.mm_outputs["d"]["feat"], expect(1, 4, 4, 4, 2, mm=True))
+        if "e" in ids:
+            assert torch.equal(out.hidden_states["e"], expect(0, 0, 5, 0, 3))
+        assert r.counters["prefetch_used"] >= 2
+        if ids == ["d"]:  # the prefetch's buffers are the results
+            assert out.hidden_states["d"].data_ptr() == made[("d", HIDDEN_KEY)]
+            assert out.mm_outputs["d"]["feat"].data_ptr() == made[("d", "feat")]
+    finally:
+        r.shutdown()
+        w.shutdown()

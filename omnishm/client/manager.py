@@ -445,7 +445,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             self._wait_step_events(ctx)
             # One allocation per key for the whole call; each request gets a view of it, and the
             # step rows of requests without a hit are already in place (see _arena).
-            views = self._arena(ctx, req_ids) if out is None else None
+            ready = self._prefetched_requests(ctx, req_ids, deadline) if out is None else set()
+            views = self._arena(ctx, req_ids, ready) if out is None else None
             for req in req_ids:
                 start, count = ctx.spans[req]
                 span = ctx.hits.get(req)
@@ -458,18 +459,19 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                     for key, step_rows in ctx.step_rows.items():
                         width = step_rows.shape[1]
                         given = out.get(req, {}).get(key) if out is not None else None
+                        pre = self._take_prefetched(ctx, req, key, deadline) if h else None
                         if given is not None:
                             dst = given.view(h + count, width)  # not -1: a request of 0 rows has no inferable width
-                        elif views is not None:
+                        elif pre is not None and req in ready:
+                            dst = pre  # the prefetch's result: hit rows in place
+                        elif views is not None and req in views[key]:  # not: prefetched (a second time, here)
                             dst = views[key][req].view(h + count, width)
                         else:
                             dst = self.result_pool.empty((h + count, width), step_rows.dtype)
-                        if h:
-                            pre = self._take_prefetched(ctx, req, key, deadline)
-                            if pre is not None:
-                                dst[:h].copy_(pre)
-                            else:
-                                self._read_hit(ctx, span, key, dst[:h], req, deadline)
+                        if pre is None and h:
+                            self._read_hit(ctx, span, key, dst[:h], req, deadline)
+                        elif pre is not None and dst is not pre:
+                            dst[:h].copy_(pre[:h])
                         own = step_rows[start:start + count]
                         dst[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
                         merged[key] = dst.view((h + count, *ctx.row_shapes[key]))

@@ -36,8 +36,10 @@ class ReadSide:
         """``commit_timeout_s`` from now: the bound of one call's waits."""
         return time.monotonic() + self.config.commit_timeout_s
 
-    def _arena(self, ctx: StepCtx, req_ids: list[ReqId]) -> dict[TensorName, dict[ReqId, torch.Tensor]]:
-        """Result tensors ``(hit + step rows, *row_shape)`` of every requested request and key.
+    def _arena(self, ctx: StepCtx, req_ids: list[ReqId], prefetched: set[ReqId]
+               ) -> dict[TensorName, dict[ReqId, torch.Tensor]]:
+        """Result tensors ``(hit + step rows, *row_shape)`` of every requested request and key but those whose
+        whole result the prefetch made (``prefetched``).
 
         One allocation per key (``result_pool``). The requests without a hit
         come first, in ``req_ids`` order, with their step rows already in
@@ -63,7 +65,7 @@ class ReadSide:
                 plain.append(req)
                 sizes.append(count)
                 off += count
-            else:
+            elif req not in prefetched:
                 hit_reqs.append(req)
                 hit_sizes.append(len(span.slots) + count)
         total = off + sum(hit_sizes)
@@ -391,12 +393,15 @@ class ReadSide:
             deadline = self._deadline()
             self._wait_published(ctx.step_id, deadline)
             for req, span in ctx.hits.items():
+                h = len(span.slots)
                 for key, step_rows in ctx.step_rows.items():
-                    # Recycled, pre-faulted memory: a fresh buffer paid its page faults every step (a review
-                    # measured a 32 MiB hit at 20.5 ms against 2.6 ms, 2026-12-05).
-                    out = self.result_pool.empty((len(span.slots), step_rows.shape[1]), step_rows.dtype)
-                    kv = self._reader_key(key, out, ctx.row_shapes[key], req, ctx.step_id, deadline)
-                    self._read_committed(kv, span.slots, out, key, req, ctx.step_id, deadline)
+                    # The request's whole result: its hit rows here, its step rows by materialize, which
+                    # returns it without copying the hit again (``_prefetched_requests``). Recycled,
+                    # pre-faulted memory: a fresh buffer paid its page faults every step (a review measured a
+                    # 32 MiB hit at 20.5 ms against 2.6 ms, 2026-12-05).
+                    out = self.result_pool.empty((h + ctx.spans[req][1], step_rows.shape[1]), step_rows.dtype)
+                    kv = self._reader_key(key, out[:h], ctx.row_shapes[key], req, ctx.step_id, deadline)
+                    self._read_committed(kv, span.slots, out[:h], key, req, ctx.step_id, deadline)
                     ctx.prefetched[(req, key)] = out
         except Exception:  # materialize reads again and raises with full context
             pass

@@ -208,10 +208,20 @@ class StepLifecycle:
         for event in ctx.leftover_events:
             event.synchronize()
 
+    def _prefetched_requests(self, ctx: StepCtx, req_ids: list[ReqId], deadline: float) -> set[ReqId]:
+        """Reader: the requests of ``req_ids`` whose result the prefetch made for every key (hit rows in place,
+        room for the step's rows after them), waiting for it as ``_take_prefetched`` does. Materialize fills
+        and returns those: the hit is copied once, not into the prefetch's buffer and again into the result."""
+        if ctx.prefetch_done is None or not ctx.hits:
+            return set()
+        ctx.prefetch_done.wait(max(0.0, deadline - time.monotonic()))
+        return {r for r in req_ids if r in ctx.hits and all((r, k) in ctx.prefetched for k in ctx.step_rows)}
+
     def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName, deadline: float) -> torch.Tensor | None:
-        """The rows the prefetch thread read for ``req``/``key``, waiting for it until ``deadline`` (monotonic)
-        once it has started this step; None when it has none (it failed, is still waiting, or has not started
-        this step, being busy with earlier ones: materialize then reads itself, never waiting on those)."""
+        """The result the prefetch thread made for ``req``/``key`` (``(hit + step rows, width)``, the hit's rows
+        in place), waiting for it until ``deadline`` (monotonic) once it has started this step; None when it
+        has none (it failed, is still waiting, or has not started this step, being busy with earlier ones:
+        materialize then reads itself, never waiting on those)."""
         if ctx.prefetch_done is None:
             if ctx.prefetch_taken is not None:  # a prefetch the consumed step got ahead of (``_take_ctx``)
                 self.counters["prefetch_dropped"] += 1
