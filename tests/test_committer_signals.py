@@ -180,3 +180,50 @@ def test_a_hello_queued_when_the_stop_signal_came_is_refused_for_now_and_the_nex
         assert isinstance(raw.goodbye(), protocol.Bye)
     finally:
         raw.close()
+
+
+_FLOOD = """
+import sys, time, zmq
+from omnishm import protocol
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.SNDHWM, 0); sock.setsockopt(zmq.RCVHWM, 0); sock.setsockopt(zmq.LINGER, 0)
+sock.connect(sys.argv[1])
+msg = protocol.encode(protocol.Heartbeat(rid=1))  # from a socket without a session: answered no_session
+answered, told = 0, False
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    for _ in range(200):
+        try:
+            sock.send(msg, zmq.NOBLOCK)
+        except zmq.Again:
+            break
+    while sock.poll(0):
+        sock.recv()
+        answered += 1
+    if answered > 2000 and not told:
+        print("flooding", flush=True)
+        told = True
+"""
+
+
+def test_a_committer_stopped_by_a_signal_under_a_flood_of_messages_stops_within_its_drain_bound(committer_factory):
+    """REVIEW (2026-12-05): answering what reaches a stopping committer went on while messages kept coming
+    (each receive round took the next), so clients that never stop sending held a SIGTERM for as long as
+    they sent (7.5 s of an 8 s flood in the review). Rounds stop once STOP_DRAIN_S passed."""
+    from omnishm.committer.server import STOP_DRAIN_S
+
+    handle = committer_factory()
+    floods = [subprocess.Popen([sys.executable, "-c", _FLOOD, handle.endpoint], stdout=subprocess.PIPE, text=True)
+              for _ in range(3)]
+    try:
+        for flood in floods:
+            assert flood.stdout.readline().strip() == "flooding"
+        t0 = time.monotonic()
+        handle.proc.send_signal(signal.SIGTERM)
+        assert handle.proc.wait(30) == 0
+        took = time.monotonic() - t0
+        assert took < STOP_DRAIN_S + 2.0, f"the stop took {took:.1f}s under the flood"
+    finally:
+        for flood in floods:
+            flood.kill()
+            flood.wait()

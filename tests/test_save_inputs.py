@@ -7,10 +7,12 @@ writer reads a later step's claims as its own and serves another request's rows.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -681,3 +683,54 @@ def test_a_writer_turning_fatal_inside_a_refused_save_still_clears_its_slots(com
         with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
             r.materialize(sid, ["b"])
         r.new_step_starts([finished("a"), finished("b")])
+
+
+class _Emb(NamedTuple):
+    data: torch.Tensor
+    n: int
+
+
+def test_a_leftover_value_comes_back_as_it_was_saved_whatever_holds_its_tensors(mgr):
+    """A leftover value (not written to the pool) comes back as a deep copy of what was saved: its container
+    types (a NamedTuple, an OrderedDict, a defaultdict), one copy of a tensor it holds twice, and its own
+    cycles, with every tensor in it copied at the save (review of 4ddc682: rebuilding the value to copy its
+    tensors made a NamedTuple a tuple and a dict subclass a dict, and a value holding itself raised
+    RecursionError in save_outputs)."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    t = torch.arange(3.0)
+    cyc: list = [t]
+    cyc.append(cyc)
+    value = {"emb": _Emb(t, 3), "od": collections.OrderedDict(x=t), "dd": collections.defaultdict(list, k=[t]),
+             "cyc": cyc}
+    sid = save(m, [Part("a", 1, [0, 1], 0, 6)], BS, extra_mm={"value": value})
+    t.fill_(-1)
+    got = m.materialize(sid, ["a"]).mm_outputs["a"]["value"]
+    assert type(got["emb"]) is _Emb and got["emb"].n == 3 and torch.equal(got["emb"].data, torch.arange(3.0))
+    assert type(got["od"]) is collections.OrderedDict and type(got["dd"]) is collections.defaultdict
+    assert got["emb"].data is got["od"]["x"] is got["dd"]["k"][0] is got["cyc"][0]  # held four times, one copy
+    assert got["cyc"][1] is got["cyc"]
+    m.new_step_starts([finished("a")])
+    hit_round(m)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_an_out_buffer_that_requires_grad_is_written_under_no_grad_and_refused_with_grad(mgr, grad):
+    """Under torch.no_grad() torch writes a buffer that requires grad (the review of e0eb49e: it was
+    refused there too); with grad enabled it refuses, after the step id was consumed, so materialize says
+    so first."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    sid = save(m, [Part("a", 1, [0], 0, 4)], BS)
+    buf = torch.zeros(4, MM_WIDTH, requires_grad=True)
+    if grad:
+        with pytest.raises(ValueError, match="requires grad: rows cannot be copied into it with grad enabled"):
+            m.materialize(sid, ["a"], out={"a": {"feat": buf}})
+        assert torch.equal(m.materialize(sid, ["a"]).hidden_states["a"], rows(1, range(4)))
+    else:
+        with torch.no_grad():
+            got = m.materialize(sid, ["a"], out={"a": {"feat": buf}})
+        assert got.mm_outputs["a"]["feat"].data_ptr() == buf.data_ptr()
+        assert torch.equal(buf.detach(), rows(501, range(4), MM_WIDTH))
+    m.new_step_starts([finished("a")])
+    hit_round(m)

@@ -179,23 +179,36 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
 
 def snapshot_leftover(ops: "DeviceOps", value: Any, events: list[Event]) -> Any:
     """Engine thread: a copy of a leftover value (one not written to the pool) that later writes to the
-    caller's buffers cannot change: every tensor in it, in mappings, lists and tuples too, goes through
-    ``ops.leftover`` (a device tensor to pinned host memory without blocking; its event appended to
-    ``events``), and the rest is deep-copied. Nested device tensors were deep-copied on the device (review):
-    they came back from materialize on the GPU, beside top-level ones on the CPU, held GPU memory for
-    every unconsumed step, and were copied again without waiting for the engine's stream."""
-    snaps: list[torch.Tensor] = []
-
-    def snap(t: torch.Tensor) -> torch.Tensor:
-        out, event = ops.leftover(t.detach() if t.requires_grad else t)
-        snaps.append(out)
+    caller's buffers cannot change: a deep copy in which every tensor, in mappings, lists and tuples too,
+    is the copy ``ops.leftover`` makes (a device tensor to pinned host memory without blocking; its event
+    appended to ``events``), one per tensor however often the value holds it. Container types, shared
+    parts and cycles are kept as ``copy.deepcopy`` keeps them. Nested device tensors were deep-copied on
+    the device (review): they came back from materialize on the GPU, beside top-level ones on the CPU, held
+    GPU memory for every unconsumed step, and were copied without waiting the engine's stream."""
+    if isinstance(value, torch.Tensor):
+        out, event = ops.leftover(value.detach() if value.requires_grad else value)
         events.append(event)
         return out
+    memo: dict[int, Any] = {}
+    for t in tensors_in(value):
+        memo[id(t)], event = ops.leftover(t.detach() if t.requires_grad else t)
+        events.append(event)
+    return copy.deepcopy(value, memo)  # a tensor in memo is taken as its own copy: the snapshot
 
-    mapped = map_tensors(snap, value)
-    if isinstance(mapped, torch.Tensor):
-        return mapped
-    return copy.deepcopy(mapped, {id(s): s for s in snaps})  # the snapshots are copies already
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in ``value``, inside mappings, lists and tuples too, each once (a value may hold itself)."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            found.setdefault(id(item), item)
+        elif isinstance(item, (Mapping, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))
+            todo.extend(item.values() if isinstance(item, Mapping) else item)
+    return list(found.values())
 
 
 def ops_for(tensors: list[torch.Tensor]) -> DeviceOps:

@@ -36,7 +36,7 @@ import torch
 from omnishm import protocol as P
 from omnishm.client.adapter import PrefixCacheEventKind as EventKind
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter
-from omnishm.client.device import DeviceOps, HostRegistration, StepSender, map_tensors, ops_for, snapshot_leftover
+from omnishm.client.device import DeviceOps, HostRegistration, StepSender, ops_for, snapshot_leftover, tensors_in
 from omnishm.client.link import CommitterLink
 from omnishm.client.reads import ReadSide
 from omnishm.client.result_pool import ResultPool
@@ -307,8 +307,7 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         ops = self._ops
         if ops is None:
-            tensors = list(immediate.values()) + list(deferred.values())
-            map_tensors(tensors.append, list(leftover.values()))  # nested in leftover values too
+            tensors = list(immediate.values()) + list(deferred.values()) + tensors_in(list(leftover.values()))
             ops = ops_for(tensors)
             if tensors:  # chosen for good from a step with rows: a step without any (n == 0) says no device
                 self._ops = ops

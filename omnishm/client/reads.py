@@ -118,9 +118,10 @@ class ReadSide:
                                      f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype} "
                                      f"on {given.device}")
                 # torch refuses these writes only once the step is consumed (review): say so before
-                if given.requires_grad:
+                if given.requires_grad and torch.is_grad_enabled():  # under no_grad torch writes it
                     raise ValueError(f"materialize out[{req!r}][{key!r}] requires grad: rows cannot be copied "
-                                     f"into it (pass a tensor that does not, e.g. made under torch.no_grad())")
+                                     f"into it with grad enabled (call materialize under torch.no_grad(), or pass "
+                                     f"a tensor that does not require grad)")
                 if given.is_inference() and not torch.is_inference_mode_enabled():
                     raise ValueError(f"materialize out[{req!r}][{key!r}] was made under torch.inference_mode and "
                                      f"this thread is not in it: torch refuses to write it here")

@@ -524,11 +524,11 @@ class WriterSide:
         """Eager mode, the engine thread: wait until the deferred writes just handed over (``_flush``) landed,
         as the seed's eager escalate writes the pool before ``new_step_starts`` returns. Raises what a
         failed write raised (the cache is sticky-fatal then), and a sticky-fatal error when one is not
-        acknowledged within ``commit_timeout_s``."""
-        deadline = time.monotonic() + self.config.commit_timeout_s
+        acknowledged within ``commit_timeout_s`` of the one before (the flusher bounds each write's pieces
+        so, one after the other)."""
         for t in tasks:
             try:
-                t.done.result(timeout=max(deadline - time.monotonic(), 0.001))
+                t.done.result(timeout=self.config.commit_timeout_s)
             except FutureTimeout:  # the builtin TimeoutError, on Python 3.10 too
                 raise self._set_fatal(f"deferred write {t.tid} of request {t.req_id!r} tensor {t.key!r} not "
                                       f"acknowledged within {self.config.commit_timeout_s:.1f}s", req_id=t.req_id,

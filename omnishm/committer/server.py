@@ -63,6 +63,9 @@ a 2-core machine, a context switch); one send per message cost ~15 us of the com
 UNUSED_EXIT_S = 60.0
 """An ``--exit-when-idle`` committer that no writer or reader attached to within this long exits
 (an autostarted one sooner: once the client process that started it is gone, ``Committer._unused``)."""
+SERVE_ROUND_S = 0.05
+"""The loop receives for at most this long (and the batch under way) before it looks at signals, reaps
+silent clients and ticks its metrics: clients that never stop sending held it in its receive rounds."""
 STOP_QUIET_S = 0.02
 STOP_DRAIN_S = 0.2
 """A committer stopped by a signal answers what reaches it until nothing came for STOP_QUIET_S, for at
@@ -217,7 +220,7 @@ class Committer(Attach):
                         pass
                 except BlockingIOError:
                     pass
-                self.serve_pending()
+                self.serve_pending(time.monotonic() + SERVE_ROUND_S)
                 self.reap()
                 self.obs.tick(time.monotonic())
                 reason = self._done_serving(started) if self.cfg.exit_when_idle and not self.stopping else ""
@@ -225,7 +228,7 @@ class Committer(Attach):
                     # Answer what came in since the check. A writer or reader welcomed now (a new rank, a
                     # resume) maps this cache: it keeps its committer. What comes in after goes unanswered
                     # (its client retries, and autostarts a committer once this one is gone).
-                    self.serve_pending()
+                    self.serve_pending(time.monotonic() + SERVE_ROUND_S)
                     if self.stopping:
                         break  # a signal's own reason stands
                     if not self.sessions.data_clients():
@@ -243,15 +246,15 @@ class Committer(Attach):
 
     def _serve_until_quiet(self) -> None:
         """Stopping on a signal: answer what arrives until STOP_QUIET_S pass without a message, for at most
-        STOP_DRAIN_S. Loop thread; a Hello is refused for now (``self.stopping``)."""
+        STOP_DRAIN_S (and the receive batch under way). Loop thread; a Hello is refused for now (``self.stopping``)."""
         assert self.sock is not None
         deadline = time.monotonic() + STOP_DRAIN_S
-        self.serve_pending()
+        self.serve_pending(deadline)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(min(STOP_QUIET_S, left) * 1000) or 1, zmq.POLLIN):
                 return
-            self.serve_pending()
+            self.serve_pending(deadline)
 
     def _done_serving(self, started: float) -> str:
         """``--exit-when-idle``: why this committer is done ("idle": the last writer/reader left; "unused":
@@ -287,10 +290,11 @@ class Committer(Attach):
             return proc_identity(self.spawner_pid) == self.cfg.spawned_by_start
         return os.getppid() == self.spawner_pid
 
-    def serve_pending(self) -> None:
-        """Receive what is queued (up to RECV_BATCH per round) and answer each message."""
+    def serve_pending(self, deadline: float | None = None) -> None:
+        """Receive what is queued (up to RECV_BATCH per round) and answer each message; with ``deadline``
+        (monotonic), no further round once it passed (clients that never stop sending could hold it)."""
         assert self.sock is not None
-        while True:
+        while deadline is None or time.monotonic() < deadline:
             batch = []
             while len(batch) < RECV_BATCH:
                 try:
