@@ -78,8 +78,10 @@ def test_a_client_accepts_a_sticky_shared_directory_like_tmp(tmp_path):
     shared = tmp_path / "sticky"
     shared.mkdir()
     shared.chmod(0o1777)
-    # The hint names the command a pip install has (not only the repository's script).
-    with pytest.raises(OmniPrefixCacheCommitterError, match="answered.*`omnishm committer --name tsafe`.*autostart=True"):
+    # The hint names the command a pip install has (not only the repository's script), with the endpoint.
+    with pytest.raises(OmniPrefixCacheCommitterError,
+                       match=f"answered.*`omnishm committer --name tsafe --endpoint ipc://{shared}/tsafe.sock`"
+                             f".*autostart=True"):
         OmniPrefixCacheManager(small_config(), cache="tsafe", endpoint=f"ipc://{shared}/tsafe.sock", autostart=False,
                                connect_timeout_s=0.5)
 

@@ -121,6 +121,18 @@ def test_the_ranks_take_client_knobs_from_the_environment_and_keep_their_own_siz
     assert (cfg.staging_depth, cfg.staging_capacity_tokens) == (3, 64)  # the demo's lag + 2 and its batch
 
 
+@pytest.mark.parametrize("duration", ["5", "0"])
+def test_a_duration_the_timeout_would_cut_short_stops_the_demo_before_it_starts_anything(duration):
+    """SOAK (2026-12-05): with --timeout-s under --duration-s, every rank was stopped as timed out and the run
+    reported a failure it could not have avoided."""
+    name = unique_cache_name("demo")
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "demo", "--name", name, *SMALL, "--duration-s", duration,
+                           "--timeout-s", "3"], capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--duration-s {duration} must be positive and under --timeout-s 3" in proc.stderr, proc.stderr
+    assert not shm.list_segments(name) and not list(RUNTIME_DIR.glob(f"{name}.*"))
+
+
 def test_a_cache_too_small_for_the_longest_request_stops_the_demo_before_it_starts_anything():
     """SOAK (2026-12-02): with fewer KV blocks than the sim's longest request needs, that request is never
     scheduled in full and the ranks ran 0-token steps for good (1.19M of them in one run)."""

@@ -108,6 +108,11 @@ def cli_main(args: argparse.Namespace) -> int:
                        device=args.device, preempt_rate=args.preempt_rate)
     from omnishm.sim import MAX_NEW_TOKENS, SimEngine  # torch: only once the demo runs
 
+    if args.duration_s is not None and not 0 < args.duration_s < args.timeout_s:
+        # Else every rank is stopped as timed out before the run ends, and the demo reports a failure.
+        print(f"omnishm demo: --duration-s {args.duration_s:g} must be positive and under --timeout-s "
+              f"{args.timeout_s:g}", file=sys.stderr)
+        return 2
     need = SimEngine.blocks_for_longest_request(opts.block_size, opts.max_batched_tokens)
     if opts.num_blocks < need:
         # Else the longest request is never scheduled in full, and every step after it is empty, for good.
