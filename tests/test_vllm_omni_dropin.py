@@ -393,3 +393,30 @@ def test_a_block_table_of_another_block_size_than_the_caches_is_refused_not_hand
     cfg = VO.PrefixCacheConfig(num_blocks=64, block_size=32, staging_capacity_tokens=128, staging_depth=2)
     with pytest.raises(PrefixCacheConfigError, match="uses block_size 16, the cache uses 32"):
         VllmOmniPrefixCacheManager(cfg, view, cache=committer.name, autostart=False, role="writer")
+
+
+def test_the_dropin_refuses_a_stage_omnishms_gate_refuses(committer):
+    """REVIEW (2026-12-05, slot mapping): vllm-omni's own gate lets KV-sharing fast prefill through (a prompt
+    token's final hidden state is then computed only where logits are: every cached hidden row but those
+    would be wrong). The drop-in runs omnishm's gate on the runner that builds it, as omnishm's runners do."""
+    from types import SimpleNamespace
+
+    from omnishm.client.group_view import PrefixCacheConfigError
+    from omnishm.integrations import vllm_omni as dropin
+
+    cfg = VO.PrefixCacheConfig(num_blocks=64, block_size=16, staging_capacity_tokens=128, staging_depth=2)
+    spec = SimpleNamespace(block_size=16)
+    kv = SimpleNamespace(num_blocks=64, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])])
+
+    def runner(**cache):
+        cache_config = SimpleNamespace(enable_prefix_caching=True, block_size=16, **cache)
+        return SimpleNamespace(kv_cache_config=kv, vllm_config=SimpleNamespace(
+            cache_config=cache_config, kv_transfer_config=None, scheduler_config=None, model_config=None,
+            speculative_config=None, parallel_config=SimpleNamespace(decode_context_parallel_size=1)))
+
+    token = dropin._BUILDING.set(runner(kv_sharing_fast_prefill=True))
+    try:
+        with pytest.raises(PrefixCacheConfigError, match="kv_sharing_fast_prefill"):
+            VllmOmniPrefixCacheManager(cfg, BatchView(16), cache=committer.name, autostart=False, role="writer")
+    finally:
+        dropin._BUILDING.reset(token)

@@ -50,7 +50,7 @@ import torch
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAdapter, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
 from omnishm.client.device import map_tensors
-from omnishm.client.group_view import FullAttentionGroupView, PrefixCacheConfigError
+from omnishm.client.group_view import FullAttentionGroupView, PrefixCacheConfigError, stage_prefix_cache_config
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, vllm_runner_role
 from omnishm.config import load_prefix_cache_config
@@ -137,6 +137,7 @@ class VllmOmniPrefixCacheManager:
         self._vo, self.version = load_prefix_cache()
         derived = {k: getattr(config, k) for k in _VO_FIELDS if getattr(config, k, None) is not None}
         cfg = load_prefix_cache_config(int(config.num_blocks), int(config.block_size), derived=derived)
+        _gate(_BUILDING.get(), int(config.num_blocks))
         self._view = view
         self._ours = self._own_view(view)
         self._adapter = PrefixCacheSchedulerAdapter()
@@ -301,6 +302,30 @@ class VllmOmniPrefixCacheManager:
             raise self._vo.OmniPrefixCacheStagingTimeoutError(str(exc)) from exc
         except OmniPrefixCacheUnmatchError as exc:
             raise self._vo.OmniPrefixCacheUnmatchError(str(exc)) from exc
+
+
+def _gate(runner: Any, num_blocks: int) -> None:
+    """omnishm's refusals (``stage_prefix_cache_config``) for the stage of the vllm-omni runner building the
+    drop-in, where it carries vLLM's configs and KV-cache config; raises ``PrefixCacheConfigError``.
+
+    vllm-omni's own gate lets through stages whose prompt rows are not what a hit must serve (KV-sharing
+    fast prefill computes a prompt token's final hidden state only where logits are) or whose block
+    tables do not address whole-token rows (review): the drop-in refuses them as omnishm's runners do."""
+    if runner is None or getattr(runner, "kv_cache_config", None) is None:
+        return
+    vllm_config = getattr(runner, "vllm_config", None)
+
+    def src(name: str) -> Any:
+        return getattr(vllm_config, name) if vllm_config is not None and hasattr(vllm_config, name) \
+            else getattr(runner, name, None)
+
+    if src("cache_config") is None:
+        return
+    stage_prefix_cache_config(kv_cache_config=runner.kv_cache_config, cache_config=src("cache_config"),
+                              kv_transfer_config=src("kv_transfer_config"), scheduler_config=src("scheduler_config"),
+                              model_config=src("model_config"), is_pooling_model=False,
+                              speculative_config=src("speculative_config"), parallel_config=src("parallel_config"),
+                              num_blocks=num_blocks)
 
 
 def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:

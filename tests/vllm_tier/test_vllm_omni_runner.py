@@ -109,6 +109,14 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
     ours.parallel_config = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
     ours.parallel_config.reconfigure_for_independent_dp_rank()
     assert ours.parallel_config.data_parallel_size == 1 and ours.parallel_config.data_parallel_index == 1
+    # The engine's real configs, which the drop-in runs omnishm's gate on (stage_prefix_cache_config).
+    for name in ("cache_config", "scheduler_config", "model_config", "kv_transfer_config", "speculative_config"):
+        setattr(ours, name, getattr(vllm_config, name))
+    from omnishm.integrations import vllm_omni as dropin
+
+    gated = []
+    gate = dropin.stage_prefix_cache_config
+    monkeypatch.setattr(dropin, "stage_prefix_cache_config", lambda **kw: gated.append(gate(**kw)) or gated[-1])
 
     rng = random.Random(3)
     families = [[rng.randrange(4, 1000) for _ in range(rng.randrange(70, 200))] for _ in range(5)]
@@ -188,3 +196,4 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
     print(f"vllm-omni runner on omnishm: {counts}")
     assert counts["hit_rows"] > 300 and counts["aborted"] > 0 and counts["preempted"] > 0, counts
     assert counts["resumed"] > 0, counts  # V1 resumes reached both caches (neither counts them as hits)
+    assert len(gated) == 1 and gated[0] is not None  # the drop-in passed omnishm's gate on the real configs
