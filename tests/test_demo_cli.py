@@ -129,7 +129,7 @@ def test_a_duration_the_timeout_would_cut_short_stops_the_demo_before_it_starts_
     proc = subprocess.run([sys.executable, "-m", "omnishm", "demo", "--name", name, *SMALL, "--duration-s", duration,
                            "--timeout-s", "3"], capture_output=True, text=True, timeout=START_TIMEOUT_S)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"--duration-s {duration} must be positive and under --timeout-s 3" in proc.stderr, proc.stderr
+    assert f"--duration-s {duration} must be positive and at least 30s under --timeout-s 3" in proc.stderr, proc.stderr
     assert not shm.list_segments(name) and not list(RUNTIME_DIR.glob(f"{name}.*"))
 
 

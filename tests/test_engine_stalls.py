@@ -214,3 +214,43 @@ def test_a_deferred_flush_goes_in_copy_chunk_bytes_messages_whose_replies_quiet_
         slots = torch.arange(count)
         assert torch.equal(kv.commit[slots], kv.claim[slots])
         assert torch.equal(kv.pool[slots], big)
+
+
+def test_a_readers_materialize_of_requests_without_hits_never_waits_for_the_prefetch_of_others(committer):
+    """REVIEW (2026-12-05, of c1ea62b): a reader's materialize waited for the step's prefetch whenever the
+    step had a hit, also for a subset of requests without any (the runner mixin and the drop-in pass
+    subsets): held up on another request's rows, it took commit_timeout_s (5 s in the review) for rows it
+    did not need. It waits only when it asks for a request with a hit."""
+    cfg = small_config(commit_timeout_s=10.0)
+    w = OmniPrefixCacheManager(cfg, cache=committer.name, role="writer", autostart=False)
+    r = OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False)
+    inside, release = threading.Event(), threading.Event()
+    read = r._read_committed
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name == "omnishm-prefetch":
+            inside.set()
+            release.wait(60)  # the prefetch, busy with d's hit rows
+        return read(*args, **kwargs)
+
+    r._read_committed = held
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        w.wait_idle()
+        sids = []
+        for m in (w, r):
+            m.new_step_starts([started("d", [0, 2], hit=4), started("e", [3])])
+            sids.append(save(m, [Part("d", 4, [0, 2], 4, 2), Part("e", 5, [3], 0, 3)], BS))
+        w.discard_step(sids[0])
+        assert inside.wait(30)
+        t0 = time.monotonic()
+        out = r.materialize(sids[1], ["e"])
+        elapsed = time.monotonic() - t0
+        assert torch.equal(out.hidden_states["e"], expect(0, 0, 5, 0, 3))
+        assert elapsed < 5.0, f"materialize of a request without a hit waited {elapsed:.1f}s for the prefetch"
+    finally:
+        release.set()
+        r.shutdown()
+        w.shutdown()

@@ -136,7 +136,9 @@ class LinkAttach:
 
     def _autostart_if_down(self, now: float, *, io_thread: bool = False) -> None:
         """Start an embedded committer when this link may (``autostart``, an ipc endpoint), nothing holds
-        the cache lock, the last start was over 5 s ago, and no committer this link started still runs.
+        the cache lock, and no committer this link started still runs: at once when the last one it
+        started ended, else once the last launch (one that failed) was over 5 s ago. After
+        ``AUTOSTART_TRIES`` it started ended, none: ``_autostart_error`` says why (the log's end).
 
         A start under load can take seconds (it took 3-4 s while committers imported torch); one still
         starting is waited for, not joined by another: each more starting on a machine that vLLM's

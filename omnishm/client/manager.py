@@ -216,7 +216,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         A hit that is not block aligned, lacks block ids or names a block outside
         the pool is refused: every other event of the step is applied all the
         same, then ``OmniPrefixCacheUnmatchError`` names each refused request
-        (the request itself stays live, without a hit).
+        (the request itself stays live, without a hit). Eager mode: returns once
+        the deferred writes it closed landed (each waited ``commit_timeout_s``;
+        a failure or timeout turns the cache sticky-fatal).
         """
         self._check_usable()
         step = self._translator.translate_step(events, num_scheduled_tokens)
@@ -420,7 +422,10 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
 
         ``out`` optionally supplies preallocated buffers (``out[req][key]``,
         ``HIDDEN_KEY`` for hidden states) of exactly the merged shape and
-        dtype; they are filled and returned instead of new tensors. New result
+        dtype; they are filled and returned instead of new tensors (a buffer torch
+        would refuse to write, one that requires grad with grad enabled or an
+        inference tensor outside inference mode, is a ``ValueError`` before the
+        step is consumed, as a wrong shape is). New result
         tensors come from ``result_pool`` (recycled, pre-faulted memory that
         returns once the caller dropped every view of it), so they cost about
         what ``out=`` costs (benchmarks/README.md, figure 2).

@@ -212,8 +212,8 @@ class StepLifecycle:
         """Reader: the requests of ``req_ids`` whose result the prefetch made for every key (hit rows in place,
         room for the step's rows after them), waiting for it as ``_take_prefetched`` does. Materialize fills
         and returns those: the hit is copied once, not into the prefetch's buffer and again into the result."""
-        if ctx.prefetch_done is None or not ctx.hits:
-            return set()
+        if ctx.prefetch_done is None or not any(r in ctx.hits for r in req_ids):
+            return set()  # never wait for other requests' hits (review: a call without hits waited them out)
         ctx.prefetch_done.wait(max(0.0, deadline - time.monotonic()))
         return {r for r in req_ids if r in ctx.hits and all((r, k) in ctx.prefetched for k in ctx.step_rows)}
 

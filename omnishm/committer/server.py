@@ -4,8 +4,8 @@ Single-threaded: one loop owns the socket, the ``SessionTable`` and the
 ``CachePool``. Signals only set a flag and write a byte to a wakeup socket
 (``signal.set_wakeup_fd``) that the poller watches, so a stop signal
 (``early_stop.STOP_SIGNALS``: SIGTERM, SIGINT, SIGHUP, SIGQUIT) ends the poll
-at once; the loop then handles what it already received, replies, and
-unlinks every segment it made.
+at once; the loop then answers what reaches it until ``STOP_QUIET_S`` (20 ms) pass
+without a message, for at most ``STOP_DRAIN_S`` (0.2 s), and unlinks every segment it made.
 
 Bad input never kills the loop: a frame that does not decode, has the wrong
 shape, or trips an unexpected error gets an ``Error`` reply, a log line and a
@@ -13,7 +13,8 @@ count, and the loop goes on serving everyone else. Log lines about bad input
 are rate-limited per reason (``LogLimiter``) so a flood cannot fill the disk;
 the counters in ``status`` count every message. Frames above
 ``protocol.MAX_MESSAGE_BYTES`` never reach us: libzmq drops them and the peer's
-connection (ZMQ_MAXMSGSIZE).
+connection (ZMQ_MAXMSGSIZE); a list, tuple or map of more than ``protocol.MAX_ITEMS`` items is refused
+from its length header, before any item is made.
 
 Starting the process (the cache lock, adopting a live cache or sweeping an
 orphaned one, exit codes) is ``committer/start.py``; attaching (``Hello``) and

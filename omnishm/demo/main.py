@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=_at_least(1), default=2, help="runner processes (rank 0 writes, others read)")
     parser.add_argument("--steps", type=_at_least(1), default=300, help="engine steps per rank")
     parser.add_argument("--duration-s", type=float, default=None,
-                        help="run for this long instead of --steps (ranks then drift apart: no lockstep)")
+                        help="run for this long instead of --steps (ranks then drift apart: no lockstep); at least 30 s under --timeout-s")
     parser.add_argument("--name", type=_cache_name, default="demo", help="cache (and embedded committer) name")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-blocks", type=_at_least(1), default=256)
@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save the outputs from this device (cuda: copy stream, events, pinned staging)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--json", action="store_true", help="print the final table as JSON")
+
+
+START_MARGIN_S = 30.0
+"""What --timeout-s must leave beyond --duration-s for the ranks' start (torch's import, the committer's
+start, the meeting)."""
 
 
 def _bar(done: int, total: int, width: int = 30) -> str:
@@ -108,10 +113,10 @@ def cli_main(args: argparse.Namespace) -> int:
                        device=args.device, preempt_rate=args.preempt_rate)
     from omnishm.sim import MAX_NEW_TOKENS, SimEngine  # torch: only once the demo runs
 
-    if args.duration_s is not None and not 0 < args.duration_s < args.timeout_s:
+    if args.duration_s is not None and not 0 < args.duration_s <= args.timeout_s - START_MARGIN_S:
         # Else every rank is stopped as timed out before the run ends, and the demo reports a failure.
-        print(f"omnishm demo: --duration-s {args.duration_s:g} must be positive and under --timeout-s "
-              f"{args.timeout_s:g}", file=sys.stderr)
+        print(f"omnishm demo: --duration-s {args.duration_s:g} must be positive and at least {START_MARGIN_S:g}s "
+              f"under --timeout-s {args.timeout_s:g}, which also covers the ranks' start", file=sys.stderr)
         return 2
     need = SimEngine.blocks_for_longest_request(opts.block_size, opts.max_batched_tokens)
     if opts.num_blocks < need:

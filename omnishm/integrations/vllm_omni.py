@@ -129,7 +129,8 @@ class VllmOmniPrefixCacheManager:
     vLLM's parallel state, an autostarted committer). ``parallel_config`` (default: that of the runner
     whose ``_ensure_omni_prefix_cache`` builds this, once ``install`` ran) names a DP replica's cache
     (``replica_cache_name``). Raises vllm-omni's ``OmniPrefixCacheUnmatchError`` when no committer answers,
-    ``PrefixCacheConfigError`` when the batch's block table has another block size than ``config``.
+    ``PrefixCacheConfigError`` (omnishm's) for a stage omnishm's gate refuses (``_gate``) or a batch whose
+    block table has another block size than ``view.block_size``.
     """
 
     def __init__(self, config: Any, view: Any, *, eager: bool | None = None, cache: str | None = None,
