@@ -113,3 +113,19 @@ def expect(tag_prefix: int, hit: int, tag_step: int, first: int, count: int, wid
         parts.append(rows(tag_prefix + off, range(hit), w))
     parts.append(rows(tag_step + off, range(first, first + count), w))
     return torch.cat(parts)
+
+
+def hit_beside_plain(w, r) -> int:
+    """A writer ``w`` and a reader ``r``: request a's block 0 (tag 1) committed, then a step where d hits it
+    (4 tokens, then 2 rows of tag 4) beside e (3 rows of tag 5, no hit). The writer's step is discarded
+    once saved; returns the reader's step id."""
+    for m in (w, r):
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    w.wait_idle()
+    sids = []
+    for m in (w, r):
+        m.new_step_starts([started("d", [0, 2], hit=4), started("e", [3])])
+        sids.append(save(m, [Part("d", 4, [0, 2], 4, 2), Part("e", 5, [3], 0, 3)], BS))
+    w.discard_step(sids[0])
+    return sids[1]

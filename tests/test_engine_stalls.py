@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from manager_helpers import BS, Part, build, expect, finished, save, small_config, started
+from manager_helpers import BS, Part, build, expect, finished, hit_beside_plain, save, small_config, started
 from omnishm import protocol
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager
 from omnishm.client.link import MAX_IN_FLIGHT, CommitterLink
@@ -235,18 +235,10 @@ def test_a_readers_materialize_of_requests_without_hits_never_waits_for_the_pref
 
     r._read_committed = held
     try:
-        for m in (w, r):
-            m.new_step_starts([started("a", [0])])
-            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        w.wait_idle()
-        sids = []
-        for m in (w, r):
-            m.new_step_starts([started("d", [0, 2], hit=4), started("e", [3])])
-            sids.append(save(m, [Part("d", 4, [0, 2], 4, 2), Part("e", 5, [3], 0, 3)], BS))
-        w.discard_step(sids[0])
+        sid = hit_beside_plain(w, r)
         assert inside.wait(30)
         t0 = time.monotonic()
-        out = r.materialize(sids[1], ["e"])
+        out = r.materialize(sid, ["e"])
         elapsed = time.monotonic() - t0
         assert torch.equal(out.hidden_states["e"], expect(0, 0, 5, 0, 3))
         assert elapsed < 5.0, f"materialize of a request without a hit waited {elapsed:.1f}s for the prefetch"

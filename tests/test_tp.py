@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from manager_helpers import small_config, Part, aborted, expect, finished, rows, save, started
+from manager_helpers import small_config, Part, aborted, expect, finished, hit_beside_plain, rows, save, started
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omnishm.demo.launch import RankGroup
 from omnishm.demo.rank import START_BARRIER_S, RankOptions, RankResult, run_rank
@@ -697,17 +697,9 @@ def test_a_readers_prefetched_hit_is_its_result_not_copied_again(committer, ids)
 
     r._prefetcher._handle = recording
     try:
-        for m in (w, r):
-            m.new_step_starts([started("a", [0])])
-            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        w.wait_idle()
-        sids = []
-        for m in (w, r):
-            m.new_step_starts([started("d", [0, 2], hit=4), started("e", [3])])
-            sids.append(save(m, [Part("d", 4, [0, 2], 4, 2), Part("e", 5, [3], 0, 3)], BS))
-        w.discard_step(sids[0])
+        sid = hit_beside_plain(w, r)
         assert prefetched.wait(30)  # the first step had no hits: it was never handed to the prefetch
-        out = r.materialize(sids[1], ids)
+        out = r.materialize(sid, ids)
         assert torch.equal(out.hidden_states["d"], expect(1, 4, 4, 4, 2))
         assert torch.equal(out.mm_outputs["d"]["feat"], expect(1, 4, 4, 4, 2, mm=True))
         if "e" in ids:
