@@ -502,7 +502,7 @@ class CacheLock:
         """Take the lock file ``path`` (a cache's, or a socket's: ``socket_lock_path``), or None when a live
         process holds it."""
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = _open_own_file(path)
             if not flock_within(fd, 0.2):  # a live committer holds it for good; a probe for microseconds
                 ino = os.fstat(fd).st_ino
                 os.close(fd)
@@ -539,6 +539,28 @@ class CacheLock:
                 pass
         os.close(self.fd)
         self.fd = -1
+
+
+def _open_own_file(path: Path) -> int:
+    """Open (creating, 0600) a lock file that is a plain file of ours with one name; raises PermissionError.
+
+    A socket's lock file may sit in a shared sticky directory such as /tmp, where another user can put a
+    symlink (a root committer truncated and wrote the file it pointed to: review), a hard link, or a file of
+    their own held locked (which blamed "a running committer" for it) at the name first."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise PermissionError(f"lock file {path} is a symlink: someone else put it there; use a directory of "
+                              f"your own") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise PermissionError(f"lock file {path} is not a plain file of ours (uid {st.st_uid}, mode "
+                              f"{st.st_mode:o}, {st.st_nlink} link(s)): someone else put it there; use a directory "
+                              f"of your own")
+    return fd
 
 
 def _replaced_soon(path: Path, ino: int, within_s: float) -> bool:

@@ -492,3 +492,23 @@ def test_an_adoption_names_a_control_segment_cut_short_and_a_torn_metadata_slot(
         seq, doc = meta.read(area)
     assert seq == 1 and doc["keys"] == ["a"]
     assert "slot 0: checksum mismatch (torn write); using the other slot (sequence 1)" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("planted", ["symlink", "hardlink"])
+def test_a_sockets_lock_file_someone_else_planted_is_refused_and_left_untouched(committer_factory, tmp_path,
+                                                                                 planted):
+    """REVIEW (2026-12-05, permissions): ``<socket>.lock`` may sit in a shared sticky directory such as /tmp,
+    where another user can plant a link at the name before the committer starts: a root committer followed
+    a symlink and truncated the file it named, writing its generation and pid there. A lock file must be a
+    plain file of ours with one name (opened without following a link): the start is refused, exit 2, and
+    the linked file keeps its bytes."""
+    from conftest import unique_cache_name
+
+    victim = tmp_path / "victim.conf"
+    victim.write_text("IMPORTANT\n")
+    lock = tmp_path / "s.sock.lock"
+    (lock.symlink_to if planted == "symlink" else lock.hardlink_to)(victim)
+    handle = committer_factory("--endpoint", f"ipc://{tmp_path}/s.sock", name=unique_cache_name("ep"), wait=False)
+    assert handle.proc.wait(30) == 2
+    assert f"lock file {lock} is" in handle.log() and "someone else put it there" in handle.log(), handle.log()
+    assert victim.read_text() == "IMPORTANT\n" and not (tmp_path / "s.sock").exists()
