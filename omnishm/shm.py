@@ -440,7 +440,11 @@ def check_socket_path(path: Path) -> None:
     The directory, if it exists, must be a real directory owned by us that nobody else can write
     (else another user could have put their own socket there and read our Hello and descriptors);
     the socket, if it exists, must be ours. A sticky shared directory such as ``/tmp`` is
-    accepted: nobody else can remove or replace our socket there. Raises PermissionError naming the path.
+    accepted once our socket is there: nobody else can remove or replace it then. Before it is there,
+    anyone may bind a socket of their own at the name, and a client that connected would send them its
+    Hello and descriptors (review: it did); so there the socket must exist, and be ours, when the client
+    connects: a committer is started before its clients (autostart needs a directory of our own).
+    Raises PermissionError naming the path.
     """
     if str(path).startswith("@"):
         return  # Linux abstract socket: no file, no directory
@@ -450,15 +454,20 @@ def check_socket_path(path: Path) -> None:
         return  # nothing to connect to yet; whoever creates it (autostart) uses ensure_runtime_dir
     if not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"socket directory {path.parent} is not a directory (a symlink?)")
+    private = st.st_uid == os.geteuid() and not st.st_mode & 0o022
     sticky_shared = bool(st.st_mode & stat.S_ISVTX) and st.st_uid in (0, os.geteuid())
-    if not sticky_shared and (st.st_uid != os.geteuid() or st.st_mode & 0o022):
+    if not private and not sticky_shared:
         raise PermissionError(f"socket directory {path.parent} is owned by uid {st.st_uid} with mode "
                               f"{stat.S_IMODE(st.st_mode):04o}; it must be ours (uid {os.geteuid()}) and "
                               f"writable by nobody else")
     try:
         sock_uid = path.lstat().st_uid
     except FileNotFoundError:
-        return
+        if private:
+            return
+        raise PermissionError(f"socket {path} does not exist yet in the shared directory {path.parent}: anyone may "
+                              f"bind a socket there first and read this client's messages; start the committer "
+                              f"first, or use a directory of your own") from None
     if sock_uid != os.geteuid():
         raise PermissionError(f"socket {path} belongs to uid {sock_uid}, not to us (uid {os.geteuid()})")
 

@@ -336,3 +336,36 @@ def test_a_dead_link_closes_its_socket_so_a_late_reply_cannot_make_it_spin(commi
         if probe is not None:
             probe.close()
         link.close()
+
+
+def test_a_resume_never_connects_to_a_socket_name_another_user_could_have_bound(committer_factory, tmp_path):
+    """REVIEW (2026-12-05, permissions): a link checked its endpoint's socket once, when it was built; its
+    resumes connected to whatever socket was at the path by then. In a shared sticky directory another user
+    bound the name after the committer's went, and the resume sent its Hello there. Each resume checks the
+    path again and does not connect while the socket is missing (or not ours), then fails as before."""
+    from conftest import unique_cache_name, wait_ready
+
+    shared = tmp_path / "sticky"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    name = unique_cache_name("resume")
+    endpoint = f"ipc://{shared}/{name}.sock"
+    handle = committer_factory("--endpoint", endpoint, "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5",
+                               name=name, wait=False)
+    handle.endpoint = endpoint
+    wait_ready(handle)
+    link = CommitterLink(cache=name, role=protocol.ROLE_READER, endpoint=endpoint,
+                         layout=protocol.Layout(num_blocks=8, block_size=4), reconnect_timeout_s=3.0)
+    try:
+        assert isinstance(link.request(lambda rid: protocol.StatusRequest(rid=rid)), protocol.StatusReply)
+        handle.stop(signal.SIGTERM)  # a clean stop: its socket is gone, the name is free for anyone
+        deadline = time.monotonic() + 30
+        while not link._socket_refused:
+            assert link.dead is None and time.monotonic() < deadline, link.dead
+            time.sleep(0.02)
+        assert "does not exist yet in the shared directory" in link._socket_refused
+        assert link.stats["resume_attempts"] == 0  # no Hello went anywhere
+        with pytest.raises(OmniPrefixCacheCommitterError, match="not connected: socket .* does not exist yet"):
+            link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=30)
+    finally:
+        link.close()

@@ -46,7 +46,7 @@ import msgspec
 import posix_ipc
 
 from omnishm import protocol as P
-from omnishm import orphans, shm
+from omnishm import orphans, paths, shm
 from omnishm.client.committer_process import start_committer
 from omnishm.interface import OmniPrefixCacheCommitterError
 from omnishm.shm import proc_identity
@@ -293,11 +293,24 @@ class LinkAttach:
         if now >= self._reconnect_deadline:
             self._go_dead(f"cache {self.cache}: committer at {self.endpoint} lost ({self._lost_reason}) and no "
                           f"committer resumed client {self.client_id} within reconnect_timeout_s="
-                          f"{self.reconnect_timeout_s:.1f}s; its unacknowledged requests failed")
+                          f"{self.reconnect_timeout_s:.1f}s; its unacknowledged requests failed"
+                          + (f" (not connected: {self._socket_refused})" if self._socket_refused else ""))
             return
         if now < self._attempt_deadline:
             return
         self._autostart_if_down(now, io_thread=True)
+        sock_path = paths.ipc_path(self.endpoint)
+        if sock_path is not None:
+            try:
+                # Again at each resume: in a shared sticky directory another user may have bound the name
+                # since the committer's socket went (review: the resume sent its Hello there).
+                shm.check_socket_path(sock_path)
+            except OSError as exc:
+                if self._socket_refused != str(exc):
+                    logger.warning("cache %s: not connecting for the resume: %s", self.cache, exc)
+                    self._socket_refused = str(exc)
+                self._attempt_deadline = min(now + max(1.0, 2 * self._heartbeat_s), self._reconnect_deadline)
+                return
         self._new_socket()
         self.stats["resume_attempts"] += 1
         self._hello_rid = next(self._rids)

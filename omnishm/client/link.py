@@ -211,6 +211,7 @@ class CommitterLink(LinkIO, LinkAttach):
         self._last_autostart = 0.0
         self._autostarted: list[AutostartedCommitter] = []  # committers this link started, until a Welcome
         self._autostart_error = ""  # why the latest autostart could not launch a committer, for the error
+        self._socket_refused = ""  # why a resume did not connect to the endpoint's socket (logged once each)
         self._live_fd = -1
         self._staging_names: set[str] = set()
         self._poller = zmq.Poller()
