@@ -76,6 +76,13 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         from omnishm import shm
 
         path = Path(endpoint[len("ipc://"):])
+        try:
+            path.lstat()
+        except FileNotFoundError:
+            pass
+        except PermissionError as exc:  # another user's runtime dir (0700): a traceback said so before
+            raise CommitterUnavailable(f"cannot reach the socket of cache {name!r} at {path}: {exc.strerror} (a "
+                                       f"directory of another user? each user's committers are their own)") from None
         if not path.exists():
             held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name)) if runtime_dir is not None else None
             if held is not None and shm.cache_is_live(runtime_dir, name):  # started with another --endpoint
@@ -221,7 +228,12 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"omnishm cleanup: --name: {exc}", file=sys.stderr)
             return 2
-    removed = orphans.sweep(_runtime_dir(r["runtime_dir"]), args.name, force=args.force)
+    try:
+        removed = orphans.sweep(_runtime_dir(r["runtime_dir"]), args.name, force=args.force)
+    except PermissionError as exc:  # another user's runtime dir: a traceback said so before
+        print(f"omnishm cleanup: {exc.filename or r['runtime_dir']}: {exc.strerror or exc} (a directory of another "
+              f"user? cleanup removes only what is ours)", file=sys.stderr)
+        return 1
     for name in removed:
         print(f"removed {name}")
     print(f"{len(removed)} orphaned object(s) removed" + (f" for cache {args.name}" if args.name else ""))

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import unique_cache_name
+from conftest import RUNTIME_DIR, unique_cache_name
 from manager_helpers import Part, save, started
 
 from omnishm import cli
@@ -204,3 +204,35 @@ def test_a_wait_no_poll_can_take_is_refused_as_an_option(committer_factory, caps
         cli.main(["ping", "--name", handle.name, "--timeout-s", value])
     assert exc.value.code == 2
     assert "--timeout-s: must be > 0 and <= 1e+06" in capsys.readouterr().err
+
+
+def test_ping_status_and_cleanup_of_a_directory_we_cannot_read_say_so_without_a_traceback(committer_factory, capsys,
+                                                                                         monkeypatch):
+    """REVIEW (2026-12-05, permissions): run as another user against a 0700 runtime dir, ping, status and
+    cleanup ended in a PermissionError traceback. The kernel's refusal is stood in for here (the tests run as
+    root, whom it does not refuse)."""
+    import pathlib
+
+    from omnishm import orphans
+
+    handle = committer_factory()
+    sock = pathlib.Path(handle.endpoint[len("ipc://"):])
+    real_lstat = pathlib.Path.lstat
+
+    def refused(self, *a, **kw):
+        if self == sock:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_lstat(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "lstat", refused)
+    for cmd in ("ping", "status"):
+        code, out, err = run(capsys, cmd, "--name", handle.name, "--runtime-dir", str(RUNTIME_DIR))
+        assert code == 1 and f"cannot reach the socket of cache {handle.name!r} at {sock}: Permission denied" in err
+    monkeypatch.undo()
+
+    def sweep_refused(*a, **kw):
+        raise PermissionError(13, "Permission denied", str(RUNTIME_DIR / f"{handle.name}.lock"))
+
+    monkeypatch.setattr(orphans, "sweep", sweep_refused)
+    code, out, err = run(capsys, "cleanup", "--name", handle.name, "--runtime-dir", str(RUNTIME_DIR))
+    assert code == 1 and "Permission denied (a directory of another user?" in err, err

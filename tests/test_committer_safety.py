@@ -512,3 +512,25 @@ def test_a_sockets_lock_file_someone_else_planted_is_refused_and_left_untouched(
     assert handle.proc.wait(30) == 2
     assert f"lock file {lock} is" in handle.log() and "someone else put it there" in handle.log(), handle.log()
     assert victim.read_text() == "IMPORTANT\n" and not (tmp_path / "s.sock").exists()
+
+
+def test_a_segment_name_someone_else_took_is_refused_as_taken_not_as_no_space(committer_factory):
+    """REVIEW (2026-12-05, permissions): segment names are predictable from /dev/shm's listing, and a
+    segment another user created at the next key's name made that key's open fail as ``no_space``. It is
+    ``name_taken`` now, naming the segment (the key cannot be opened in this generation: left alone)."""
+    handle = committer_factory()
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    try:
+        writer.open_key("a", "float32", 4)
+        taken = shm.segment_name(handle.name, writer.welcome.generation, "pool.k1")
+        seg = shm.Segment.create(taken, 4096)
+        try:
+            reply = writer.raw.call(protocol.OpenKey(rid=writer.raw.next_rid(), key="b", dtype="float32", width=4))
+            assert isinstance(reply, protocol.Error) and reply.code == "name_taken", reply
+            assert f"shared memory segment {taken} already exists" in reply.message, reply
+            assert writer.raw.status()["rejected"]["name_taken"] == 1
+        finally:
+            seg.unlink()
+            seg.close()
+    finally:
+        writer.goodbye()

@@ -453,9 +453,10 @@ class Committer(Attach):
         except PoolError as exc:
             self.rejected[exc.code] += 1
             return protocol.Error(rid=msg.rid, code=exc.code, message=exc.message)
-        except OSError as exc:  # ENOSPC from posix_fallocate: /dev/shm is full
-            self.rejected["no_space"] += 1
-            return protocol.Error(rid=msg.rid, code="no_space", message=f"cache {self.name} key {msg.key!r}: {exc}")
+        except OSError as exc:  # ENOSPC from posix_fallocate: /dev/shm is full; EEXIST: someone took the name
+            code = "name_taken" if isinstance(exc, FileExistsError) else "no_space"
+            self.rejected[code] += 1
+            return protocol.Error(rid=msg.rid, code=code, message=f"cache {self.name} key {msg.key!r}: {exc}")
         return protocol.KeyOpened(rid=msg.rid, segments=self.pool.key_segments(state, session.client_id))
 
     def on_step_write(self, session: Session, msg: protocol.StepWrite) -> msgspec.Struct | None:
