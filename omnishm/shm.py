@@ -443,7 +443,8 @@ def check_socket_path(path: Path) -> None:
     accepted once our socket is there: nobody else can remove or replace it then. Before it is there,
     anyone may bind a socket of their own at the name, and a client that connected would send them its
     Hello and descriptors (review: it did); so there the socket must exist, and be ours, when the client
-    connects: a committer is started before its clients (autostart needs a directory of our own).
+    connects: a committer is started before its clients (autostart needs a directory of our own). A
+    directory that does not exist yet is refused too (the runtime dir, the client makes first: ``CommitterLink``).
     Raises PermissionError naming the path.
     """
     if str(path).startswith("@"):
@@ -451,7 +452,9 @@ def check_socket_path(path: Path) -> None:
     try:
         st = path.parent.lstat()
     except FileNotFoundError:
-        return  # nothing to connect to yet; whoever creates it (autostart) uses ensure_runtime_dir
+        # Whoever made it next would own it: another user, whose socket there got our Hello (review).
+        raise PermissionError(f"socket directory {path.parent} does not exist: make it (mode 0700) before the "
+                              f"client connects, or use the runtime dir, which the client makes") from None
     if not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"socket directory {path.parent} is not a directory (a symlink?)")
     private = st.st_uid == os.geteuid() and not st.st_mode & 0o022

@@ -499,3 +499,26 @@ def test_a_client_at_a_tcp_endpoint_nobody_serves_is_told_how_to_start_one_there
                                connect_timeout_s=1.0)
     assert f"`omnishm committer --name {name} --endpoint {endpoint}`" in str(err.value), err.value
     assert "autostart covers ipc endpoints only" in str(err.value) and "pass autostart=True" not in str(err.value)
+
+
+def test_a_client_refuses_a_socket_directory_that_does_not_exist_yet_and_makes_its_runtime_dir(tmp_path):
+    """REVIEW (2026-12-05, permissions): a client whose socket directory did not exist yet connected all the
+    same; another user made the directory (0777, theirs), bound the socket and got the Hello. An explicit
+    endpoint's directory must exist now, and the runtime dir the client makes itself (0700) before it
+    connects."""
+    import stat as stat_mod
+
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.interface import OmniPrefixCacheCommitterError
+
+    name = unique_cache_name("nodir")
+    missing = tmp_path / "missing"
+    with pytest.raises(PermissionError, match=f"socket directory {missing} does not exist"):
+        OmniPrefixCacheManager(small_config(), cache=name, endpoint=f"ipc://{missing}/{name}.sock", autostart=False,
+                               connect_timeout_s=1.0)
+    runtime = tmp_path / "rt"
+    with pytest.raises(OmniPrefixCacheCommitterError, match="no committer answered"):
+        OmniPrefixCacheManager(small_config(), cache=name, runtime_dir=runtime, autostart=False, connect_timeout_s=0.5)
+    assert stat_mod.S_IMODE(runtime.stat().st_mode) == 0o700 and runtime.stat().st_uid == os.geteuid()
