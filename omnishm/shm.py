@@ -567,7 +567,8 @@ def _open_own_file(path: Path) -> int:
         raise PermissionError(f"lock file {path} is a symlink: someone else put it there; use a directory of "
                               f"your own") from None
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+    # 0 links: a sweep removed it meanwhile; the caller's still_names check takes the new one
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink > 1:
         os.close(fd)
         raise PermissionError(f"lock file {path} is not a plain file of ours (uid {st.st_uid}, mode "
                               f"{st.st_mode:o}, {st.st_nlink} link(s)): someone else put it there; use a directory "

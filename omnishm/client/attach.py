@@ -311,6 +311,7 @@ class LinkAttach:
                     self._socket_refused = str(exc)
                 self._attempt_deadline = min(now + max(1.0, 2 * self._heartbeat_s), self._reconnect_deadline)
                 return
+            self._socket_refused = ""
         self._new_socket()
         self.stats["resume_attempts"] += 1
         self._hello_rid = next(self._rids)
