@@ -522,3 +522,30 @@ def test_a_client_refuses_a_socket_directory_that_does_not_exist_yet_and_makes_i
     with pytest.raises(OmniPrefixCacheCommitterError, match="no committer answered"):
         OmniPrefixCacheManager(small_config(), cache=name, runtime_dir=runtime, autostart=False, connect_timeout_s=0.5)
     assert stat_mod.S_IMODE(runtime.stat().st_mode) == 0o700 and runtime.stat().st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize("spelling", ["symlinked-parent", "relative-runtime-dir"])
+def test_a_client_makes_its_runtime_dir_however_its_endpoint_spells_it(tmp_path, monkeypatch, spelling):
+    """REVIEW (2026-12-05, of fc66364): the client makes its runtime dir before it connects, but compared the
+    endpoint's directory with it as spelled: a runtime dir under a symlinked parent (/var/run -> /run), or
+    given relative, with the endpoint spelled otherwise, was not made, and the first start of an
+    autostarting client was refused ("socket directory ... does not exist")."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+
+    name = unique_cache_name("spell")
+    if spelling == "symlinked-parent":
+        real = tmp_path / "run"
+        real.mkdir(mode=0o700)
+        (tmp_path / "varrun").symlink_to(real)
+        runtime, check = tmp_path / "varrun" / "omnishm", real / "omnishm"
+        endpoint = f"ipc://{real}/omnishm/{name}.sock"
+    else:
+        monkeypatch.chdir(tmp_path)
+        runtime, check = Path("rt"), tmp_path / "rt"
+        endpoint = f"ipc://{tmp_path}/rt/{name}.sock"
+    with OmniPrefixCacheManager(small_config(), cache=name, endpoint=endpoint, autostart=True, runtime_dir=runtime,
+                                connect_timeout_s=60.0) as m:
+        assert m._link.welcome.committer_pid > 0
+    assert_idle_committer_exits(check, name)

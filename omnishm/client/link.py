@@ -147,7 +147,7 @@ class CommitterLink(LinkIO, LinkAttach):
         self.endpoint = endpoint or shm.ipc_endpoint(self.runtime_dir, cache)
         sock_path = paths.ipc_path(self.endpoint)
         if sock_path is not None:
-            if sock_path.parent == self.runtime_dir:
+            if os.path.realpath(sock_path.parent) == os.path.realpath(self.runtime_dir):  # however spelled
                 shm.ensure_runtime_dir(self.runtime_dir)  # ours from the start: nobody else's socket can be in it
             shm.check_socket_path(sock_path)
         self.request_timeout_s = request_timeout_s
