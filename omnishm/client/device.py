@@ -164,19 +164,6 @@ class CudaOps:
         return out, event
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor in it, inside mappings, lists and tuples too."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return {k: map_tensors(fn, v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [map_tensors(fn, v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(map_tensors(fn, v) for v in value)
-    return value
-
-
 def snapshot_leftover(ops: "DeviceOps", value: Any, events: list[Event]) -> Any:
     """Engine thread: a copy of a leftover value (one not written to the pool) that later writes to the
     caller's buffers cannot change: a deep copy in which every tensor, in mappings, lists and tuples too,

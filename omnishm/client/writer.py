@@ -494,7 +494,7 @@ class WriterSide:
         timeout_s = self.config.commit_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            closed = [t for t in self._closing.values()]
+            closed = list(self._closing.values())
         for t in closed:
             try:
                 t.done.result(timeout=max(deadline - time.monotonic(), 0.001))

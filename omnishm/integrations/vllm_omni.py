@@ -43,13 +43,12 @@ import logging
 import sys
 import threading
 import types
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAdapter, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
-from omnishm.client.device import map_tensors
 from omnishm.client.group_view import FullAttentionGroupView, PrefixCacheConfigError, stage_prefix_cache_config
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, vllm_runner_role
@@ -271,7 +270,7 @@ class VllmOmniPrefixCacheManager:
             leftover = saved.leftover
             if saved.leftover_event is not None:
                 saved.leftover_event.synchronize()
-                leftover = map_tensors(_unpin, leftover)
+                leftover = _map_tensors(_unpin, leftover)
             from vllm_omni.utils.mm_outputs import to_payload_element  # imports vllm, as vllm-omni's does here
 
             index = {r: i for i, r in enumerate(saved.spans)}  # batch order
@@ -303,6 +302,19 @@ class VllmOmniPrefixCacheManager:
             raise self._vo.OmniPrefixCacheStagingTimeoutError(str(exc)) from exc
         except OmniPrefixCacheUnmatchError as exc:
             raise self._vo.OmniPrefixCacheUnmatchError(str(exc)) from exc
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it, inside mappings, lists and tuples too."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: _map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_tensors(fn, v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(fn, v) for v in value)
+    return value
 
 
 def _gate(runner: Any, num_blocks: int) -> None:
@@ -343,7 +355,7 @@ def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
         return t.clone() if t.device.type == "cpu" else t.detach().to("cpu")
 
-    out = map_tensors(copy, values)
+    out = _map_tensors(copy, values)
     event = None
     if cuda:
         event = torch.cuda.Event()
