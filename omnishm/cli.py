@@ -64,7 +64,8 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
 
     Raises CommitterUnavailable when nothing answers within ``timeout_s`` (overall), and at once when
     ``endpoint`` is the cache's own socket in ``runtime_dir`` (where its lock lives) and nothing holds
-    that lock: a crashed committer's socket.
+    that lock (a crashed committer's socket), or when an ipc socket fails a client's check
+    (``shm.check_socket_path``: another user's socket or directory).
     """
     import time
 
@@ -95,6 +96,12 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
             raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} is left over from one that "
                                        f"is gone (nothing holds the cache lock); `omnishm cleanup --name {name}` "
                                        f"removes what it left")
+        try:
+            # A client's own check (``CommitterLink``): in a shared sticky directory another user may have
+            # bound the name, and a ping answered there said a committer ran when ours did not (review).
+            shm.check_socket_path(path)
+        except PermissionError as exc:
+            raise CommitterUnavailable(f"not asking the socket of cache {name!r}: {exc}") from None
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

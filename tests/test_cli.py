@@ -236,3 +236,48 @@ def test_ping_status_and_cleanup_of_a_directory_we_cannot_read_say_so_without_a_
     monkeypatch.setattr(orphans, "sweep", sweep_refused)
     code, out, err = run(capsys, "cleanup", "--name", handle.name, "--runtime-dir", str(RUNTIME_DIR))
     assert code == 1 and "Permission denied (a directory of another user?" in err, err
+
+
+def test_ping_refuses_a_socket_of_another_user_in_a_shared_directory(capsys, tmp_path):
+    """REVIEW (2026-12-05, stop 42): ``ping`` and ``status`` sent their Hello to whatever socket sat at the
+    endpoint. In a shared sticky directory another user could bind the name, answer with a Welcome, and a
+    readiness check by ``ping`` said our committer ran when none did. They make a client's check now."""
+    import threading
+
+    import zmq
+
+    from omnishm import protocol
+
+    shared = tmp_path / "sticky"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    name = unique_cache_name("foreign")
+    sock_path = shared / f"{name}.sock"
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.bind(f"ipc://{sock_path}")
+    os.chown(sock_path, 65534, 65534)  # as if another user had bound it (the tests run as root)
+    stop = threading.Event()
+
+    def answer() -> None:  # the other user's committer: welcomes every Hello
+        while not stop.is_set():
+            if not fake.poll(50):
+                continue
+            ident, payload = fake.recv_multipart()
+            hello = protocol.request_decoder.decode(payload)
+            fake.send_multipart([ident, protocol.encode(protocol.Welcome(
+                rid=hello.rid, client_id=getattr(hello, "client_id", ""), generation="forged", epoch=0,
+                control="", layout=protocol.Layout(num_blocks=1, block_size=1), keys=[], heartbeat_s=1.0,
+                heartbeat_timeout_s=5.0, committer_pid=1))])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        code, out, err = run(capsys, "ping", "--name", name, "--endpoint", f"ipc://{sock_path}", "--timeout-s", "5")
+        assert code == 1 and out == "", (out, err)
+        assert f"not asking the socket of cache {name!r}: socket {sock_path} belongs to uid 65534" in err, err
+    finally:
+        stop.set()
+        thread.join()
+        fake.close()
