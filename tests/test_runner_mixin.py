@@ -552,3 +552,42 @@ def test_a_save_the_token_accounting_refuses_leaves_its_slots_absent(runner):
     _, sid = r.execute_model(sched(new=[("c", 4, [0, 2])], finished=["a"], counts={"c": 1}))
     with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
         r.prefix_cache_materialize(sid)
+
+
+class _VllmRunnerBase:
+    """Stands in for vLLM's GPUModelRunner.initialize_kv_cache: sets ``kv_cache_config`` (a hybrid model's
+    two groups when asked), as vLLM's does before the attention backends."""
+
+    hybrid = False
+
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs) -> None:
+        self.kv_cache_config = kv_cache_config
+        if self.hybrid:
+            kv_cache_config.kv_cache_groups.append(
+                SimpleNamespace(layer_names=["layers.1.attn"], kv_cache_spec=type("SlidingWindowSpec", (), {
+                    "block_size": BS})()))
+        self.kv_init_calls = getattr(self, "kv_init_calls", 0) + 1
+
+
+class _InitRunner(FakeRunner, _VllmRunnerBase):
+    pass
+
+
+def test_an_unsupported_stage_is_refused_at_kv_cache_init_not_at_its_first_request():
+    """REVIEW (2026-12-05, stop 42, KV groups): the seed refuses hybrid or multi-group models "at kv-cache
+    init, not first step". The gate ran only when the manager was built, at the first real step: a hybrid
+    model's engine came up healthy and its first request failed (vLLM then fails every request in flight).
+    The mixin's ``initialize_kv_cache`` runs vLLM's and then the gate; a supported stage builds nothing."""
+    runner = _InitRunner("no-such-cache")
+    cfg = runner.kv_cache_config
+    runner.initialize_kv_cache(cfg)  # a supported stage: no manager yet, nothing to connect to
+    assert runner.kv_init_calls == 1 and runner.prefix_cache_manager is None
+    hybrid = _InitRunner("no-such-cache")
+    hybrid.hybrid = True
+    hybrid.initialize_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        SimpleNamespace(layer_names=["layers.0.attn"], kv_cache_spec=FullAttentionSpec(BS))]), is_profiling=True)
+    assert hybrid.kv_init_calls == 1  # a GPU runner's profiling config is not the engine's: not gated
+    with pytest.raises(PrefixCacheConfigError, match="needs exactly one KV-cache group"):
+        hybrid.initialize_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+            SimpleNamespace(layer_names=["layers.0.attn"], kv_cache_spec=FullAttentionSpec(BS))]))
+    assert hybrid.kv_init_calls == 2 and hybrid.prefix_cache_manager is None

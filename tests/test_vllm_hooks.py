@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from manager_helpers import rows
+from omnishm.client.group_view import PrefixCacheConfigError
 from omnishm.integrations.vllm import EXTENSION_CLS, OmniPrefixCacheRunnerHooks, OmniPrefixCacheWorkerExtension
 
 BS = 4
@@ -321,3 +322,47 @@ def test_a_negative_bound_on_held_rows_is_refused_when_the_hooks_are_made(commit
     on the engine thread (evicting from empty tables). The knob refuses it; the argument now does too."""
     with pytest.raises(ValueError, match="held_bytes must be >= 0, got -1"):
         OmniPrefixCacheRunnerHooks(FakeV1Runner(), cache=committer.name, held_bytes=-1)
+
+
+def test_the_hooks_refuse_an_unsupported_stage_at_kv_cache_init(committer, monkeypatch):
+    """REVIEW (2026-12-05, stop 42, KV groups): the seed refuses hybrid or multi-group models "at kv-cache
+    init, not first step". The hooks (installed when the worker assigns its runner, before vLLM initialises
+    the KV cache) ran the gate only at the first real step: a hybrid model's engine came up healthy and its
+    first request failed. They wrap the runner's ``initialize_kv_cache`` now, and an install on a runner
+    whose KV cache is already initialised gates at once; a supported stage still builds its manager at the
+    first real step, and uninstall removes both wrappers."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+
+    def sliding_window_group():
+        return SimpleNamespace(layer_names=["l1"], kv_cache_spec=type("SlidingWindowSpec", (), {"block_size": BS})())
+
+    class Runner(FakeV1Runner):
+        def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+            self.kv_cache_config = kv_cache_config
+
+    hybrid = Runner()
+    hybrid_cfg = hybrid.kv_cache_config
+    hybrid_cfg.kv_cache_groups.append(sliding_window_group())
+    del hybrid.kv_cache_config  # what the worker's runner has before initialize_kv_cache
+    h = OmniPrefixCacheRunnerHooks(hybrid, cache=committer.name)
+    h.install()
+    hybrid.initialize_kv_cache(hybrid_cfg, is_profiling=True)  # a GPU runner's profiling run: not gated
+    with pytest.raises(PrefixCacheConfigError, match="needs exactly one KV-cache group"):
+        hybrid.initialize_kv_cache(hybrid_cfg)
+    assert h.manager is None
+    h.uninstall()
+    assert "initialize_kv_cache" not in vars(hybrid) and "execute_model" not in vars(hybrid)
+    with pytest.raises(PrefixCacheConfigError, match="needs exactly one KV-cache group"):
+        OmniPrefixCacheRunnerHooks(hybrid, cache=committer.name).install()  # KV cache already initialised
+    assert "execute_model" not in vars(hybrid)  # nothing was wrapped
+
+    runner = Runner()
+    cfg = runner.kv_cache_config
+    del runner.kv_cache_config
+    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    h.install()
+    runner.initialize_kv_cache(cfg)
+    assert h.manager is None and runner.kv_cache_config is cfg and h.stats()["kv_init_gated"] == 1
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert h.manager is not None and h.stats()["saves"] == 1
+    h.uninstall()

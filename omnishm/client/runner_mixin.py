@@ -41,6 +41,7 @@ from omnishm.client.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
 from omnishm.client.group_view import FullAttentionGroupView, stage_prefix_cache_config
 from omnishm.interface import (
     ModelCachePolicy,
+    PrefixCacheConfig,
     ReqId,
     StageCacheOutputs,
     StepId,
@@ -233,6 +234,38 @@ class PrefixCacheRunnerMixin:
             self._prefix_cache_manager.register_policy(policy)
         return policy
 
+    def _prefix_cache_stage_config(self) -> "PrefixCacheConfig | None":
+        """The gate (``stage_prefix_cache_config``) on the runner's current configs, with
+        ``prefix_cache_config_overrides`` applied: the cache's config, or None when the stage runs no cache
+        (prefix caching off, pooling stage). Raises ``PrefixCacheConfigError`` for an unsupported stage,
+        ``ValueError``/``TypeError`` for a bad override."""
+        src = self._prefix_cache_config_source
+        config = stage_prefix_cache_config(
+            kv_cache_config=getattr(self, "kv_cache_config", None),
+            cache_config=src("cache_config"),
+            kv_transfer_config=src("kv_transfer_config"),
+            scheduler_config=src("scheduler_config"),
+            model_config=src("model_config"),
+            is_pooling_model=bool(getattr(self, "is_pooling_model", False)),
+            speculative_config=src("speculative_config"),
+            parallel_config=src("parallel_config"),
+        )
+        if config is not None and self.prefix_cache_config_overrides:
+            # dataclasses.replace re-runs PrefixCacheConfig validation (ValueError/TypeError on a bad knob).
+            config = dataclasses.replace(config, **dict(self.prefix_cache_config_overrides))
+        return config
+
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``initialize_kv_cache``, then the gate: the seed refuses an unsupported stage (hybrid or
+        multi-group KV cache, KV transfer consumer, speculative decoding, ...) at KV-cache init, where its
+        ``PrefixCacheConfigError`` fails the engine's start, not at the first request. Not for a GPU
+        runner's profiling call (``is_profiling=True``: a minimal config). The manager is still built on
+        the first real step. The mixin must come before the runner class in the bases."""
+        out = super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
+        if not kwargs.get("is_profiling", False):
+            self._prefix_cache_stage_config()
+        return out
+
     def _prefix_cache_init_once(self, scheduler_output: Any) -> "OmniPrefixCacheManager | None":
         """Build the manager on the first real step; later calls return it.
 
@@ -248,19 +281,7 @@ class PrefixCacheRunnerMixin:
         if _total_scheduled(scheduler_output) == 0:
             return None
         src = self._prefix_cache_config_source
-        config = stage_prefix_cache_config(
-            kv_cache_config=getattr(self, "kv_cache_config", None),
-            cache_config=src("cache_config"),
-            kv_transfer_config=src("kv_transfer_config"),
-            scheduler_config=src("scheduler_config"),
-            model_config=src("model_config"),
-            is_pooling_model=bool(getattr(self, "is_pooling_model", False)),
-            speculative_config=src("speculative_config"),
-            parallel_config=src("parallel_config"),
-        )
-        if config is not None and self.prefix_cache_config_overrides:
-            # dataclasses.replace re-runs PrefixCacheConfig validation (ValueError/TypeError on a bad knob).
-            config = dataclasses.replace(config, **dict(self.prefix_cache_config_overrides))
+        config = self._prefix_cache_stage_config()
         if config is None:
             self._prefix_cache_initialized = True
             logger.info("omni prefix cache: off for this stage (prefix caching disabled or pooling)")

@@ -68,7 +68,7 @@ from omnishm.client.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAda
 from omnishm.client.group_view import get_prefix_cache_group_view, stage_prefix_cache_config
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import replica_cache_name, vllm_last_pp_stage, vllm_runner_role
-from omnishm.interface import ModelCachePolicy, ReqId
+from omnishm.interface import ModelCachePolicy, PrefixCacheConfig, ReqId
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ class OmniPrefixCacheRunnerHooks:
         self._raw: dict[ReqId, _PromptRows] = {}
         self.counters: dict[str, int] = {k: 0 for k in (
             "steps", "saves", "rows_saved", "requests", "hit_requests", "hit_tokens", "rows", "raw_requests",
-            "incomplete_dropped", "max_hit_requests_per_step", "prompts_abandoned", "raw_abandoned")}
+            "incomplete_dropped", "max_hit_requests_per_step", "prompts_abandoned", "raw_abandoned",
+            "kv_init_gated")}
 
     @property
     def held_bytes(self) -> int:
@@ -170,17 +171,40 @@ class OmniPrefixCacheRunnerHooks:
     # ------------------------------------------------------------------ install
 
     def install(self) -> None:
-        """Wrap ``execute_model`` on the runner instance (idempotent)."""
+        """Wrap ``execute_model`` and ``initialize_kv_cache`` on the runner instance (idempotent).
+
+        The seed refuses an unsupported stage (hybrid or multi-group KV cache, KV transfer consumer,
+        speculative decoding, ...) at KV-cache init, not at the first step: ``initialize_kv_cache`` runs the
+        gate (``stage_prefix_cache_config``) after vLLM's own, and its ``PrefixCacheConfigError`` fails the
+        engine's start. Installed on a runner whose KV cache is already initialised (``omnishm_install``
+        after ``omnishm_shutdown``), the gate runs here and raises the same. The manager is still built on
+        the first real step.
+        """
         if self._orig_execute is not None:
             return
-        self._orig_execute = self.runner.execute_model  # bound method of the class
+        runner = self.runner
+        if getattr(runner, "kv_cache_config", None) is not None:
+            self._stage_config()  # raises for an unsupported stage before anything is wrapped
+        self._orig_execute = runner.execute_model  # bound method of the class
         hooks = weakref.proxy(self)
 
         def execute_model(scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
             return hooks.execute_model(scheduler_output, intermediate_tensors)
 
         execute_model.__omnishm_hooks__ = True  # type: ignore[attr-defined]
-        self.runner.execute_model = execute_model
+        runner.execute_model = execute_model
+        orig_init = getattr(runner, "initialize_kv_cache", None)
+        if orig_init is not None and not getattr(orig_init, "__omnishm_hooks__", False):
+
+            def initialize_kv_cache(*args: Any, **kwargs: Any) -> Any:
+                out = orig_init(*args, **kwargs)
+                if not kwargs.get("is_profiling", False):  # a GPU runner's minimal config for CUDA graph profiling
+                    hooks._stage_config()
+                    hooks.counters["kv_init_gated"] += 1
+                return out
+
+            initialize_kv_cache.__omnishm_hooks__ = True  # type: ignore[attr-defined]
+            runner.initialize_kv_cache = initialize_kv_cache
 
     def uninstall(self) -> dict[str, Any]:
         """Shut the manager down (flush, detach) and remove the wrapper; returns final stats. Idempotent."""
@@ -188,13 +212,24 @@ class OmniPrefixCacheRunnerHooks:
             if self.manager is not None:
                 self.manager.shutdown()
         finally:
-            if self._orig_execute is not None and getattr(self.runner.__dict__.get("execute_model"),
-                                                          "__omnishm_hooks__", False):
-                del self.runner.execute_model
+            for name in ("execute_model", "initialize_kv_cache"):
+                if getattr(self.runner.__dict__.get(name), "__omnishm_hooks__", False):
+                    del self.runner.__dict__[name]
             self._orig_execute = None
         return self.stats()
 
     # ------------------------------------------------------------------ engine thread
+
+    def _stage_config(self) -> PrefixCacheConfig | None:
+        """The gate on the runner's current KV-cache config: the cache's config, None when the stage runs no
+        cache (prefix caching off, pooling). Raises ``PrefixCacheConfigError`` for an unsupported stage."""
+        r = self.runner
+        vc = r.vllm_config
+        return stage_prefix_cache_config(
+            kv_cache_config=r.kv_cache_config, cache_config=r.cache_config,
+            kv_transfer_config=vc.kv_transfer_config, scheduler_config=vc.scheduler_config,
+            model_config=vc.model_config, is_pooling_model=bool(getattr(r, "is_pooling_model", False)),
+            speculative_config=vc.speculative_config, parallel_config=vc.parallel_config)
 
     def _ensure_manager(self) -> OmniPrefixCacheManager | None:
         """One-shot construction on the first real step (KV-cache config known then)."""
@@ -202,11 +237,7 @@ class OmniPrefixCacheRunnerHooks:
             return self.manager
         r = self.runner
         vc = r.vllm_config
-        cfg = stage_prefix_cache_config(
-            kv_cache_config=r.kv_cache_config, cache_config=r.cache_config,
-            kv_transfer_config=vc.kv_transfer_config, scheduler_config=vc.scheduler_config,
-            model_config=vc.model_config, is_pooling_model=bool(getattr(r, "is_pooling_model", False)),
-            speculative_config=vc.speculative_config, parallel_config=vc.parallel_config)
+        cfg = self._stage_config()
         if cfg is None:
             logger.info("omnishm: prefix caching is off (or a pooling stage); hooks pass through")
             self.disabled = True

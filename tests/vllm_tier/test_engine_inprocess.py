@@ -49,6 +49,7 @@ def test_prefix_hits_full_partial_and_batched(h):
     (of,) = h.generate([f], max_tokens=1)
     stats = h.rpc("omnishm_stats")
     assert stats["max_hit_requests_per_step"] >= 2, stats
+    assert stats["kv_init_gated"] == 1, stats  # the gate ran at vLLM's KV-cache init (the seed's rule)
     h.check(expect_hit=[*ids[:3], of.request_id],
             expect_cached={ids[0]: 96, ids[1]: 96, ids[2]: 64, ids[3]: 0, of.request_id: 128})
 
