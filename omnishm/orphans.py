@@ -20,7 +20,7 @@ import posix_ipc
 from omnishm.paths import default_runtime_dir, socket_path
 from omnishm.shm import (OWNER, SHM_DIR, CacheLock, cache_is_live, clients_attached, flock_within,
                          generation_owned, list_segments, lock_path, parse_segment_name, recorded_runtime_dir,
-                         segment_name, still_names, unlink_segment)
+                         segment_name, socket_in_use, socket_lock_path, still_names, unlink_segment)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,10 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
         for name in caches:
             if assume_dead and name == cache:
                 continue
-            removed += _remove_dead_runtime_files(runtime_dir, name)
+            if name.endswith(".sock"):  # ``<socket>.lock`` of an explicit endpoint here (no cache name has a dot)
+                removed += _remove_dead_socket(runtime_dir / name)
+            else:
+                removed += _remove_dead_runtime_files(runtime_dir, name)
     if removed:
         logger.info("swept %d orphaned omnishm object(s): %s", len(removed), ", ".join(removed))
     return removed
@@ -130,43 +133,88 @@ def _abandoned(runtime_dir: Path) -> bool:
     return not any(cache_is_live(runtime_dir, name) for name in locks)
 
 
+def _take_lock_file(path: Path, *, make: bool) -> tuple[int, bool] | None:
+    """``(fd, made)``: lock file ``path`` open and ``flock``ed by us (made for the purpose when missing and
+    ``make``), or None when a live process holds it, or it is missing (and not ``make``), or it was made or
+    replaced meanwhile. A lock on a file removed between our ``open`` and ``flock`` guards nothing, so the
+    path must still name it (``still_names``)."""
+    made = False
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        if not make:
+            return None
+        try:
+            fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), True
+        except OSError:
+            return None  # made meanwhile: a committer starting
+    except OSError:
+        return None  # a link, or not ours to open: not a lock we may take
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None  # live
+    if not still_names(path, fd):
+        os.close(fd)
+        return None  # replaced since the open: whoever made the new file owns it
+    return fd, made
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _remove_dead_socket(sock: Path) -> list[str]:
+    """A socket file nobody serves, removed under its own ``<socket>.lock`` (``socket_lock_path``), with that
+    lock file when it was a dead committer's.
+
+    The lock is the one a committer given ``sock`` as its explicit endpoint holds for its life, and takes
+    before it checks, unlinks and binds the socket: holding it, a sweep cannot unlink the new socket of a
+    committer starting there. It is made for the purpose when missing. A socket that answers a connect is
+    never removed, whoever serves it: a committer of another cache may have been given this path as its
+    endpoint (review: ``cleanup --name Y`` unlinked the live socket of a committer serving ``Y.sock``).
+    """
+    lock = socket_lock_path(sock)
+    taken = _take_lock_file(lock, make=os.path.lexists(sock))
+    if taken is None:
+        return []
+    fd, made = taken
+    removed: list[str] = []
+    try:
+        if os.path.lexists(sock) and not socket_in_use(sock) and _unlink(sock):
+            removed.append(str(sock))
+        if _unlink(lock) and not made:
+            removed.append(str(lock))
+    finally:
+        os.close(fd)
+    return removed
+
+
 def _remove_dead_runtime_files(runtime_dir: Path, cache: str) -> list[str]:
     """Socket and lock file of a cache whose committer is gone, removed while holding its lock.
 
     Holding the lock while unlinking means a committer starting meanwhile either
     waits for it or finds the file replaced (``CacheLock.acquire`` re-checks the
     inode): it never ends up locking a file that is already gone. The sweep makes
-    the same check: the file it opened may have been removed (a clean stop, another
-    sweep) and a new committer's made before its ``flock``, and a lock on a removed
-    file guards nothing. A socket with no lock file is swept under a lock file made
-    for the purpose, since a committer starting now makes its lock before its socket.
+    the same check (``_take_lock_file``). A socket with no lock file is swept under a
+    lock file made for the purpose, since a committer starting now makes its lock
+    before its socket. The socket itself goes by ``_remove_dead_socket``: it may be
+    another cache's committer's explicit endpoint.
     """
     lock, sock = lock_path(runtime_dir, cache), socket_path(runtime_dir, cache)
-    made = False
+    taken = _take_lock_file(lock, make=os.path.lexists(sock))
+    if taken is None:
+        return []
+    fd, made = taken
     try:
-        fd = os.open(lock, os.O_RDWR)
-    except FileNotFoundError:
-        if not sock.exists():
-            return []
-        try:
-            fd, made = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
-        except OSError:
-            return []  # made meanwhile: a committer starting
-    removed = []
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return []  # live
-        if not still_names(lock, fd):
-            return []  # replaced since the open: whoever made the new file owns it
-        for path in (sock, lock):
-            try:
-                path.unlink()
-                if not (made and path == lock):
-                    removed.append(str(path))
-            except FileNotFoundError:
-                pass
+        removed = _remove_dead_socket(sock)
+        if _unlink(lock) and not made:
+            removed.append(str(lock))
     finally:
         os.close(fd)
     return removed

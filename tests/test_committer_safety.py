@@ -534,3 +534,42 @@ def test_a_segment_name_someone_else_took_is_refused_as_taken_not_as_no_space(co
             seg.close()
     finally:
         writer.goodbye()
+
+
+def test_cleanup_of_a_name_never_unlinks_a_socket_another_caches_committer_serves(committer_factory):
+    """REVIEW (2026-12-05, stop 42, CLI): a committer may be given another cache's own socket path as its
+    explicit endpoint. ``omnishm cleanup --name Y`` found no committer holding Y's lock and unlinked
+    ``Y.sock``: the live committer serving it kept running and no new client could reach it. A socket that
+    answers a connect is never removed now, and the socket goes under its own ``<socket>.lock``."""
+    from conftest import RUNTIME_DIR, unique_cache_name, wait_ready
+
+    from omnishm import cli
+
+    sock = RUNTIME_DIR / f"{unique_cache_name('y')}.sock"
+    handle = committer_factory(*SLOW, "--endpoint", f"ipc://{sock}", wait=False)
+    handle.endpoint = f"ipc://{sock}"
+    wait_ready(handle)
+    removed = orphans.sweep(RUNTIME_DIR, sock.name[:-len(".sock")])
+    assert removed == [] and sock.exists(), removed
+    welcome = cli.admin_request(handle.name, handle.endpoint, None, 10.0)  # still reachable
+    assert welcome.committer_pid == handle.proc.pid
+
+
+def test_a_sweep_removes_a_killed_committers_explicit_endpoint_socket_in_the_runtime_dir(committer_factory):
+    """REVIEW (2026-12-05, stop 42, CLI): after a SIGKILL, the sweep read ``E.sock.lock`` (an explicit
+    endpoint's socket lock) as the lock of a cache named ``E.sock``, looked for ``E.sock.sock``, removed the
+    lock and left ``E.sock``, which nothing named any more. It removes the socket, then its lock."""
+    from conftest import RUNTIME_DIR, unique_cache_name, wait_ready
+
+    runtime_dir = RUNTIME_DIR
+    sock = runtime_dir / f"{unique_cache_name('ep')}.sock"
+    handle = committer_factory(*SLOW, "--endpoint", f"ipc://{sock}", wait=False)
+    handle.endpoint = f"ipc://{sock}"
+    wait_ready(handle)
+    assert orphans.sweep(runtime_dir) == [] and sock.exists()  # live: nothing of it goes
+    handle.proc.kill()
+    handle.proc.wait()
+    removed = orphans.sweep(runtime_dir)
+    lock = shm.socket_lock_path(sock)
+    assert str(sock) in removed and str(lock) in removed, removed
+    assert not os.path.lexists(sock) and not os.path.lexists(lock)
