@@ -271,3 +271,72 @@ def test_a_cumulative_counter_left_out_or_dropped_keeps_its_value(committer):
             assert me["counters"] == {"hit_tokens": 1000.0}, (counters, me["counters"])
     finally:
         raw.close()
+
+
+def test_held_connections_cannot_take_the_metrics_threads_or_fds_beyond_a_bound(monkeypatch):
+    """REVIEW (2026-12-05, stop 42, metrics): the metrics port is reachable by every local user. A client
+    trickling a header byte every few seconds passed each read's timeout and kept its thread and fd for good;
+    a few hundred such connections took a committer to its fd limit, and libzmq aborted it (SIGABRT) at its
+    next accept. At most ``HTTP_MAX_CONNECTIONS`` are served at once (more are closed at accept), and each
+    lives at most ``HTTP_TIMEOUT_S`` (1 s in the second part), however it trickles."""
+    import threading
+    from types import SimpleNamespace
+
+    from omnishm.committer import metrics
+
+    stub = SimpleNamespace(cfg=SimpleNamespace(name="stub"), stopping=False, stop_reason="",
+                           pool=SimpleNamespace(keys={}))
+    obs = metrics.Observability(stub, tick_s=1.0)
+    obs.tick(time.monotonic())
+
+    def held(port: int, n: int) -> list[socket.socket]:
+        conns = []
+        for _ in range(n):
+            c = socket.create_connection(("127.0.0.1", port), timeout=5)
+            c.sendall(b"GET /health HTTP/1.1\r\n")  # never ends its headers
+            conns.append(c)
+        return conns
+
+    def cut(c: socket.socket) -> bool:
+        try:
+            c.sendall(b"X")  # a header byte now and then: each read's timeout alone never fires
+            c.settimeout(0.01)
+            return c.recv(1) == b""
+        except TimeoutError:
+            return False
+        except OSError:  # reset
+            return True
+
+    port = free_port()
+    exporter = metrics.MetricsExporter(obs, "127.0.0.1", port)
+    threads_before = threading.active_count()
+    conns = held(port, metrics.HTTP_MAX_CONNECTIONS + 8)
+    try:
+        deadline = time.monotonic() + 10
+        while exporter.server.refused < 8:  # the surplus is closed at accept
+            assert time.monotonic() < deadline, exporter.server.refused
+            time.sleep(0.02)
+        assert threading.active_count() <= threads_before + metrics.HTTP_MAX_CONNECTIONS
+        assert sum(cut(c) for c in conns) == 8  # the others are still served (their 10 s are not up)
+    finally:
+        for c in conns:
+            c.close()
+        exporter.close()
+
+    monkeypatch.setattr(metrics, "HTTP_TIMEOUT_S", 1.0)
+    port = free_port()
+    exporter = metrics.MetricsExporter(obs, "127.0.0.1", port)
+    conns = held(port, 4)
+    try:
+        t0 = time.monotonic()
+        alive = list(conns)
+        while alive:
+            assert time.monotonic() - t0 < 10, f"{len(alive)} of {len(conns)} connections live after 10 s"
+            alive = [c for c in alive if not cut(c)]
+            time.sleep(0.2)
+        assert time.monotonic() - t0 >= 0.8  # cut by the deadline, not at once
+        assert get(f"http://127.0.0.1:{port}/health")[0] == 200
+    finally:
+        for c in conns:
+            c.close()
+        exporter.close()

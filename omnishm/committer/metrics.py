@@ -11,7 +11,8 @@ Threads and ownership
   second, else uses the previous one; it also reads the few live floats (last
   tick, queue gauges) and the write-latency histogram (``prometheus_client``
   metrics carry their own lock). A scrape never blocks the loop, and a stuck
-  loop shows as 503. Connections idle for ``HTTP_TIMEOUT_S`` are closed, and
+  loop shows as 503. A connection lives at most ``HTTP_TIMEOUT_S``, at most
+  ``HTTP_MAX_CONNECTIONS`` are served at once (more are closed at accept), and
   broken ones are logged at debug level, not as tracebacks.
 
 ``prometheus_client`` is optional: it is imported only when metrics are on
@@ -21,6 +22,7 @@ Threads and ownership
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import socket
@@ -66,6 +68,11 @@ CLIENT_GAUGES: dict[str, str] = {
 }
 RETAIN_DEPARTED_IDS = 1024
 HTTP_TIMEOUT_S = 10.0
+"""The most one HTTP connection lives, whatever it sends: a client trickling one header byte a few seconds
+apart passed every per-read timeout and kept its thread and fd for good (review: held connections took a
+committer to its fd limit, and libzmq aborted it at its next accept)."""
+HTTP_MAX_CONNECTIONS = 16
+"""Connections served at once; more are closed as soon as they are accepted (scrapers need one or two)."""
 MAX_COUNTER_NAME = 64
 """Longer client counter names are dropped on arrival (they are kept per departed client, 1024 of them)."""
 
@@ -390,8 +397,67 @@ class MetricsExporter:
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """At most ``HTTP_MAX_CONNECTIONS`` connections, each for at most ``HTTP_TIMEOUT_S``: the metrics port is
+    reachable by every local user (the ipc socket only by ours), and neither its threads nor its fds may grow
+    with what they do. The serving thread enforces both (``process_request``, ``service_actions``); handler
+    threads only take their connection out of ``_open`` when done. ``_lock`` guards ``_open``."""
+
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 64  # socketserver's 5 dropped SYNs of a burst of scrapes: a 1 s retransmit each
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, float] = {}
+        """Connection -> when it is cut (monotonic)."""
+        self.refused = 0
+        """Connections closed at accept because ``HTTP_MAX_CONNECTIONS`` were open."""
+        super().__init__(*args, **kwargs)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                # The listener stays readable: without a pause this thread spun on accept, a core and the GIL.
+                time.sleep(0.1)
+            raise
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            full = len(self._open) >= HTTP_MAX_CONNECTIONS
+            if not full:
+                self._open[request] = time.monotonic() + HTTP_TIMEOUT_S
+        if full:
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread could be started: the connection is ours to close
+            with self._lock:
+                self._open.pop(request, None)
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self._open.pop(request, None)
+
+    def service_actions(self) -> None:
+        """Serving thread, between polls: cut connections past their deadline (their handler's read or write
+        then ends, and its thread closes the socket)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [conn for conn, cut_at in self._open.items() if cut_at <= now]
+        for conn in late:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
 
     def handle_error(self, request, client_address) -> None:
         # A scraper that hangs up mid-reply is not the committer's error: no traceback in its log.
