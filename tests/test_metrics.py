@@ -141,6 +141,26 @@ def test_client_counter_totals_survive_departures_and_rehello():
     assert t.totals()["writer"] == {"steps_saved": 6.0}
 
 
+def test_a_client_back_after_a_thousand_others_left_is_counted_once():
+    """REVIEW (2026-12-05, stop 42, metrics): a departed client's values were folded into the role total once
+    1024 others had left after it, and a client coming back with its id (a reader reaped after a stall, then
+    resumed) reported its cumulative values again: 100 + 1024 counted as 1224."""
+    from omnishm.committer.metrics import RETAIN_DEPARTED_IDS
+
+    t = ClientCounterTotals()
+    t.heartbeat("x", "reader", {"steps_saved": 100})
+    t.departed("x")
+    for i in range(RETAIN_DEPARTED_IDS):
+        t.heartbeat(f"r{i}", "reader", {"steps_saved": 1})
+        t.departed(f"r{i}")
+    assert t.totals()["reader"] == {"steps_saved": 100.0 + RETAIN_DEPARTED_IDS}
+    t.heartbeat("x", "reader", {"steps_saved": 100})  # back: the same cumulative value
+    assert t.totals()["reader"] == {"steps_saved": 100.0 + RETAIN_DEPARTED_IDS}
+    t.heartbeat("x", "reader", {"steps_saved": 103})
+    t.departed("x")
+    assert t.totals()["reader"] == {"steps_saved": 103.0 + RETAIN_DEPARTED_IDS}
+
+
 def test_throughput_ring_reports_recent_rates():
     ring = ThroughputRing(sample_s=1.0, window_s=10.0)
     for i in range(30):

@@ -67,6 +67,9 @@ CLIENT_GAUGES: dict[str, str] = {
     "staging_pages_in_use": "staging pages held by unconsumed steps (latest heartbeat of each live client)",
 }
 RETAIN_DEPARTED_IDS = 1024
+RETAIN_FOLDED_IDS = 4096
+"""Departed clients remembered after their values were folded into the role totals, so that one coming back
+counts once (as many as the committer remembers reaped clients: ``Sessions.mark_reaped``)."""
 HTTP_TIMEOUT_S = 10.0
 """The most one HTTP connection lives, whatever it sends: a client trickling one header byte a few seconds
 apart passed every per-read timeout and kept its thread and fd for good (review: held connections took a
@@ -125,17 +128,30 @@ class ClientCounterTotals:
 
     A heartbeat carries a client's cumulative values; the latest per live
     client counts, and a departed client's last values move into a per-role
-    retained total. A client that comes back with the same id (re-hello)
-    supersedes its departed entry, so it is not counted twice. Loop thread only.
+    retained total. A client that comes back with the same id (re-hello, a
+    resume after it was reaped) supersedes its departed entry, so it is not
+    counted twice: the last ``RETAIN_DEPARTED_IDS`` departed clients are kept
+    whole, and the ``RETAIN_FOLDED_IDS`` before them by what they added to the
+    retained total, which a return takes out again (review: a client back
+    after 1024 others had left was counted twice). Loop thread only.
     """
 
     live: dict[str, tuple[str, dict[str, float]]] = field(default_factory=dict)
     departed_ids: collections.OrderedDict[str, tuple[str, dict[str, float]]] = field(
         default_factory=collections.OrderedDict)
     retained: dict[str, dict[str, float]] = field(default_factory=dict)
+    folded: collections.OrderedDict[str, tuple[str, dict[str, float]]] = field(
+        default_factory=collections.OrderedDict)
+    """Client id -> (role, what it added to ``retained``), the latest ``RETAIN_FOLDED_IDS`` folded."""
 
     def heartbeat(self, client_id: str, role: str, counters: dict[str, float]) -> None:
         self.departed_ids.pop(client_id, None)
+        back = self.folded.pop(client_id, None)
+        if back is not None:  # its cumulative values come again: take out what it left behind
+            old_role, added = back
+            bucket = self.retained.get(old_role, {})
+            for name, value in added.items():
+                bucket[name] = bucket.get(name, 0.0) - value
         self.live[client_id] = (role, dict(counters))
 
     def departed(self, client_id: str) -> None:
@@ -144,11 +160,14 @@ class ClientCounterTotals:
             return
         self.departed_ids[client_id] = entry
         while len(self.departed_ids) > RETAIN_DEPARTED_IDS:  # fold the oldest into the role total
-            _, (role, counters) = self.departed_ids.popitem(last=False)
+            gone, (role, counters) = self.departed_ids.popitem(last=False)
             bucket = self.retained.setdefault(role, {})
-            for name, value in counters.items():
-                if name in CLIENT_COUNTERS:
-                    bucket[name] = bucket.get(name, 0.0) + float(value)
+            added = {name: float(value) for name, value in counters.items() if name in CLIENT_COUNTERS}
+            for name, value in added.items():
+                bucket[name] = bucket.get(name, 0.0) + value
+            self.folded[gone] = (role, added)
+            while len(self.folded) > RETAIN_FOLDED_IDS:
+                self.folded.popitem(last=False)
 
     def totals(self) -> dict[str, dict[str, float]]:
         """role -> counter -> live sum + departed (cumulative counters only)."""
