@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from omnishm import paths
-from omnishm.interface import MAX_TIMEOUT_S  # standard library only
+from omnishm import config as knobs  # standard library only
 
 # Subcommands that live in other modules: name -> (module, help). The module is
 # imported only when its subcommand runs; it provides ``cli_main(args) -> int``
@@ -47,7 +47,6 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str, Path]:
 
     Same runtime-dir and socket rules as everywhere (``omnishm.paths``), without importing torch.
     """
-    from omnishm import config as knobs
 
     flags = {k: getattr(args, k, None) for k in TARGET_KNOBS}
     r = knobs.resolve("both", flags, config_file=getattr(args, "config", None), names=TARGET_KNOBS)
@@ -69,6 +68,7 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
     """
     import time
 
+    import msgspec
     import zmq
 
     from omnishm import protocol
@@ -84,6 +84,9 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         except PermissionError as exc:  # another user's runtime dir (0700): a traceback said so before
             raise CommitterUnavailable(f"cannot reach the socket of cache {name!r} at {path}: {exc.strerror} (a "
                                        f"directory of another user? each user's committers are their own)") from None
+        except OSError as exc:  # a file where a directory should be, a symlink loop, a name too long
+            raise CommitterUnavailable(f"cannot reach the socket of cache {name!r} at {path}: "
+                                       f"{exc.strerror or exc}") from None
         if not path.exists():
             held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name)) if runtime_dir is not None else None
             if held is not None and shm.cache_is_live(runtime_dir, name):  # started with another --endpoint
@@ -114,7 +117,11 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not sock.poll(int(remaining * 1000), zmq.POLLIN):
             raise CommitterUnavailable(f"no committer for cache {name!r} answered on {endpoint} within {timeout_s}s")
-        return protocol.reply_decoder.decode(sock.recv())
+        try:
+            return protocol.reply_decoder.decode(sock.recv())
+        except msgspec.MsgspecError as exc:  # another service at the endpoint, or another protocol's committer
+            raise CommitterUnavailable(f"what answered on {endpoint} is not an omnishm committer of protocol "
+                                       f"{protocol.PROTOCOL_VERSION} ({exc})") from None
 
     try:
         sock.connect(endpoint)
@@ -221,7 +228,6 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    from omnishm import config as knobs
     from omnishm import orphans, shm
 
     try:  # the runtime dir by the same rules as the committer's: flag > OMNISHM_* > config file > default
@@ -241,6 +247,9 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         print(f"omnishm cleanup: {exc.filename or r['runtime_dir']}: {exc.strerror or exc} (a directory of another "
               f"user? cleanup removes only what is ours)", file=sys.stderr)
         return 1
+    except OSError as exc:  # a file where the directory should be, a symlink loop, a name too long
+        print(f"omnishm cleanup: {exc.filename or r['runtime_dir']}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     for name in removed:
         print(f"removed {name}")
     print(f"{len(removed)} orphaned object(s) removed" + (f" for cache {args.name}" if args.name else ""))
@@ -253,24 +262,13 @@ def cmd_committer(args: argparse.Namespace) -> int:
     return committer_main(args.committer_argv)
 
 
-def _positive_float(text: str) -> float:
-    """Seconds of a wait: a ZeroMQ poll of ``inf`` (or 1e300) s raised OverflowError, a traceback."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be > 0 and <= {MAX_TIMEOUT_S:g}, got {text!r}")
-    return value
-
-
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="cache name (env OMNISHM_NAME; default: default)")
     p.add_argument("--runtime-dir", default=None, help="env OMNISHM_RUNTIME_DIR")
     p.add_argument("--endpoint", default=None,
                    help="committer endpoint (env OMNISHM_ENDPOINT; default ipc://RUNTIME_DIR/NAME.sock)")
     p.add_argument("--config", metavar="FILE", default=None, help="TOML file of knobs (default: $OMNISHM_CONFIG)")
-    p.add_argument("--timeout-s", type=_positive_float, default=3.0,
+    p.add_argument("--timeout-s", type=knobs.seconds_argument, default=3.0,
                    help="give up after this many seconds (default: %(default)s)")
 
 

@@ -286,7 +286,7 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
             data = tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read it: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8: tomllib raises the latter
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
     for key in data:
         if key not in BY_NAME:
@@ -357,6 +357,19 @@ def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
 
 
 # ---------------------------------------------------------------- argparse
+
+
+def seconds_argument(text: str) -> float:
+    """argparse type of a wait's seconds outside the knobs (``ping --timeout-s``, ``demo --timeout-s``): > 0
+    and <= ``MAX_TIMEOUT_S``. A ZeroMQ poll of ``inf`` (or 1e300) s raised OverflowError, a process join of
+    ``inf`` too, and ``nan`` or a negative wait ran the demo only to report every rank timed out."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= {MAX_TIMEOUT_S:g}, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser, scope: str, *, config_flag: bool = True) -> None:

@@ -281,3 +281,54 @@ def test_ping_refuses_a_socket_of_another_user_in_a_shared_directory(capsys, tmp
         stop.set()
         thread.join()
         fake.close()
+
+
+@pytest.mark.parametrize("kind", ["file", "loop", "long"])
+def test_ping_status_and_cleanup_of_a_runtime_dir_that_cannot_be_one_say_so_without_a_traceback(capsys, tmp_path,
+                                                                                                kind):
+    """REVIEW (2026-12-05, stop 42, CLI): a runtime dir that is a file, a symlink loop or a name too long ended
+    ``ping``, ``status`` and ``cleanup`` in a NotADirectoryError or OSError traceback."""
+    if kind == "file":
+        bad = tmp_path / "a-file"
+        bad.write_text("x")
+    elif kind == "loop":
+        bad = tmp_path / "loop"
+        os.symlink(bad, bad)
+    else:
+        bad = tmp_path / ("a" * 300)
+    for cmd in ("ping", "status", "cleanup"):
+        code, out, err = run(capsys, cmd, "--runtime-dir", str(bad), *(("--timeout-s", "1") if cmd != "cleanup" else ()))
+        if cmd == "cleanup" and kind != "long":  # no runtime dir there to sweep: the segments are swept still
+            assert code == 0 and "0 orphaned object(s) removed" in out, (out, err)
+        else:
+            assert code == 1 and f"omnishm {cmd}: " in err and "Traceback" not in err, (cmd, err)
+
+
+def test_ping_says_what_answered_is_not_an_omnishm_committer(capsys, tmp_path):
+    """REVIEW (2026-12-05, stop 42, CLI): a reply that is not an omnishm message (another ZeroMQ service at the
+    endpoint, or a committer of another protocol) ended ping and status in a msgspec ValidationError traceback."""
+    import threading
+
+    import zmq
+
+    sock_dir = tmp_path / "socks"
+    sock_dir.mkdir(mode=0o700)
+    endpoint = f"ipc://{sock_dir}/other.sock"
+    ctx = zmq.Context.instance()
+    other = ctx.socket(zmq.ROUTER)
+    other.setsockopt(zmq.LINGER, 0)
+    other.bind(endpoint)
+
+    def answer() -> None:
+        if other.poll(10_000):
+            ident, _ = other.recv_multipart()
+            other.send_multipart([ident, b"\x93\x01\x02\x03"])  # msgpack, but no omnishm reply
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        code, out, err = run(capsys, "ping", "--name", "other", "--endpoint", endpoint, "--timeout-s", "10")
+        assert code == 1 and "is not an omnishm committer of protocol" in err and "Traceback" not in err, err
+    finally:
+        thread.join()
+        other.close()

@@ -101,6 +101,15 @@ def test_bad_values_raise_clear_errors(tmp_path, flags, env, file_text, message)
     assert message in str(exc.value)
 
 
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    """REVIEW (2026-12-05, stop 42, CLI): tomllib raises UnicodeDecodeError for bytes that are not UTF-8, and every
+    command ended in a traceback (exit 1, not 2)."""
+    path = tmp_path / "omnishm.toml"
+    path.write_bytes(b'name = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        knobs.resolve("both", {}, env={"OMNISHM_CONFIG": str(path)})
+
+
 def test_a_bad_file_value_is_reported_even_when_env_overrides_it(tmp_path):
     env = {"OMNISHM_CONFIG": str(write(tmp_path, "staging_depth = -1\n")), "OMNISHM_STAGING_DEPTH": "4"}
     with pytest.raises(ConfigError, match="staging_depth = -1"):

@@ -133,6 +133,17 @@ def test_a_duration_the_timeout_would_cut_short_stops_the_demo_before_it_starts_
     assert not shm.list_segments(name) and not list(RUNTIME_DIR.glob(f"{name}.*"))
 
 
+@pytest.mark.parametrize("timeout", ["inf", "nan", "0", "-1"])
+def test_a_timeout_no_wait_can_take_is_refused_as_an_option(timeout):
+    """REVIEW (2026-12-05, stop 42, CLI): ``demo --timeout-s inf`` ran the whole demo and died in a process
+    join's OverflowError, nan in a ValueError, and 0 or -1 ran it only to report every rank timed out."""
+    from omnishm import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--timeout-s", timeout])
+    assert exc.value.code == 2
+
+
 def test_a_cache_too_small_for_the_longest_request_stops_the_demo_before_it_starts_anything():
     """SOAK (2026-12-02): with fewer KV blocks than the sim's longest request needs, that request is never
     scheduled in full and the ranks ran 0-token steps for good (1.19M of them in one run)."""

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from omnishm import shm
-from omnishm.config import ConfigError, manager_connection
+from omnishm.config import ConfigError, manager_connection, seconds_argument
 from omnishm.demo.launch import InterruptOnce, RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
 
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "later, with a hit on its own cached blocks)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="save the outputs from this device (cuda: copy stream, events, pinned staging)")
-    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--timeout-s", type=seconds_argument, default=600.0)
     parser.add_argument("--json", action="store_true", help="print the final table as JSON")
 
 
