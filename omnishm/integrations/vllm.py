@@ -156,6 +156,7 @@ class OmniPrefixCacheRunnerHooks:
         self._adapter = PrefixCacheSchedulerAdapter()
         self._block_size = 0
         self._orig_execute: Any = None
+        self._orig_init_kv: Any = None
         self._prompts: dict[ReqId, _PromptRows] = {}
         self._raw: dict[ReqId, _PromptRows] = {}
         self.counters: dict[str, int] = {k: 0 for k in (
@@ -195,9 +196,10 @@ class OmniPrefixCacheRunnerHooks:
         runner.execute_model = execute_model
         orig_init = getattr(runner, "initialize_kv_cache", None)
         if orig_init is not None and not getattr(orig_init, "__omnishm_hooks__", False):
+            self._orig_init_kv = orig_init  # held here, as execute_model's: the wrapper keeps no runner alive
 
             def initialize_kv_cache(*args: Any, **kwargs: Any) -> Any:
-                out = orig_init(*args, **kwargs)
+                out = hooks._orig_init_kv(*args, **kwargs)
                 if not kwargs.get("is_profiling", False):  # a GPU runner's minimal config for CUDA graph profiling
                     hooks._stage_config()
                     hooks.counters["kv_init_gated"] += 1
@@ -215,7 +217,7 @@ class OmniPrefixCacheRunnerHooks:
             for name in ("execute_model", "initialize_kv_cache"):
                 if getattr(self.runner.__dict__.get(name), "__omnishm_hooks__", False):
                     del self.runner.__dict__[name]
-            self._orig_execute = None
+            self._orig_execute = self._orig_init_kv = None
         return self.stats()
 
     # ------------------------------------------------------------------ engine thread
