@@ -19,7 +19,7 @@ import posix_ipc
 
 from omnishm.paths import default_runtime_dir, socket_path
 from omnishm.shm import (OWNER, SHM_DIR, CacheLock, cache_is_live, clients_attached, flock_within,
-                         generation_owned, list_segments, lock_path, parse_segment_name, recorded_runtime_dir,
+                         generation_owned, is_cache_name, list_segments, lock_path, parse_segment_name, recorded_runtime_dir,
                          segment_name, socket_in_use, socket_lock_path, still_names, unlink_segment)
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,13 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
             if assume_dead and name == cache:
                 continue
             if name.endswith(".sock"):  # ``<socket>.lock`` of an explicit endpoint here (no cache name has a dot)
-                removed += _remove_dead_socket(runtime_dir / name)
+                stem = name[:-len(".sock")]
+                if is_cache_name(stem):
+                    # Also cache ``stem``'s own socket, which its committer guards with the cache lock alone:
+                    # under the socket lock only, a sweep removed the socket that committer had just bound.
+                    removed += _remove_dead_runtime_files(runtime_dir, stem)
+                else:
+                    removed += _remove_dead_socket(runtime_dir / name)
             else:
                 removed += _remove_dead_runtime_files(runtime_dir, name)
     if removed:

@@ -53,9 +53,14 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11
 PAGE = mmap.PAGESIZE
 
 
+def is_cache_name(cache: object) -> bool:
+    """Whether ``cache`` is a valid cache name (``check_cache_name``)."""
+    return isinstance(cache, str) and _NAME_RE.match(cache) is not None
+
+
 def check_cache_name(cache: str) -> str:
     """Cache names go into file and segment names: letters, digits, ``_`` and ``-``."""
-    if not isinstance(cache, str) or not _NAME_RE.match(cache):
+    if not is_cache_name(cache):
         raise ValueError(f"invalid cache name {cache!r}: use 1-64 letters, digits, '_' or '-'")
     return cache
 

@@ -573,3 +573,44 @@ def test_a_sweep_removes_a_killed_committers_explicit_endpoint_socket_in_the_run
     lock = shm.socket_lock_path(sock)
     assert str(sock) in removed and str(lock) in removed, removed
     assert not os.path.lexists(sock) and not os.path.lexists(lock)
+
+
+def test_a_sweep_removes_a_dead_endpoints_socket_under_the_lock_of_the_cache_whose_own_socket_it_is(
+        committer_factory, monkeypatch):
+    """REVIEW (2026-12-05, stop 42, this stop's diff): a killed committer given ``ipc://RUNTIME_DIR/Y.sock``
+    leaves ``Y.sock`` and ``Y.sock.lock``. The sweep removed that socket under ``Y.sock.lock`` alone, but
+    ``Y.sock`` is also cache Y's own socket, which Y's committer guards with ``Y.lock`` alone: a sweep paused
+    between its probe and its unlink removed the socket Y had just bound. The sweep holds ``Y.lock`` too."""
+    import threading
+
+    from conftest import RUNTIME_DIR, unique_cache_name, wait_ready
+
+    y = unique_cache_name("y")
+    sock = RUNTIME_DIR / f"{y}.sock"
+    handle = committer_factory(*SLOW, "--endpoint", f"ipc://{sock}", wait=False)
+    handle.endpoint = f"ipc://{sock}"
+    wait_ready(handle)
+    handle.proc.kill()
+    handle.proc.wait()
+    real_probe = orphans.socket_in_use
+    lock_held_by_the_sweep: list[bool] = []
+
+    def probe(path):
+        if path == sock:  # the sweep's probe: does it hold Y's cache lock here, where Y would unlink and bind?
+            fd = os.open(shm.lock_path(RUNTIME_DIR, y), os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock_held_by_the_sweep.append(False)
+            except BlockingIOError:  # flock conflicts between open file descriptions, threads alike
+                lock_held_by_the_sweep.append(True)
+            finally:
+                os.close(fd)
+        return real_probe(path)
+
+    monkeypatch.setattr(orphans, "socket_in_use", probe)
+    sweeper = threading.Thread(target=orphans.sweep, args=(RUNTIME_DIR,))
+    sweeper.start()
+    sweeper.join(30)
+    assert lock_held_by_the_sweep == [True]
+    assert not os.path.lexists(sock) and not os.path.lexists(shm.socket_lock_path(sock))
+    assert not os.path.lexists(shm.lock_path(RUNTIME_DIR, y))  # made for the purpose, and removed

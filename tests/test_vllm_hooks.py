@@ -355,6 +355,13 @@ def test_the_hooks_refuse_an_unsupported_stage_at_kv_cache_init(committer, monke
     with pytest.raises(PrefixCacheConfigError, match="needs exactly one KV-cache group"):
         OmniPrefixCacheRunnerHooks(hybrid, cache=committer.name).install()  # KV cache already initialised
     assert "execute_model" not in vars(hybrid)  # nothing was wrapped
+    # Through the worker extension (review of the real engine): a refused install kept its hooks, which then
+    # reported stats as installed and took the place of a later install's.
+    worker = _Worker()
+    worker.__dict__["_omnishm_model_runner"] = hybrid
+    with pytest.raises(PrefixCacheConfigError):
+        worker.omnishm_install()
+    assert worker.omnishm_stats() == {"held_bytes": 0, "results_dropped": 0}  # what a worker without hooks says
 
     runner = Runner()
     cfg = runner.kv_cache_config

@@ -457,11 +457,13 @@ class OmniPrefixCacheWorkerExtension:
         if runner is None:
             return False
         hooks = self._omnishm_hooks_or_none()
-        if hooks is None or hooks.runner is not runner:
-            hooks = OmniPrefixCacheRunnerHooks(runner, cache=cache, held=self._omnishm_held())
-            self.__dict__["_omnishm_hooks"] = hooks
-            atexit.register(_shutdown_quietly, weakref.ref(hooks))
-        hooks.install()
+        if hooks is not None and hooks.runner is runner:
+            hooks.install()
+            return True
+        hooks = OmniPrefixCacheRunnerHooks(runner, cache=cache, held=self._omnishm_held())
+        hooks.install()  # the gate may refuse (KV cache initialised already): then nothing is kept (review)
+        self.__dict__["_omnishm_hooks"] = hooks
+        atexit.register(_shutdown_quietly, weakref.ref(hooks))
         return True
 
     def omnishm_shutdown(self) -> dict[str, Any]:
