@@ -129,3 +129,27 @@ def test_device_tensors_nested_in_a_leftover_value_come_back_on_the_host_exact(c
         value = w.materialize(sid, ["a"]).mm_outputs["a"]["nested"]
         assert value[0].device.type == "cpu" and value[1]["x"].device.type == "cpu"
         assert torch.equal(value[0], torch.arange(5.0)) and torch.equal(value[1]["x"], torch.arange(5.0))
+
+
+def test_a_permuted_deferred_device_key_comes_back_exact(committer):
+    """REVIEW (2026-12-05, stop 42): a dense, non-contiguous device key (a permuted head output) was frozen as
+    a strided clone and reshaped by a second clone after the freeze event, which the flusher's copy and the
+    reads did not wait. ``CudaOps.freeze`` is contiguous now (test_device_order.py checks it on CPU)."""
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as m:
+        m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat3"})))
+        m.new_step_starts([started("a", [0, 1])])
+        h, mm, layout, n, pad = build([Part("a", 1, [0, 1], 0, 8)], BS)
+        big = torch.randn(n, 64, 256, device="cuda")
+        feat3 = big.permute(0, 2, 1)  # (n, 256, 64): dense, not contiguous
+        torch.cuda._sleep(50_000_000)  # a busy engine stream: a copy not fenced would read ahead of it
+        sid = m.save_outputs(h.cuda(), {"feat3": feat3}, num_tokens_unpadded=n, num_tokens_padded=pad,
+                             write_layout=layout)
+        out = m.materialize(sid, ["a"])
+        assert torch.equal(out.mm_outputs["a"]["feat3"], feat3.cpu())
+        m.new_step_starts([finished("a"), started("b", [0, 1, 2], hit=8)])
+        h2, _, layout2, n2, pad2 = build([Part("b", 1, [0, 1, 2], 8, 1)], BS)
+        sid = m.save_outputs(h2.cuda(), {"feat3": torch.zeros(n2, 256, 64, device="cuda")},
+                             num_tokens_unpadded=n2, num_tokens_padded=pad2, write_layout=layout2)
+        out = m.materialize(sid, ["b"])  # the hit reads the deferred rows the flusher wrote to the pool
+        assert torch.equal(out.mm_outputs["b"]["feat3"][:8], feat3.cpu())

@@ -51,6 +51,8 @@ class FakeOps:
         self.log: list = []
         self.events: list[FakeEvent] = []
         self.auto = False
+        self.frozen: list[torch.Tensor] = []
+        self.drained = True
 
     def _event(self, name: str) -> FakeEvent:
         e = FakeEvent(name, self.log)
@@ -61,7 +63,9 @@ class FakeOps:
 
     def freeze(self, t):
         self.log.append(("freeze", threading.current_thread().name))
-        return t.clone()
+        out = t.clone(memory_format=torch.contiguous_format)  # as CudaOps.freeze
+        self.frozen.append(out)
+        return out
 
     def record_freeze(self):
         return self._event("freeze")
@@ -78,6 +82,10 @@ class FakeOps:
 
     def leftover(self, value):
         return value.clone(), self._event("leftover")
+
+    def drain(self, timeout_s):
+        self.log.append(("drain", self.drained))
+        return self.drained
 
 
 def config(**kw) -> PrefixCacheConfig:
@@ -410,3 +418,76 @@ def test_tensors_nested_in_a_leftover_value_go_through_the_device_copy_and_mater
         value = got["out"].mm_outputs["a"]["nested"]
         assert torch.equal(value[0], torch.arange(3.0)) and value[1]["x"] is value[0]
         assert torch.equal(value[1]["y"], torch.ones(2)) and value[2] == {"n": [1, 2]}
+
+
+def test_a_device_freeze_is_contiguous_so_the_steps_rows_are_views_of_it(committer):
+    """REVIEW (2026-12-05, stop 42, CUDA path): ``CudaOps.freeze`` was ``clone()``, which keeps the strides of a
+    dense tensor (a permuted head output). The manager's reshape of a deferred key to (n, width) was then a
+    second clone, made on the engine's stream after the freeze event: the flusher's copy and materialize's
+    reads wait that event only, and could read the rows before they were written. The freeze is contiguous
+    now, and the step's rows are views of it."""
+    permuted = torch.arange(24, dtype=torch.float32).reshape(4, 2, 3).permute(0, 2, 1)
+    frozen = CudaOps.freeze(None, permuted)  # the real method: it uses nothing CUDA-only
+    assert frozen.is_contiguous() and torch.equal(frozen, permuted)
+    ops = FakeOps()
+    ops.auto = True
+    with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, device_ops=ops) as m:
+        m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat3"})))
+        m.new_step_starts([started("a", [0, 1])])
+        h, mm, layout, n, pad = build([Part("a", 1, [0, 1], 0, 8)], BS)
+        mm["feat3"] = torch.arange(n * 6, dtype=torch.float32).reshape(n, 2, 3).permute(0, 2, 1)
+        sid = m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
+        rows3 = m._ctxs[sid].step_rows["feat3"]
+        assert any(rows3.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in ops.frozen)
+        out = m.materialize(sid, ["a"])
+        assert torch.equal(out.mm_outputs["a"]["feat3"], mm["feat3"])
+
+
+def test_device_ops_are_chosen_once_a_step_has_device_tensors_after_host_only_steps(committer, monkeypatch):
+    """REVIEW (2026-12-05, stop 42, CUDA path): the ops were chosen for good from the first step with any
+    tensor. A first step of host tensors only (a CPU leftover beside hidden states not cached, say) kept CPU
+    ops for good: every later step's device rows were copied on the engine thread, without a freeze clone.
+    CPU ops are chosen again at each step until one has device tensors (stood in for here by marked ones)."""
+    cuda_like = FakeOps()
+    cuda_like.auto = True
+    on_device: set[int] = set()
+
+    def ops_for(tensors):
+        return cuda_like if any(id(t) in on_device for t in tensors) else CpuOps()
+
+    monkeypatch.setattr(manager_module, "ops_for", ops_for)
+    with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False) as m:
+        m.new_step_starts([started("r0", [0])])
+        m.discard_step(save(m, [Part("r0", 1, [0], 0, 4)], BS))
+        assert isinstance(m._ops, CpuOps) and cuda_like.log == []
+        m.new_step_starts([started("r1", [1])])
+        h, mm, layout, n, pad = build([Part("r1", 1, [1], 0, 4)], BS)
+        on_device.add(id(h))
+        out = m.materialize(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad,
+                                           write_layout=layout), ["r1"])
+        assert torch.equal(out.hidden_states["r1"], rows(1, range(4)))
+        assert m._ops is cuda_like and ("freeze", "MainThread") in cuda_like.log
+
+
+@pytest.mark.parametrize("drained", [True, False])
+def test_shutdown_unregisters_the_staging_only_once_the_copies_ran(committer, drained):
+    """REVIEW (2026-12-05, stop 42, CUDA path): shutdown unregistered the pinned staging with a copy into it
+    possibly still queued (a step abandoned after its copy was issued): undefined in CUDA. It drains the
+    ops' streams first, and leaves the staging registered (logged) when they do not drain in time."""
+    ops = FakeOps()
+    ops.auto = True
+    ops.drained = drained
+    unregistered: list[int] = []
+
+    class Registration:
+        def unregister(self) -> None:
+            unregistered.append(len(ops.log))
+
+    m = OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, device_ops=ops)
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m._registrations.append(Registration())  # what a key opened with device rows registers
+    m.shutdown()
+    drains = [i for i, e in enumerate(ops.log) if e[0] == "drain"]
+    assert len(drains) == 1
+    assert unregistered == ([drains[0] + 1] if drained else []) and m._registrations == []

@@ -33,6 +33,7 @@ import copy
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
@@ -73,7 +74,11 @@ class DeviceOps(Protocol):
 
     is_cuda: bool
 
-    def freeze(self, rows: torch.Tensor) -> torch.Tensor: ...
+    def freeze(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows that stay as they are until the step's copies ran. On a device: a contiguous clone, made on
+        the engine's current stream before ``record_freeze``, so that every later reshape of it is a view (a
+        reshape that copies is a kernel after the freeze event, which no copy or read waits)."""
+        ...
 
     def record_freeze(self) -> Event: ...
 
@@ -82,6 +87,11 @@ class DeviceOps(Protocol):
     def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]: ...
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until every copy issued on the ops' own streams ran; whether they did.
+        Before host memory they copy into is unregistered (shutdown)."""
+        ...
 
 
 class CpuOps:
@@ -107,6 +117,9 @@ class CpuOps:
     def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]:
         return value.clone(), DONE
 
+    def drain(self, timeout_s: float) -> bool:
+        return True  # every copy was synchronous
+
 
 class CudaOps:
     """Real CUDA streams and events. Constructed only when rows live on a CUDA device."""
@@ -119,7 +132,9 @@ class CudaOps:
         self.read_stream = torch.cuda.Stream(device=device)
 
     def freeze(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.clone()
+        # A plain clone keeps the strides of a dense tensor (a permuted head output, say), and the manager's
+        # reshape of it to (n, width) was then a second clone, made after the freeze event (review).
+        return rows.clone(memory_format=torch.contiguous_format)
 
     def record_freeze(self) -> Event:
         event = torch.cuda.Event()
@@ -153,6 +168,14 @@ class CudaOps:
             done.record(self.read_stream)
         done.synchronize()  # a read of in-flight rows: only the materializing thread waits
         return out
+
+    def drain(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not (self.copy_stream.query() and self.read_stream.query()):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]:
         if not value.is_cuda:

@@ -124,6 +124,9 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         """The last step's StepWrite outcome; its ``step`` and ``marker`` attributes name the step and
         its acknowledgement marker (``WriterSide._await_step_write``)."""
         self._ops: DeviceOps | None = device_ops
+        self._ops_chosen_here = device_ops is None
+        """Whether ``save_outputs`` chooses the device ops (``ops_for``), and may still move from CPU to device
+        ops; ops given to the constructor are kept."""
         self._registrations: list[HostRegistration] = []
         with torch.inference_mode(False):  # counted on any thread: never an inference tensor (see shm.Segment.tensor)
             self._pin_count = torch.zeros(config.num_slots, dtype=torch.int32)
@@ -308,15 +311,23 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         counts = [w.num_tokens for w in writes]
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         ops = self._ops
-        if ops is None:
+        if ops is None or (not ops.is_cuda and self._ops_chosen_here):
             tensors = list(immediate.values()) + list(deferred.values()) + tensors_in(list(leftover.values()))
-            ops = ops_for(tensors)
-            if tensors:  # chosen for good from a step with rows: a step without any (n == 0) says no device
-                self._ops = ops
+            found = ops_for(tensors)
+            if ops is None or found.is_cuda:
+                ops = found
+                # A step without tensors (n == 0) says no device, and one of host tensors only (a CPU leftover
+                # beside hidden states not cached, say) says no more than that: device ops, once a step has
+                # device tensors, are kept for good. CPU ops kept for good from such a step copied every later
+                # step's device rows on the engine thread, without a freeze clone (review).
+                if tensors:
+                    self._ops = ops
         # Freeze first: the live (graph) buffers may be overwritten once this call returns.
         immediate = {k: ops.freeze(v) for k, v in immediate.items()}
         if deferred:
-            deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone()) for k, v in deferred.items()}
+            # Contiguous, as ``freeze``'s: the (n, width) view taken below must not be another copy.
+            deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone(memory_format=torch.contiguous_format))
+                        for k, v in deferred.items()}
         leftover_events: list = []
         # Copied now, so later overwrites of live (graph) buffers change nothing.
         leftover = {k: snapshot_leftover(ops, v, leftover_events) for k, v in leftover.items()}
@@ -545,9 +556,16 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                     logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
         finally:
             self._stop_threads()
-            for reg in self._registrations:  # before the mappings can go away
-                reg.unregister()
-            self._registrations.clear()
+            if self._registrations:
+                # A copy into registered staging may still be queued (a step abandoned after its copy was
+                # issued; a sender stopped by its timeout): unregistering under it is undefined (review).
+                if self._ops is None or self._ops.drain(self.config.commit_timeout_s):
+                    for reg in self._registrations:  # before the mappings can go away
+                        reg.unregister()
+                else:
+                    logger.warning("cache %s: device copies still queued after %.1fs at shutdown; the staging "
+                                   "stays registered", self.cache, self.config.commit_timeout_s)
+                self._registrations.clear()
             self._link.close()
 
     def _stop_threads(self) -> None:
