@@ -142,6 +142,7 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
                                     else "same pool view, measured for the proposal", extra=ref_extra))
         finally:
             m.shutdown()
+            ref.close()
     return out_rows
 
 

@@ -106,8 +106,11 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                     slots = rng.choice(num_blocks * BS, size=k, replace=False)
                     cvs = np.array([make_cv(w.epoch, step, i + 1) for i in range(k)], dtype=np.int64)
                     _claim(w, "hidden", slots, cvs)
+                    # One row per request, staged one after the other in batch order, as the manager stages
+                    # a step (random staging rows took the committer's general path: 1.4-1.6x the time).
+                    first = int(rng.integers(0, n - k + 1))
                     msg = step_write(w.next_rid(), step, ["hidden"], [0] * k, range(1, k + 1), cvs,
-                                     rng.choice(n, size=k, replace=False), [1] * k, slots)
+                                     first + np.arange(k), [1] * k, slots)
                     a, _, _ = _apply_and_time(w, msg)
                     apply_t.append(a)
                     ref_t.append(ref.time(k))
@@ -123,6 +126,7 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                     raise RuntimeError("figure 1: pool row differs from its staged row")
         finally:
             w.close()
+            ref.close()
     return rows
 
 
