@@ -1,0 +1,283 @@
+"""Guards against a wrong row, each with a test that fails when the guard is taken out.
+
+REVIEW (2026-12-05, stop 42, mutation testing): 25 small plausible bugs were put, one at a time, into the
+code that decides which rows are served, and the fast tests run against each. Ten survived, every one of
+which would serve a wrong row: the epoch checks of a writer's and a reader's hit read, the claim re-check
+after a hit's copy (writer and reader), the writer's fallback pool read without its commit word, the
+claims a step clears for the keys it does not save, and the committer's order of a row and its commit
+word in each of its three copy paths. These tests kill them; the comment on each names its guard.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import pack
+from manager_helpers import Part, expect, finished, save, small_config, started
+from omnishm import protocol
+from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
+from omnishm.client import reads as reads_module
+from omnishm.committer import apply as apply_module
+from omnishm.committer.pool import CachePool
+from omnishm.versions import make_cv
+
+BS = 4
+
+
+def cfg(**kw):
+    return small_config(**{"commit_timeout_s": 3.0, **kw})
+
+
+def test_new_writer_never_serves_a_previous_writers_rows_for_a_hit_it_never_wrote(committer_factory):
+    """w1 commits block 0 (tag 1) and leaves; w2, a new engine (new epoch) on the same cache, gets a vLLM
+    prefix hit on block 0 that it never wrote: the rows in the pool are w1's, not w2's, so materialize
+    must refuse (never serve tag 1)."""
+    handle = committer_factory()
+    config = cfg()
+    w1 = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+    w2 = None
+    try:
+        w1.new_step_starts([started("a", [0])])
+        w1.discard_step(save(w1, [Part("a", 1, [0], 0, 4)], BS))
+        w1.wait_idle()
+        w1.shutdown()
+        w2 = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+        w2.new_step_starts([started("b", [0, 1], hit=4)])
+        sid = save(w2, [Part("b", 2, [0, 1], 4, 2)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError):
+            out = w2.materialize(sid, ["b"])
+            pytest.fail(f"served {out.num_hit_tokens} hit rows written by another writer epoch")
+    finally:
+        for m in (w1, w2):
+            if m is not None:
+                m.shutdown()
+
+
+def test_reader_refuses_rows_of_a_replacing_writer_claimed_after_its_publication_wait(committer_factory):
+    """The reader's step 1 hits block 0 (its writer w1 wrote tag 1 there, and published step 1). Right after
+    the reader's publication wait returns, w1 leaves and a new writer w2 (new epoch, step ids from 0 again)
+    re-claims block 0 with tag 9 and commits it. The claim's step field (0) is not later than the reader's
+    step (1): only the epoch check tells the reader the row is another writer's. It must refuse, never
+    serve tag 9 (nor tag 1 from a reused slot)."""
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5")
+    config = cfg()
+    w1 = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    box = {}
+    try:
+        for m in (w1, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        for m in (w1, r):
+            m.new_step_starts([started("b", [0, 1], hit=4)])
+        w1.discard_step(save(w1, [Part("b", 1, [0, 1], 4, 2)], BS))
+        w1.wait_idle()
+        real_wait = r._wait_published
+
+        def wait_then_replace(step_id, deadline):
+            real_wait(step_id, deadline)
+            if "w2" not in box:
+                w1.shutdown()
+                w2 = box["w2"] = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+                w2.new_step_starts([started("x", [0])])
+                w2.discard_step(save(w2, [Part("x", 9, [0], 0, 4)], BS))
+                w2.wait_idle()
+
+        r._wait_published = wait_then_replace  # before the save: the prefetch thread waits through it too
+        sid = save(r, [Part("b", 1, [0, 1], 4, 2)], BS)
+        try:
+            out = r.materialize(sid, ["b"])
+        except OmniPrefixCacheUnmatchError:
+            return
+        got = out.hidden_states["b"]
+        if got.equal(expect(1, 4, 1, 4, 2)):
+            return  # its own writer's rows (read before the replacement landed): right
+        pytest.fail(f"reader served hit rows after its writer was replaced: hit={out.num_hit_tokens}, "
+                    f"first row {got[0][:4].tolist()}")
+    finally:
+        for m in (w1, r, box.get("w2")):
+            if m is not None:
+                m.shutdown()
+
+
+@pytest.mark.parametrize("role", ["writer", "reader"])
+def test_hit_on_a_key_the_slots_new_tenant_did_not_save_refuses_the_old_tenants_row(committer_factory, role):
+    """Step 0: a saves block 0 with hidden + feat (tag 1). Step 1: a finished, c reuses block 0 and saves
+    hidden only (tag 3). Step 2: b hits block 0. Its hidden rows are c's (tag 3); its feat rows at block 0
+    belong to a, a previous tenant: the hit must refuse, never serve a's feat rows (tag 501)."""
+    handle = committer_factory()
+    config = small_config(commit_timeout_s=3.0)
+    w = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    try:
+        sid = {}
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+            m.new_step_starts([finished("a"), started("c", [0])])
+            m.discard_step(save(m, [Part("c", 3, [0], 0, 4)], BS, mm_key=None))
+            m.new_step_starts([started("b", [0, 1], hit=4)])
+            sid[m] = save(m, [Part("b", 5, [0, 1], 4, 2)], BS)
+        w.wait_idle()
+        m = w if role == "writer" else r
+        other = r if role == "writer" else w
+        other.discard_step(sid[other])
+        try:
+            out = m.materialize(sid[m], ["b"])
+        except OmniPrefixCacheUnmatchError:
+            return
+        feat = out.mm_outputs["b"]["feat"]
+        pytest.fail(f"served a previous tenant's feat rows for the hit: {feat[0][:3].tolist()}")
+    finally:
+        for m in (w, r):
+            m.shutdown()
+
+
+def test_writer_hit_read_that_races_a_reclaim_serves_the_rescued_rows(committer_factory, monkeypatch):
+    """b's hit on block 0 (tag 1) passes the commit/claim check; while its pool copy runs, the engine thread
+    saves a step that re-claims block 0 (tag 7; copy-on-write rescues tag 1 first) and the committer lands
+    it, so the copy reads tag 7. The claim re-check after the copy must see the move and serve the rescue."""
+    handle = committer_factory()
+    w = OmniPrefixCacheManager(small_config(commit_timeout_s=5.0), cache=handle.name, autostart=False)
+    try:
+        w.new_step_starts([started("a", [0])])
+        w.discard_step(save(w, [Part("a", 1, [0], 0, 4)], BS))
+        w.wait_idle()
+        w.new_step_starts([started("b", [0, 1], hit=4)])
+        sid = save(w, [Part("b", 2, [0, 1], 4, 2)], BS)
+        real = reads_module.gather_rows
+        fired = []
+
+        def gather_during_reclaim(pool, slots, out):
+            if not fired:
+                fired.append(1)
+
+                def engine_step():
+                    w.new_step_starts([started("c", [0])])
+                    w.discard_step(save(w, [Part("c", 7, [0], 0, 4)], BS))
+                    w.wait_idle()
+                t = threading.Thread(target=engine_step)
+                t.start()
+                t.join(10)
+                assert not t.is_alive(), "engine step blocked by the read"
+            real(pool, slots, out)
+
+        monkeypatch.setattr(reads_module, "gather_rows", gather_during_reclaim)
+        out = w.materialize(sid, ["b"])
+        assert fired
+        assert out.num_hit_tokens["b"] == 4
+        assert out.hidden_states["b"].equal(expect(1, 4, 2, 4, 2)), out.hidden_states["b"][:, 0]
+    finally:
+        w.shutdown()
+
+
+def test_reader_copy_that_races_a_reclaim_refuses(committer_factory, monkeypatch):
+    """One key only (with two, the second key's pre-copy check would refuse anyway). The reader's hit on
+    block 0 (tag 1) passes its commit check; while it copies, its writer re-claims block 0 (tag 7) and the
+    committer lands it. The reader has no rescue: it must refuse, never serve tag 7."""
+    handle = committer_factory()
+    config = small_config(commit_timeout_s=5.0)
+    w = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
+    r = OmniPrefixCacheManager(config, cache=handle.name, role="reader", autostart=False)
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS, mm_key=None))
+            m.new_step_starts([started("b", [0, 1], hit=4)])
+        w.discard_step(save(w, [Part("b", 2, [0, 1], 4, 2)], BS, mm_key=None))
+        w.wait_idle()
+        real = reads_module.gather_rows
+        fired = []
+
+        def gather_during_reclaim(pool, slots, out):
+            if not fired:
+                fired.append(1)
+                w.new_step_starts([started("c", [0])])
+                w.discard_step(save(w, [Part("c", 7, [0], 0, 4)], BS, mm_key=None))
+                w.wait_idle()
+            real(pool, slots, out)
+
+        monkeypatch.setattr(reads_module, "gather_rows", gather_during_reclaim)
+        sid = {r: save(r, [Part("b", 2, [0, 1], 4, 2)], BS, mm_key=None)}
+        try:
+            out = r.materialize(sid[r], ["b"])
+        except OmniPrefixCacheUnmatchError as exc:
+            assert fired
+            return
+        assert fired
+        assert out.hidden_states["b"].equal(expect(1, 4, 2, 4, 2)), out.hidden_states["b"][:, 0]
+    finally:
+        for m in (w, r):
+            m.shutdown()
+
+
+def test_writer_never_serves_a_claimed_but_uncommitted_pool_row(committer_factory):
+    """Unit level (_resolve_rows): slot 0 is claimed at the planned version, its commit word is not (the row
+    has not landed) and no live source or rescue holds it. The pool row there is the previous tenant's:
+    the writer must wait and refuse at the deadline, never serve it."""
+    handle = committer_factory()
+    w = OmniPrefixCacheManager(small_config(commit_timeout_s=0.5), cache=handle.name, autostart=False)
+    try:
+        cv = make_cv(w._epoch, 1, 1)
+        old = make_cv(w._epoch, 0, 1)
+        kv = SimpleNamespace(pool=torch.full((4, 8), 666.0), claim=torch.tensor([cv, 0, 0, 0]),
+                             commit=torch.tensor([old, 0, 0, 0]))
+        out = torch.zeros((1, 8))
+        with pytest.raises(OmniPrefixCacheUnmatchError):
+            w._resolve_rows(kv, torch.tensor([0]), torch.tensor([cv]), out, None, "nokey", "b", 1,
+                            time.monotonic() + 0.5)
+            pytest.fail(f"served an uncommitted pool row {out[0].tolist()}")
+    finally:
+        w.shutdown()
+
+
+CLIENT = "c" * 32
+EPOCH = 1
+
+
+class _CommitSpy(np.ndarray):
+    """A commit table view that checks, at each store, that the pool rows of those slots are the staged ones."""
+
+    def __setitem__(self, idx, value):
+        slots = np.atleast_1d(np.arange(len(self))[idx])
+        for s in slots.tolist():
+            self.seen.append((s, bool((self.pool_data[s] == self.expect[s]).all())))
+        super().__setitem__(idx, value)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("rows", [3, 24])
+@pytest.mark.parametrize("width", [64, 16384])
+def test_commit_word_is_stored_after_the_row(monkeypatch, fast, rows, width):
+    if not fast:
+        monkeypatch.setattr(apply_module, "_LITTLE_ENDIAN", False)  # forces the general path
+    pool = CachePool(f"tmut{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:8])
+    try:
+        pool.set_layout(protocol.Layout(num_blocks=8, block_size=4))
+        state = pool.open_key("h", protocol.KeySpec("float32", width, (width,)))
+        staging = pool.ensure_staging(CLIENT, state, 32)
+        torch.from_numpy(staging.data).copy_(torch.randint(1, 256, tuple(staging.data.shape), dtype=torch.uint8))
+        assert pool.set_writer_epoch(EPOCH, CLIENT, 32) is not False
+        slots = list(range(4, 4 + rows))
+        cv = make_cv(EPOCH, 1, 1)
+        state.claim[slots] = cv
+        spy = state.commit.view(_CommitSpy)
+        spy.seen, spy.pool_data = [], state.data
+        spy.expect = {s: staging.data[i].copy() for i, s in enumerate(slots)}
+        state.commit = spy
+        msg = protocol.StepWrite(rid=1, step=1, keys=["h"], key_idx=pack([0]), tids=pack([1]), cvs=pack([cv]),
+                                 src_rows=pack([0]), counts=pack([rows]), slots=pack(slots), quiet=True)
+        done = pool.apply_step(CLIENT, msg, EPOCH)
+        assert getattr(done, "error", None) in (None, ""), done
+        assert sorted(s for s, _ in spy.seen) == slots
+        early = [s for s, ok in spy.seen if not ok]
+        assert not early, f"commit word stored before the row landed for slots {early}"
+    finally:
+        pool.close()
