@@ -7,6 +7,9 @@ import math
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from conftest import REPO
 from omnishm import shm
 
@@ -115,3 +118,26 @@ def test_bench_refuses_a_selection_of_no_figure():
         proc = subprocess.run([sys.executable, "-m", "omnishm", "bench", "--quick", "--only", only], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "names no figure" in proc.stderr, (only, proc.returncode, proc.stderr)
+
+
+def test_the_memcpy_child_ends_with_its_figure_and_says_when_it_died():
+    """REVIEW (2026-12-05, stop 42): figure 1's reference ``memcpy`` runs in a child with the committer's
+    non-temporal threshold (``bench/nt_memcpy.py``). A figure that failed before its ``finally`` left the
+    child running, holding twice the reference's bytes, until the run ended; a child that died gave a
+    BrokenPipeError, and its close raised another over the figure's own error."""
+    from omnishm.bench.common import Memcpy
+    from omnishm.committer import stores
+
+    assert stores._applies(), "these machines run glibc on x86-64"
+    with pytest.raises(ZeroDivisionError):
+        with Memcpy(64, 1024, torch.bfloat16) as ref:
+            child = ref.nt.proc
+            assert ref.time(64)[2] > 0
+            1 / 0  # the figure fails
+    assert child.poll() == 0  # ended with the figure
+    ref = Memcpy(64, 1024, torch.bfloat16)
+    ref.nt.proc.kill()
+    ref.nt.proc.wait()
+    with pytest.raises(RuntimeError, match="the non-temporal memcpy child exited"):
+        ref.time(64)
+    ref.close()  # no second error

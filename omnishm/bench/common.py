@@ -382,8 +382,8 @@ class Memcpy:
     overhead makes it the slower too. The committer lowers that threshold for itself, so its copies of
     64 MiB beat a memcpy of this process's: the third way is that memcpy with the committer's threshold
     (review, 2026-12-05; before, figure 1 came out 1.42 against 0.78 with it). The figures before
-    2026-12-04 used torch's ``copy_`` alone, those before 2026-12-05 the first two ways. ``close`` ends
-    the child.
+    2026-12-04 used torch's ``copy_`` alone, those before 2026-12-05 the first two ways. ``close`` (or the
+    end of a ``with``) ends the child.
     """
 
     def __init__(self, rows: int, width: int, dtype: torch.dtype):
@@ -397,6 +397,12 @@ class Memcpy:
         if self.nt is not None:
             self.nt.close()
             self.nt = None
+
+    def __enter__(self) -> "Memcpy":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def time(self, rows: int) -> tuple[float, float, float | None]:
         """Seconds to copy ``rows`` rows: (glibc ``memcpy``, torch ``copy_``, the committer's ``memcpy`` or

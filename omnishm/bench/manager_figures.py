@@ -81,9 +81,8 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
     cfg = PrefixCacheConfig(num_blocks=nb + 4, block_size=BS, staging_capacity_tokens=size.chunk, staging_depth=2,
                             commit_timeout_s=60.0, staging_claim_timeout_s=60.0)
     rows_truth = torch.randn(h, width).to(torch.bfloat16)
-    ref = Memcpy(h, width, torch.bfloat16)
     out_rows: list[Row] = []
-    with ProcessCommitter(cleanup, "read") as com:
+    with Memcpy(h, width, torch.bfloat16) as ref, ProcessCommitter(cleanup, "read") as com:
         m = OmniPrefixCacheManager(cfg, cache=com.name, endpoint=com.endpoint, autostart=False,
                                    runtime_dir=com.runtime_dir)
         try:
@@ -142,7 +141,6 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
                                     else "same pool view, measured for the proposal", extra=ref_extra))
         finally:
             m.shutdown()
-            ref.close()
     return out_rows
 
 

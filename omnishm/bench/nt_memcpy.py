@@ -56,8 +56,11 @@ class NonTemporalMemcpy:
 
     def _ask(self, line: str) -> str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(line + "\n")
-        answer = self.proc.stdout.readline().strip()
+        try:
+            self.proc.stdin.write(line + "\n")
+            answer = self.proc.stdout.readline().strip()
+        except OSError:  # a broken pipe: the child is gone
+            answer = ""
         if not answer:
             raise RuntimeError(f"the non-temporal memcpy child exited ({self.proc.poll()})")
         return answer
@@ -67,8 +70,12 @@ class NonTemporalMemcpy:
         return float(self._ask(str(int(nbytes))))
 
     def close(self) -> None:
+        """End the child (at its stdin's end; killed after 10 s). Never raises for a child that died."""
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()
+            except OSError:  # a broken pipe on the flush: the child died
+                pass
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:

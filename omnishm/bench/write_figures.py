@@ -61,9 +61,8 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
     n, width = size.step_tokens, size.width
     num_blocks = 2 * n // BS
     layout = P.Layout(num_blocks=num_blocks, block_size=BS)
-    ref = Memcpy(n, width, torch.bfloat16)
     rows: list[Row] = []
-    with ProcessCommitter(cleanup, "write") as com:
+    with Memcpy(n, width, torch.bfloat16) as ref, ProcessCommitter(cleanup, "write") as com:
         w = RawWriter(com.endpoint, com.name, layout, staging_rows=n)
         try:
             kv = w.open_key("hidden", torch.bfloat16, width)
@@ -126,7 +125,6 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                     raise RuntimeError("figure 1: pool row differs from its staged row")
         finally:
             w.close()
-            ref.close()
     return rows
 
 

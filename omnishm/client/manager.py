@@ -555,18 +555,30 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 except OmniPrefixCacheUnmatchError as exc:
                     logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
         finally:
-            self._stop_threads()
-            if self._registrations:
-                # A copy into registered staging may still be queued (a step abandoned after its copy was
-                # issued; a sender stopped by its timeout): unregistering under it is undefined (review).
-                if self._ops is None or self._ops.drain(self.config.commit_timeout_s):
-                    for reg in self._registrations:  # before the mappings can go away
-                        reg.unregister()
-                else:
-                    logger.warning("cache %s: device copies still queued after %.1fs at shutdown; the staging "
-                                   "stays registered", self.cache, self.config.commit_timeout_s)
-                self._registrations.clear()
-            self._link.close()
+            try:
+                self._stop_threads()
+                self._unregister_staging()
+            finally:
+                self._link.close()  # whatever failed before: the session and its writer seat must go
+
+    def _unregister_staging(self) -> None:
+        """Shutdown: unpin the staging, once the ops' streams drained. A copy into registered staging may still
+        be queued (a step abandoned after its copy was issued; a sender stopped by its timeout), and
+        unregistering under it is undefined (review): staging that does not drain within
+        ``commit_timeout_s``, or whose drain fails (a CUDA error), stays registered, logged."""
+        if not self._registrations:
+            return
+        try:
+            drained = self._ops is None or self._ops.drain(self.config.commit_timeout_s)
+            why = f"device copies still queued after {self.config.commit_timeout_s:.1f}s"
+        except Exception as exc:  # torch.cuda.Stream.query raises for any CUDA error but "not ready"
+            drained, why = False, f"the copy streams failed: {exc}"
+        if drained:
+            for reg in self._registrations:  # before the mappings can go away
+                reg.unregister()
+        else:
+            logger.warning("cache %s: %s at shutdown; the staging stays registered", self.cache, why)
+        self._registrations.clear()
 
     def _stop_threads(self) -> None:
         if self._flusher is not None:
