@@ -614,3 +614,23 @@ def test_a_sweep_removes_a_dead_endpoints_socket_under_the_lock_of_the_cache_who
     assert lock_held_by_the_sweep == [True]
     assert not os.path.lexists(sock) and not os.path.lexists(shm.socket_lock_path(sock))
     assert not os.path.lexists(shm.lock_path(RUNTIME_DIR, y))  # made for the purpose, and removed
+
+
+def test_a_caches_own_socket_is_held_under_its_socket_lock_too(committer_factory):
+    """REVIEW (2026-12-05, stop 42, LIMITS traps): a committer on its cache's own socket guarded it with the cache
+    lock alone, and a committer of another cache given that path as its explicit endpoint took only the
+    socket's lock: the two never excluded each other, and when both passed the stale-socket check before
+    either bound, the later bind took the socket (both ran; the first served a socket nobody could reach).
+    The cache's own socket is held under ``<socket>.lock`` too, and the other start is refused by that lock
+    (before, only by a connect to the socket once it was bound)."""
+    from conftest import assert_clean_stop, unique_cache_name
+
+    own = committer_factory(*SLOW)
+    sock = own.runtime_dir / f"{own.name}.sock"
+    lock = shm.socket_lock_path(sock)
+    assert shm.CacheLock.holder(lock)[1] == own.proc.pid
+    other = committer_factory(*SLOW, "--endpoint", f"ipc://{sock}", name=unique_cache_name("other"), wait=False)
+    assert other.proc.wait(30) == 2
+    assert f"belongs to a running committer (generation" in other.log() and f"pid {own.proc.pid}" in other.log()
+    assert_clean_stop(own)
+    assert not sock.exists() and not lock.exists()

@@ -289,13 +289,13 @@ class _SocketTaken(Exception):
 
 
 def _lock_socket(cfg: CommitterConfig, runtime_dir: Path, generation: str) -> shm.CacheLock | None:
-    """The caller holds the cache lock: take the lock of an explicit ipc endpoint's socket (``shm.socket_lock_path``).
+    """The caller holds the cache lock: take the lock of the ipc endpoint's socket (``shm.socket_lock_path``).
 
-    None when the cache lock guards the socket already (the cache's default socket) or the endpoint is not
-    ipc. Raises ``_SocketTaken`` when another process holds it, OSError when the lock file cannot be made."""
+    The cache's default socket too: the cache lock alone left it open to a committer of another cache given
+    the same path as its explicit endpoint, and the later of two such starts took the other's socket (review).
+    None when the endpoint is not ipc. Raises ``_SocketTaken`` when another process holds it, OSError when the
+    lock file cannot be made."""
     if cfg.ipc_path is None:
-        return None
-    if os.path.abspath(cfg.ipc_path) == os.path.abspath(shm.socket_path(runtime_dir, cfg.name)):
         return None
     path = shm.socket_lock_path(cfg.ipc_path)
     lock = shm.CacheLock.at(path, generation)
