@@ -145,7 +145,9 @@ KNOBS: tuple[Knob, ...] = (
          "exit once the last writer/reader left (after one attached), or when none attached within 60 s "
          "(an autostarted one: or once the process that started it is gone)",
          scope="committer"),
-    Knob("prefault", "bool", False, "fault every pool page in at creation", scope="committer"),
+    Knob("prefault", "bool", False, "fault every pool page in at creation; the committer's loop answers nothing "
+         "meanwhile (0.3-1.2 s per GiB of a key's pool): keep heartbeat_timeout_s above that for the largest key, "
+         "or its clients resume", scope="committer"),
     Knob("nontemporal_threshold", "int", stores.DEFAULT_BYTES,
          "bytes from which the committer's row copies use non-temporal stores (glibc on x86-64; 0: glibc's "
          "own threshold, tens of MiB or more)", scope="committer", min=0, check=stores.check_threshold),
