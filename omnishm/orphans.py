@@ -19,8 +19,9 @@ import posix_ipc
 
 from omnishm.paths import default_runtime_dir, socket_path
 from omnishm.shm import (OWNER, SHM_DIR, CacheLock, cache_is_live, clients_attached, flock_within,
-                         generation_owned, is_cache_name, list_segments, lock_path, parse_segment_name, recorded_runtime_dir,
-                         segment_name, socket_in_use, socket_lock_path, still_names, unlink_segment)
+                         generation_owned, is_cache_name, list_segments, lock_path, parse_segment_name,
+                         recorded_runtime_dir, segment_name, socket_in_use, socket_lock_path, still_names,
+                         unlink_segment)
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +70,12 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
         for name in caches:
             if assume_dead and name == cache:
                 continue
-            if name.endswith(".sock"):  # ``<socket>.lock`` of an explicit endpoint here (no cache name has a dot)
+            if name.endswith(".sock"):  # a ``<socket>.lock`` (no cache name has a dot)
                 stem = name[:-len(".sock")]
                 if is_cache_name(stem):
-                    # Also cache ``stem``'s own socket, which its committer guards with the cache lock alone:
-                    # under the socket lock only, a sweep removed the socket that committer had just bound.
+                    # Also cache ``stem``'s own socket, so also under its cache lock, which its committer takes
+                    # first (and one of a version before 2026-12-05 takes alone): under the socket lock only,
+                    # a sweep removed the socket such a committer had just bound (review).
                     removed += _remove_dead_runtime_files(runtime_dir, stem)
                 else:
                     removed += _remove_dead_socket(runtime_dir / name)
@@ -179,11 +181,11 @@ def _remove_dead_socket(sock: Path) -> list[str]:
     """A socket file nobody serves, removed under its own ``<socket>.lock`` (``socket_lock_path``), with that
     lock file when it was a dead committer's.
 
-    The lock is the one a committer given ``sock`` as its explicit endpoint holds for its life, and takes
-    before it checks, unlinks and binds the socket: holding it, a sweep cannot unlink the new socket of a
-    committer starting there. It is made for the purpose when missing. A socket that answers a connect is
-    never removed, whoever serves it: a committer of another cache may have been given this path as its
-    endpoint (review: ``cleanup --name Y`` unlinked the live socket of a committer serving ``Y.sock``).
+    The lock is the one a committer serving ``sock`` holds for its life, and takes before it checks, unlinks
+    and binds the socket: holding it, a sweep cannot unlink the new socket of a committer starting there. It
+    is made for the purpose when missing. A socket that answers a connect is never removed, whoever serves
+    it: a committer of another cache may have been given this path as its endpoint (review: ``cleanup
+    --name Y`` unlinked the live socket of a committer serving ``Y.sock``).
     """
     lock = socket_lock_path(sock)
     taken = _take_lock_file(lock, make=os.path.lexists(sock))
@@ -209,8 +211,8 @@ def _remove_dead_runtime_files(runtime_dir: Path, cache: str) -> list[str]:
     inode): it never ends up locking a file that is already gone. The sweep makes
     the same check (``_take_lock_file``). A socket with no lock file is swept under a
     lock file made for the purpose, since a committer starting now makes its lock
-    before its socket. The socket itself goes by ``_remove_dead_socket``: it may be
-    another cache's committer's explicit endpoint.
+    before its socket. The socket itself goes by ``_remove_dead_socket``, under its own
+    lock: it may be another cache's committer's explicit endpoint.
     """
     lock, sock = lock_path(runtime_dir, cache), socket_path(runtime_dir, cache)
     taken = _take_lock_file(lock, make=os.path.lexists(sock))

@@ -297,7 +297,8 @@ def test_ping_status_and_cleanup_of_a_runtime_dir_that_cannot_be_one_say_so_with
     else:
         bad = tmp_path / ("a" * 300)
     for cmd in ("ping", "status", "cleanup"):
-        code, out, err = run(capsys, cmd, "--runtime-dir", str(bad), *(("--timeout-s", "1") if cmd != "cleanup" else ()))
+        wait = ("--timeout-s", "1") if cmd != "cleanup" else ()
+        code, out, err = run(capsys, cmd, "--runtime-dir", str(bad), *wait)
         if cmd == "cleanup" and kind != "long":  # no runtime dir there to sweep: the segments are swept still
             assert code == 0 and "0 orphaned object(s) removed" in out, (out, err)
         else:
