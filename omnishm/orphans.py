@@ -76,7 +76,10 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
                     # Also cache ``stem``'s own socket, so also under its cache lock, which its committer takes
                     # first (and one of a version before 2026-12-05 takes alone): under the socket lock only,
                     # a sweep removed the socket such a committer had just bound (review).
-                    removed += _remove_dead_runtime_files(runtime_dir, stem)
+                    # The lock alone, when neither the socket nor the cache's lock is there (a committer
+                    # killed between its socket lock and its bind): no cache lock to take, and nothing to bind.
+                    removed += (_remove_dead_runtime_files(runtime_dir, stem)
+                                or _remove_dead_socket(runtime_dir / name))
                 else:
                     removed += _remove_dead_socket(runtime_dir / name)
             else:

@@ -494,11 +494,13 @@ def lock_path(runtime_dir: Path, cache: str) -> Path:
 
 
 def socket_lock_path(sock: Path) -> Path:
-    """The lock file ``<sock>.lock`` that a committer given an explicit ipc endpoint holds for its whole life.
+    """The lock file ``<sock>.lock`` that a committer holds for its whole life for its ipc socket (the cache's
+    own, or an explicit endpoint).
 
     Checking a socket file, unlinking it when stale and binding are one step only under a lock: two
-    committers of different caches given one endpoint at once each found it stale, and the second
-    unlinked the first's new socket. A cache's default socket is guarded by the cache lock itself."""
+    committers of different caches given one endpoint at once each found it stale, and the second unlinked
+    the first's new socket; and a committer on its cache's own socket, under the cache lock alone, was not
+    excluded by one of another cache given that path (reviews, 2026-12-05)."""
     return Path(sock).with_name(Path(sock).name + ".lock")
 
 

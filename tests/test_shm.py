@@ -269,3 +269,15 @@ def test_a_weakly_ordered_machine_is_warned_of_once(monkeypatch, caplog):
         assert versions.warn_if_weakly_ordered(log) is True
         assert versions.warn_if_weakly_ordered(log) is True
     assert [r.getMessage()[:40] for r in caplog.records] == ["omnishm: this aarch64 machine may reorde"]
+
+
+def test_a_sweep_removes_a_socket_lock_left_without_its_socket_at_a_caches_socket_name(tmp_path):
+    """REVIEW (2026-12-05, stop 42, docs): a committer killed between taking ``<socket>.lock`` and binding
+    leaves the lock alone. At a name that is also a cache's socket (``X.sock``) with no ``X.lock`` the sweep
+    went through cache X's files, found nothing to take, and kept the lock file for good."""
+    runtime = tmp_path / "rt"
+    runtime.mkdir(mode=0o700)
+    lock = runtime / "x.sock.lock"
+    lock.write_text("deadbeef 999999\n")  # what a committer writes in its lock files
+    assert shm.CacheLock.holder(lock) == ("deadbeef", 999999)
+    assert orphans.sweep(runtime) == [str(lock)] and not lock.exists()

@@ -381,8 +381,8 @@ class Memcpy:
     machines, 10.6-11.4 GB/s against 6.2-6.5 GB/s (2026-12-04; figure 2). For a few rows torch's call
     overhead makes it the slower too. The committer lowers that threshold for itself, so its copies of
     64 MiB beat a memcpy of this process's: the third way is that memcpy with the committer's threshold
-    (review, 2026-12-05; before, figure 1 came out 1.42 against 0.78 with it). The figures before
-    2026-12-04 used torch's ``copy_`` alone, those before 2026-12-05 the first two ways. ``close`` (or the
+    (review, 2026-12-05; before, figure 1 came out 1.42 against 0.795 with it). The figures before
+    2026-12-04 used torch's ``copy_`` alone, those before 2026-12-05 22:35 the first two ways. ``close`` (or the
     end of a ``with``) ends the child.
     """
 

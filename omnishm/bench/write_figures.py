@@ -106,7 +106,7 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                     cvs = np.array([make_cv(w.epoch, step, i + 1) for i in range(k)], dtype=np.int64)
                     _claim(w, "hidden", slots, cvs)
                     # One row per request, staged one after the other in batch order, as the manager stages
-                    # a step (random staging rows took the committer's general path: 1.4-1.6x the time).
+                    # a step (random staging rows took the committer's general path: 1.2-1.5x the time).
                     first = int(rng.integers(0, n - k + 1))
                     msg = step_write(w.next_rid(), step, ["hidden"], [0] * k, range(1, k + 1), cvs,
                                      first + np.arange(k), [1] * k, slots)

@@ -260,7 +260,8 @@ class PrefixCacheRunnerMixin:
         multi-group KV cache, KV transfer consumer, speculative decoding, ...) at KV-cache init, where its
         ``PrefixCacheConfigError`` fails the engine's start, not at the first request. Not for a GPU
         runner's profiling call (``is_profiling=True``: a minimal config). The manager is still built on
-        the first real step. The mixin must come before the runner class in the bases."""
+        the first real step. A bad ``prefix_cache_config_overrides`` raises ValueError/TypeError here too. The
+        mixin must come before the runner class in the bases."""
         out = super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
         if not kwargs.get("is_profiling", False):
             self._prefix_cache_stage_config()

@@ -446,7 +446,9 @@ class OmniPrefixCacheWorkerExtension:
         return held
 
     def omnishm_install(self, cache: str | None = None) -> bool:
-        """Install the hooks on the current model runner; False without a runner.
+        """Install the hooks on the current model runner; False without a runner. Raises
+        ``PrefixCacheConfigError`` when the runner's KV cache is initialised already and the stage is
+        unsupported (no hooks are kept then).
 
         Idempotent while hooks are installed (``cache`` is then ignored). After
         ``omnishm_shutdown`` it makes fresh hooks on cache ``cache`` (default
