@@ -70,19 +70,13 @@ class NonTemporalMemcpy:
         return float(self._ask(str(int(nbytes))))
 
     def close(self) -> None:
-        """End the child (at its stdin's end; killed after 10 s). Never raises for a child that died."""
-        if self.proc.stdin is not None:
-            try:
-                self.proc.stdin.close()
-            except OSError:  # a broken pipe on the flush: the child died
-                pass
+        """End the child (at its stdin's end; killed after 10 s). Never raises for a child that died:
+        ``communicate`` passes over a broken pipe, and closes both pipes."""
         try:
-            self.proc.wait(10)
+            self.proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+            self.proc.communicate()
 
 
 def _child(capacity: int) -> None:
