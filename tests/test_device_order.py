@@ -16,7 +16,7 @@ import torch
 
 from manager_helpers import MM_WIDTH, WIDTH, small_config, Part, build, extended, finished, rows, save, started
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
-from omnishm.client import manager as manager_module
+from omnishm.client import device as device_module
 from omnishm.client.adapter import PrefixCacheWriteLayout
 from omnishm.client.device import DONE, CpuOps, CudaOps
 from omnishm.interface import HIDDEN_KEY
@@ -315,7 +315,7 @@ def test_a_first_step_without_rows_does_not_choose_the_device(committer, monkeyp
         chosen.append([t.device.type for t in tensors])
         return cuda_like if tensors else CpuOps()
 
-    monkeypatch.setattr(manager_module, "ops_for", ops_for)
+    monkeypatch.setattr(device_module, "ops_for", ops_for)
     with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False) as m:
         m.new_step_starts([])
         m.discard_step(m.save_outputs(None, {}, num_tokens_unpadded=0, num_tokens_padded=0,
@@ -455,7 +455,7 @@ def test_device_ops_are_chosen_once_a_step_has_device_tensors_after_host_only_st
     def ops_for(tensors):
         return cuda_like if any(id(t) in on_device for t in tensors) else CpuOps()
 
-    monkeypatch.setattr(manager_module, "ops_for", ops_for)
+    monkeypatch.setattr(device_module, "ops_for", ops_for)
     with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False) as m:
         m.new_step_starts([started("r0", [0])])
         m.discard_step(save(m, [Part("r0", 1, [0], 0, 4)], BS))

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
@@ -187,6 +187,44 @@ class CudaOps:
         return out, event
 
 
+def choose_ops(current: "DeviceOps | None", tensors: list[torch.Tensor]) -> tuple["DeviceOps", bool]:
+    """Engine thread, at a save whose ops are not chosen for good: ``(ops for this step, whether to keep them)``.
+
+    A step without tensors (0 tokens) says no device, and one of host tensors only (a CPU leftover beside hidden
+    states not cached, say) says no more than that: device ops are kept for good once a step has device
+    tensors, CPU ops only until then. CPU ops kept for good from such a step copied every later step's device
+    rows on the engine thread, without a freeze clone (review, 2026-12-05)."""
+    found = ops_for(tensors)
+    if current is None or found.is_cuda:
+        return found, bool(tensors)
+    return current, False
+
+
+class FrozenStep(NamedTuple):
+    """A save's outputs once ``freeze_step`` made them safe from the caller's later writes."""
+
+    immediate: dict[str, torch.Tensor]
+    deferred: dict[str, torch.Tensor]
+    leftover: dict[str, Any]
+    leftover_events: list[Event]
+    freeze_event: Event
+
+
+def freeze_step(ops: "DeviceOps", immediate: dict[str, torch.Tensor], deferred: dict[str, torch.Tensor],
+                leftover: dict[str, Any]) -> FrozenStep:
+    """Engine thread, first thing in a save (the live graph buffers may be overwritten once it returns): the
+    rows frozen (``ops.freeze``; a deferred key on the host is cloned, contiguous as ``freeze``'s, so its
+    (n, width) view is no other copy), the leftovers copied (``snapshot_leftover``), and the freeze event
+    recorded after all of them."""
+    immediate = {k: ops.freeze(v) for k, v in immediate.items()}
+    if deferred:
+        deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone(memory_format=torch.contiguous_format))
+                    for k, v in deferred.items()}
+    events: list[Event] = []
+    leftover = {k: snapshot_leftover(ops, v, events) for k, v in leftover.items()}
+    return FrozenStep(immediate, deferred, leftover, events, ops.record_freeze())
+
+
 def snapshot_leftover(ops: "DeviceOps", value: Any, events: list[Event]) -> Any:
     """Engine thread: a copy of a leftover value (one not written to the pool) that later writes to the
     caller's buffers cannot change: a deep copy in which every tensor, in mappings, lists and tuples too,
@@ -312,6 +350,23 @@ def _chain(inner: Future, outer: Future) -> None:
 
 
 # ---------------------------------------------------------------------------- pinning
+
+
+def unregister_after_drain(ops: "DeviceOps | None", registrations: list["HostRegistration"],
+                           timeout_s: float) -> str:
+    """Shutdown: unpin the staging once the ops' streams drained; "" when done, else why not. A copy into
+    registered staging may still be queued (a step abandoned after its copy was issued; a sender stopped by
+    its timeout), and unregistering under it is undefined (review, 2026-12-05): staging that does not drain
+    within ``timeout_s``, or whose drain fails (a CUDA error: ``Stream.query`` raises), stays registered.
+    Never raises for the drain."""
+    try:
+        if ops is not None and not ops.drain(timeout_s):
+            return f"device copies still queued after {timeout_s:.1f}s"
+    except Exception as exc:
+        return f"the copy streams failed: {exc}"
+    for reg in registrations:  # before the mappings can go away
+        reg.unregister()
+    return ""
 
 
 class HostRegistration:

@@ -36,7 +36,8 @@ import torch
 from omnishm import protocol as P
 from omnishm.client.adapter import PrefixCacheEventKind as EventKind
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter
-from omnishm.client.device import DeviceOps, HostRegistration, StepSender, ops_for, snapshot_leftover, tensors_in
+from omnishm.client.device import (DeviceOps, HostRegistration, StepSender, choose_ops, freeze_step, tensors_in,
+                                   unregister_after_drain)
 from omnishm.client.link import CommitterLink
 from omnishm.client.reads import ReadSide
 from omnishm.client.result_pool import ResultPool
@@ -125,8 +126,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         its acknowledgement marker (``WriterSide._await_step_write``)."""
         self._ops: DeviceOps | None = device_ops
         self._ops_chosen_here = device_ops is None
-        """Whether ``save_outputs`` chooses the device ops (``ops_for``), and may still move from CPU to device
-        ops; ops given to the constructor are kept."""
+        """Whether ``save_outputs`` chooses the device ops (``device.choose_ops``), and may still move from CPU
+        to device ops; ops given to the constructor are kept."""
         self._registrations: list[HostRegistration] = []
         with torch.inference_mode(False):  # counted on any thread: never an inference tensor (see shm.Segment.tensor)
             self._pin_count = torch.zeros(config.num_slots, dtype=torch.int32)
@@ -312,26 +313,10 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
         ops = self._ops
         if ops is None or (not ops.is_cuda and self._ops_chosen_here):
-            tensors = list(immediate.values()) + list(deferred.values()) + tensors_in(list(leftover.values()))
-            found = ops_for(tensors)
-            if ops is None or found.is_cuda:
-                ops = found
-                # A step without tensors (n == 0) says no device, and one of host tensors only (a CPU leftover
-                # beside hidden states not cached, say) says no more than that: device ops, once a step has
-                # device tensors, are kept for good. CPU ops kept for good from such a step copied every later
-                # step's device rows on the engine thread, without a freeze clone (review).
-                if tensors:
-                    self._ops = ops
-        # Freeze first: the live (graph) buffers may be overwritten once this call returns.
-        immediate = {k: ops.freeze(v) for k, v in immediate.items()}
-        if deferred:
-            # Contiguous, as ``freeze``'s: the (n, width) view taken below must not be another copy.
-            deferred = {k: (ops.freeze(v) if ops.is_cuda else v.clone(memory_format=torch.contiguous_format))
-                        for k, v in deferred.items()}
-        leftover_events: list = []
-        # Copied now, so later overwrites of live (graph) buffers change nothing.
-        leftover = {k: snapshot_leftover(ops, v, leftover_events) for k, v in leftover.items()}
-        freeze_event = ops.record_freeze()
+            ops, keep = choose_ops(ops, [*immediate.values(), *deferred.values(), *tensors_in(list(leftover.values()))])
+            if keep:
+                self._ops = ops
+        immediate, deferred, leftover, leftover_events, freeze_event = freeze_step(ops, immediate, deferred, leftover)
         if self.is_writer:
             for key, rows in itertools.chain(immediate.items(), deferred.items()):
                 self._ensure_key(key, rows)
@@ -562,23 +547,12 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                 self._link.close()  # whatever failed before: the session and its writer seat must go
 
     def _unregister_staging(self) -> None:
-        """Shutdown: unpin the staging, once the ops' streams drained. A copy into registered staging may still
-        be queued (a step abandoned after its copy was issued; a sender stopped by its timeout), and
-        unregistering under it is undefined (review): staging that does not drain within
-        ``commit_timeout_s``, or whose drain fails (a CUDA error), stays registered, logged."""
-        if not self._registrations:
-            return
-        try:
-            drained = self._ops is None or self._ops.drain(self.config.commit_timeout_s)
-            why = f"device copies still queued after {self.config.commit_timeout_s:.1f}s"
-        except Exception as exc:  # torch.cuda.Stream.query raises for any CUDA error but "not ready"
-            drained, why = False, f"the copy streams failed: {exc}"
-        if drained:
-            for reg in self._registrations:  # before the mappings can go away
-                reg.unregister()
-        else:
-            logger.warning("cache %s: %s at shutdown; the staging stays registered", self.cache, why)
-        self._registrations.clear()
+        """Shutdown: unpin the staging (``device.unregister_after_drain``); what stays registered is logged."""
+        if self._registrations:
+            why = unregister_after_drain(self._ops, self._registrations, self.config.commit_timeout_s)
+            if why:
+                logger.warning("cache %s: %s at shutdown; the staging stays registered", self.cache, why)
+            self._registrations.clear()
 
     def _stop_threads(self) -> None:
         if self._flusher is not None:
