@@ -284,3 +284,27 @@ def test_a_signal_while_the_demo_waits_for_its_committer_to_go_exits_130_with_th
                           text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
     assert "interrupted; ranks stopped, leaked segments 0" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_demo_checks_the_hit_count_it_reports(committer, monkeypatch):
+    """REVIEW (2026-12-05, stop 42, the demo's checker): the demo added up each result's ``num_hit_tokens``
+    without comparing it with the sim's hit, and a manager that reported the count in blocks passed with 0
+    mismatches although an integration places the rows by it (the vLLM hooks: computed - hit). One rank
+    in-process, the count made wrong after materialize: every hit request is a mismatch now."""
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.demo.rank import RankOptions, run_rank
+
+    real = OmniPrefixCacheManager.materialize
+
+    def blocks_not_tokens(self, *a, **kw):
+        out = real(self, *a, **kw)
+        for r, hit in out.num_hit_tokens.items():
+            out.num_hit_tokens[r] = hit // 16  # a count in blocks of 16
+        return out
+
+    opts = RankOptions(cache=committer.name, tp=1, steps=60, autostart=False, num_blocks=64, preempt_rate=0.2)
+    clean = run_rank(0, opts)
+    assert clean.mismatches == 0 and clean.hit_tokens > 0, clean
+    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", blocks_not_tokens)
+    broken = run_rank(0, opts)
+    assert broken.mismatches > 0, broken

@@ -165,6 +165,10 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
             want_feat = eng.expected(st, r, salt=0x5A5A, width=opts.mm_width)
             result.rows_served += got.shape[0] + feat.shape[0]
             result.hit_tokens += out.num_hit_tokens[r]
+            # The count itself is checked too: an integration places the rows by it (the vLLM hooks start a
+            # request's step rows at computed - hit), and a wrong count with right rows passed (review).
+            if out.num_hit_tokens[r] != st.positions[r][0]:
+                result.mismatches += 1
             for g, w in ((got, want), (feat, want_feat)):
                 result.rows_checked += w.shape[0]  # rows the request should get, whatever was served
                 if g.shape != w.shape:  # (!= would broadcast: 0 rows against 1 would compare equal)
