@@ -139,7 +139,7 @@ KNOBS: tuple[Knob, ...] = (
          default_doc="ipc://RUNTIME_DIR/NAME.sock"),
     Knob("heartbeat_s", "float", 1.0, "heartbeat interval the committer tells clients to use", scope="committer",
          min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
-    Knob("heartbeat_timeout_s", "float", 10.0, "reap a client silent this long (at least heartbeat_s)",
+    Knob("heartbeat_timeout_s", "float", 10.0, "reap a client silent this long (at least 2 x heartbeat_s)",
          scope="committer", min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
     Knob("exit_when_idle", "bool", False,
          "exit once the last writer/reader left (after one attached), or when none attached within 60 s "
@@ -350,11 +350,14 @@ def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
             value = convert(knob, flags[knob.name], source)
         values[knob.name] = value
         sources[knob.name] = source
+    # A client's beats come a little more than heartbeat_s apart (its I/O thread wakes on a tick), so a timeout
+    # of one period reaped every idle client, a writer's staging with it, and its resume was refused (review).
     if "heartbeat_s" in values and "heartbeat_timeout_s" in values \
-            and values["heartbeat_timeout_s"] < values["heartbeat_s"]:
+            and values["heartbeat_timeout_s"] < 2 * values["heartbeat_s"]:
         raise ConfigError(f"heartbeat_timeout_s = {values['heartbeat_timeout_s']:g} "
-                          f"(from {sources['heartbeat_timeout_s']}) is shorter than heartbeat_s = "
-                          f"{values['heartbeat_s']:g} (from {sources['heartbeat_s']}): every client would be reaped")
+                          f"(from {sources['heartbeat_timeout_s']}) is under two heartbeat_s = "
+                          f"{values['heartbeat_s']:g} (from {sources['heartbeat_s']}): idle clients would be reaped "
+                          f"between two of their heartbeats")
     return Resolved(values, sources)
 
 

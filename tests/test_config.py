@@ -90,7 +90,11 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     ({}, {}, "staging_depth = [\n", "not valid TOML"),
     ({}, {"OMNISHM_LOG_LEVEL": "chatty"}, "", "use one of DEBUG, INFO"),
     ({}, {"OMNISHM_NAME": "has space"}, "", "use 1-64 letters"),
-    ({"heartbeat_s": "5", "heartbeat_timeout_s": "1"}, {}, "", "every client would be reaped"),
+    ({"heartbeat_s": "5", "heartbeat_timeout_s": "1"}, {}, "", "idle clients would be reaped"),
+    # REVIEW (2026-12-05, stop 42): a timeout of one period passed, and reaped every idle client (its beats come a
+    # little more than a period apart), a writer's staging with it, and the writer's resume was refused.
+    ({"heartbeat_s": "1", "heartbeat_timeout_s": "1"}, {}, "", "is under two heartbeat_s = 1"),
+    ({"heartbeat_s": "1", "heartbeat_timeout_s": "1.5"}, {}, "", "is under two heartbeat_s = 1"),
 ])
 def test_bad_values_raise_clear_errors(tmp_path, flags, env, file_text, message):
     env = dict(env)
