@@ -456,6 +456,7 @@ def test_device_ops_are_chosen_once_a_step_has_device_tensors_after_host_only_st
         return cuda_like if any(id(t) in on_device for t in tensors) else CpuOps()
 
     monkeypatch.setattr(device_module, "ops_for", ops_for)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA build: device tensors may come later
     with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False) as m:
         m.new_step_starts([started("r0", [0])])
         m.discard_step(save(m, [Part("r0", 1, [0], 0, 4)], BS))
@@ -467,6 +468,26 @@ def test_device_ops_are_chosen_once_a_step_has_device_tensors_after_host_only_st
                                            write_layout=layout), ["r1"])
         assert torch.equal(out.hidden_states["r1"], rows(1, range(4)))
         assert m._ops is cuda_like and ("freeze", "MainThread") in cuda_like.log
+
+
+def test_without_cuda_the_cpu_ops_of_the_first_step_with_tensors_are_kept(committer, monkeypatch):
+    """Reread (stop 42): re-choosing the ops at every step walked each step's tensors (leftovers included) again,
+    5-9 us of a CPU engine's 260 us ``save_outputs``. Without CUDA no later step can have device tensors, so the
+    first step with tensors chooses for good."""
+    calls: list[int] = []
+    real = device_module.ops_for
+
+    def ops_for(tensors):
+        calls.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(device_module, "ops_for", ops_for)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False) as m:
+        for step in range(3):
+            m.new_step_starts([started(f"r{step}", [step])])
+            m.discard_step(save(m, [Part(f"r{step}", 1, [step], 0, 4)], BS))
+        assert isinstance(m._ops, CpuOps) and len(calls) == 1, calls
 
 
 @pytest.mark.parametrize("drained", [True, False, "raises"])
