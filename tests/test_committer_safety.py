@@ -631,6 +631,6 @@ def test_a_caches_own_socket_is_held_under_its_socket_lock_too(committer_factory
     assert shm.CacheLock.holder(lock)[1] == own.proc.pid
     other = committer_factory(*SLOW, "--endpoint", f"ipc://{sock}", name=unique_cache_name("other"), wait=False)
     assert other.proc.wait(30) == 2
-    assert f"belongs to a running committer (generation" in other.log() and f"pid {own.proc.pid}" in other.log()
+    assert "belongs to a running committer (generation" in other.log() and f"pid {own.proc.pid}" in other.log()
     assert_clean_stop(own)
     assert not sock.exists() and not lock.exists()

@@ -208,7 +208,7 @@ def test_reader_copy_that_races_a_reclaim_refuses(committer_factory, monkeypatch
         sid = {r: save(r, [Part("b", 2, [0, 1], 4, 2)], BS, mm_key=None)}
         try:
             out = r.materialize(sid[r], ["b"])
-        except OmniPrefixCacheUnmatchError as exc:
+        except OmniPrefixCacheUnmatchError:
             assert fired
             return
         assert fired

@@ -29,9 +29,8 @@ from omnishm.committer import stores
 class NonTemporalMemcpy:
     """The parent's handle on the child; ``time(nbytes)`` is one timed copy. Main thread only."""
 
-    def __init__(self, proc: subprocess.Popen, threshold: int):
+    def __init__(self, proc: subprocess.Popen):
         self.proc = proc
-        self.threshold = threshold
 
     @classmethod
     def start(cls, capacity: int) -> "NonTemporalMemcpy | None":
@@ -48,7 +47,7 @@ class NonTemporalMemcpy:
         proc = subprocess.Popen([sys.executable, "-m", "omnishm.bench.nt_memcpy", str(capacity)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                 env={**os.environ, stores.ENV: tunables})
-        child = cls(proc, threshold)
+        child = cls(proc)
         if child._ask("ready") != "ready":
             child.close()
             raise RuntimeError("the non-temporal memcpy child did not start")

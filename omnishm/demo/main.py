@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=_at_least(1), default=2, help="runner processes (rank 0 writes, others read)")
     parser.add_argument("--steps", type=_at_least(1), default=300, help="engine steps per rank")
     parser.add_argument("--duration-s", type=float, default=None,
-                        help="run for this long instead of --steps (ranks then drift apart: no lockstep); at least 30 s under --timeout-s")
+                        help="run for this long instead of --steps (ranks then drift apart: no lockstep); at least "
+                             "30 s under --timeout-s")
     parser.add_argument("--name", type=_cache_name, default="demo", help="cache (and embedded committer) name")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-blocks", type=_at_least(1), default=256)
