@@ -265,6 +265,34 @@ def test_a_step_writing_more_rows_of_a_key_than_it_staged_is_refused_whole():
         assert shm.list_segments(pool.name) == []
 
 
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_a_step_listing_a_key_twice_is_refused_whole_on_either_path(path):
+    """REVIEW (2026-12-06): the staging-rows bound counted rows per position in ``keys``, not per key, so
+    a key listed 4096 times in one 8 MiB StepWrite, each time with a full staging of rows, was applied:
+    256 GiB copied in one apply, 28 s of a committer answering no other client. A key is listed once."""
+    pool = _pool("d" + path[0])
+    try:
+        if path == "general":
+            pool._apply_repeated = lambda *_a, **_k: None
+        h = pool.keys["h"]
+        cv = make_cv(EPOCH, 1, 1)
+        h.claim[:STAGING_ROWS] = cv
+        part = dict(tids=pack([7]), cvs=pack([cv]), src_rows=pack([0]), counts=pack([STAGING_ROWS]),
+                    slots=pack(range(STAGING_ROWS)))
+        # What the manager sends for one key, repeated per key name: the fast path's own shape.
+        msg = protocol.StepWrite(rid=1, step=1, keys=["h", "h"], key_idx=pack([0, 1]),
+                                 **{k: v * 2 for k, v in part.items()})
+        done = pool.apply_step(CLIENT, msg, EPOCH)
+        assert done.failed_tids == pack([7]) and done.rows_written == 0, done
+        assert "key 'h' is listed twice" in done.reason, done.reason
+        assert not h.commit[:STAGING_ROWS].any() and h.rows_written == 0
+        once = protocol.StepWrite(rid=2, step=1, keys=["h"], key_idx=pack([0]), **part)
+        assert pool.apply_step(CLIENT, once, EPOCH).rows_written == STAGING_ROWS
+    finally:
+        pool.close()
+        assert shm.list_segments(pool.name) == []
+
+
 def test_the_gather_buffer_stays_within_its_bound_whatever_the_step():
     """A step staged out of order goes through a key's gather buffer, the committer's private memory, kept
     for the next gather: it used to grow to the largest step ever gathered (at least 64 rows, 16 MiB of

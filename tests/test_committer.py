@@ -582,6 +582,62 @@ def test_a_killed_writer_credited_by_a_stall_still_lets_its_replacement_retry(co
         new.close()
 
 
+_WRITER_CHILD = """
+import os, sys, time, zmq
+from omnishm import protocol
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+sock.send(protocol.encode(protocol.Hello(
+    rid=1, protocol=protocol.PROTOCOL_VERSION, client_id="k" * 32, pid=os.getpid(), uid=os.geteuid(),
+    role=protocol.ROLE_WRITER, cache=sys.argv[2], layout=protocol.Layout(num_blocks=16, block_size=4),
+    staging_rows=4)))
+print(type(protocol.reply_decoder.decode(sock.recv())).__name__, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_writer_whose_process_is_gone_lets_its_replacement_retry_at_once(committer_factory):
+    """REVIEW (2026-12-06, a newcomer's walkthrough): an engine restarted right after its writer was killed
+    said Hello within two heartbeats of the dead writer's last message, was refused as a second writer
+    with no retry (silence that short is a live writer's), and failed at once, though the README says an
+    engine restarted at once attaches. The committer now also asks whether the writer's process is gone
+    (the pid it said Hello from, with that process's start time): then the refusal is retryable, says
+    so, and the new writer is welcomed once the dead one is reaped."""
+    handle = committer_factory("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "2")
+    child = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD, handle.endpoint, handle.name],
+                             stdout=subprocess.PIPE, text=True)
+    new = RawClient(handle.endpoint, handle.name)
+    try:
+        assert child.stdout.readline().strip() == "Welcome"
+        child.kill()
+        child.wait()
+        killed = time.monotonic()
+        refused = new.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+        assert isinstance(refused, protocol.Refused) and "its process is gone" in refused.reason, refused
+        assert 0 < refused.retry_after_s <= 2, refused
+        while True:  # the client's retries
+            reply = new.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+            if isinstance(reply, protocol.Welcome):
+                break
+            assert isinstance(reply, protocol.Refused) and reply.retry_after_s > 0, reply
+            assert time.monotonic() - killed < 15, reply
+            time.sleep(min(reply.retry_after_s, 0.5))
+        assert isinstance(new.goodbye(), protocol.Bye)
+        # A live writer in the way is still refused at once: two engines given one name.
+        other = RawClient(handle.endpoint, handle.name)
+        try:
+            assert isinstance(other.hello(protocol.ROLE_WRITER, LAYOUT, 4), protocol.Welcome)
+            second = new.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+            assert isinstance(second, protocol.Refused) and second.retry_after_s == 0, second
+            other.goodbye()
+        finally:
+            other.close()
+    finally:
+        child.kill()
+        child.wait()
+        new.close()
+
+
 def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_committer_goes_on(committer_factory):
     """``kill -USR1`` is how an operator sees where a committer that stalls stands: its threads' stacks land in
     its log (the loop's poll among them), and it keeps serving, then stops cleanly."""

@@ -634,3 +634,37 @@ def test_a_caches_own_socket_is_held_under_its_socket_lock_too(committer_factory
     assert "belongs to a running committer (generation" in other.log() and f"pid {own.proc.pid}" in other.log()
     assert_clean_stop(own)
     assert not sock.exists() and not lock.exists()
+
+
+def test_a_refused_writers_key_specs_are_not_the_caches(committer_factory):
+    """REVIEW (2026-12-06): a writer's Hello declared its layout's new key specs before its staging was made,
+    and a refusal after that (no room for its staging) kept them: the next writer, declaring its own spec
+    for that key, was refused with "layout mismatch" for good, by a client that was never let in. Specs
+    are declared once the writer is welcomed, and saved with its epoch."""
+    handle = committer_factory()
+    first = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    first.open_key("h", "float32", 1024)  # a key a later writer needs staging for
+    first.goodbye()
+    refused = RawClient(handle.endpoint, handle.name)
+    try:
+        reply = refused.hello(protocol.ROLE_WRITER, protocol.Layout(8, 4, {"x": protocol.KeySpec("float32", 4)}),
+                              staging_rows=MAX_STAGING_ROWS)  # 4 KiB rows: more than /dev/shm holds
+        assert isinstance(reply, protocol.Refused) and "cannot create staging" in reply.reason, reply
+    finally:
+        refused.close()
+
+    def specs() -> dict:
+        admin = RawClient(handle.endpoint, handle.name)
+        try:
+            welcome = admin.hello(protocol.ROLE_ADMIN)
+            admin.goodbye()
+        finally:
+            admin.close()
+        return welcome.layout.keys
+
+    assert set(specs()) == {"h"}
+    later = Writer(handle.endpoint, handle.name, protocol.Layout(8, 4, {"x": protocol.KeySpec("bfloat16", 8)}), 8)
+    try:
+        assert later.welcome.layout.keys["x"] == specs()["x"] == protocol.KeySpec("bfloat16", 8)
+    finally:
+        later.goodbye()

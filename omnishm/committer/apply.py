@@ -100,6 +100,11 @@ class StepApply:
             state = self.keys.get(key)
             if state is None:
                 raise StepRejected(f"step {step}: unknown key {key!r} (open it with OpenKey first)")
+            if state in states:
+                # Each name's rows are bounded by its staging below; a name listed N times would copy N
+                # stagings' worth of rows (4096 names: 256 GiB in one apply, 28 s of a committer answering
+                # nobody, review 2026-12-06), and commit one slot again under a version already committed.
+                raise StepRejected(f"step {step}: key {key!r} is listed twice (each key once per step)")
             if client_id not in state.staging:
                 raise StepRejected(f"step {step}: key {key!r} has no staging segment for this writer")
             states.append(state)
@@ -237,7 +242,7 @@ class StepApply:
         for key in msg.keys:
             state = self.keys.get(key)
             staging = state.staging.get(client_id) if state is not None else None
-            if staging is None:
+            if staging is None or state in states:  # a name listed twice: the general path refuses it
                 return None
             states.append(state)
             stagings.append(staging)

@@ -20,6 +20,7 @@ import msgspec
 from omnishm import protocol
 from omnishm.committer.pool import MAX_STAGING_ROWS, PoolError
 from omnishm.committer.sessions import Session
+from omnishm.shm import proc_identity
 from omnishm.versions import MAX_EPOCH
 
 logger = logging.getLogger("omnishm.committer")
@@ -35,6 +36,13 @@ def _short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
 
 
+def process_gone(session: Session) -> bool:
+    """Whether the process ``session`` said Hello from is gone: its pid names no live process now, or one
+    started at another time. False when the committer did not see that process at the Hello (a client in
+    another pid namespace names a pid of its own): a pid there proves nothing either way."""
+    return session.started is not None and proc_identity(session.pid) != session.started
+
+
 class Attach:
     """Hello and resume handling (mixin of ``Committer``; all state lives there)."""
 
@@ -45,16 +53,20 @@ class Attach:
         return protocol.Refused(rid=msg.rid, reason=reason, retry_after_s=retry_after_s)
 
     def _reaped_soon(self, sessions: list[Session]) -> float:
-        """Seconds until the last of ``sessions`` is reaped when nothing came from any of them for over two
-        heartbeat periods (each heartbeats every ``heartbeat_s``: likely a killed process), else 0.
+        """Seconds until the last of ``sessions`` is reaped when each is likely dead, else 0.
 
-        Likely dead goes by the last message (``heard_at``), the wait by the reaping clock (``last_seen``,
-        which a stall of the committer moved later): a stall credited a killed engine's writer, and the
-        restarted engine's writer was refused for good instead of told to retry (review)."""
+        Likely dead: nothing came from any of them for over two heartbeat periods (each heartbeats every
+        ``heartbeat_s``), or the process each said Hello from is gone (``process_gone``): an engine
+        restarted at once said Hello within two periods of its killed writer's last beat, and was refused
+        for good (review, 2026-12-06). Likely dead goes by the last message (``heard_at``), the wait by
+        the reaping clock (``last_seen``, which a stall of the committer moved later): a stall credited a
+        killed engine's writer, and the restarted engine's writer was refused for good instead of told to
+        retry (review). Only the refused client's wait depends on this: nobody is reaped early."""
         if not sessions:
             return 0.0
         now = time.monotonic()
-        if min(now - s.heard_at for s in sessions) <= 2 * self.cfg.heartbeat_s:
+        if min(now - s.heard_at for s in sessions) <= 2 * self.cfg.heartbeat_s \
+                and not all(process_gone(s) for s in sessions):
             return 0.0
         return max(0.1, self.cfg.heartbeat_timeout_s - min(now - s.last_seen for s in sessions))
 
@@ -114,9 +126,13 @@ class Attach:
                 return self.refuse(msg, f"cache {self.name} keeps the seat of writer {w.client_id} (epoch {w.epoch}), "
                                         f"which this committer adopted at its restart, for that writer's resume; "
                                         f"it is reaped in {wait:.1f}s if it does not resume", "second_writer", wait)
-            # A writer silent for a while is likely a killed engine's (an engine restarted at once): retryable.
-            return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid})",
-                               "second_writer", self._reaped_soon([w]))
+            # A writer silent for a while, or whose process is gone, is likely a killed engine's (an engine
+            # restarted at once): retryable, and the refusal says when its seat frees.
+            wait = self._reaped_soon([w])
+            dead = f"; its process is gone, and its seat is freed in {wait:.1f}s" if wait and process_gone(w) else (
+                f"; it has been silent, and is reaped in {wait:.1f}s unless it speaks" if wait else "")
+            return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid}{dead})",
+                               "second_writer", wait)
         if msg.role != protocol.ROLE_ADMIN:
             if msg.layout is not None:
                 mismatch = self.pool.layout_mismatch(msg.layout)
@@ -127,7 +143,9 @@ class Attach:
                                        self._reaped_soon([c for c in self.sessions if c.is_data_client])
                                        if self.cfg.exit_when_idle else 0.0)
                 try:
-                    self.pool.set_layout(msg.layout, declare=msg.role == protocol.ROLE_WRITER)
+                    # A writer's new key specs are declared only once it is welcomed (below): a refused
+                    # writer's specs refused the next writer's layout for good (review, 2026-12-06).
+                    self.pool.fix_layout(msg.layout, room_for_specs=msg.role == protocol.ROLE_WRITER)
                 except PoolError as exc:
                     return self.refuse(msg, exc.message, exc.code)
             elif self.pool.layout is None:
@@ -135,7 +153,8 @@ class Attach:
                                    "no_layout")
         now = time.monotonic()
         session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
-                          attached_at=now, last_seen=now, staging_rows=msg.staging_rows)
+                          attached_at=now, last_seen=now, staging_rows=msg.staging_rows,
+                          started=proc_identity(msg.pid))
         if msg.role == protocol.ROLE_WRITER:
             refused = self._make_staging(msg, msg.staging_rows)
             if refused is not None:
@@ -145,9 +164,11 @@ class Attach:
                 self.pool.drop_client(msg.client_id)
                 return self.refuse(msg, f"cache {self.name} used all {MAX_EPOCH} writer epochs; recreate it",
                                    "epochs")
+            declared = self.pool.declare_specs(msg.layout) if msg.layout is not None else []
             self.epoch += 1  # never handed out again, even when refused below
             session.epoch = self.epoch
-            if not self.pool.set_writer_epoch(self.epoch, msg.client_id, session.staging_rows):
+            if not self.pool.set_writer_epoch(self.epoch, msg.client_id, session.staging_rows):  # saves the specs
+                self.pool.forget_specs(declared)
                 self.pool.drop_client(msg.client_id)
                 return self.refuse(msg, f"cache {self.name} cannot record this writer's epoch in its metadata (see "
                                         f"the committer log); a restart could hand the epoch out again", "meta")
@@ -174,7 +195,7 @@ class Attach:
         if refused is not None:
             return refused
         self.sessions.rekey(seat, identity, time.monotonic())
-        seat.pid = msg.pid
+        seat.pid, seat.started = msg.pid, proc_identity(msg.pid)
         self.pool.set_writer_epoch(seat.epoch, seat.client_id, seat.staging_rows)  # recorded: publishes the word
         logger.info("committer %s: writer client %s attached (pid %d, epoch %d, recorded before the restart)",
                     self.name, msg.client_id, msg.pid, seat.epoch)
@@ -245,12 +266,12 @@ class Attach:
             self.detach(previous, REHELLO)
         if session is None:  # a reader or admin: no state to recover, attach afresh
             session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
-                              attached_at=now, last_seen=now)
+                              attached_at=now, last_seen=now, started=proc_identity(msg.pid))
             self.sessions.add(session)
             self.sessions.resumed += 1
         else:
             self.sessions.rekey(session, identity, now)
-            session.pid = msg.pid
+            session.pid, session.started = msg.pid, proc_identity(msg.pid)
         if session.role == protocol.ROLE_WRITER:
             self.pool.set_writer_epoch(session.epoch, session.client_id, session.staging_rows)
         logger.info("committer %s: %s client %s resumed (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,

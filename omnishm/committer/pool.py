@@ -209,12 +209,19 @@ class CachePool(StepApply):
         return None
 
     def set_layout(self, layout: protocol.Layout, *, declare: bool = True) -> None:
-        """Fix the layout (first Hello with one) and create the control segment; raises PoolError.
+        """``fix_layout``, then ``declare_specs`` when ``declare``, saving the metadata; raises PoolError."""
+        self.fix_layout(layout, room_for_specs=declare)
+        if declare and self.declare_specs(layout):
+            self.save_meta()
 
-        ``declare``: the layout's key specs become the cache's where it has none yet (a writer's Hello).
-        A reader's are only checked (``layout_mismatch``, by the caller): the writer opens keys, and a
-        reader's Hello fixed the spec, or used up the key limit, of keys the writer had not opened, after
-        which the writer was refused for the life of the cache (review)."""
+    def fix_layout(self, layout: protocol.Layout, *, room_for_specs: bool) -> None:
+        """Check ``layout``; the first one becomes the cache's, with its control segment; raises PoolError.
+
+        ``room_for_specs``: the layout's new key specs must fit the key limit (a writer's Hello, which
+        declares them once it is welcomed: ``declare_specs``). A reader's are only checked
+        (``layout_mismatch``, by the caller): the writer opens keys, and a reader's Hello fixed the
+        spec, or used up the key limit, of keys the writer had not opened, after which the writer was
+        refused for the life of the cache (review). Changes no key spec."""
         if layout.num_blocks <= 0 or layout.block_size <= 0:
             raise PoolError("bad_layout", f"num_blocks and block_size must be positive, got "
                                           f"{layout.num_blocks} and {layout.block_size}")
@@ -223,7 +230,7 @@ class CachePool(StepApply):
                                           f"exceeds {MAX_SLOTS} slots")
         for key, spec in layout.keys.items():
             self._check_spec(key, spec.dtype, spec.width, spec.row_shape)
-        if declare:
+        if room_for_specs:
             self._check_room(len(set(layout.keys) - set(self.key_specs)))
         elif len(layout.keys) > MAX_KEYS:  # more than any cache of this committer can hold
             raise PoolError("too_many_keys", f"a layout of {len(layout.keys)} key names passes the limit of {MAX_KEYS}")
@@ -235,11 +242,22 @@ class CachePool(StepApply):
             self.ctl[:] = 0
             self.ctl[protocol.CTL_PUBLISHED_STEP] = -1
             self.ctl[protocol.CTL_COMMITTER_PID] = os.getpid()
-        new_specs = [k for k in layout.keys if k not in self.key_specs] if declare else []
+        if self.meta_seq == 0:
+            self.save_meta()
+
+    def declare_specs(self, layout: protocol.Layout) -> list[str]:
+        """The key specs of ``layout`` the cache lacks become its own (in memory; the caller saves the
+        metadata); returns their names, for ``forget_specs``. Checked by ``fix_layout`` first."""
+        new_specs = [k for k in layout.keys if k not in self.key_specs]
         for key in new_specs:
             self.key_specs[key] = layout.keys[key]
-        if self.meta_seq == 0 or new_specs:
-            self.save_meta()
+        return new_specs
+
+    def forget_specs(self, keys: list[str]) -> None:
+        """Take back specs ``declare_specs`` added whose metadata was never saved (a refused writer)."""
+        for key in keys:
+            if key not in self.keys:  # an opened key keeps its spec
+                self.key_specs.pop(key, None)
 
     def current_layout(self) -> protocol.Layout:
         if self.layout is None:
