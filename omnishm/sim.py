@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 _MASK = (1 << 61) - 1
 MAX_NEW_TOKENS = 12
 """A request generates 1 to this many tokens after its prompt."""
+MM_SALT = 0x5A5A
+"""The ground-truth salt of the first multimodal key (``SimEngine.mm_salt``): each key's rows differ."""
 
 
 def _mix(h: int, token: int) -> int:
@@ -140,6 +142,8 @@ class SimStep:
     mm: dict[str, torch.Tensor]
     positions: dict[str, tuple[int, int, int]]  # req -> (hit tokens, first computed pos, count)
     hashes: dict[str, list[int]]
+    hit_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """The blocks of each request's hit (requests with one only): its hit rows are their slots."""
 
     @property
     def num_tokens(self) -> int:
@@ -170,13 +174,15 @@ class SimEngine:
     def __init__(self, *, num_blocks: int, block_size: int, max_batched_tokens: int, width: int,
                  mm_key: str | None = "mm_feat", mm_width: int = 4, seed: int = 0, system_prompts: int = 3,
                  system_len: int = 96, max_running: int = 8, abort_rate: float = 0.05, vocab: int = 997,
-                 preempt_rate: float = 0.0):
+                 preempt_rate: float = 0.0, extra_mm_keys: tuple[str, ...] = ()):
         self.alloc = BlockAllocator(num_blocks, block_size)
         self.bs = block_size
         self.budget = max_batched_tokens
         self.width = width
         self.mm_key = mm_key
         self.mm_width = mm_width
+        self.mm_keys = ((mm_key,) if mm_key else ()) + tuple(extra_mm_keys)
+        """Every multimodal key of a step's outputs, each ``mm_width`` wide, each with rows of its own."""
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.abort_rate = abort_rate
@@ -348,9 +354,11 @@ class SimEngine:
         return set(req.blocks[first:last + 1])
 
     def _outputs(self, events, batch) -> SimStep:
-        writes, slot_parts, rows, mm_rows = [], [], [], []
+        writes, slot_parts, rows = [], [], []
+        mm_rows: dict[str, list[torch.Tensor]] = {key: [] for key in self.mm_keys}
         positions: dict[str, tuple[int, int, int]] = {}
         hashes: dict[str, list[int]] = {}
+        hit_blocks: dict[str, tuple[int, ...]] = {}
         start = 0
         num_sched: dict[str, int] = {}
         for req, hit, count in batch:
@@ -360,18 +368,20 @@ class SimEngine:
             hs = prefix_hashes(req.tokens[:req.num_computed + count])
             hashes[req.req_id] = hs
             rows.append(truth_rows(hs[req.num_computed:], self.width))
-            if self.mm_key:
-                mm_rows.append(truth_rows(hs[req.num_computed:], self.mm_width, salt=0x5A5A))
+            for key, parts in mm_rows.items():
+                parts.append(truth_rows(hs[req.num_computed:], self.mm_width, salt=self.mm_salt(key)))
             writes.append(PrefixCacheWrite(req.req_id, start, count))
             positions[req.req_id] = (hit, req.num_computed, count)
+            if hit:
+                hit_blocks[req.req_id] = tuple(req.blocks[:hit // self.bs])
             num_sched[req.req_id] = count
             start += count
         slots = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
         hidden = torch.cat(rows) if rows else torch.empty((0, self.width))
-        mm = {self.mm_key: torch.cat(mm_rows)} if self.mm_key and mm_rows else {}
+        mm = {key: torch.cat(parts) for key, parts in mm_rows.items()} if batch else {}
         return SimStep(step=PrefixCacheStep(tuple(events), num_sched),
                        layout=PrefixCacheWriteLayout(tuple(writes), slots), hidden=hidden, mm=mm,
-                       positions=positions, hashes=hashes)
+                       positions=positions, hashes=hashes, hit_blocks=hit_blocks)
 
     def advance(self, sim_step: SimStep) -> None:
         """After the forward: account computed tokens, decode, finish, abort."""
@@ -387,6 +397,10 @@ class SimEngine:
                     self._finish(req, aborted=True)
                 elif req.generated >= req.max_new:
                     self._finish(req, aborted=False)
+
+    def mm_salt(self, key: str) -> int:
+        """The ground-truth salt of multimodal key ``key`` (``expected``'s ``salt``)."""
+        return MM_SALT ^ (0x10101 * self.mm_keys.index(key))
 
     def expected(self, sim_step: SimStep, req_id: str, salt: int = 0, width: int | None = None) -> torch.Tensor:
         """Ground truth of the merged rows for req: positions 0..hit-1, then this step's positions."""

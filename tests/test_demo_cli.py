@@ -111,6 +111,22 @@ def test_a_bad_client_knob_stops_the_demo_before_it_starts_anything():
     assert not shm.list_segments(name) and not list(RUNTIME_DIR.glob(f"{name}.*"))
 
 
+def test_a_cache_name_a_running_committer_serves_stops_the_demo_before_it_starts_anything(committer):
+    """REVIEW (2026-12-06, a newcomer's walkthrough): ``omnishm demo --name N`` beside a committer N launched
+    with ``scripts/launch_committer.sh`` ran its ranks on that committer, which outlives them, and then
+    counted its segments and socket as leaked: a correct run (0 mismatches) said FAILED. The demo starts
+    its own committer and checks that it leaves nothing, so a name in use is a usage error, and the
+    running committer is untouched."""
+    before = shm.list_segments(committer.name)
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "demo", "--name", committer.name, *SMALL],
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"cache {committer.name!r} already has a committer" in proc.stderr and "--name" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert committer.proc.poll() is None and shm.list_segments(committer.name) == before
+    assert [c for c in committer.status()["clients"] if c["role"] != "admin"] == []  # no rank attached
+
+
 def test_the_ranks_take_client_knobs_from_the_environment_and_keep_their_own_sizing(monkeypatch):
     from omnishm.demo.rank import RankOptions
 

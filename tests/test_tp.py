@@ -114,6 +114,51 @@ def test_lagging_ranks_without_lockstep_never_serve_a_wrong_row(committer_factor
     assert results[0].errors == {}  # the writer rescues its own late reads
 
 
+def test_a_lagging_lockstep_reader_that_refuses_rows_that_were_there_fails_the_demo(committer_factory, monkeypatch):
+    """REVIEW (2026-12-05, stop 42, the demo's checker): in a lagging run the demo accepted any number of
+    "reused" refusals from readers, so a reader that refused every hit passed. In lockstep the steps saved
+    after the refused one are known (the ranks' pending steps): a "reused" refusal that none of them
+    explains (no later step wrote a slot of the hit) now fails the demo. The writer and a reader as threads
+    of this process, lockstep, --lag 2; the broken reader turns each step with a hit into a refusal."""
+    from omnishm.demo.main import passed
+    from omnishm.demo.rank import UNEXPLAINED_REUSE
+    from omnishm.interface import unmatch
+
+    opts = rank_opts(committer_factory().name, tp=2, lag=2, steps=60, num_blocks=96)
+
+    def run_pair() -> dict[int, RankResult]:
+        barrier = threading.Barrier(2)
+        results: dict[int, RankResult] = {}
+        reader = threading.Thread(target=lambda: results.__setitem__(1, run_rank(1, opts, barrier=barrier)))
+        reader.start()
+        results[0] = run_rank(0, opts, barrier=barrier)
+        reader.join()
+        return results
+
+    def verdict(results: dict[int, RankResult]) -> bool:
+        return passed({"mismatches": sum(r.mismatches for r in results.values()), "failures": {},
+                       "leaked_segments": [], "errors": {f"rank{k}": r.errors for k, r in results.items()}}, opts)
+
+    clean = run_pair()
+    assert all(r.failure is None for r in clean.values()), clean
+    assert clean[1].hit_tokens > 0 and UNEXPLAINED_REUSE not in clean[1].errors and verdict(clean), clean
+    real = OmniPrefixCacheManager.materialize
+
+    def refuses_every_hit(self, step_id, req_ids, **kw):
+        out = real(self, step_id, req_ids, **kw)
+        hit = next((r for r, n in out.num_hit_tokens.items() if n), None)
+        if not self.is_writer and hit is not None:
+            raise unmatch("slot reused after the hit was planned (reader has no rescue)", req_id=hit,
+                          key=HIDDEN_KEY, step_id=step_id)
+        return out
+
+    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", refuses_every_hit)
+    broken = run_pair()
+    assert all(r.failure is None for r in broken.values()), broken
+    assert broken[1].errors.get(UNEXPLAINED_REUSE, 0) > 0 and not verdict(broken), broken
+    assert broken[0].errors == {}, broken
+
+
 def test_a_reader_that_starts_after_its_writer_could_finish_still_follows_it_once_the_ranks_meet_at_start(
         committer_factory):
     """Without lockstep the ranks still meet once, all attached, before the first step (a TP engine's start).

@@ -132,6 +132,13 @@ def cli_main(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
+    if shm.cache_is_live(_runtime_dir(opts), opts.cache):
+        # Its ranks would attach to that committer, which outlives them: its segments, counted as leaked,
+        # failed a correct run (review, 2026-12-06).
+        print(f"omnishm demo: cache {opts.cache!r} already has a committer (in {_runtime_dir(opts)}); the demo "
+              f"starts its own and checks that it leaves nothing behind: give the demo another --name",
+              file=sys.stderr)
+        return 2
     if opts.device == "cuda":
         import torch
 
@@ -200,8 +207,11 @@ def passed(summary: dict, opts: RankOptions) -> bool:
     The writer (rank 0) keeps copy-on-write rescues for its late reads, so it never refuses one. In
     lockstep (a step count, no --duration-s) with every step materialized in the step (--lag 0), no read
     can come late, so a reader's refusal is a failure too. A reader that lags (--lag) may find a hit's
-    slots already given to a new tenant and refuse it ("reused"), as it must (docs/DESIGN-NOTES.md); one
-    that drifts (--duration-s) may also run ahead of the writer, or outlive it, and time out.
+    slots already given to a new tenant and refuse it ("reused"), as it must (docs/DESIGN-NOTES.md), but
+    only when a step saved after the read's own wrote a slot of the hit: the rank checks that against its
+    pending steps, and any other "reused" is counted as ``rank.UNEXPLAINED_REUSE``, a failure. One that
+    drifts (--duration-s) may also run ahead of the writer, or outlive it, and time out; its refusals are
+    not checked (which steps the writer saved meanwhile is not known).
     """
     errors = summary["errors"] or {}
     writer_refused = sum(errors.get("rank0", {}).values())
@@ -211,11 +221,14 @@ def passed(summary: dict, opts: RankOptions) -> bool:
         writer_refused == 0 and readers_ok
 
 
+def _runtime_dir(opts: RankOptions) -> Path:
+    """Where the ranks' managers look: OMNISHM_RUNTIME_DIR or the config file's, else the default."""
+    return Path(opts.runtime_dir or manager_connection(runtime_dir=None)["runtime_dir"] or shm.default_runtime_dir())
+
+
 def _wait_for_cleanup(opts: RankOptions, timeout_s: float = 20.0) -> list[str]:
     """The embedded committer exits once the last rank said goodbye; then nothing may remain."""
-    # Where the ranks' managers looked: OMNISHM_RUNTIME_DIR or the config file's, else the default.
-    runtime_dir = Path(opts.runtime_dir or manager_connection(runtime_dir=None)["runtime_dir"]
-                       or shm.default_runtime_dir())
+    runtime_dir = _runtime_dir(opts)
     deadline = time.monotonic() + timeout_s
     while shm.cache_is_live(runtime_dir, opts.cache) and time.monotonic() < deadline:
         time.sleep(0.05)

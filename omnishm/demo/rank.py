@@ -10,15 +10,21 @@ must report them).
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 from omnishm.config import load_prefix_cache_config
 from omnishm.interface import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
+
+DEFERRED_MM_KEY = "mm_feat"
+"""The demo's multimodal key that a model policy defers (``RankOptions.deferred_mm``; else immediate)."""
+IMMEDIATE_MM_KEY = "mm_code"
+"""The demo's other multimodal key, always written with its step, as wide as the deferred one."""
 
 START_BARRIER_S = 120.0
 """How long the ranks wait for one another to attach (``run_rank``; ``commit_timeout_s`` when longer)."""
@@ -140,7 +146,8 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
         cfg = opts.prefix_cache_config()
         eng = SimEngine(num_blocks=opts.num_blocks, block_size=opts.block_size,
                         max_batched_tokens=opts.max_batched_tokens, width=opts.width, mm_width=opts.mm_width,
-                        seed=opts.seed, preempt_rate=opts.preempt_rate)
+                        seed=opts.seed, preempt_rate=opts.preempt_rate, mm_key=DEFERRED_MM_KEY,
+                        extra_mm_keys=(IMMEDIATE_MM_KEY,))
     except BaseException:
         break_meeting()
         raise
@@ -154,22 +161,30 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
         try:
             out = m.materialize(sid, reqs)
         except OmniPrefixCacheUnmatchError as exc:
-            errors[_error_kind(exc)] += 1
+            kind = _error_kind(exc)
+            # In lockstep the steps saved since this one are the ones still pending: a "reused" refusal
+            # that none of them explains refused rows that were there (review, 2026-12-05: a reader that
+            # refused every hit passed a lagging run). Drifting ranks have no such bound.
+            if kind == "reused" and opts.lockstep and not _rewritten_since(st, _refused_request(exc), pending,
+                                                                            opts.block_size):
+                kind = UNEXPLAINED_REUSE
+            errors[kind] += 1
             if os.environ.get("OMNISHM_DEMO_DEBUG"):
                 print(f"rank {rank}: {exc}", flush=True)
             return
         for r in reqs:
-            got = out.hidden_states[r]
-            want = eng.expected(st, r)
-            feat = out.mm_outputs[r]["mm_feat"]
-            want_feat = eng.expected(st, r, salt=0x5A5A, width=opts.mm_width)
-            result.rows_served += got.shape[0] + feat.shape[0]
+            # The hidden states and each multimodal key, against their own ground truth: the mm keys are
+            # as wide as each other, so rows served under the wrong key are a mismatch, not a shape error.
+            pairs = [(out.hidden_states[r], eng.expected(st, r))]
+            pairs += [(out.mm_outputs[r][key], eng.expected(st, r, salt=eng.mm_salt(key), width=opts.mm_width))
+                      for key in eng.mm_keys]
+            result.rows_served += sum(g.shape[0] for g, _ in pairs)
             result.hit_tokens += out.num_hit_tokens[r]
             # The count itself is checked too: an integration places the rows by it (the vLLM hooks start a
             # request's step rows at computed - hit), and a wrong count with right rows passed (review).
             if out.num_hit_tokens[r] != st.positions[r][0]:
                 result.mismatches += 1
-            for g, w in ((got, want), (feat, want_feat)):
+            for g, w in pairs:
                 result.rows_checked += w.shape[0]  # rows the request should get, whatever was served
                 if g.shape != w.shape:  # (!= would broadcast: 0 rows against 1 would compare equal)
                     result.mismatches += max(g.shape[0], w.shape[0])
@@ -180,7 +195,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
         """Attached: meet the peers, run the steps, consume what is left, measure."""
         nonlocal met
         if opts.deferred_mm:
-            m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"mm_feat"})))
+            m.register_policy(ModelCachePolicy(deferred_keys=frozenset({DEFERRED_MM_KEY})))
         if barrier is not None:
             # A reader that attached after its writer's last publication would never bind to that writer
             # (``ReadSide._follow_writer``) and would wait out commit_timeout_s at each step: in a real
@@ -266,6 +281,25 @@ def _verify_pool(m: Any, last_hash: dict[int, int], width: int) -> tuple[int, in
     want = truth_rows([last_hash[s] for s in slots.tolist()], width).to(kv.dtype)
     wrong = ~(kv.pool.index_select(0, slots) == want).all(dim=1)
     return int((~landed | wrong).sum()), len(slots)
+
+
+UNEXPLAINED_REUSE = "reused, but no later step wrote its slots"
+"""The error kind of a "reused" refusal in lockstep that no step saved after the read's own explains:
+a refused read of rows that were there, which fails the demo (``main.passed``)."""
+
+
+def _refused_request(exc: Exception) -> str | None:
+    """The request an unmatch error names (``interface.unmatch``), if any."""
+    found = re.search(r"\(request='([^']*)'", str(exc))
+    return found.group(1) if found else None
+
+
+def _rewritten_since(st: Any, req_id: str | None, later: Iterable[tuple[int, Any]], bs: int) -> bool:
+    """Whether a step in ``later`` (``(step id, SimStep)`` pairs, the steps saved after ``st``) wrote a
+    slot of ``req_id``'s hit in ``st``, or of any hit of ``st`` when the error named no hit request."""
+    reqs = [req_id] if req_id in st.hit_blocks else list(st.hit_blocks)
+    hit = {b * bs + o for r in reqs for b in st.hit_blocks[r] for o in range(bs)}
+    return any(not hit.isdisjoint(s.layout.slots.tolist()) for _, s in later)
 
 
 def _error_kind(exc: Exception) -> str:
