@@ -418,7 +418,7 @@ def ensure_runtime_dir(path: Path | str | None = None) -> Path:
     if st.st_mode & 0o077:
         raise PermissionError(
             f"runtime dir {path} has mode {stat.S_IMODE(st.st_mode):04o}; others could replace our socket. "
-            f"Run `chmod 700 {path}` or pick another --runtime-dir")
+            f"Run `chmod 700 {path}` or pick another runtime dir (--runtime-dir, OMNISHM_RUNTIME_DIR, runtime_dir=)")
     return path
 
 

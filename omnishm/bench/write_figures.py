@@ -132,9 +132,12 @@ def _percentile_stats(blocks: list[np.ndarray], q: float) -> Stats:
     """Percentile ``q`` of all samples (seconds) as the value, in us; min, quartiles and max over the
     same percentile of each block: a latency figure with its spread over repeated runs."""
     per_block = np.array([np.percentile(b, q) for b in blocks]) * 1e6
-    return Stats(float(np.percentile(np.concatenate(blocks), q)) * 1e6, float(per_block.min()),
-                 float(per_block.max()), float(np.percentile(per_block, 25)), float(np.percentile(per_block, 75)),
-                 len(blocks))
+    value = float(np.percentile(np.concatenate(blocks), q)) * 1e6
+    # The pooled percentile lies within the blocks' up to interpolation and rounding: 4010.45839826111 us
+    # against a least block's 4010.45839826112 us failed the bench test's min <= median <= max (CI flake,
+    # 2026-12-06). The spread is widened to hold it.
+    return Stats(value, min(value, float(per_block.min())), max(value, float(per_block.max())),
+                 float(np.percentile(per_block, 25)), float(np.percentile(per_block, 75)), len(blocks))
 
 
 def msg_src(msg: P.StepWrite) -> int:
