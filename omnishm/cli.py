@@ -71,11 +71,9 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
     import msgspec
     import zmq
 
-    from omnishm import protocol
+    from omnishm import protocol, shm
 
     if endpoint.startswith("ipc://"):
-        from omnishm import shm
-
         path = Path(endpoint[len("ipc://"):])
         try:
             path.lstat()
@@ -116,6 +114,12 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         sock.send(protocol.encode(msg))
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not sock.poll(int(remaining * 1000), zmq.POLLIN):
+            held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name)) if runtime_dir is not None else None
+            if held is not None and shm.cache_is_live(runtime_dir, name):  # alive, but stopped or swamped
+                raise CommitterUnavailable(
+                    f"the committer of cache {name!r} (pid {held[1]}) holds its lock but did not answer on {endpoint} "
+                    f"within {timeout_s}s: stopped (SIGSTOP), or busy; its log says which, and `kill -USR1 "
+                    f"{held[1]}` writes its threads' stacks there")
             raise CommitterUnavailable(f"no committer for cache {name!r} answered on {endpoint} within {timeout_s}s")
         try:
             return protocol.reply_decoder.decode(sock.recv())

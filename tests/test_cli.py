@@ -160,6 +160,26 @@ def test_ping_names_a_crashed_committers_socket_and_the_command_that_removes_it(
     assert shm.list_segments(handle.name) == []
 
 
+def test_ping_of_a_stopped_committer_names_its_pid_and_how_to_see_where_it_stands(committer_factory, capsys):
+    """REVIEW (2026-12-06, a newcomer's walkthrough): ping and status of a committer frozen by SIGSTOP said
+    "no committer ... answered", though the cache lock shows a live one: the operator went looking for a
+    committer that runs. They now name its pid, and how to see where it stands."""
+    import signal
+
+    from helpers import wait_stopped
+
+    handle = committer_factory()
+    os.kill(handle.proc.pid, signal.SIGSTOP)
+    try:
+        wait_stopped(handle.proc.pid)
+        code, _out, err = run(capsys, "ping", "--name", handle.name, "--timeout-s", "0.5")
+    finally:
+        os.kill(handle.proc.pid, signal.SIGCONT)
+    assert code == 1, err
+    assert f"(pid {handle.proc.pid}) holds its lock but did not answer" in err and "kill -USR1" in err, err
+    assert run(capsys, "ping", "--name", handle.name, "--timeout-s", "10")[0] == 0
+
+
 def test_ping_reaches_a_live_committer_whose_ipc_socket_lives_outside_the_runtime_dir(committer_factory, capsys,
                                                                                        tmp_path):
     """The crashed-socket check applies only to the cache's own socket in the runtime dir, where its lock
