@@ -293,6 +293,46 @@ def test_a_step_listing_a_key_twice_is_refused_whole_on_either_path(path):
         assert shm.list_segments(pool.name) == []
 
 
+def test_staging_rows_past_the_end_are_refused_not_broadcast():
+    """MUTATION REVIEW (2026-12-06): the fast path's staging bound off by one (``r1 > rows + 1``) survived
+    the suite, and served a wrong row: an entry of two rows from the last staging row names a row that
+    does not exist, numpy's slice gave one row, copied into both slots, both committed. Refused whole."""
+    pool = _pool("b")
+    try:
+        h = pool.keys["h"]
+        cv = make_cv(EPOCH, 3, 1)
+        h.claim[[0, 1]] = cv
+        msg = protocol.StepWrite(rid=1, step=3, keys=["h"], key_idx=pack([0]), tids=pack([10]), cvs=pack([cv]),
+                                 src_rows=pack([STAGING_ROWS - 1]), counts=pack([2]), slots=pack([0, 1]))
+        done = pool.apply_step(CLIENT, msg, EPOCH)
+        assert "staging rows" in done.reason and done.failed_tids == pack([10]) and not done.done_tids, done
+        assert list(h.commit[[0, 1]]) == [0, 0] and not h.data[[0, 1]].any()
+    finally:
+        pool.close()
+        assert shm.list_segments(pool.name) == []
+
+
+def test_claim_versions_of_another_epoch_are_refused_even_beside_the_writers_own():
+    """MUTATION REVIEW (2026-12-06): an epoch check of the smallest claim version alone survived the suite,
+    whose steps had every version of the other epoch: a step mixing the writer's own versions with one of
+    another epoch committed that other writer's row. Refused whole, on either path."""
+    pool = _pool("m")
+    try:
+        h = pool.keys["h"]
+        own, other = make_cv(EPOCH, 3, 1), make_cv(EPOCH + 1, 3, 1)
+        h.claim[0], h.claim[1] = own, other
+        for src in ([0, 1], [1, 0]):  # staged in entry order (the fast path), and not (the general path)
+            msg = protocol.StepWrite(rid=1, step=3, keys=["h"], key_idx=pack([0, 0]), tids=pack([10, 11]),
+                                     cvs=pack([own, other]), src_rows=pack(src), counts=pack([1, 1]),
+                                     slots=pack([0, 1]))
+            done = pool.apply_step(CLIENT, msg, EPOCH)
+            assert f"another epoch than this writer's {EPOCH}" in done.reason, done
+            assert list(h.commit[[0, 1]]) == [0, 0] and done.rows_written == 0
+    finally:
+        pool.close()
+        assert shm.list_segments(pool.name) == []
+
+
 def test_the_gather_buffer_stays_within_its_bound_whatever_the_step():
     """A step staged out of order goes through a key's gather buffer, the committer's private memory, kept
     for the next gather: it used to grow to the largest step ever gathered (at least 64 rows, 16 MiB of

@@ -655,3 +655,23 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_committer_goes_on
         assert "server.py" in handle.log() and "in run" in handle.log(), handle.log()
     finally:
         client.close()
+
+
+def test_a_writers_resume_naming_another_epoch_is_refused(committer):
+    """MUTATION REVIEW (2026-12-06): refusing only a resume of a later epoch than the writer's (``>``, not
+    ``!=``) survived the suite: a resume naming an older epoch was welcomed, and every step after it failed
+    validation, far from the cause. Either way the resume is refused, naming the epoch."""
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, 32)
+    other = RawClient(committer.endpoint, committer.name)
+    other.client_id = writer.raw.client_id
+    try:
+        for bad in (writer.epoch - 1, writer.epoch + 1):
+            reply = other.call(protocol.Hello(
+                rid=other.next_rid(), protocol=protocol.PROTOCOL_VERSION, client_id=other.client_id,
+                pid=os.getpid(), uid=os.geteuid(), role=protocol.ROLE_WRITER, cache=committer.name, layout=LAYOUT,
+                staging_rows=32, resume=True, resume_generation=writer.welcome.generation, resume_epoch=bad,
+                resume_staging=[]))
+            assert isinstance(reply, protocol.Refused) and f"epoch {bad} != {writer.epoch}" in reply.reason, reply
+    finally:
+        other.close()
+        writer.goodbye()

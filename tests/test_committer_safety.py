@@ -668,3 +668,26 @@ def test_a_refused_writers_key_specs_are_not_the_caches(committer_factory):
         assert later.welcome.layout.keys["x"] == specs()["x"] == protocol.KeySpec("bfloat16", 8)
     finally:
         later.goodbye()
+
+
+def test_a_key_whose_commit_table_cannot_be_made_leaves_no_segment(monkeypatch):
+    """MUTATION REVIEW (2026-12-06): ``open_key`` unlinking none of the segments it had made when a later one
+    failed (/dev/shm full while making the commit table) survived the suite: its pool and claim table
+    stayed in /dev/shm. They go, and the error is the caller's."""
+    pool = CachePool(f"tsafe{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:8])
+    try:
+        pool.set_layout(LAYOUT)
+        made = pool._create
+
+        def create(what: str, size: int):
+            if what.startswith("commit."):
+                raise OSError(28, "No space left on device")
+            return made(what, size)
+
+        monkeypatch.setattr(pool, "_create", create)
+        with pytest.raises(OSError, match="No space left"):
+            pool.open_key("h", protocol.KeySpec("float32", 4, (4,)))
+        assert [s for s in shm.list_segments(pool.name) if ".ctl" not in s] == [], shm.list_segments(pool.name)
+    finally:
+        pool.close()
+    assert shm.list_segments(pool.name) == []

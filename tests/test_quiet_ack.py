@@ -204,3 +204,20 @@ def test_a_marker_of_a_later_writers_epoch_acknowledges_none_of_this_writers_ste
         assert torch.equal(hidden.pool[0:7], rows(1, range(7)))
     finally:
         m.shutdown()
+
+
+def test_an_older_quiet_step_never_takes_an_acknowledgement_back(committer):
+    """MUTATION REVIEW (2026-12-06): storing every quiet step's marker, not only a larger one, survived the
+    suite: a re-sent older step lowered ``CTL_ACKED_STEP``, and a writer waiting for a later marker would
+    wait out its commit timeout. The word only grows."""
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, STAGING_ROWS)
+    key = f"q-{unique_cache_name('k')}"
+    view = writer.open_key(key, "float32", 8)
+    view.staging.copy_(random_rows(torch.float32, (STAGING_ROWS, 8), torch.Generator().manual_seed(3)))
+    try:
+        assert writer.step_write(11, [(key, 1, writer.new_cv(11), 0, [5])], quiet=True) is None
+        assert writer.step_write(7, [(key, 2, writer.new_cv(7), 1, [6])], quiet=True) is None  # a re-send
+        assert isinstance(writer.raw.call(P.StatusRequest(rid=writer.raw.next_rid())), P.StatusReply)  # both applied
+        assert _acked_word(writer.welcome.control) == make_cv(writer.epoch, 11, 0)
+    finally:
+        writer.goodbye()
