@@ -675,3 +675,26 @@ def test_a_writers_resume_naming_another_epoch_is_refused(committer):
     finally:
         other.close()
         writer.goodbye()
+
+
+@pytest.mark.parametrize("role", [protocol.ROLE_READER, protocol.ROLE_ADMIN])
+def test_a_resume_of_another_generation_is_refused_by_a_committer_that_adopted_nothing(committer, role):
+    """MUTATION REVIEW (2026-12-06): checking a resume's generation only on a committer that adopted a cache
+    survived the suite (``test_faults`` resumes a writer on an adopting one). A reader of a gone generation
+    resumed on a fresh committer would keep its maps of that generation's unlinked segments, rows no
+    writer keeps any more. Refused, naming both generations; the live generation's resume is welcomed."""
+    raw = RawClient(committer.endpoint, committer.name)
+    generation = committer.status()["generation"]
+    try:
+        for gen, welcomed in (("deadbeef", False), (generation, True)):
+            reply = raw.call(protocol.Hello(
+                rid=raw.next_rid(), protocol=protocol.PROTOCOL_VERSION, client_id=raw.client_id, pid=os.getpid(),
+                uid=os.geteuid(), role=role, cache=committer.name, resume=True, resume_generation=gen))
+            if welcomed:
+                assert isinstance(reply, protocol.Welcome) and reply.resumed, reply
+            else:
+                assert isinstance(reply, protocol.Refused) and "did not adopt" in reply.reason, reply
+                assert f"holds generation {generation}" in reply.reason, reply
+        assert isinstance(raw.goodbye(), protocol.Bye)
+    finally:
+        raw.close()
