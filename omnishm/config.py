@@ -341,13 +341,10 @@ def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
         if knob.name in file_values:
             source = f"file {path}"
             value = convert(knob, file_values[knob.name], source)
-        given = [var for var in (knob.env, *knob.env_aliases) if env.get(var, "") != ""]
-        if len({env[var] for var in given}) > 1:  # two processes reading one each would disagree silently
-            raise ConfigError(f"{knob.name}: " + " and ".join(f"{var}={env[var]!r}" for var in given)
-                              + f" disagree; set {knob.env} alone")
-        if given:
-            source = f"env {given[0]}"
-            value = convert(knob, env[given[0]], source)
+        for var in (*reversed(knob.env_aliases), knob.env):  # the primary name wins over an alias
+            if env.get(var, "") != "":
+                source = f"env {var}"
+                value = convert(knob, env[var], source)
         if knob.name in flags:
             source = f"flag {knob.flag}"
             value = convert(knob, flags[knob.name], source)

