@@ -127,6 +127,17 @@ def test_a_cache_name_a_running_committer_serves_stops_the_demo_before_it_starts
     assert [c for c in committer.status()["clients"] if c["role"] != "admin"] == []  # no rank attached
 
 
+def test_a_runtime_dir_that_cannot_be_one_stops_the_demo_with_a_message(tmp_path):
+    """Found while reviewing the check above: a runtime dir that is a file failed every rank, and then the
+    demo's own leak check ended it with a traceback. The launcher checks it as the ranks would, first."""
+    (tmp_path / "file").touch()
+    env = {**os.environ, "OMNISHM_RUNTIME_DIR": str(tmp_path / "file")}
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "demo", "--name", unique_cache_name("demo"), *SMALL],
+                          env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"runtime dir {tmp_path / 'file'} is not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_the_ranks_take_client_knobs_from_the_environment_and_keep_their_own_sizing(monkeypatch):
     from omnishm.demo.rank import RankOptions
 

@@ -132,7 +132,12 @@ def cli_main(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
-    if shm.cache_is_live(_runtime_dir(opts), opts.cache):
+    try:  # what every rank's manager checks: else each rank failed, and then the demo's own check raised
+        live = shm.cache_is_live(shm.ensure_runtime_dir(_runtime_dir(opts)), opts.cache)
+    except OSError as exc:
+        print(f"omnishm demo: {exc}", file=sys.stderr)
+        return 2
+    if live:
         # Its ranks would attach to that committer, which outlives them: its segments, counted as leaked,
         # failed a correct run (review, 2026-12-06).
         print(f"omnishm demo: cache {opts.cache!r} already has a committer (in {_runtime_dir(opts)}); the demo "
