@@ -114,7 +114,8 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         sock.send(protocol.encode(msg))
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not sock.poll(int(remaining * 1000), zmq.POLLIN):
-            held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name)) if runtime_dir is not None else None
+            own = runtime_dir is not None and endpoint == paths.ipc_endpoint(runtime_dir, name)
+            held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name)) if own else None
             if held is not None and shm.cache_is_live(runtime_dir, name):  # alive, but stopped or swamped
                 raise CommitterUnavailable(
                     f"the committer of cache {name!r} (pid {held[1]}) holds its lock but did not answer on {endpoint} "

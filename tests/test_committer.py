@@ -585,12 +585,13 @@ def test_a_killed_writer_credited_by_a_stall_still_lets_its_replacement_retry(co
 _WRITER_CHILD = """
 import os, sys, time, zmq
 from omnishm import protocol
+from omnishm.shm import proc_identity
 sock = zmq.Context.instance().socket(zmq.DEALER)
 sock.connect(sys.argv[1])
 sock.send(protocol.encode(protocol.Hello(
     rid=1, protocol=protocol.PROTOCOL_VERSION, client_id="k" * 32, pid=os.getpid(), uid=os.geteuid(),
     role=protocol.ROLE_WRITER, cache=sys.argv[2], layout=protocol.Layout(num_blocks=16, block_size=4),
-    staging_rows=4)))
+    staging_rows=4, started=proc_identity(os.getpid()))))
 print(type(protocol.reply_decoder.decode(sock.recv())).__name__, flush=True)
 time.sleep(600)
 """
@@ -636,6 +637,37 @@ def test_a_writer_whose_process_is_gone_lets_its_replacement_retry_at_once(commi
         child.kill()
         child.wait()
         new.close()
+
+
+def test_a_live_writer_whose_hello_named_another_process_is_never_taken_for_gone(committer_factory):
+    """REVIEW (2026-12-06): a client in another pid namespace names a pid of its own, which may be an
+    unrelated process in the committer's. Once that process exited, a live, heartbeating writer was taken
+    for gone, and a second writer (two engines given one name) was told, at every retry, that its seat
+    frees in a few seconds. The committer now trusts a Hello's pid only when its ``/proc`` shows that pid
+    with the start time the client gave (``Hello.started``)."""
+    from omnishm.shm import proc_identity
+
+    handle = committer_factory("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "2")
+    other = subprocess.Popen(["sleep", "60"])  # the unrelated process the foreign pid names here
+    live, second = RawClient(handle.endpoint, handle.name), RawClient(handle.endpoint, handle.name)
+    try:
+        welcome = live.call(protocol.Hello(
+            rid=live.next_rid(), protocol=protocol.PROTOCOL_VERSION, client_id=live.client_id, pid=other.pid,
+            uid=os.geteuid(), role=protocol.ROLE_WRITER, cache=handle.name, layout=LAYOUT, staging_rows=4,
+            started=proc_identity(os.getpid())))  # its own start time, as its own /proc shows it
+        assert isinstance(welcome, protocol.Welcome), welcome
+        other.kill()
+        other.wait()
+        assert isinstance(live.call(protocol.Heartbeat(rid=live.next_rid())), protocol.HeartbeatAck)
+        refused = second.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+        assert isinstance(refused, protocol.Refused) and refused.retry_after_s == 0, refused
+        assert "gone" not in refused.reason, refused
+        assert isinstance(live.goodbye(), protocol.Bye)
+    finally:
+        other.kill()
+        other.wait()
+        live.close()
+        second.close()
 
 
 def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_committer_goes_on(committer_factory):

@@ -207,7 +207,7 @@ class LinkAttach:
             role=self.role, cache=self.cache, layout=self._layout, staging_rows=self._staging_rows, resume=resume,
             resume_generation=welcome.generation if resume and welcome else "",
             resume_epoch=welcome.epoch if resume and welcome else 0,
-            resume_staging=sorted(self._staging_names) if resume else [])
+            resume_staging=sorted(self._staging_names) if resume else [], started=proc_identity(os.getpid()) or "")
 
     def _adopt_welcome(self, welcome: P.Welcome) -> None:
         """Take the heartbeat period and timeout, the committer's identity and the staging names from a

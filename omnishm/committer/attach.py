@@ -38,9 +38,17 @@ def _short(value: object, limit: int = 80) -> str:
 
 def process_gone(session: Session) -> bool:
     """Whether the process ``session`` said Hello from is gone: its pid names no live process now, or one
-    started at another time. False when the committer did not see that process at the Hello (a client in
-    another pid namespace names a pid of its own): a pid there proves nothing either way."""
+    started at another time. False when its Hello's pid was not confirmed (``confirmed_start``)."""
     return session.started is not None and proc_identity(session.pid) != session.started
+
+
+def confirmed_start(msg: protocol.Hello) -> str | None:
+    """The start time of the process ``msg`` came from, when this committer's ``/proc`` shows its pid with
+    the start time the client gave (``Hello.started``), else None. A client in another pid namespace names
+    a pid of its own, which may be an unrelated process here: once that one exited, a live writer was
+    taken for gone (review, 2026-12-06)."""
+    seen = proc_identity(msg.pid) if msg.started else None
+    return seen if seen == msg.started else None
 
 
 class Attach:
@@ -154,7 +162,7 @@ class Attach:
         now = time.monotonic()
         session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
                           attached_at=now, last_seen=now, staging_rows=msg.staging_rows,
-                          started=proc_identity(msg.pid))
+                          started=confirmed_start(msg))
         if msg.role == protocol.ROLE_WRITER:
             refused = self._make_staging(msg, msg.staging_rows)
             if refused is not None:
@@ -195,7 +203,7 @@ class Attach:
         if refused is not None:
             return refused
         self.sessions.rekey(seat, identity, time.monotonic())
-        seat.pid, seat.started = msg.pid, proc_identity(msg.pid)
+        seat.pid, seat.started = msg.pid, confirmed_start(msg)
         self.pool.set_writer_epoch(seat.epoch, seat.client_id, seat.staging_rows)  # recorded: publishes the word
         logger.info("committer %s: writer client %s attached (pid %d, epoch %d, recorded before the restart)",
                     self.name, msg.client_id, msg.pid, seat.epoch)
@@ -266,12 +274,12 @@ class Attach:
             self.detach(previous, REHELLO)
         if session is None:  # a reader or admin: no state to recover, attach afresh
             session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
-                              attached_at=now, last_seen=now, started=proc_identity(msg.pid))
+                              attached_at=now, last_seen=now, started=confirmed_start(msg))
             self.sessions.add(session)
             self.sessions.resumed += 1
         else:
             self.sessions.rekey(session, identity, now)
-            session.pid, session.started = msg.pid, proc_identity(msg.pid)
+            session.pid, session.started = msg.pid, confirmed_start(msg)
         if session.role == protocol.ROLE_WRITER:
             self.pool.set_writer_epoch(session.epoch, session.client_id, session.staging_rows)
         logger.info("committer %s: %s client %s resumed (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
