@@ -88,6 +88,16 @@ def test_ranks_die_with_a_killed_demo_and_leave_nothing():
     _wait_gone(name, children)
 
 
+def test_a_rank_process_can_take_its_death_signal_before_it_imports_torch():
+    """A rank process unpickles its arguments (``omnishm.demo.launch`` and ``rank``) before ``_rank_main``
+    asks for its death signal. Those modules imported torch: a demo SIGKILLed while a reader still imported
+    it, on a loaded host, left that reader running for over 30 s (the test above failed 2 times in 40 with
+    three reviews running beside it). They import no torch now; ``run_rank`` does, after the request."""
+    proc = subprocess.run([sys.executable, "-c", "import sys, omnishm.demo.launch; print('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
 def test_stopping_a_rank_group_interrupted_before_all_ranks_started():
     """A signal may land in the middle of ``RankGroup.start``: ``stop`` skips the ranks never started."""
     from omnishm.demo.launch import RankGroup

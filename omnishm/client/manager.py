@@ -425,7 +425,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         step is consumed, as a wrong shape is). New result
         tensors come from ``result_pool`` (recycled, pre-faulted memory that
         returns once the caller dropped every view of it), so they cost about
-        what ``out=`` costs (benchmarks/README.md, figure 2).
+        what ``out=`` costs (benchmarks/README.md, figure 2). Each key's tensors of one
+        step are views of one buffer: holding one request's keeps the whole step's
+        buffer alive, and pickling it carries the other requests' rows. ``clone()``
+        what is kept past the request's prompt or sent elsewhere (the vLLM
+        integration and the drop-in do).
         """
         t0 = time.perf_counter()
         self._check_usable()

@@ -16,8 +16,6 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-import torch
-
 from omnishm.config import load_prefix_cache_config
 from omnishm.interface import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 
@@ -127,6 +125,11 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
     there; a rank that dies without a word is ``RankGroup.wait``'s to report.
     ``duration_s`` counts from the start meeting.
     """
+    # torch only here: a rank process unpickles its arguments (this module) before it can take its death
+    # signal (launch._die_with_parent), and a demo killed while a rank imported torch on a loaded host left
+    # that rank running for over 30 s.
+    import torch
+
     from omnishm.client import OmniPrefixCacheManager
     from omnishm.sim import SimEngine
 
@@ -269,6 +272,8 @@ def _verify_pool(m: Any, last_hash: dict[int, int], width: int) -> tuple[int, in
     A claimed slot must hold commit == claim (its write was acknowledged, so it landed) and the
     ground-truth row of the last token written there.
     """
+    import torch
+
     from omnishm.interface import HIDDEN_KEY
     from omnishm.sim import truth_rows
 
