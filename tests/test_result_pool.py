@@ -100,3 +100,13 @@ def test_materialize_results_never_alias_while_held(committer):
         assert torch.equal(kept.mm_outputs["a"]["feat"], expect(1, 0, 1, 0, 8, mm=True))
         assert m.result_pool.stats["reused"] > 0
         assert m.counters["result_blocks_reused"] > 0
+
+
+def test_a_pool_that_takes_every_size_hands_out_empty_results_too():
+    """Review (2026-12-06): a pool built with ``min_bytes=0`` (as the tests' and benchmarks' are) raised
+    ``stride(-1) must be 1`` for a result of 0 rows: there are no bytes to take a view of."""
+    pool = ResultPool(1 << 20, min_bytes=0)
+    for shape in ((0, 8), (4, 0), (0,)):
+        t = pool.empty(shape, torch.float32)
+        assert t.shape == shape and t.dtype == torch.float32
+    assert pool.empty((2, 8), torch.float32).shape == (2, 8)

@@ -62,7 +62,7 @@ class ResultPool:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor; its memory is recycled once every view of it is gone."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if self.max_free_bytes <= 0 or nbytes < self.min_bytes:
+        if self.max_free_bytes <= 0 or nbytes < self.min_bytes or nbytes == 0:  # 0 bytes: no view to make
             self.stats["unpooled"] += 1
             if self._returned:
                 # Blocks back from a burst of large results are filed (and the surplus over the cap let go)
