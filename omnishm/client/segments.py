@@ -97,7 +97,11 @@ class StagingPages:
         """The cache's name, for the timeout's message."""
         self.depth = depth
         self.capacity = capacity
-        self._cond = threading.Condition()
+        # Entered as a plain lock (``with self._lock``, a C call): a Condition's own ``__enter__`` is Python
+        # code, and an exception a signal handler raised there on the engine thread left it held, so the
+        # threads that release pages (the link's, the flusher) blocked for good (see serial.py).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._holds: list[set[str]] = [set() for _ in range(depth)]
         self._owner: list[StepId | None] = [None] * depth
         self._closed = ""
@@ -116,7 +120,7 @@ class StagingPages:
 
     def claim(self, step_id: StepId, timeout_s: float, holds: tuple[str, ...] = ("ctx", "write")) -> int:
         deadline = 0.0
-        with self._cond:
+        with self._lock:
             while True:
                 if self._closed:
                     raise RuntimeError(f"cache {self.cache}: no staging page for step {step_id}: {self._closed}")
@@ -142,12 +146,12 @@ class StagingPages:
 
     def close(self, why: str) -> None:
         """Refuse every claim from now on, and wake the ones waiting; any thread, idempotent."""
-        with self._cond:
+        with self._lock:
             self._closed = self._closed or why
             self._cond.notify_all()
 
     def release(self, page: int, hold: str) -> None:
-        with self._cond:
+        with self._lock:
             held = self._holds[page]
             if hold not in held:
                 return

@@ -5,6 +5,14 @@ send) and the reader's prefetcher. ``stop`` lets the items already queued
 finish, bounded by its timeout. The thread runs as a helper (``cpus.as_helper``):
 on every allowed CPU, not the starting engine rank's pinned core, and under
 ``SCHED_BATCH`` with ``helper_sched = batch``.
+
+Items go through a ``queue.SimpleQueue``, whose ``put`` is one C call: the engine
+thread puts, and an exception a signal handler raises there (Ctrl-C, vLLM's
+SIGTERM handler raising ``SystemExit``) lands before or after it, never inside.
+``queue.Queue.put`` runs Python code under its mutex: interrupted there it left
+the mutex held, and the next ``put`` (``stop``'s, at shutdown) waited for good,
+or it lost the wakeup of the waiting thread, and ``stop`` waited out its
+timeout (a demo killed during a step: a reader lived 30 s on).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ _STOP = object()
 class SerialThread(Generic[T]):
     def __init__(self, name: str, handle: Callable[[T], None]):
         self._handle = handle
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         with cpus.as_helper():
             self._thread.start()

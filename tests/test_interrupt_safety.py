@@ -1,0 +1,147 @@
+"""A signal handler that raises on the engine thread (Ctrl-C, vLLM's SIGTERM handler raising
+``SystemExit``, a demo rank's death signal) must not leave the client's other threads stuck.
+
+SOAK (2026-12-06): a demo SIGKILLed mid-run left a reader rank running for 30 s in 1 of 30 tries: the
+SIGTERM its death signal sent raised ``KeyboardInterrupt`` inside the prefetcher's ``queue.Queue.put``, the
+prefetch thread's wakeup was lost, and ``stop`` waited out its timeout. Interrupted a little earlier, such
+a put left the queue's mutex held, and the next put waited for good (a stress like the one below hung
+in each of 4 runs of 3 s). Real signals here, every few microseconds, while the engine thread works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from typing import Callable, Iterator
+
+from omnishm.client.segments import StagingPages
+from omnishm.client.serial import SerialThread
+
+STRESS_S = 2.0
+HUNG_S = 10.0
+
+
+class Interrupt(BaseException):
+    """What the signal handler raises (as KeyboardInterrupt and SystemExit are): not an Exception."""
+
+
+class Hung(BaseException):
+    """The watchdog's: the engine thread stood still in a lock wait."""
+
+
+@contextlib.contextmanager
+def interrupts() -> Iterator[Callable[[int], None]]:
+    """``arm(i)``: SIGVTALRM (pytest-timeout has SIGALRM) raises ``Interrupt`` on this (the main) thread a few microseconds of CPU later, once,
+    unless ``arm(-1)`` disarmed it first.
+    A watchdog raises ``Hung`` here after ``HUNG_S`` (a lock wait is interrupted by a signal)."""
+    armed = [False]
+
+    def on_alarm(*_args) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise Interrupt()
+
+    def on_hung(*_args) -> None:
+        raise Hung()
+
+    def arm(i: int) -> None:
+        if i < 0:
+            armed[0] = False
+            return
+        armed[0] = True
+        signal.setitimer(signal.ITIMER_REAL, 2e-6 * (1 + i % 13))
+
+    timer, t0 = signal.getitimer(signal.ITIMER_REAL), time.monotonic()
+    old = signal.signal(signal.SIGALRM, on_alarm), signal.signal(signal.SIGUSR1, on_hung)
+    done = threading.Event()
+    main = threading.get_ident()
+    threading.Thread(target=lambda: done.wait(HUNG_S) or signal.pthread_kill(main, signal.SIGUSR1),
+                     daemon=True).start()
+    try:
+        yield arm
+    finally:
+        done.set()
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old[0])
+        signal.signal(signal.SIGUSR1, old[1])
+        if timer[0] > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, timer[0] - (time.monotonic() - t0)), timer[1])
+
+
+def gets_through(fn: Callable[[], object], timeout_s: float = 5.0) -> bool:
+    """Whether ``fn``, run on another thread, returns within ``timeout_s``."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
+
+
+def test_a_signal_during_put_never_keeps_a_serial_thread_from_stopping():
+    handled: list[int] = []
+    returned: list[int] = []
+    hits = 0
+    worker = SerialThread("omnishm-test", handled.append)
+    try:
+        with interrupts() as arm:
+            t_end = time.monotonic() + STRESS_S
+            i = 0
+            while time.monotonic() < t_end:
+                i += 1
+                time.sleep(0.0001)  # the worker waits for the next item again
+                try:
+                    arm(i)
+                    worker.put(i)
+                    returned.append(i)
+                    for _ in range(50):
+                        pass
+                    arm(-1)
+                except Interrupt:
+                    hits += 1
+    except Hung:
+        raise AssertionError("a put hung: an interrupted put left the queue's lock held") from None
+    assert gets_through(lambda: worker.stop(2.0), 10.0) and not worker._thread.is_alive(), \
+        "the worker missed its stop: an interrupted put lost its wakeup"
+    assert set(returned) <= set(handled) and hits > 100, (len(returned), len(handled), hits)
+
+
+def test_a_signal_during_claim_or_release_never_keeps_other_threads_from_the_pages():
+    """The link's thread releases pages (a step's acknowledgement) while the engine thread claims them."""
+    pages = StagingPages(depth=2, capacity=4, cache="t")
+    other = pages.claim(0, 1.0, holds=("ctx",))
+    beats = [time.monotonic()]
+    stop = threading.Event()
+
+    def link_thread() -> None:
+        while not stop.is_set():
+            pages.release(other, "write")  # a hold it does not have: takes the lock, changes nothing
+            beats.append(time.monotonic())
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=link_thread, daemon=True)
+    t.start()
+    hits = 0
+    try:
+        with interrupts() as arm:
+            t_end = time.monotonic() + STRESS_S
+            i = 0
+            while time.monotonic() < t_end:
+                i += 1
+                try:
+                    arm(i)
+                    page = pages.claim(i, 1.0, holds=("ctx",))
+                    pages.release(page, "ctx")
+                    arm(-1)
+                except Interrupt:
+                    hits += 1
+                    pages.release(1 - other, "ctx")  # an interrupted claim may have taken it
+            time.sleep(0.05)
+            assert time.monotonic() - beats[-1] < 0.05 + 0.5, "the link's thread is stuck on the pages' lock"
+    except Hung:
+        raise AssertionError("a claim hung on the pages' lock") from None
+    finally:
+        stop.set()
+        t.join(5)
+    assert hits > 100, hits
