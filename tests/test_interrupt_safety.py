@@ -71,6 +71,29 @@ def interrupts() -> Iterator[Callable[[int], None]]:
             signal.setitimer(signal.ITIMER_REAL, max(1e-3, timer[0] - (time.monotonic() - t0)), timer[1])
 
 
+def stress(arm: Callable[[int], None], step: Callable[[int], None], *, pause_s: float = 0.0,
+           after_interrupt: Callable[[], None] = lambda: None) -> int:
+    """Run ``step(i)`` for ``STRESS_S``, each armed to be interrupted a few microseconds in; the number of
+    steps interrupted. ``pause_s``: a sleep before each (another thread waits again meanwhile)."""
+    hits = 0
+    t_end = time.monotonic() + STRESS_S
+    i = 0
+    while time.monotonic() < t_end:
+        i += 1
+        if pause_s:
+            time.sleep(pause_s)
+        try:
+            arm(i)
+            step(i)
+            for _ in range(50):  # the alarm may come after the step: here, not outside the try
+                pass
+            arm(-1)
+        except Interrupt:
+            hits += 1
+            after_interrupt()
+    return hits
+
+
 def gets_through(fn: Callable[[], object], timeout_s: float = 5.0) -> bool:
     """Whether ``fn``, run on another thread, returns within ``timeout_s``."""
     t = threading.Thread(target=fn, daemon=True)
@@ -82,24 +105,15 @@ def gets_through(fn: Callable[[], object], timeout_s: float = 5.0) -> bool:
 def test_a_signal_during_put_never_keeps_a_serial_thread_from_stopping():
     handled: list[int] = []
     returned: list[int] = []
-    hits = 0
     worker = SerialThread("omnishm-test", handled.append)
+
+    def put(i: int) -> None:
+        worker.put(i)
+        returned.append(i)
+
     try:
         with interrupts() as arm:
-            t_end = time.monotonic() + STRESS_S
-            i = 0
-            while time.monotonic() < t_end:
-                i += 1
-                time.sleep(0.0001)  # the worker waits for the next item again
-                try:
-                    arm(i)
-                    worker.put(i)
-                    returned.append(i)
-                    for _ in range(50):
-                        pass
-                    arm(-1)
-                except Interrupt:
-                    hits += 1
+            hits = stress(arm, put, pause_s=0.0001)  # the worker waits for the next item again
     except Hung:
         raise AssertionError("a put hung: an interrupted put left the queue's lock held") from None
     assert gets_through(lambda: worker.stop(2.0), 10.0) and not worker._thread.is_alive(), \
@@ -122,21 +136,14 @@ def test_a_signal_during_claim_or_release_never_keeps_other_threads_from_the_pag
 
     t = threading.Thread(target=link_thread, daemon=True)
     t.start()
-    hits = 0
+
+    def claim_and_release(i: int) -> None:
+        pages.release(pages.claim(i, 1.0, holds=("ctx",)), "ctx")
+
     try:
         with interrupts() as arm:
-            t_end = time.monotonic() + STRESS_S
-            i = 0
-            while time.monotonic() < t_end:
-                i += 1
-                try:
-                    arm(i)
-                    page = pages.claim(i, 1.0, holds=("ctx",))
-                    pages.release(page, "ctx")
-                    arm(-1)
-                except Interrupt:
-                    hits += 1
-                    pages.release(1 - other, "ctx")  # an interrupted claim may have taken it
+            # An interrupted claim may have taken the free page: released after it.
+            hits = stress(arm, claim_and_release, after_interrupt=lambda: pages.release(1 - other, "ctx"))
             time.sleep(0.05)
             assert time.monotonic() - beats[-1] < 0.05 + 0.5, "the link's thread is stuck on the pages' lock"
     except Hung:
