@@ -33,8 +33,8 @@ class Hung(BaseException):
 
 @contextlib.contextmanager
 def interrupts() -> Iterator[Callable[[int], None]]:
-    """``arm(i)``: SIGVTALRM (pytest-timeout has SIGALRM) raises ``Interrupt`` on this (the main) thread a few microseconds of CPU later, once,
-    unless ``arm(-1)`` disarmed it first.
+    """``arm(i)``: SIGALRM raises ``Interrupt`` on this (the main) thread a few microseconds later, once,
+    unless ``arm(-1)`` disarmed it first; pytest-timeout's own SIGALRM handler and timer are put back after.
     A watchdog raises ``Hung`` here after ``HUNG_S`` (a lock wait is interrupted by a signal)."""
     armed = [False]
 
