@@ -53,7 +53,12 @@ class OmniPrefixCacheUnmatchError(RuntimeError):
     Includes hit spans that resolve to absent slots (the omni cache diverged
     from vLLM's KV), a step id consumed twice or never saved, a step larger than
     the staging page, and a failed write. Do not pretend these were a miss.
+    ``req_id``, ``key`` and ``step_id`` name what the message names, where it does (``unmatch``), else None.
     """
+
+    req_id: ReqId | None = None
+    key: TensorName | None = None
+    step_id: StepId | None = None
 
 
 class OmniPrefixCacheStagingTimeoutError(OmniPrefixCacheUnmatchError):
@@ -66,9 +71,11 @@ class OmniPrefixCacheCommitterError(OmniPrefixCacheUnmatchError):
 
 def unmatch(reason: str, *, req_id: ReqId | None = None, key: TensorName | None = None,
             step_id: StepId | None = None) -> OmniPrefixCacheUnmatchError:
-    """Build an unmatch error whose message names request, tensor, step and reason."""
-    return OmniPrefixCacheUnmatchError(
+    """Build an unmatch error whose message names request, tensor, step and reason, as its attributes do."""
+    err = OmniPrefixCacheUnmatchError(
         f"omni prefix cache: {reason} (request={req_id!r}, tensor={key!r}, step_id={step_id!r})")
+    err.req_id, err.key, err.step_id = req_id, key, step_id
+    return err
 
 
 @dataclass(frozen=True)

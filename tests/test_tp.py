@@ -100,8 +100,9 @@ def test_lagging_reader_gets_rescued_rows_or_a_clear_error_never_a_reused_slot(c
         assert torch.equal(w._keys[HIDDEN_KEY].pool[torch.arange(4)], rows(8, range(4)))
         r.new_step_starts(hit_step)
         late = save(r, [Part("b", 1, [0, 2], 4, 2)], BS)
-        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"reused.*'b'.*__hidden_states__.*step_id=1"):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"reused.*'b'.*__hidden_states__.*step_id=1") as exc:
             r.materialize(late, ["b"])
+        assert (exc.value.req_id, exc.value.key, exc.value.step_id) == ("b", HIDDEN_KEY, 1)  # for a caller's code
         assert r.counters["prefetch_dropped"] == 1
 
 

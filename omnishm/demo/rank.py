@@ -10,7 +10,6 @@ must report them).
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -168,8 +167,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
             # In lockstep the steps saved since this one are the ones still pending: a "reused" refusal
             # that none of them explains refused rows that were there (review, 2026-12-05: a reader that
             # refused every hit passed a lagging run). Drifting ranks have no such bound.
-            if kind == "reused" and opts.lockstep and not _rewritten_since(st, _refused_request(exc), pending,
-                                                                            opts.block_size):
+            if kind == "reused" and opts.lockstep and not _rewritten_since(st, exc.req_id, pending, opts.block_size):
                 kind = UNEXPLAINED_REUSE
             errors[kind] += 1
             if os.environ.get("OMNISHM_DEMO_DEBUG"):
@@ -291,12 +289,6 @@ def _verify_pool(m: Any, last_hash: dict[int, int], width: int) -> tuple[int, in
 UNEXPLAINED_REUSE = "reused, but no later step wrote its slots"
 """The error kind of a "reused" refusal in lockstep that no step saved after the read's own explains:
 a refused read of rows that were there, which fails the demo (``main.passed``)."""
-
-
-def _refused_request(exc: Exception) -> str | None:
-    """The request an unmatch error names (``interface.unmatch``), if any."""
-    found = re.search(r"\(request='([^']*)'", str(exc))
-    return found.group(1) if found else None
 
 
 def _rewritten_since(st: Any, req_id: str | None, later: Iterable[tuple[int, Any]], bs: int) -> bool:
