@@ -69,10 +69,11 @@ class RawClient:
         return self.recv(timeout_s)
 
     def hello(self, role: str, layout: protocol.Layout | None = None, staging_rows: int = 0,
-              version: int = protocol.PROTOCOL_VERSION, timeout_s: float = REPLY_TIMEOUT_S):
-        return self.call(protocol.Hello(rid=self.next_rid(), protocol=version, client_id=self.client_id,
-                                        pid=os.getpid(), uid=os.geteuid(), role=role, cache=self.cache,
-                                        layout=layout, staging_rows=staging_rows), timeout_s)
+              version: int = protocol.PROTOCOL_VERSION, timeout_s: float = REPLY_TIMEOUT_S, **fields):
+        """``fields``: any other ``Hello`` field (``pid``, ``started``, ``resume``, ``resume_epoch``, ...)."""
+        return self.call(protocol.Hello(**{"rid": self.next_rid(), "protocol": version, "client_id": self.client_id,
+                                           "pid": os.getpid(), "uid": os.geteuid(), "role": role, "cache": self.cache,
+                                           "layout": layout, "staging_rows": staging_rows, **fields}), timeout_s)
 
     def goodbye(self):
         return self.call(protocol.Goodbye(rid=self.next_rid()))

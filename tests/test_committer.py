@@ -651,10 +651,8 @@ def test_a_live_writer_whose_hello_named_another_process_is_never_taken_for_gone
     other = subprocess.Popen(["sleep", "60"])  # the unrelated process the foreign pid names here
     live, second = RawClient(handle.endpoint, handle.name), RawClient(handle.endpoint, handle.name)
     try:
-        welcome = live.call(protocol.Hello(
-            rid=live.next_rid(), protocol=protocol.PROTOCOL_VERSION, client_id=live.client_id, pid=other.pid,
-            uid=os.geteuid(), role=protocol.ROLE_WRITER, cache=handle.name, layout=LAYOUT, staging_rows=4,
-            started=proc_identity(os.getpid())))  # its own start time, as its own /proc shows it
+        # Its own start time, as its own /proc shows it, beside a pid that names another process here.
+        welcome = live.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=other.pid, started=proc_identity(os.getpid()))
         assert isinstance(welcome, protocol.Welcome), welcome
         other.kill()
         other.wait()
@@ -698,11 +696,8 @@ def test_a_writers_resume_naming_another_epoch_is_refused(committer):
     other.client_id = writer.raw.client_id
     try:
         for bad in (writer.epoch - 1, writer.epoch + 1):
-            reply = other.call(protocol.Hello(
-                rid=other.next_rid(), protocol=protocol.PROTOCOL_VERSION, client_id=other.client_id,
-                pid=os.getpid(), uid=os.geteuid(), role=protocol.ROLE_WRITER, cache=committer.name, layout=LAYOUT,
-                staging_rows=32, resume=True, resume_generation=writer.welcome.generation, resume_epoch=bad,
-                resume_staging=[]))
+            reply = other.hello(protocol.ROLE_WRITER, LAYOUT, 32, resume=True,
+                                resume_generation=writer.welcome.generation, resume_epoch=bad)
             assert isinstance(reply, protocol.Refused) and f"epoch {bad} != {writer.epoch}" in reply.reason, reply
     finally:
         other.close()
@@ -719,9 +714,7 @@ def test_a_resume_of_another_generation_is_refused_by_a_committer_that_adopted_n
     generation = committer.status()["generation"]
     try:
         for gen, welcomed in (("deadbeef", False), (generation, True)):
-            reply = raw.call(protocol.Hello(
-                rid=raw.next_rid(), protocol=protocol.PROTOCOL_VERSION, client_id=raw.client_id, pid=os.getpid(),
-                uid=os.geteuid(), role=role, cache=committer.name, resume=True, resume_generation=gen))
+            reply = raw.hello(role, resume=True, resume_generation=gen)
             if welcomed:
                 assert isinstance(reply, protocol.Welcome) and reply.resumed, reply
             else:

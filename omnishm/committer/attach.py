@@ -137,9 +137,11 @@ class Attach:
             # A writer silent for a while, or whose process is gone, is likely a killed engine's (an engine
             # restarted at once): retryable, and the refusal says when its seat frees.
             wait = self._reaped_soon([w])
-            dead = f"; its process is gone, and its seat is freed in {wait:.1f}s" if wait and process_gone(w) else (
-                f"; it has been silent, and is reaped in {wait:.1f}s unless it speaks" if wait else "")
-            return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid}{dead})",
+            why = ""
+            if wait:
+                why = (f"; its process is gone, and its seat is freed in {wait:.1f}s" if process_gone(w)
+                       else f"; it has been silent, and is reaped in {wait:.1f}s unless it speaks")
+            return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid}{why})",
                                "second_writer", wait)
         if msg.role != protocol.ROLE_ADMIN:
             if msg.layout is not None:

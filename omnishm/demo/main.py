@@ -133,14 +133,15 @@ def cli_main(args: argparse.Namespace) -> int:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
     try:  # what every rank's manager checks: else each rank failed, and then the demo's own check raised
-        live = shm.cache_is_live(shm.ensure_runtime_dir(_runtime_dir(opts)), opts.cache)
+        runtime_dir = shm.ensure_runtime_dir(_runtime_dir(opts))
+        live = shm.cache_is_live(runtime_dir, opts.cache)
     except OSError as exc:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
     if live:
         # Its ranks would attach to that committer, which outlives them: its segments, counted as leaked,
         # failed a correct run (review, 2026-12-06).
-        print(f"omnishm demo: cache {opts.cache!r} already has a committer (in {_runtime_dir(opts)}); the demo "
+        print(f"omnishm demo: cache {opts.cache!r} already has a committer (in {runtime_dir}); the demo "
               f"starts its own and checks that it leaves nothing behind: give the demo another --name",
               file=sys.stderr)
         return 2
