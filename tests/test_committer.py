@@ -545,6 +545,28 @@ def test_a_committer_that_stood_still_reaps_no_client_for_its_own_silence(commit
         writer.close()
 
 
+def test_a_second_writer_of_the_seated_writers_own_process_is_told_so(committer):
+    """NEWCOMER (2026-12-06): a manager made again after a sticky error, before the old one was shut down, was
+    refused with a pid alone. The refusal says the writer is the same process only when both Hellos name
+    that process with the start time the committer's ``/proc`` shows."""
+    me = {"pid": os.getpid(), "started": shm.proc_identity(os.getpid())}
+    first, other, again = (RawClient(committer.endpoint, committer.name) for _ in range(3))
+    try:
+        assert isinstance(first.hello(protocol.ROLE_WRITER, LAYOUT, 4, **me), protocol.Welcome)
+        stranger = other.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=committer.proc.pid,
+                               started=shm.proc_identity(committer.proc.pid))
+        assert isinstance(stranger, protocol.Refused) and "already has a writer" in stranger.reason, stranger
+        assert "same process" not in stranger.reason and stranger.retry_after_s == 0, stranger
+        own = again.hello(protocol.ROLE_WRITER, LAYOUT, 4, **me)
+        assert isinstance(own, protocol.Refused) and own.retry_after_s == 0, own
+        assert own.reason.endswith(f"pid {os.getpid()}; that writer is this same process: shut its manager down "
+                                   f"(shutdown()) before making another)"), own.reason
+        assert isinstance(first.goodbye(), protocol.Bye)
+    finally:
+        for c in (first, other, again):
+            c.close()
+
+
 def test_a_killed_writer_credited_by_a_stall_still_lets_its_replacement_retry(committer_factory):
     """REVIEW (2026-12-05): a stall's credit moved a killed engine's writer's silence later, so the restarted
     engine's writer, refused as a second writer, was told no retry (silence under two heartbeats: a live

@@ -227,8 +227,12 @@ def test_a_rank_killed_before_the_start_meeting_stops_its_peers_at_once(committe
 
 
 def test_second_writer_is_refused(committer):
+    """NEWCOMER (2026-12-06): a second writer made in the writer's own process (the old manager not shut down
+    after a sticky error) was told only a pid; the refusal now says the writer is this same process."""
     with OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False):
-        with pytest.raises(OmniPrefixCacheCommitterError, match="already has a writer"):
+        with pytest.raises(OmniPrefixCacheCommitterError,
+                           match=rf"already has a writer \(client \w+, pid {os.getpid()}; that writer is this same "
+                                 r"process: shut its manager down"):
             OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False)
 
 

@@ -601,8 +601,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
                    key: TensorName | None = None) -> OmniPrefixCacheUnmatchError:
         """Record a failed write as the sticky error unless one is already recorded (later ones are only
         returned; of two threads failing at once, one wins, unlocked, as either error is sticky); any thread."""
-        err = self._unmatch(f"failed write (sticky; recreate the cache): {reason}", step_id=step_id, req_id=req_id,
-                            key=key)
+        err = self._unmatch(f"failed write (sticky; shut this manager down and make a new one): {reason}",
+                            step_id=step_id, req_id=req_id, key=key)
         if self._fatal is None:
             self._fatal = err
             logger.error("%s", err)

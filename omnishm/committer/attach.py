@@ -141,6 +141,10 @@ class Attach:
             if wait:
                 why = (f"; its process is gone, and its seat is freed in {wait:.1f}s" if process_gone(w)
                        else f"; it has been silent, and is reaped in {wait:.1f}s unless it speaks")
+            elif w.started is not None and w.started == confirmed_start(msg) and w.pid == msg.pid:
+                # The usual cause: after a sticky error the new manager was made before the old one was shut
+                # down, and a pid alone did not tell the newcomer it was their own.
+                why = "; that writer is this same process: shut its manager down (shutdown()) before making another"
             return self.refuse(msg, f"cache {self.name} already has a writer (client {w.client_id}, pid {w.pid}{why})",
                                "second_writer", wait)
         if msg.role != protocol.ROLE_ADMIN:
