@@ -236,9 +236,9 @@ class LinkAttach:
 
     def _release_liveness_lock(self) -> None:
         """Drop the shared flock (closing, after the I/O thread stopped); no-op when none is held."""
-        if self._live_fd >= 0:
-            os.close(self._live_fd)
-            self._live_fd = -1
+        fd, self._live_fd = self._live_fd, -1  # before the close: an interrupted close must not close it twice
+        if fd >= 0:
+            os.close(fd)
 
     def _sweep_if_committer_gone(self) -> list[str]:
         """Closing, after the liveness lock is dropped: remove the cache's orphans when our committer is dead.

@@ -127,7 +127,8 @@ class CommitterLink(LinkIO, LinkAttach):
     """A session with one committer.
 
     Thread-safe: ``request`` and ``submit`` may be called from any thread.
-    ``close`` says goodbye (bounded) and stops the I/O thread; exactly once.
+    ``close`` says goodbye (bounded) and stops the I/O thread; idempotent, and a second call finishes a
+    first one an interrupt cut short.
     ``reconnect_timeout_s`` (default: ``request_timeout_s``; a manager passes its
     config's, where ``OMNISHM_RECONNECT_TIMEOUT_S`` applies) bounds how long a lost
     committer is waited for;
@@ -192,6 +193,7 @@ class CommitterLink(LinkIO, LinkAttach):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._closed = False
+        self._detached = False  # close() ran to its end
         self._leaving = False
         """Set by ``close`` before its Goodbye: from then on the I/O thread sends no heartbeat and loses no
         session. A heartbeat sent after the Goodbye was answered ``no_session`` (the session is gone), and
@@ -385,10 +387,18 @@ class CommitterLink(LinkIO, LinkAttach):
         return {**self.counters, **self._read_gauges(), **{f"link_{k}": float(v) for k, v in self.stats.items()}}
 
     def close(self, *, timeout_s: float = 5.0) -> None:
-        if self._closed:
+        """Say goodbye (bounded by ``timeout_s``), stop the I/O thread, drop the liveness lock; any thread.
+
+        Idempotent. A call after one that a signal handler's exception cut short (Ctrl-C, vLLM's SIGTERM
+        handler, on the engine thread) finishes it: left half done, the I/O thread kept heartbeating, and a
+        writer's seat stayed taken for the rest of the process (2 in 259 interrupted shutdowns, 2026-12-06).
+        """
+        if self._detached:
             return
         self._leaving = True
-        if self._dead is None and self._state == CONNECTED:
+        if self._closed:
+            pass  # the I/O thread is stopping: nothing would answer a goodbye, and the committer reaps the session
+        elif self._dead is None and self._state == CONNECTED:
             try:
                 counters = self._report()
                 self.request(lambda rid: P.Goodbye(rid=rid, counters=counters), timeout_s=timeout_s)
@@ -398,6 +408,7 @@ class CommitterLink(LinkIO, LinkAttach):
             logger.warning("cache %s: closing while %s (%s); the committer reaps the session", self.cache,
                            self._state, self._lost_reason)
         self._shutdown_thread()
+        self._detached = True
         logger.info("cache %s: client %s detached", self.cache, self.client_id[:12])
 
     @property

@@ -511,7 +511,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._release_ctx(self._take_ctx(step_id, "discard_step"))
 
     def shutdown(self) -> None:
-        """Flush open deferred writes, wait for acknowledgements (bounded), detach. Idempotent.
+        """Flush open deferred writes, wait for acknowledgements (bounded), detach. Idempotent: a call after
+        one that a signal handler's exception cut short (Ctrl-C) finishes the detach.
 
         Any thread. A ``save_outputs`` waiting for a staging page on the engine thread meanwhile is woken
         and raises ``RuntimeError`` (shut down), and one that got its page meanwhile raises the same before it
@@ -519,6 +520,8 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         when the link closes fails its send (sticky fatal): shut down from the engine thread where it can.
         """
         if self._closed:
+            if os.getpid() == self._pid:
+                self._link.close()  # finishes a shutdown a signal handler's exception cut short; else a no-op
             return
         self._closed = True
         if os.getpid() != self._pid:
