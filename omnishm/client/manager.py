@@ -19,7 +19,6 @@ Threads and locks
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import os
@@ -48,7 +47,6 @@ from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.config import manager_connection
 from omnishm.interface import (
-    HIDDEN_KEY,
     ModelCachePolicy,
     OmniPrefixCacheCommitterError,
     OmniPrefixCacheUnmatchError,
@@ -225,6 +223,14 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         the deferred writes it closed landed (each waited ``commit_timeout_s``;
         a failure or timeout turns the cache sticky-fatal).
         """
+        try:
+            self._new_step_starts(events, num_scheduled_tokens)
+        except BaseException as exc:
+            self._note_interrupt("new_step_starts", exc)
+            raise
+
+    def _new_step_starts(self, events: "PrefixCacheStep | Iterable[Any]",
+                         num_scheduled_tokens: Mapping[ReqId, int] | None) -> None:
         self._check_usable()
         step = self._translator.translate_step(events, num_scheduled_tokens)
         bs = self.config.block_size
@@ -284,15 +290,18 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         id all the same, on every rank, unless the cache is fatal, shut down or disconnected
         (``_burn_step``): a refusal may be one rank's alone. Its slots become absent on the writer.
         """
-        self._check_usable()  # a fatal, closed or disconnected cache takes no step id
         step_id = self._next_step
+        usable = False
         try:
+            self._check_usable()  # a fatal, closed or disconnected cache takes no step id
+            usable = True
             return self._save_outputs(step_id, hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded,
                                       write_layout)
-        except BaseException:
+        except BaseException as exc:
+            self._note_interrupt("save_outputs", exc, step_id)
             # Refused before the id was issued: it is taken all the same, unless the manager was shut down
             # meanwhile (another thread): no step follows, and its claim tables are no longer this writer's.
-            if self._next_step == step_id and not self._closed:
+            if usable and self._next_step == step_id and not self._closed:
                 self._burn_step(step_id, write_layout)
             raise
 
@@ -431,84 +440,23 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         what is kept past the request's prompt or sent elsewhere (the vLLM
         integration and the drop-in do).
         """
-        t0 = time.perf_counter()
-        self._check_usable()
-        req_ids = list(req_ids)
-        served = [0, 0]  # hit tokens, rows served
-        ctx = self._take_ctx(step_id, "materialize", req_ids, out)
-        try:  # at once: a consumed step's page and pins go back whatever is raised from here on
-            nkeys = len(ctx.step_rows)
-            deadline = self._deadline()  # one bound for every wait of this call, not one per wait
-            if not self.is_writer and ctx.hits:
-                # Only hit rows come from the writer: a step without hits is this rank's own rows, and
-                # waiting for a publication it does not need would stall the engine thread on a late or
-                # stuck writer (up to commit_timeout_s every step).
-                self._wait_published(step_id, deadline)
-            hidden: dict[ReqId, Any] = {}
-            mm: dict[ReqId, dict[TensorName, Any]] = {}
-            hits: dict[ReqId, int] = {}
-            self._wait_step_events(ctx)
-            # One allocation per key for the whole call; each request gets a view of it, and the
-            # step rows of requests without a hit are already in place (see _arena).
-            ready = self._prefetched_requests(ctx, req_ids, deadline) if out is None else set()
-            views = self._arena(ctx, req_ids, ready) if out is None else None
-            for req in req_ids:
-                start, count = ctx.spans[req]
-                span = ctx.hits.get(req)
-                h = len(span.slots) if span is not None else 0
-                hits[req] = h
-                if views is not None and not h:
-                    merged: dict[TensorName, Any] = {key: v[req] for key, v in views.items()}
-                else:
-                    merged = {}
-                    for key, step_rows in ctx.step_rows.items():
-                        width = step_rows.shape[1]
-                        given = out.get(req, {}).get(key) if out is not None else None
-                        pre = self._take_prefetched(ctx, req, key, deadline) if h else None
-                        if given is not None:
-                            dst = given.view(h + count, width)  # not -1: a request of 0 rows has no inferable width
-                        elif pre is not None and req in ready:
-                            dst = pre  # the prefetch's result: hit rows in place
-                        elif views is not None and req in views[key]:  # not: prefetched (a second time, here)
-                            dst = views[key][req].view(h + count, width)
-                        else:
-                            dst = self.result_pool.empty((h + count, width), step_rows.dtype)
-                        if pre is None and h:
-                            self._read_hit(ctx, span, key, dst[:h], req, deadline)
-                        elif pre is not None and dst is not pre:
-                            dst[:h].copy_(pre[:h])
-                        own = step_rows[start:start + count]
-                        dst[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
-                        merged[key] = dst.view((h + count, *ctx.row_shapes[key]))
-                served[0] += h
-                served[1] += (h + count) * nkeys
-                hidden[req] = merged.pop(HIDDEN_KEY, None)
-                for key, value in ctx.leftover.items():
-                    # Cloned out, so the caller never holds pinned pages or a shared snapshot.
-                    merged[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-                mm[req] = merged
-            return StageCacheOutputs(hidden_states=hidden, mm_outputs=mm, num_hit_tokens=hits)
-        except OmniPrefixCacheUnmatchError:
-            self.counters["unmatch_errors"] += 1
+        try:
+            return self._materialize(step_id, req_ids, out)
+        except BaseException as exc:
+            self._note_interrupt("materialize", exc, step_id)
             raise
-        finally:
-            self._release_ctx(ctx)
-            pool = self.result_pool.stats
-            self.counters["result_blocks_reused"] = float(pool["reused"])
-            self.counters["result_blocks_faulted"] = float(pool["faulted"])
-            if served[1]:  # counted per served request, also when a later one raised
-                self.counters["hit_tokens"] += served[0]
-                self.counters["hit_rows_served"] += served[0] * nkeys
-                self.counters["rows_served"] += served[1]
-            self.counters["materialize_seconds"] += time.perf_counter() - t0
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume the step id when nothing will materialize it (exactly once, any thread).
 
         Only the read-side snapshot is dropped; the cache write proceeds.
         """
-        self._check_usable()
-        self._release_ctx(self._take_ctx(step_id, "discard_step"))
+        try:
+            self._check_usable()
+            self._release_ctx(self._take_ctx(step_id, "discard_step"))
+        except BaseException as exc:
+            self._note_interrupt("discard_step", exc, step_id)
+            raise
 
     def shutdown(self) -> None:
         """Flush open deferred writes, wait for acknowledgements (bounded), detach. Idempotent: a call after
@@ -601,15 +549,29 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         return unmatch(f"cache {self.cache}: {reason}", req_id=req_id, key=key, step_id=step_id)
 
     def _set_fatal(self, reason: str, *, step_id: StepId | None = None, req_id: ReqId | None = None,
-                   key: TensorName | None = None) -> OmniPrefixCacheUnmatchError:
-        """Record a failed write as the sticky error unless one is already recorded (later ones are only
-        returned; of two threads failing at once, one wins, unlocked, as either error is sticky); any thread."""
-        err = self._unmatch(f"failed write (sticky; shut this manager down and make a new one): {reason}",
+                   key: TensorName | None = None, what: str = "failed write") -> OmniPrefixCacheUnmatchError:
+        """Record a failed write (``what``) as the sticky error unless one is already recorded (later ones are
+        only returned; of two threads failing at once, one wins, unlocked, as either error is sticky); any thread."""
+        err = self._unmatch(f"{what} (sticky; shut this manager down and make a new one): {reason}",
                             step_id=step_id, req_id=req_id, key=key)
         if self._fatal is None:
             self._fatal = err
             logger.error("%s", err)
         return err
+
+    def _note_interrupt(self, call: str, exc: BaseException, step_id: StepId | None = None) -> None:
+        """``call`` ended in ``exc`` on this thread: when that is a signal handler's exception (not an
+        ``Exception``: KeyboardInterrupt, vLLM's SIGTERM ``SystemExit``), the cache turns sticky-fatal.
+
+        Such an exception may cut a call at any line: a staging page claimed and not yet recorded, a
+        settled step whose future was never completed, pins counted and not dropped, a save neither issued
+        nor taken. The state is then unknown, and a caller that catches the interrupt and goes on would
+        stall on a lost page or acknowledgement, or read a hit against claims its save never made (reviews,
+        2026-12-06), so every later call raises instead. Shutting down still works.
+        """
+        if not isinstance(exc, Exception) and not self._closed:
+            self._set_fatal(f"{call} was cut short by {type(exc).__name__}: what it had changed is unknown",
+                            step_id=step_id, what="interrupted")
 
     def _check_usable(self) -> None:
         if self._fatal is not None:

@@ -5,13 +5,15 @@ The writer resolves a hit slot through its own knowledge (pool row, a live row
 source, or a copy-on-write rescue); a reader waits until the writer published
 the step and the rows are committed, then copies and re-checks the claim
 versions (a seqlock): it raises rather than serve a reused slot. It also
-lays out materialize's result tensors (``_arena``) and checks ``out=`` buffers.
+runs ``materialize`` (``_materialize``), lays out its result tensors (``_arena``) and checks ``out=`` buffers.
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -19,7 +21,8 @@ from omnishm import protocol as P
 from omnishm.client.rowcopy import gather_rows
 from omnishm.client.segments import KeyViews, dtype_name
 from omnishm.client.steps import HitSpan, StepCtx
-from omnishm.interface import OmniPrefixCacheCommitterError, ReqId, StepId, TensorName
+from omnishm.interface import (HIDDEN_KEY, OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError, ReqId,
+                               StageCacheOutputs, StepId, TensorName)
 from omnishm.versions import cv_epoch, cv_step
 
 _POLL_S = 0.0005
@@ -35,6 +38,80 @@ class ReadSide:
     def _deadline(self) -> float:
         """``commit_timeout_s`` from now: the bound of one call's waits."""
         return time.monotonic() + self.config.commit_timeout_s
+
+    def _materialize(self, step_id: StepId, req_ids: Iterable[ReqId],
+                     out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]] | None) -> StageCacheOutputs:
+        """``materialize``'s work (its contract is on the manager's method); any thread."""
+        t0 = time.perf_counter()
+        self._check_usable()
+        req_ids = list(req_ids)
+        served = [0, 0]  # hit tokens, rows served
+        ctx = self._take_ctx(step_id, "materialize", req_ids, out)
+        try:  # at once: a consumed step's page and pins go back whatever is raised from here on
+            nkeys = len(ctx.step_rows)
+            deadline = self._deadline()  # one bound for every wait of this call, not one per wait
+            if not self.is_writer and ctx.hits:
+                # Only hit rows come from the writer: a step without hits is this rank's own rows, and
+                # waiting for a publication it does not need would stall the engine thread on a late or
+                # stuck writer (up to commit_timeout_s every step).
+                self._wait_published(step_id, deadline)
+            hidden: dict[ReqId, Any] = {}
+            mm: dict[ReqId, dict[TensorName, Any]] = {}
+            hits: dict[ReqId, int] = {}
+            self._wait_step_events(ctx)
+            # One allocation per key for the whole call; each request gets a view of it, and the
+            # step rows of requests without a hit are already in place (see _arena).
+            ready = self._prefetched_requests(ctx, req_ids, deadline) if out is None else set()
+            views = self._arena(ctx, req_ids, ready) if out is None else None
+            for req in req_ids:
+                start, count = ctx.spans[req]
+                span = ctx.hits.get(req)
+                h = len(span.slots) if span is not None else 0
+                hits[req] = h
+                if views is not None and not h:
+                    merged: dict[TensorName, Any] = {key: v[req] for key, v in views.items()}
+                else:
+                    merged = {}
+                    for key, step_rows in ctx.step_rows.items():
+                        width = step_rows.shape[1]
+                        given = out.get(req, {}).get(key) if out is not None else None
+                        pre = self._take_prefetched(ctx, req, key, deadline) if h else None
+                        if given is not None:
+                            dst = given.view(h + count, width)  # not -1: a request of 0 rows has no inferable width
+                        elif pre is not None and req in ready:
+                            dst = pre  # the prefetch's result: hit rows in place
+                        elif views is not None and req in views[key]:  # not: prefetched (a second time, here)
+                            dst = views[key][req].view(h + count, width)
+                        else:
+                            dst = self.result_pool.empty((h + count, width), step_rows.dtype)
+                        if pre is None and h:
+                            self._read_hit(ctx, span, key, dst[:h], req, deadline)
+                        elif pre is not None and dst is not pre:
+                            dst[:h].copy_(pre[:h])
+                        own = step_rows[start:start + count]
+                        dst[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
+                        merged[key] = dst.view((h + count, *ctx.row_shapes[key]))
+                served[0] += h
+                served[1] += (h + count) * nkeys
+                hidden[req] = merged.pop(HIDDEN_KEY, None)
+                for key, value in ctx.leftover.items():
+                    # Cloned out, so the caller never holds pinned pages or a shared snapshot.
+                    merged[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                mm[req] = merged
+            return StageCacheOutputs(hidden_states=hidden, mm_outputs=mm, num_hit_tokens=hits)
+        except OmniPrefixCacheUnmatchError:
+            self.counters["unmatch_errors"] += 1
+            raise
+        finally:
+            self._release_ctx(ctx)
+            pool = self.result_pool.stats
+            self.counters["result_blocks_reused"] = float(pool["reused"])
+            self.counters["result_blocks_faulted"] = float(pool["faulted"])
+            if served[1]:  # counted per served request, also when a later one raised
+                self.counters["hit_tokens"] += served[0]
+                self.counters["hit_rows_served"] += served[0] * nkeys
+                self.counters["rows_served"] += served[1]
+            self.counters["materialize_seconds"] += time.perf_counter() - t0
 
     def _arena(self, ctx: StepCtx, req_ids: list[ReqId], prefetched: set[ReqId]
                ) -> dict[TensorName, dict[ReqId, torch.Tensor]]:

@@ -384,9 +384,12 @@ class WriterSide:
                 ctx.pending_send = self._sender.submit(ctx.d2h_event, make, marker)
                 fut = ctx.pending_send.outer
         except BaseException as exc:  # nothing was sent: the page is free, the step's claims will never land
-            err = self._set_fatal(f"write of step {ctx.step_id} could not be sent: {exc}", step_id=ctx.step_id)
+            err = self._set_fatal(f"write of step {ctx.step_id} could not be sent: {str(exc) or type(exc).__name__}",
+                                  step_id=ctx.step_id)
             # The caller never gets the step id: the step's context, its page holds and its pins go now.
             self._abandon_step(ctx)
+            if not isinstance(exc, Exception):
+                raise  # a signal handler's KeyboardInterrupt or SystemExit stays what it is: the caller stops
             raise err from exc
 
         def done(f: Future) -> None:
@@ -490,6 +493,13 @@ class WriterSide:
         (at once when one already made the cache sticky-fatal: its writes may never be acknowledged),
         and ``TimeoutError`` when ``timeout_s`` (default ``commit_timeout_s``) passes first.
         """
+        try:
+            self._wait_idle(timeout_s)
+        except BaseException as exc:
+            self._note_interrupt("wait_idle", exc)  # it may have cut a settle short
+            raise
+
+    def _wait_idle(self, timeout_s: float | None) -> None:
         self._check_usable()
         timeout_s = self.config.commit_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
