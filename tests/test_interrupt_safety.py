@@ -23,8 +23,8 @@ import pytest
 
 import torch
 
-from manager_helpers import BS, Part, expect, finished, quick_config, rows, save, started
-from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
+from manager_helpers import BS, Part, build, expect, finished, quick_config, rows, save, started
+from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client.segments import StagingPages
 from omnishm.client.serial import SerialThread
 
@@ -331,3 +331,77 @@ def test_real_signals_anywhere_in_a_workload_with_hits_never_serve_a_wrong_row_o
         cur["m"].shutdown()
     assert slowest[0] < 0.4, f"a call waited {slowest[0]:.2f}s: a lost staging page or acknowledgement"
     assert hits > 100 and seen["sticky"] > 20 and seen["hit rows"] > 1000, (hits, seen)
+
+
+def test_an_interrupt_in_the_burn_of_a_refused_save_still_turns_the_cache_sticky(committer, monkeypatch):
+    """REVIEW (2026-12-06): after an ordinary refusal (rows in another dtype than the key's), an interrupt in
+    the burn's clearing of the step's slots (``_forget_refused``) was not noted, since the refusal had been:
+    the slots kept a's claims while the engine took block 0 for b's, and c's hit served a's rows."""
+    with OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False) as m:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle()
+        m.new_step_starts([finished("a"), started("b", [0])])
+        h, mm, layout, n, _ = build([Part("b", 2, [0], 0, 4)], BS)
+        fired = interrupt_once(monkeypatch, type(m), "_forget_refused")
+        with pytest.raises(KeyboardInterrupt):
+            m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+        assert fired
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=STICKY.format(call="save_outputs")):
+            m.new_step_starts([finished("b"), started("c", [0, 1], hit=4)])
+
+
+def omnishm_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("omnishm-"))
+
+
+def test_a_shutdown_cut_short_before_its_threads_stopped_stops_them_on_the_next_call(committer, monkeypatch):
+    """REVIEW (2026-12-06): the next call closed the link only; the flusher's and the sender's threads went
+    on, holding the manager and its mappings for the life of the process."""
+    before = omnishm_threads()
+    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    assert omnishm_threads() != before
+    interrupt_once(monkeypatch, type(m), "_stop_threads")
+    with pytest.raises(KeyboardInterrupt):
+        m.shutdown()
+    m.shutdown()
+    deadline = time.monotonic() + 5
+    while omnishm_threads() != before:  # each thread ends once it has taken its stop
+        assert time.monotonic() < deadline, omnishm_threads()
+        time.sleep(0.01)
+
+
+def test_a_second_shutdown_waits_for_one_in_progress_and_loses_no_deferred_write(committer, monkeypatch, caplog):
+    """REVIEW (2026-12-06, of the first version of the fix above): a second thread's shutdown (an explicit
+    one beside vLLM's exit handler) closed the link while the first one still flushed the open deferred
+    writes: they were lost, and the cache turned sticky. It waits for the first one now."""
+    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))  # a's "feat" rows: an open deferred write
+    m.wait_idle()
+    flushing, go_on = threading.Event(), threading.Event()
+    real_flush = m._flush
+
+    def held_flush(tasks) -> None:
+        if tasks:
+            flushing.set()
+            assert go_on.wait(10)
+        real_flush(tasks)
+
+    monkeypatch.setattr(m, "_flush", held_flush)
+    first = threading.Thread(target=m.shutdown)
+    first.start()
+    assert flushing.wait(10)
+    second = threading.Thread(target=m.shutdown)
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and m._link.state == "connected"  # waits, and the link stays up meanwhile
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    assert not first.is_alive() and not second.is_alive()
+    lost = [r.getMessage() for r in caplog.records if "at shutdown" in r.getMessage()]
+    assert not lost and m._fatal is None, (lost, m._fatal)

@@ -383,6 +383,31 @@ def test_shutdown_leaves_nothing_behind(committer_factory):
         r.prefix_cache_materialize(sid)
 
 
+def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_call(committer_factory, monkeypatch):
+    """REVIEW (2026-12-06): ``prefix_cache_shutdown`` let its manager go before shutting it down. Cut short
+    by Ctrl-C in the goodbye's wait, a second call found no manager: the link went on heartbeating, and the
+    writer's seat stayed taken for the rest of the process. The runner keeps it until its shutdown returned."""
+    handle = committer_factory()
+    threads = _links()
+    r = FakeRunner(handle.name, SimpleNamespace())
+    r._prefix_cache_load_policy()
+    r.tags["a"] = 1
+    r.prefix_cache_discard(r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))[1])
+    link = r.prefix_cache_manager._link
+    real = link.request
+
+    def cut(*args, **kw):
+        monkeypatch.setattr(link, "request", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(link, "request", cut)
+    with pytest.raises(KeyboardInterrupt):
+        r.prefix_cache_shutdown()
+    assert _links() != threads  # still attached
+    r.prefix_cache_shutdown()
+    assert r.prefix_cache_manager is None and _links() == threads
+
+
 def fake_parallel_state(monkeypatch, **functions) -> None:
     """A ``vllm.distributed.parallel_state`` with these functions in ``sys.modules`` for one test (vllm is not
     installed in the main suite)."""

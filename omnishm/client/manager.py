@@ -101,6 +101,10 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._lock = threading.Lock()
         self._fatal: BaseException | None = None
         self._closed = False
+        """No call takes effect any more (``shutdown`` began)."""
+        self._shutdown_lock = threading.Lock()  # one shutdown at a time; entered by ``with`` (a C call)
+        self._shut_down = False
+        """``shutdown`` ran to its end."""
         self._pid = os.getpid()
         """The process that made this manager: a forked child's copy never touches its link (``shutdown``)."""
         self._next_step: StepId = 0
@@ -302,7 +306,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             # Refused before the id was issued: it is taken all the same, unless the manager was shut down
             # meanwhile (another thread): no step follows, and its claim tables are no longer this writer's.
             if usable and self._next_step == step_id and not self._closed:
-                self._burn_step(step_id, write_layout)
+                try:
+                    self._burn_step(step_id, write_layout)
+                except BaseException as cut:  # an interrupt in the burn: the slots may keep their old claims
+                    self._note_interrupt("save_outputs", cut, step_id)
+                    raise
             raise
 
     def _save_outputs(self, step_id: StepId, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
@@ -459,23 +467,30 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             raise
 
     def shutdown(self) -> None:
-        """Flush open deferred writes, wait for acknowledgements (bounded), detach. Idempotent: a call after
-        one that a signal handler's exception cut short (Ctrl-C) finishes the detach.
+        """Flush open deferred writes, wait for acknowledgements (bounded), detach. Idempotent: a second
+        caller waits for a shutdown in progress on another thread, and a call after one that a signal
+        handler's exception cut short (Ctrl-C) does what it left undone (review, 2026-12-06: a second call
+        returned at once, and the link kept heartbeating, holding the writer's seat, with the helper threads
+        alive).
 
         Any thread. A ``save_outputs`` waiting for a staging page on the engine thread meanwhile is woken
         and raises ``RuntimeError`` (shut down), and one that got its page meanwhile raises the same before it
         issues its step id; neither takes effect, as no call does after this one. A save already past that point
         when the link closes fails its send (sticky fatal): shut down from the engine thread where it can.
         """
-        if self._closed:
-            if os.getpid() == self._pid:
-                self._link.close()  # finishes a shutdown a signal handler's exception cut short; else a no-op
-            return
         self._closed = True
         if os.getpid() != self._pid:
             # A forked child's copy (its exit handlers run the vLLM hooks' shutdown): the link's socket and
-            # threads are the parent's, and using them hung the child for good (review, 2026-12-05).
+            # threads are the parent's, and using them hung the child for good (review, 2026-12-05); the
+            # shutdown lock may be one a parent's thread held at the fork.
             return
+        with self._shutdown_lock:
+            if not self._shut_down:
+                self._detach()
+                self._shut_down = True
+
+    def _detach(self) -> None:
+        """``shutdown``'s work, under its lock; each step may run again after an interrupted first pass."""
         if self._pages is not None:
             self._pages.close("the manager is shut down")
         try:

@@ -402,13 +402,16 @@ class PrefixCacheRunnerMixin:
         manager.discard_step(step_id)
 
     def prefix_cache_shutdown(self) -> None:
-        """Shut the manager down (flushes deferred writes, detaches). Idempotent."""
+        """Shut the manager down (flushes deferred writes, detaches). Idempotent.
+
+        The runner lets the manager go once its shutdown returned: a call that a signal handler's exception
+        cut short leaves it here, and the next call finishes it (review, 2026-12-06)."""
         manager = self._prefix_cache_manager
+        if manager is not None:
+            manager.shutdown()
         self._prefix_cache_manager = None
         self._prefix_cache_adapter = None
         self._prefix_cache_step_req_ids = None
-        if manager is not None:
-            manager.shutdown()
 
     def _prefix_cache_require(self, step_id: StepId) -> "OmniPrefixCacheManager":
         manager = self._prefix_cache_manager
