@@ -317,6 +317,35 @@ def test_results_kept_past_shutdowns_stay_within_the_bound_and_keep_no_runner_al
     worker.omnishm_shutdown()
 
 
+def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_one(committer, monkeypatch):
+    """REVIEW (2026-12-06): ``omnishm_shutdown`` let the hooks go before their manager's shutdown. Cut short
+    by Ctrl-C in the goodbye's wait, the next call found no hooks: the link went on heartbeating, and the
+    writer's seat stayed taken for the rest of the process."""
+    import threading
+
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    links = lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("omnishm-link"))  # noqa: E731
+    before = links()
+    worker = _Worker()
+    runner = FakeV1Runner()
+    worker.model_runner = runner
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    link = worker._omnishm_hooks_or_none().manager._link
+    real = link.request
+
+    def cut(*args, **kw):
+        monkeypatch.setattr(link, "request", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(link, "request", cut)
+    with pytest.raises(KeyboardInterrupt):
+        worker.omnishm_shutdown()
+    assert links() != before  # still attached
+    worker.omnishm_shutdown()
+    assert worker._omnishm_hooks_or_none() is None and links() == before
+
+
 def test_a_negative_bound_on_held_rows_is_refused_when_the_hooks_are_made(committer):
     """REVIEW (2026-12-05): ``held_bytes=-1`` was taken, and the first completed prompt raised StopIteration
     on the engine thread (evicting from empty tables). The knob refuses it; the argument now does too."""
