@@ -11,17 +11,21 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from manager_helpers import BS, Part, build, expect, finished, hit_beside_plain, save, small_config, started
+from manager_helpers import (BS, Part, build, expect, finished, hit_beside_plain, one_applied_step, save,
+                             small_config, started)
 from omnishm import protocol
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager
 from omnishm.client.link import MAX_IN_FLIGHT, CommitterLink
 from omnishm.client.result_pool import GRAIN, ResultPool
-from omnishm.interface import OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError
+from omnishm.client.segments import StagingPages
+from omnishm.interface import (OmniPrefixCacheCommitterError, OmniPrefixCacheStagingTimeoutError,
+                              OmniPrefixCacheUnmatchError)
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 
@@ -246,3 +250,91 @@ def test_a_readers_materialize_of_requests_without_hits_never_waits_for_the_pref
         release.set()
         r.shutdown()
         w.shutdown()
+
+
+def test_a_save_with_every_staging_page_held_raises_after_staging_claim_timeout_s(mgr):
+    """MUTATION (2026-12-06): with every staging page held by an unconsumed step, ``save_outputs`` raises
+    ``OmniPrefixCacheStagingTimeoutError`` after about ``staging_claim_timeout_s`` (0.8 s here; the bound has
+    3 s of margin). With the page claim's deadline at ten times the timeout, the engine thread waited 8 s."""
+    m = mgr(staging_claim_timeout_s=0.8)
+    sids = []
+    for i in range(3):  # staging_depth=3: every page held
+        m.new_step_starts([started(f"r{i}", [i])])
+        sids.append(save(m, [Part(f"r{i}", i + 1, [i], 0, 4)], BS))
+    m.new_step_starts([started("x", [5])])
+    t0 = time.monotonic()
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match="no free staging page"):
+        save(m, [Part("x", 9, [5], 0, 4)], BS)
+    elapsed = time.monotonic() - t0
+    for sid in sids:
+        m.discard_step(sid)
+    assert elapsed < 0.8 + 3.0, f"waited {elapsed:.1f}s for a free page with staging_claim_timeout_s=0.8"
+
+
+def test_a_save_waits_for_the_previous_steps_acknowledgement_no_longer_than_commit_timeout_s(committer_factory):
+    """MUTATION (2026-12-06): with the committer frozen, the step after an unacknowledged one turns the writer
+    sticky-fatal ("not acknowledged") after about ``commit_timeout_s`` (0.8 s here; the bound has 3 s of
+    margin). With the join of the previous step waiting ten times ``commit_timeout_s``, the engine thread
+    waited 8 s."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    m = OmniPrefixCacheManager(small_config(commit_timeout_s=0.8), cache=handle.name, autostart=False)
+    try:
+        one_applied_step(m)
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            m.new_step_starts([started("b", [1])])
+            m.discard_step(save(m, [Part("b", 2, [1], 0, 4)], BS))  # sent, never acknowledged
+            m.new_step_starts([started("c", [2])])
+            t0 = time.monotonic()
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="not acknowledged"):
+                save(m, [Part("c", 3, [2], 0, 4)], BS)
+            elapsed = time.monotonic() - t0
+            assert elapsed < 0.8 + 3.0, f"the engine thread waited {elapsed:.1f}s with commit_timeout_s=0.8"
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+    finally:
+        m.shutdown()
+
+
+def test_an_eager_new_step_starts_waits_for_a_stuck_deferred_flush_no_longer_than_commit_timeout_s(committer):
+    """MUTATION (2026-12-06): in eager mode ``new_step_starts`` waits for the deferred writes it flushes to
+    land; when the flush is stuck (a device-to-host copy that does not complete), it turns the writer
+    sticky-fatal ("not acknowledged") after about ``commit_timeout_s`` (1 s here; the test allows 8 s). With
+    that wait unbounded, the engine thread stayed blocked for as long as the copy did."""
+    m = OmniPrefixCacheManager(small_config(commit_timeout_s=1.0), cache=committer.name, autostart=False, eager=True)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    release = threading.Event()
+    engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
+    try:
+        one_applied_step(m)
+        to_host = m._flusher._to_host
+
+        def stuck(*args):  # a device copy that completes only when the test lets it
+            release.wait(60)
+            return to_host(*args)
+
+        m._flusher._to_host = stuck
+        call = engine.submit(m.new_step_starts, [finished("a")])  # flushes a's deferred write, waits for it
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="not acknowledged within 1.0s"):
+            call.result(timeout=8.0)  # the builtin TimeoutError here means the engine thread is still blocked
+    finally:
+        release.set()
+        engine.shutdown()
+        m.shutdown()
+
+
+def test_releasing_a_hold_a_staging_page_does_not_have_changes_nothing():
+    """MUTATION (2026-12-06): a reader's page is claimed with the "ctx" hold only, and the abandon and shutdown
+    paths release "ctx" then "write" on it: the second release is of a hold the page does not have and must
+    change nothing. With that check taken out, the free page was freed again: the in-use gauge went to -1,
+    and read 0 once the page was claimed again."""
+    pages = StagingPages(depth=1, capacity=4)
+    page = pages.claim(1, 1.0, holds=("ctx",))
+    for hold in ("ctx", "write"):  # as steps.py's _abandon_step and the save's shutdown path release
+        pages.release(page, hold)
+    assert pages.in_use() == 0
+    assert pages.claim(2, 1.0) == page
+    assert pages.in_use() == 1
+    pages.release(page, "ctx")
+    pages.release(page, "write")
+    assert pages.in_use() == 0

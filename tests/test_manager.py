@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from manager_helpers import Part, aborted, build, expect, extended, finished, quick_config, rows, save, started
+from manager_helpers import (MM_WIDTH, Part, aborted, build, expect, extended, finished, quick_config, rows, save,
+                             started)
 from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
                             OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError)
 from omnishm.client.adapter import PrefixCacheEventKind as K, PrefixCacheRequestEvent as E
@@ -316,6 +317,24 @@ def test_eager_mode_lands_an_ended_requests_deferred_rows_before_new_step_starts
     assert torch.equal(feat.commit[b_slots], feat.claim[b_slots])
     assert torch.equal(feat.pool[b_slots], rows(502, range(6), 3))
 
+
+
+def test_an_eager_hit_on_rows_of_an_open_deferred_write_lands_them_before_new_step_starts_returns(mgr):
+    """MUTATION (2026-12-06): in eager mode a hit on rows whose deferred write is still open (a, the request
+    that wrote block 0's feat rows, is live) closes that write, and ``new_step_starts`` returns only once the
+    rows are committed in the shared pool, as the seed's eager escalate writes them before the forward and
+    before another rank reads them. With the hit no longer closing the open write, the rows stayed out of
+    the pool until a finished."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), eager=True)
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    feat = m._keys["feat"]
+    a_rows = rows(501, range(4), MM_WIDTH)
+    assert not torch.equal(feat.pool[:4], a_rows)  # a's deferred write is open: its rows are not in the pool
+    m.new_step_starts([started("b", [0, 1], hit=4)])
+    assert torch.equal(feat.pool[:4], a_rows), "the hit's rows were not in the pool when new_step_starts returned"
+    assert bool((feat.claim[:4] != 0).all()) and torch.equal(feat.commit[:4], feat.claim[:4])
 
 def test_budget_forces_the_oldest_pending_write_out(mgr):
     row_bytes = 3 * 4

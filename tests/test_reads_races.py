@@ -277,6 +277,21 @@ def test_rows_saved_in_one_shape_are_never_read_back_in_another(mgr):
     m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 4)], BS, extra_mm={"grid": torch.ones(4, 2, 3)}))
 
 
+def test_requests_materialized_out_of_batch_order_get_their_own_rows(mgr):
+    """MUTATION (2026-12-06): ``materialize`` with its requests in another order than the step's batch (b
+    before a; a's step rows come before b's) gives each request its own rows. With the result layout merging
+    a request into the previous one's copy whenever its rows start at or BEFORE that copy's end (not only
+    right at it), a was merged into b's copy, which ran on into c's rows: a got c's rows."""
+    m = mgr()
+    m.new_step_starts([started("a", [0]), started("b", [1]), started("c", [2])])
+    sid = save(m, [Part("a", 1, [0], 0, 3), Part("b", 2, [1], 0, 3), Part("c", 3, [2], 0, 3)], BS)
+    out = m.materialize(sid, ["b", "a"])
+    assert torch.equal(out.hidden_states["b"], expect(0, 0, 2, 0, 3))
+    assert torch.equal(out.hidden_states["a"], expect(0, 0, 1, 0, 3)), out.hidden_states["a"][:, 0]
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(0, 0, 2, 0, 3, mm=True))
+    assert torch.equal(out.mm_outputs["a"]["feat"], expect(0, 0, 1, 0, 3, mm=True))
+
+
 def test_writer_serves_a_hit_whose_rows_are_part_rescued_and_part_landed_during_its_copy(mgr, monkeypatch):
     """SOAK (2026-12-02; ``omnishm demo --tp 2 --duration-s 120 --seed 203 --lag 1 --num-blocks 32
     --block-size 8 --max-batched-tokens 64`` once refused one of the writer's own reads as "reused").

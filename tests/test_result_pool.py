@@ -57,6 +57,21 @@ def test_best_fit_cap_small_allocations_and_disabled_pool():
     assert off.stats["unpooled"] == 1 and off.free_bytes == 0
 
 
+def test_a_free_block_smaller_than_the_request_is_never_handed_out():
+    """MUTATION (2026-12-06): after a 4 MiB block came back, a 5 MiB request gets a block that holds 5 MiB.
+    With the best fit taking a free block up to one GRAIN smaller than the request, it got the 4 MiB block
+    (the view of 5 MiB failed to build, or reached past the block)."""
+    pool = ResultPool(64 * MIB, min_bytes=MIB)
+    t = pool.empty((4 * MIB,), torch.uint8)
+    del t
+    gc.collect()
+    assert pool.free_bytes == 4 * MIB
+    big = pool.empty((5 * MIB,), torch.uint8)
+    assert big.numel() == 5 * MIB
+    big.fill_(7)
+    assert int(big[0]) == 7 and int(big[-1]) == 7
+
+
 def test_blocks_over_the_cap_are_let_go_by_the_next_small_result_too():
     """A burst of large results, all dropped, then only small ones (short steps): the pool holds at most its
     cap of them from the next call on (it held all four until the next large result; review)."""

@@ -51,6 +51,19 @@ def test_gather_rows_takes_the_run_path_and_refuses_a_slot_outside_the_pool_befo
     assert bool((out == 7).all()), "rows were copied before the range was checked"
 
 
+def test_gather_rows_refuses_the_slot_just_past_the_pool_on_the_run_path():
+    """MUTATION (2026-12-06): a run-path read naming slot ``len(pool)`` (one past the last row) raises
+    ``IndexError`` before copying anything. With the bound check off by one (``hi > len(pool)``), it memmoved
+    the row lying past the end of the pool (here a sentinel row of the larger tensor the pool is a view of;
+    past a real pool, another allocation's bytes, or a crash)."""
+    backing = pool_of(1025, 4096)
+    pool = backing[:1024]  # row 1024 of backing lies right after the pool in memory
+    out = torch.full((300, 4096), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(IndexError, match=r"slot out of range: \[725, 1024\] in a pool of 1024 rows"):
+        gather_rows(pool, torch.arange(725, 1025), out)
+    assert bool((out == 7).all()), "rows were copied before the range was checked"
+
+
 def test_gather_rows_keeps_index_select_for_rows_it_cannot_memmove():
     pool = pool_of(1024, 4096)
     idx = torch.arange(0, 300)

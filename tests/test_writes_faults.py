@@ -103,6 +103,34 @@ def test_a_key_the_slots_new_tenant_does_not_write_is_absent_not_the_old_tenants
         m.shutdown()
 
 
+def test_a_large_step_makes_a_key_its_slots_new_tenant_does_not_write_absent(committer_factory):
+    """MUTATION (2026-12-06): the test above for a step over 256 tokens, whose claims go through numpy (no
+    slot list). Blocks 0-64 first hold a's hidden and feat rows, then b's hidden only; a hit on b's prefix
+    that needs feat must raise (absent rows). With the large-step path leaving the claims of a key the step
+    does not write in place, a's feat rows stayed claimed and were served as b's."""
+    n = 260  # > 256 tokens
+    blocks = list(range(n // BS))
+    handle = committer_factory()  # its own: a larger pool than the module's committer holds
+    m = OmniPrefixCacheManager(small_config(num_blocks=128, staging_capacity_tokens=320), cache=handle.name,
+                               autostart=False)
+    try:
+        m.new_step_starts([started("a", blocks)])
+        m.discard_step(save(m, [Part("a", 1, blocks, 0, n)], BS))
+        m.new_step_starts([finished("a")])
+        m.new_step_starts([started("b", blocks)])
+        m.discard_step(save(m, [Part("b", 2, blocks, 0, n)], BS, mm_key=None))  # no feat this step
+        m.new_step_starts([finished("b")])
+        m.wait_idle()
+        m.new_step_starts([started("c", blocks + [100], hit=n)])
+        sid = save(m, [Part("c", 3, blocks + [100], n, 2)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows") as err:
+            out = m.materialize(sid, ["c"])
+            pytest.fail(f"served the old tenant's feat rows: {out.mm_outputs['c']['feat'][0].tolist()}")
+        assert "request='c'" in str(err.value) and "tensor='feat'" in str(err.value)
+    finally:
+        m.shutdown()
+
+
 def test_wait_idle_raises_for_a_failed_step_write_whoever_holds_the_state_lock(committer):
     """wait_idle reads the step's outcome itself: a failure raises even before the done callback (which
     needs the state lock) has recorded it."""
@@ -261,5 +289,61 @@ def test_a_refused_step_that_names_no_failed_tid_still_fails_the_write(committer
                 m.wait_idle()
         finally:
             del m._link.submit
+    finally:
+        m.shutdown()
+
+
+def _without_tids(send):
+    """``send`` (the link's submit, or the flusher's send) with the tids of every StepWrite dropped on the
+    way: the committer refuses such a piece with a reason (a client bug, as far as it knows)."""
+    def mangled_send(make, **kw):
+        def mangled(rid: int):
+            msg = make(rid)
+            if isinstance(msg, P.StepWrite):
+                msg.tids = b""
+            return msg
+        return send(mangled, **kw)
+    return mangled_send
+
+
+def test_a_deferred_write_whose_flush_piece_is_refused_fails(committer):
+    """MUTATION (2026-12-06): a deferred write whose flush piece the committer refuses (here its tids are
+    dropped on the way) fails: its task is FAILED with the committer's reason, and the writer is sticky-fatal.
+    With the piece's failure dropped by the flusher, the write was reported done and its rows, never
+    written, were waited for by every hit on them."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    try:
+        one_applied_step(m)
+        task = m._open[("a", "feat")]
+        m._flusher._send = _without_tids(m._flusher._send)
+        m.new_step_starts([finished("a")])  # a's deferred write is flushed
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tids has 0"):
+            task.done.result(timeout=10)
+        assert task.state is TaskState.FAILED
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tids has 0"):
+            m.wait_idle(timeout_s=2.0)
+    finally:
+        m.shutdown()
+
+
+def test_discard_step_on_a_sticky_fatal_writer_raises_the_sticky_error(committer):
+    """MUTATION (2026-12-06): once the writer is sticky-fatal (here a step write the committer refused),
+    ``discard_step`` of a step id still held raises the sticky error, as every other call does. With its
+    usability check taken out, it returned quietly on a cache that serves nothing any more."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        one_applied_step(m)
+        submit = m._link.submit
+        m._link.submit = _without_tids(submit)
+        m.new_step_starts([started("b", [2])])
+        try:
+            sid = save(m, [Part("b", 2, [2], 0, 4)], BS)
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="write of step 1 failed"):
+                m.wait_idle()
+        finally:
+            del m._link.submit
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="write of step 1 failed"):
+            m.discard_step(sid)
     finally:
         m.shutdown()

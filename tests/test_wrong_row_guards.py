@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import pack
-from manager_helpers import Part, expect, finished, save, small_config, started
+from manager_helpers import Part, build, expect, finished, save, small_config, started
 from omnishm import protocol
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client import reads as reads_module
@@ -140,6 +140,30 @@ def test_hit_on_a_key_the_slots_new_tenant_did_not_save_refuses_the_old_tenants_
             m.shutdown()
 
 
+def test_a_refused_save_covering_slot_0_makes_slot_0_absent(mgr):
+    """MUTATION (2026-12-06): a save the writer refuses makes every slot it covers absent, slot 0 included.
+    z commits block 0 (tag 5) and finishes; a reuses block 0 and its first save (token 0, slot 0 only) is
+    refused; a's next step saves tokens 1-3; c then hits a's full block 0. Slot 0 was never written by a:
+    the hit must refuse. With ``_forget_refused`` keeping only slots ``> 0`` (not ``>= 0``), the refused save
+    left slot 0's previous tenant's claim in place and the hit served z's row 0 as a's."""
+    m = mgr()
+    m.new_step_starts([started("z", [0])])
+    m.discard_step(save(m, [Part("z", 5, [0], 0, 4)], BS))
+    m.wait_idle()
+    m.new_step_starts([finished("z"), started("a", [0, 1])])
+    h, mm, layout, n, _ = build([Part("a", 1, [0, 1], 0, 1)], BS)  # a's token 0, slot 0
+    with pytest.raises(OmniPrefixCacheUnmatchError):  # float64 rows for a float32 key: refused
+        m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+    m.new_step_starts([])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 1, 3)], BS))  # a's tokens 1-3: slots 1-3
+    m.wait_idle()
+    m.new_step_starts([started("c", [0, 3], hit=4)])
+    sid = save(m, [Part("c", 1, [0, 3], 4, 2)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
+        out = m.materialize(sid, ["c"])
+        pytest.fail(f"served slot 0's previous tenant's row for the hit: {out.hidden_states['c'][0].tolist()}")
+
+
 def test_writer_hit_read_that_races_a_reclaim_serves_the_rescued_rows(committer_factory, monkeypatch):
     """b's hit on block 0 (tag 1) passes the commit/claim check; while its pool copy runs, the engine thread
     saves a step that re-claims block 0 (tag 7; copy-on-write rescues tag 1 first) and the committer lands
@@ -234,6 +258,65 @@ def test_writer_never_serves_a_claimed_but_uncommitted_pool_row(committer_factor
             w._resolve_rows(kv, torch.tensor([0]), torch.tensor([cv]), out, None, "nokey", "b", 1,
                             time.monotonic() + 0.5)
             pytest.fail(f"served an uncommitted pool row {out[0].tolist()}")
+    finally:
+        w.shutdown()
+
+
+def test_writer_refuses_a_hit_slot_reclaimed_without_a_rescue_at_once(committer_factory):
+    """MUTATION (2026-12-06): unit level (_resolve_rows): slot 0 was claimed again (and committed) at a newer
+    version since the hit was planned, and no rescue holds the planned rows: the writer must refuse at once,
+    saying the slot was reused. With the claim check of ``_fix_rows`` taken out, it polled for rows that can
+    never land and held the engine thread until the deadline (commit_timeout_s) before refusing."""
+    handle = committer_factory()
+    w = OmniPrefixCacheManager(small_config(commit_timeout_s=5.0), cache=handle.name, autostart=False)
+    try:
+        cv = make_cv(w._epoch, 1, 1)
+        new = make_cv(w._epoch, 2, 1)
+        kv = SimpleNamespace(pool=torch.full((4, 8), 666.0), claim=torch.tensor([new, 0, 0, 0]),
+                             commit=torch.tensor([new, 0, 0, 0]))
+        out = torch.zeros((1, 8))
+        t0 = time.monotonic()
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="slot reused before the read"):
+            w._resolve_rows(kv, torch.tensor([0]), torch.tensor([cv]), out, None, "nokey", "b", 1,
+                            time.monotonic() + 5.0)
+        took = time.monotonic() - t0
+        assert took < 2.5, f"refused after {took:.1f}s: it waited for the deadline"
+    finally:
+        w.shutdown()
+
+
+class _ReclaimedDuringCopy:
+    """A pool whose row copy races a re-claim of the slot: the new tenant's claim is stored and its row
+    lands half way through the copy (the copy is torn: half old row, half new)."""
+
+    def __init__(self, kv, new: int):
+        self.kv, self.new, self.rows = kv, new, torch.full((4, 8), 1.0)
+
+    def index_select(self, dim, idx):
+        got = self.rows.index_select(dim, idx)
+        self.kv.claim[idx] = self.new
+        self.rows[idx] = 777.0
+        got[:, 4:] = 777.0
+        return got
+
+
+def test_writer_fallback_pool_read_refuses_a_row_reclaimed_during_its_copy(committer_factory):
+    """MUTATION (2026-12-06): unit level (_fix_rows): the writer's fallback read of a committed pool row is
+    checked again after the copy (seqlock); a slot claimed again while it copied may hold the new tenant's
+    row, torn: refuse, never serve it. With the claim re-check after that copy taken out, the writer served
+    the torn row (half the previous tenant's, half the new one's)."""
+    handle = committer_factory()
+    w = OmniPrefixCacheManager(small_config(commit_timeout_s=1.0), cache=handle.name, autostart=False)
+    try:
+        cv = make_cv(w._epoch, 1, 1)
+        new = make_cv(w._epoch, 2, 1)
+        kv = SimpleNamespace(claim=torch.tensor([cv, 0, 0, 0]), commit=torch.tensor([cv, 0, 0, 0]))
+        kv.pool = _ReclaimedDuringCopy(kv, new)
+        out = torch.zeros((1, 8))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="slot reused before the read"):
+            w._fix_rows(kv, torch.tensor([0]), torch.tensor([cv]), out, torch.tensor([True]), None, "nokey",
+                        "b", 1, time.monotonic() + 1.0)
+            pytest.fail(f"served a row re-claimed during its copy: {out[0].tolist()}")
     finally:
         w.shutdown()
 
