@@ -327,10 +327,10 @@ def test_an_eager_hit_on_rows_of_an_open_deferred_write_lands_them_before_new_st
     the pool until a finished."""
     m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), eager=True)
     m.new_step_starts([started("a", [0])])
-    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.discard_step(save(m, [Part("a", 37, [0], 0, 4)], BS))  # a tag no other test of the module writes
     m.wait_idle()
     feat = m._keys["feat"]
-    a_rows = rows(501, range(4), MM_WIDTH)
+    a_rows = rows(537, range(4), MM_WIDTH)
     assert not torch.equal(feat.pool[:4], a_rows)  # a's deferred write is open: its rows are not in the pool
     m.new_step_starts([started("b", [0, 1], hit=4)])
     assert torch.equal(feat.pool[:4], a_rows), "the hit's rows were not in the pool when new_step_starts returned"
