@@ -15,6 +15,9 @@ Threads and locks
 - ``_lock`` (the state lock) guards the step contexts, pins, row sources and
   deferred writes. It never covers a wait, a row copy or a committer round
   trip: those run after it is released.
+- A signal handler's exception (KeyboardInterrupt, SystemExit) raised inside
+  one of these calls goes on as it is, and turns the cache sticky-fatal
+  (``_note_interrupt``); ``shutdown`` still detaches.
 """
 
 from __future__ import annotations
