@@ -240,3 +240,20 @@ def wait_queued_at(sock_path: str, timeout_s: float = 10.0) -> None:
             return
         assert time.monotonic() < deadline, f"nothing queued at {sock_path} within {timeout_s}s: {rows}"
         time.sleep(0.01)
+
+
+def interrupt_once(monkeypatch, owner: object, name: str, *, after_real: bool = False) -> list[int]:
+    """``owner.name`` raises KeyboardInterrupt (a SIGINT) on its next call, after running the real one when
+    ``after_real``, then is itself again; returns a list that holds 1 once it fired."""
+    real = getattr(owner, name)
+    fired: list[int] = []
+
+    def once(*args, **kw):
+        monkeypatch.setattr(owner, name, real)
+        if after_real:
+            real(*args, **kw)
+        fired.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, once)
+    return fired

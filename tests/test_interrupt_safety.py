@@ -23,6 +23,7 @@ import pytest
 
 import torch
 
+from helpers import interrupt_once
 from manager_helpers import BS, Part, build, expect, finished, quick_config, rows, save, started
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client.segments import StagingPages
@@ -194,24 +195,6 @@ def test_a_shutdown_a_signal_cut_short_is_finished_by_the_next_call(committer):
 
 # An interrupt the caller catches: the manager turns sticky-fatal (review, 2026-12-06). Each case below, with
 # the engine going on after it, stalled or served a wrong row before.
-
-
-def interrupt_once(monkeypatch, owner: object, name: str, *, after_real: bool = False) -> list[int]:
-    """``owner.name`` raises KeyboardInterrupt (a SIGINT) on its next call, after running the real one when
-    ``after_real``, then is itself again; returns a list that holds 1 once it fired."""
-    real = getattr(owner, name)
-    fired: list[int] = []
-
-    def once(*args, **kw):
-        monkeypatch.setattr(owner, name, real)
-        if after_real:
-            real(*args, **kw)
-        fired.append(1)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(owner, name, once)
-    return fired
-
 
 STICKY = r"interrupted \(sticky; shut this manager down and make a new one\): {call} was cut short by KeyboardInterrupt"
 

@@ -16,6 +16,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
+from helpers import interrupt_once
 from manager_helpers import MM_WIDTH, WIDTH, rows
 from omnishm import shm
 from omnishm.client import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheUnmatchError
@@ -393,14 +394,7 @@ def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_call(committe
     r._prefix_cache_load_policy()
     r.tags["a"] = 1
     r.prefix_cache_discard(r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))[1])
-    link = r.prefix_cache_manager._link
-    real = link.request
-
-    def cut(*args, **kw):
-        monkeypatch.setattr(link, "request", real)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(link, "request", cut)
+    interrupt_once(monkeypatch, r.prefix_cache_manager._link, "request")
     with pytest.raises(KeyboardInterrupt):
         r.prefix_cache_shutdown()
     assert _links() != threads  # still attached

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import interrupt_once
 from manager_helpers import rows
 from omnishm.client.group_view import PrefixCacheConfigError
 from omnishm.integrations.vllm import EXTENSION_CLS, OmniPrefixCacheRunnerHooks, OmniPrefixCacheWorkerExtension
@@ -331,14 +332,7 @@ def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_one(committer
     runner = FakeV1Runner()
     worker.model_runner = runner
     step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
-    link = worker._omnishm_hooks_or_none().manager._link
-    real = link.request
-
-    def cut(*args, **kw):
-        monkeypatch.setattr(link, "request", real)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(link, "request", cut)
+    interrupt_once(monkeypatch, worker._omnishm_hooks_or_none().manager._link, "request")
     with pytest.raises(KeyboardInterrupt):
         worker.omnishm_shutdown()
     assert links() != before  # still attached

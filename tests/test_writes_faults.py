@@ -262,37 +262,6 @@ def test_a_save_that_fails_after_its_step_id_was_issued_frees_its_page_and_is_st
         m2.shutdown()
 
 
-def test_a_refused_step_that_names_no_failed_tid_still_fails_the_write(committer):
-    """A refusal of a step whose tids field is empty comes back as a StepDone with a reason and no failed
-    tid; the writer took that for success, and the step's rows, never written, were waited for by every
-    hit on them. Here the step's message loses its tids on the way (a client bug, as far as the committer
-    knows): the write fails, sticky, with the committer's reason."""
-    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
-    try:
-        one_applied_step(m)
-        submit = m._link.submit
-
-        def no_tids(make, **kw):
-            def mangled(rid: int):
-                msg = make(rid)
-                if isinstance(msg, P.StepWrite):
-                    msg.tids = b""
-                return msg
-            return submit(mangled, **kw)
-
-        m._link.submit = no_tids
-        m.new_step_starts([started("b", [2])])
-        try:
-            m.discard_step(save(m, [Part("b", 2, [2], 0, 4)], BS))
-            with pytest.raises(OmniPrefixCacheUnmatchError, match=r"write of step 1 failed: step 1: key_idx has \d+ "
-                                                                  r"entries, tids has 0"):
-                m.wait_idle()
-        finally:
-            del m._link.submit
-    finally:
-        m.shutdown()
-
-
 def _without_tids(send):
     """``send`` (the link's submit, or the flusher's send) with the tids of every StepWrite dropped on the
     way: the committer refuses such a piece with a reason (a client bug, as far as it knows)."""
@@ -304,6 +273,27 @@ def _without_tids(send):
             return msg
         return send(mangled, **kw)
     return mangled_send
+
+
+def test_a_refused_step_that_names_no_failed_tid_still_fails_the_write(committer):
+    """A refusal of a step whose tids field is empty comes back as a StepDone with a reason and no failed
+    tid; the writer took that for success, and the step's rows, never written, were waited for by every
+    hit on them. Here the step's message loses its tids on the way (a client bug, as far as the committer
+    knows): the write fails, sticky, with the committer's reason."""
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        one_applied_step(m)
+        m._link.submit = _without_tids(m._link.submit)
+        m.new_step_starts([started("b", [2])])
+        try:
+            m.discard_step(save(m, [Part("b", 2, [2], 0, 4)], BS))
+            with pytest.raises(OmniPrefixCacheUnmatchError, match=r"write of step 1 failed: step 1: key_idx has \d+ "
+                                                                  r"entries, tids has 0"):
+                m.wait_idle()
+        finally:
+            del m._link.submit
+    finally:
+        m.shutdown()
 
 
 def test_a_deferred_write_whose_flush_piece_is_refused_fails(committer):
