@@ -388,3 +388,77 @@ def test_a_second_shutdown_waits_for_one_in_progress_and_loses_no_deferred_write
     assert not first.is_alive() and not second.is_alive()
     lost = [r.getMessage() for r in caplog.records if "at shutdown" in r.getMessage()]
     assert not lost and m._fatal is None, (lost, m._fatal)
+
+
+def test_a_signal_handler_that_shuts_down_inside_this_threads_shutdown_returns(committer, monkeypatch):
+    """REVIEW (2026-12-06, of the shutdown lock): a SIGTERM handler that calls ``shutdown`` (an engine's own)
+    ran inside this thread's ``shutdown``, during its goodbye, and waited for good on the lock its own
+    thread held. It returns at once now, and the outer call finishes the detach."""
+    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    link = m._link
+    real = link.request
+
+    def goodbye(*args, **kw):  # the SIGTERM comes while the goodbye is on its way
+        monkeypatch.setattr(link, "request", real)
+        signal.raise_signal(signal.SIGTERM)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(link, "request", goodbye)
+    old = signal.signal(signal.SIGTERM, lambda *_: m.shutdown())
+    try:
+        with interrupts():  # only its watchdog: Hung after HUNG_S
+            m.shutdown()
+    except Hung:
+        m.shutdown()
+        raise AssertionError("the handler's shutdown waited on the lock its own thread held") from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert m._shut_down and m._link._detached
+
+
+def test_writes_a_shutdown_cut_short_could_not_flush_are_reported(committer, monkeypatch, caplog):
+    """REVIEW (2026-12-06): cut short between closing the open deferred writes and handing them to the
+    flusher, a shutdown closed the link (its ``finally``), and the next call, finding it closed, dropped the
+    writes without a word. Their rows never land (a hit on them is refused); the next call says so."""
+    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))  # a's "feat" rows: an open deferred write
+    m.wait_idle()
+    (task,) = m._open.values()
+    interrupt_once(monkeypatch, m, "_flush")
+    with pytest.raises(KeyboardInterrupt):
+        m.shutdown()
+    m.shutdown()
+    assert not task.done.done()
+    assert any(f"deferred writes [{task.tid}] do not land" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+
+
+def test_a_redone_shutdown_unpins_each_staging_pointer_once(committer, monkeypatch):
+    """REVIEW (2026-12-06): cut short right after a ``cudaHostUnregister`` returned, the unregistration kept
+    the pointer in its list, and the next shutdown unregistered it again (CUDA: an error left as the
+    thread's last). libcudart is faked here: this machine has no GPU."""
+    from types import SimpleNamespace
+
+    from omnishm.client.device import HostRegistration
+
+    calls: list[int] = []
+
+    def unregister(ptr: int) -> int:
+        calls.append(ptr)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # delivered as the C call returns
+        return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostUnregister=unregister))
+    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    reg = HostRegistration.__new__(HostRegistration)
+    reg.ptrs = [0x1000, 0x2000]
+    m._registrations.append(reg)
+    with pytest.raises(KeyboardInterrupt):
+        m.shutdown()
+    m.shutdown()
+    assert sorted(calls) == [0x1000, 0x2000], [hex(c) for c in calls]

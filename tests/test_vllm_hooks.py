@@ -340,6 +340,35 @@ def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_one(committer
     assert worker._omnishm_hooks_or_none() is None and links() == before
 
 
+@pytest.mark.parametrize("cut", [KeyboardInterrupt, RuntimeError])
+def test_an_install_after_a_shutdown_cut_short_gives_working_hooks(committer, monkeypatch, cut):
+    """REVIEW (2026-12-06, of the fix above): the worker kept the hooks of a shutdown cut short (an interrupt,
+    or an error out of the manager's shutdown), and ``omnishm_install`` installed those same hooks again,
+    over a closed manager: the next step raised into vLLM. It finishes their retire and makes fresh ones."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    worker = _Worker()
+    runner = FakeV1Runner()
+    worker.model_runner = runner
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    old = worker._omnishm_hooks_or_none()
+    real = type(old.manager)._join_previous_write
+
+    def cut_short(self):
+        monkeypatch.setattr(type(old.manager), "_join_previous_write", real)
+        raise cut("injected")
+
+    monkeypatch.setattr(type(old.manager), "_join_previous_write", cut_short)
+    with pytest.raises(cut):
+        worker.omnishm_shutdown()
+    try:
+        assert worker.omnishm_install() and worker._omnishm_hooks_or_none() is not old
+        step(runner, so(new=[("B", 8, 0, [2, 3])], counts={"B": 8}))
+        assert old.manager._shut_down  # the retire was finished
+    finally:
+        worker.omnishm_shutdown()
+
+
 def test_a_negative_bound_on_held_rows_is_refused_when_the_hooks_are_made(committer):
     """REVIEW (2026-12-05): ``held_bytes=-1`` was taken, and the first completed prompt raised StopIteration
     on the engine thread (evicting from empty tables). The knob refuses it; the argument now does too."""

@@ -418,9 +418,8 @@ class HostRegistration:
         if not self.ptrs:
             return
         cudart = torch.cuda.cudart()
-        for ptr in self.ptrs:
-            cudart.cudaHostUnregister(ctypes.c_void_p(ptr).value)
-        self.ptrs = []
+        while self.ptrs:  # each taken off before its call: a redo after an interrupt never unregisters it twice
+            cudart.cudaHostUnregister(ctypes.c_void_p(self.ptrs.pop()).value)
 
 
 def _clear_last_cuda_error() -> None:

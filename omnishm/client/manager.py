@@ -38,13 +38,13 @@ import torch
 from omnishm import protocol as P
 from omnishm.client.adapter import PrefixCacheEventKind as EventKind
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter
-from omnishm.client.device import (DeviceOps, HostRegistration, StepSender, choose_ops, freeze_step, tensors_in,
-                                   unregister_after_drain)
+from omnishm.client.device import DeviceOps, HostRegistration, StepSender, choose_ops, freeze_step, tensors_in
 from omnishm.client.link import CommitterLink
 from omnishm.client.reads import ReadSide
 from omnishm.client.result_pool import ResultPool
 from omnishm.client.segments import KeyViews, StagingPages, row_width
 from omnishm.client.serial import SerialThread
+from omnishm.client.session import SessionSide
 from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
@@ -60,7 +60,6 @@ from omnishm.interface import (
     TensorName,
     unmatch,
 )
-from omnishm.shm import Segment
 from omnishm.versions import make_cv, warn_if_weakly_ordered
 
 if TYPE_CHECKING:
@@ -73,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.0005
 
-class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
+class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
     """The runner-side cache. Use as a context manager or call ``shutdown``.
 
     Connection arguments left out (``cache``, ``endpoint``, ``autostart``, ``runtime_dir``,
@@ -105,7 +104,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
         self._fatal: BaseException | None = None
         self._closed = False
         """No call takes effect any more (``shutdown`` began)."""
-        self._shutdown_lock = threading.Lock()  # one shutdown at a time; entered by ``with`` (a C call)
+        # One shutdown at a time; entered by ``with`` (a C call). Reentrant: a signal handler that shuts the
+        # manager down inside this thread's own shutdown returns at once (``_detaching``) instead of waiting
+        # on itself for good (review, 2026-12-06).
+        self._shutdown_lock = threading.RLock()
+        self._detaching = False
         self._shut_down = False
         """``shutdown`` ran to its end."""
         self._pid = os.getpid()
@@ -165,43 +168,6 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             self._stop_threads()
             self._link.close()
             raise
-
-    def _attach(self, config: PrefixCacheConfig, cache: str, cap: int) -> None:
-        """``__init__`` after the Welcome: map the control segment (and a reader's keys), start the threads."""
-        self._link.counters = self.counters
-        welcome = self._link.welcome
-        self._epoch = welcome.epoch
-        self._ctl_seg = Segment.attach(welcome.control, readonly=not self.is_writer)
-        self._ctl = self._ctl_seg.tensor(torch.int64, (P.CTL_WORDS,))
-        self._epoch_at_attach = int(self._ctl[P.CTL_WRITER_EPOCH])
-        """Writer epoch in the control segment right after this client attached: a larger one later is a
-        writer that attached after it (epochs only grow), see ``ReadSide._follow_writer``."""
-        self._published_at_attach = int(self._ctl[P.CTL_PUBLISHED_STEP])
-        """The publication word right after this client attached: a reader follows no writer whose last
-        publication came before it (``ReadSide._follow_writer``)."""
-        self._follows = 0
-        """Reader: the epoch of the one writer whose steps this reader's step ids are, set once
-        (``ReadSide._follow_writer``); 0 until then."""
-        if self.is_writer:
-            # The same words as plain ints: a store or load per step, no torch or numpy dispatch.
-            self._ctl_mv = memoryview(self._ctl.numpy())
-            self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
-            self._link.acked_marker = self._acked_word
-            self._pages = StagingPages(config.staging_depth, cap, cache)
-            self._flusher = Flusher(
-                region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
-                to_host=self._flush_copy, chunk_bytes=config.copy_chunk_bytes,
-                key_index=lambda key: self._keys[key].index, send=self._link.submit,
-                on_task_done=self._on_task_done, timeout_s=config.commit_timeout_s)
-            self._sender = StepSender(self._link.submit)
-        else:
-            # Readers stage nothing, but the same depth bounds their unconsumed step ids (and the
-            # step rows they keep for them).
-            self._pages = StagingPages(config.staging_depth, cap, cache)
-            self._prefetcher = SerialThread("omnishm-prefetch", self._prefetch)
-            for seg in welcome.keys:
-                self._keys[seg.key] = KeyViews.map(seg, config.num_slots, readonly=True)
-        self._link.gauges = self._staging_gauges  # once the pages exist: the I/O thread calls it at its next beat
 
     # ------------------------------------------------------------------ API
 
@@ -488,53 +454,14 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
             # shutdown lock may be one a parent's thread held at the fork.
             return
         with self._shutdown_lock:
-            if not self._shut_down:
+            if self._shut_down or self._detaching:
+                return
+            self._detaching = True
+            try:
                 self._detach()
                 self._shut_down = True
-
-    def _detach(self) -> None:
-        """``shutdown``'s work, under its lock; each step may run again after an interrupted first pass."""
-        if self._pages is not None:
-            self._pages.close("the manager is shut down")
-        try:
-            if self.is_writer and self._fatal is None and self._link.dead is None:
-                with self._lock:
-                    tasks = [t for t in self._open.values()]
-                    for t in tasks:
-                        self._close_task_locked(t)
-                self._flush(list(tasks))  # _flush empties the list it is given
-                for t in tasks:
-                    try:
-                        t.done.result(timeout=self.config.commit_timeout_s)
-                    except Exception as exc:  # logged: shutdown must finish detaching
-                        why = str(exc) or f"{type(exc).__name__}: no answer in {self.config.commit_timeout_s:.1f}s"
-                        logger.warning("cache %s: deferred write %d unflushed at shutdown: %s", self.cache, t.tid, why)
-                try:
-                    self._join_previous_write()
-                except OmniPrefixCacheUnmatchError as exc:
-                    logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
-        finally:
-            try:
-                self._stop_threads()
-                self._unregister_staging()
             finally:
-                self._link.close()  # whatever failed before: the session and its writer seat must go
-
-    def _unregister_staging(self) -> None:
-        """Shutdown: unpin the staging (``device.unregister_after_drain``); what stays registered is logged."""
-        if self._registrations:
-            why = unregister_after_drain(self._ops, self._registrations, self.config.commit_timeout_s)
-            if why:
-                logger.warning("cache %s: %s at shutdown; the staging stays registered", self.cache, why)
-            self._registrations.clear()
-
-    def _stop_threads(self) -> None:
-        if self._flusher is not None:
-            self._flusher.stop()
-        if self._prefetcher is not None:
-            self._prefetcher.stop(self.config.commit_timeout_s)
-        if self._sender is not None:
-            self._sender.stop(self.config.commit_timeout_s)
+                self._detaching = False
 
     def __enter__(self) -> "OmniPrefixCacheManager":
         return self
@@ -547,6 +474,11 @@ class OmniPrefixCacheManager(StepLifecycle, WriterSide, ReadSide):
     @property
     def client_id(self) -> str:
         return self._link.client_id
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``shutdown`` began (it may have been cut short: call it again to finish it)."""
+        return self._closed
 
     def unconsumed_step_ids(self) -> list[StepId]:
         with self._lock:

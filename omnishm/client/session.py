@@ -1,0 +1,117 @@
+"""The manager's session with its committer: attaching after the Welcome and detaching at shutdown.
+
+``SessionSide`` is a mixin of ``OmniPrefixCacheManager`` and works on its state. ``_attach`` maps the
+control segment (and a reader's keys), makes the staging pages and starts the helper threads;
+``_detach`` is ``shutdown``'s work: flush the open deferred writes, join the last step's write, stop
+the threads, unpin the staging and close the link, each step safe to run again after a pass that a
+signal handler's exception cut short.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from omnishm import protocol as P
+from omnishm.client.device import StepSender, unregister_after_drain
+from omnishm.client.segments import KeyViews, StagingPages
+from omnishm.client.serial import SerialThread
+from omnishm.client.writes import Flusher
+from omnishm.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig
+from omnishm.shm import Segment
+
+logger = logging.getLogger("omnishm.client.manager")  # one logger for the whole manager, as before the split
+
+
+class SessionSide:
+    """Attach and detach (mixin; all state lives in the manager)."""
+
+    def _attach(self, config: PrefixCacheConfig, cache: str, cap: int) -> None:
+        """``__init__`` after the Welcome: map the control segment (and a reader's keys), start the threads."""
+        self._link.counters = self.counters
+        welcome = self._link.welcome
+        self._epoch = welcome.epoch
+        self._ctl_seg = Segment.attach(welcome.control, readonly=not self.is_writer)
+        self._ctl = self._ctl_seg.tensor(torch.int64, (P.CTL_WORDS,))
+        self._epoch_at_attach = int(self._ctl[P.CTL_WRITER_EPOCH])
+        """Writer epoch in the control segment right after this client attached: a larger one later is a
+        writer that attached after it (epochs only grow), see ``ReadSide._follow_writer``."""
+        self._published_at_attach = int(self._ctl[P.CTL_PUBLISHED_STEP])
+        """The publication word right after this client attached: a reader follows no writer whose last
+        publication came before it (``ReadSide._follow_writer``)."""
+        self._follows = 0
+        """Reader: the epoch of the one writer whose steps this reader's step ids are, set once
+        (``ReadSide._follow_writer``); 0 until then."""
+        if self.is_writer:
+            # The same words as plain ints: a store or load per step, no torch or numpy dispatch.
+            self._ctl_mv = memoryview(self._ctl.numpy())
+            self._ctl_mv[P.CTL_PUBLISHED_STEP] = -1
+            self._link.acked_marker = self._acked_word
+            self._pages = StagingPages(config.staging_depth, cap, cache)
+            self._flusher = Flusher(
+                region=lambda key: self._keys[key].staging, row0=self._pages.flush_row0, rows=cap,
+                to_host=self._flush_copy, chunk_bytes=config.copy_chunk_bytes,
+                key_index=lambda key: self._keys[key].index, send=self._link.submit,
+                on_task_done=self._on_task_done, timeout_s=config.commit_timeout_s)
+            self._sender = StepSender(self._link.submit)
+        else:
+            # Readers stage nothing, but the same depth bounds their unconsumed step ids (and the
+            # step rows they keep for them).
+            self._pages = StagingPages(config.staging_depth, cap, cache)
+            self._prefetcher = SerialThread("omnishm-prefetch", self._prefetch)
+            for seg in welcome.keys:
+                self._keys[seg.key] = KeyViews.map(seg, config.num_slots, readonly=True)
+        self._link.gauges = self._staging_gauges  # once the pages exist: the I/O thread calls it at its next beat
+
+    def _detach(self) -> None:
+        """``shutdown``'s work, under its lock; each step may run again after an interrupted first pass."""
+        if self._pages is not None:
+            self._pages.close("the manager is shut down")
+        try:
+            if self.is_writer and self._fatal is None and self._link.dead is None:
+                with self._lock:
+                    tasks = [t for t in self._open.values()]
+                    for t in tasks:
+                        self._close_task_locked(t)
+                self._flush(list(tasks))  # _flush empties the list it is given
+                for t in tasks:
+                    try:
+                        t.done.result(timeout=self.config.commit_timeout_s)
+                    except Exception as exc:  # logged: shutdown must finish detaching
+                        why = str(exc) or f"{type(exc).__name__}: no answer in {self.config.commit_timeout_s:.1f}s"
+                        logger.warning("cache %s: deferred write %d unflushed at shutdown: %s", self.cache, t.tid, why)
+                try:
+                    self._join_previous_write()
+                except OmniPrefixCacheUnmatchError as exc:
+                    logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
+            elif self.is_writer:
+                # Fatal, or the link closed by a pass an interrupt cut short (its ``finally``): the writes not
+                # acknowledged never land, and a hit on their rows is refused. Said, not lost quietly.
+                with self._lock:
+                    lost = sorted(t.tid for t in [*self._open.values(), *self._closing.values()] if not t.done.done())
+                if lost:
+                    logger.warning("cache %s: deferred writes %s do not land: %s", self.cache, lost,
+                                   self._fatal or self._link.dead)
+        finally:
+            try:
+                self._stop_threads()
+                self._unregister_staging()
+            finally:
+                self._link.close()  # whatever failed before: the session and its writer seat must go
+
+    def _unregister_staging(self) -> None:
+        """Shutdown: unpin the staging (``device.unregister_after_drain``); what stays registered is logged."""
+        if self._registrations:
+            why = unregister_after_drain(self._ops, self._registrations, self.config.commit_timeout_s)
+            if why:
+                logger.warning("cache %s: %s at shutdown; the staging stays registered", self.cache, why)
+            self._registrations.clear()
+
+    def _stop_threads(self) -> None:
+        if self._flusher is not None:
+            self._flusher.stop()
+        if self._prefetcher is not None:
+            self._prefetcher.stop(self.config.commit_timeout_s)
+        if self._sender is not None:
+            self._sender.stop(self.config.commit_timeout_s)
