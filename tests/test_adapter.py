@@ -210,6 +210,56 @@ def test_step_mapping_is_a_read_only_copy():
         step.num_scheduled_tokens["a"] = 1  # type: ignore[index]
 
 
+def test_a_preempted_id_that_is_not_live_is_not_taken_for_a_resume_later():
+    """MUTATION (2026-12-06): pins that ``preempted_req_ids`` only marks requests that are live after the
+    step's finishes. The mutant (``if rid in live`` -> ``if True``) remembered any reported id, so an id
+    never seen, or one finished and preempted in the same step, re-entering as new later was a RESUMED
+    instead of a STARTED."""
+    ad = PrefixCacheSchedulerAdapter()
+    ad.translate_scheduler_output(sched(new=[new_req("r", 0, [1])], nst={"r": 4}))
+    out = sched(finished={"r"})
+    out.preempted_req_ids = {"r", "ghost"}
+    assert kinds(ad.translate_scheduler_output(out)) == [(K.FINISHED, "r")]
+    step = ad.translate_scheduler_output(sched(new=[new_req("ghost", 16, [3, 4]), new_req("r", 16, [5, 6])],
+                                               nst={"ghost": 1, "r": 1}))
+    assert step.events == (Ev(K.STARTED, "ghost", 16, (3, 4)), Ev(K.STARTED, "r", 16, (5, 6)))
+
+
+def test_a_request_first_seen_as_cached_is_live_and_its_reentry_is_replaced():
+    """MUTATION (2026-12-06): pins that a cached (running) request makes its id live. The mutant (the cached
+    loop's ``live.add(rid)`` removed) left an id first seen in ``scheduled_cached_reqs`` unknown, so its
+    re-entry as new was a STARTED, whose ``num_computed_tokens`` the manager takes for a hit: a false hit."""
+    ad = PrefixCacheSchedulerAdapter()
+    ad.translate_scheduler_output(sched(cached_reqs=cached([("x", [7], 16)]), nst={"x": 1}))
+    assert ad.live_req_ids == {"x"}
+    step = ad.translate_scheduler_output(sched(new=[new_req("x", 17, [7, 8])], nst={"x": 3}))
+    assert step.events == (Ev(K.REPLACED, "x", 17, (7, 8)),)
+
+
+def test_a_v1_resume_clears_an_earlier_preempted_req_ids_mark():
+    """MUTATION (2026-12-06): pins that a request resumed through ``scheduled_cached_reqs`` is no longer
+    remembered as preempted. The mutant (the cached loop's ``preempted.discard(rid)`` removed) kept the mark,
+    so the resumed request's later re-entry as new (async-chunk continuation) was a second RESUMED instead
+    of a REPLACED."""
+    ad = PrefixCacheSchedulerAdapter()
+    ad.translate_scheduler_output(sched(new=[new_req("p", 0, [1])], nst={"p": 4}))
+    out = sched()
+    out.preempted_req_ids = {"p"}
+    ad.translate_scheduler_output(out)
+    step = ad.translate_scheduler_output(sched(cached_reqs=cached([("p", [5], 0)], resumed={"p"}), nst={"p": 4}))
+    assert kinds(step) == [(K.RESUMED, "p")]
+    step = ad.translate_scheduler_output(sched(new=[new_req("p", 4, [5])], nst={"p": 2}))
+    assert step.events == (Ev(K.REPLACED, "p", 4, (5,)),)
+
+
+def test_group_index_1_takes_the_second_groups_block_ids():
+    """MUTATION (2026-12-06): pins that the adapter's ``group_index`` picks that KV group's block ids. The
+    mutant (``per_group[group_index]`` -> ``per_group[0]``) always took group 0's blocks."""
+    ad = PrefixCacheSchedulerAdapter(group_index=1)
+    step = ad.translate_scheduler_output(sched(new=[new_req("g", 0, [1, 2], group1=[9, 10])], nst={"g": 4}))
+    assert step.events == (Ev(K.STARTED, "g", 0, (9, 10)),)
+
+
 # -- events and translate_step --------------------------------------------------------------
 
 
@@ -335,3 +385,34 @@ def test_empty_write_layout():
     layout = PrefixCacheSchedulerAdapter.build_write_layout(view, {})
     assert isinstance(layout, PrefixCacheWriteLayout)
     assert layout.writes == () and layout.num_tokens == 0 and layout.slots.dtype == torch.int64
+
+
+class _ViewWithSlotError(FullAttentionGroupView):
+    """A group view that gets its slot count wrong: ``extra`` slots too many, negative counts read as 0."""
+
+    extra = 0
+
+    def step_slots_cpu(self, num_scheduled_tokens):
+        slots = super().step_slots_cpu([max(int(n), 0) for n in num_scheduled_tokens])
+        return torch.cat([slots, torch.arange(self.extra, dtype=torch.int64)])
+
+
+def test_write_layout_refuses_a_view_whose_slot_count_is_not_the_token_count():
+    """MUTATION (2026-12-06): pins build_write_layout's own check of the view's slot count (a second guard:
+    omnishm's view returns one slot per token). The mutant (the check removed) built a layout of 6 slots for
+    5 rows, attributing rows to slots off by one from the first extra slot on."""
+    view = _ViewWithSlotError(make_batch(32, [("a", 0, [1]), ("b", 0, [2])]), 32)
+    view.extra = 1
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="6 slots for 5 tokens"):
+        PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": 2, "b": 3})
+
+
+def test_write_layout_refuses_a_negative_count_itself_and_names_the_request():
+    """MUTATION (2026-12-06): pins build_write_layout's own refusal of a negative scheduled-token count (a
+    second guard: omnishm's view refuses it too). The mutant (that raise removed) left it to the view; past one
+    that does not check, a write of -3 rows went into the layout and only the slot-count check refused it,
+    with an error naming no request."""
+    view = _ViewWithSlotError(make_batch(32, [("a", 0, [1]), ("b", 0, [2])]), 32)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="negative scheduled-token count -3") as err:
+        PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": -3, "b": 3})
+    assert "request='a'" in str(err.value), err.value

@@ -12,6 +12,7 @@ import torch
 from omnishm.client.group_view import (
     FullAttentionGroupView,
     PrefixCacheConfigError,
+    check_prefix_cache_block_layout,
     check_prefix_cache_token_accounting,
     get_prefix_cache_group_view,
 )
@@ -174,3 +175,49 @@ def test_slots_follow_the_table_in_place_and_a_replaced_table():
     assert view.step_slots_cpu([2]).tolist() == [160, 161]
     batch.block_table.block_tables[0].block_table.cpu = torch.tensor([[7, 8]], dtype=torch.int32)  # replaced
     assert view.step_slots_cpu([2]).tolist() == [224, 225]
+
+
+def test_slots_follow_a_replaced_table_tensor_of_the_same_shape():
+    """MUTATION (2026-12-06): pins that the view re-reads the table when the tensor object is replaced, not
+    only when its shape changes. The mutant (``table is not self._table`` -> ``self._table is None``) kept the
+    numpy view of the old tensor while the new one had the same shape: rows went to the old table's slots."""
+    batch = make_batch(32, [("a", 0, [3])], width=2)
+    view = FullAttentionGroupView(batch, 32)
+    assert view.step_slots_cpu([2]).tolist() == [96, 97]
+    old = batch.block_table.block_tables[0].block_table.cpu
+    new = torch.zeros_like(old)
+    new[0, 0] = 9
+    batch.block_table.block_tables[0].block_table.cpu = new
+    assert view.step_slots_cpu([2]).tolist() == [288, 289]
+
+
+@pytest.mark.parametrize("multi_as_list", [False, True])
+def test_group_index_selects_that_groups_table(multi_as_list):
+    """MUTATION (2026-12-06): pins that ``group_index`` picks that KV group's block table, from vLLM's
+    ``MultiGroupBlockTable.block_tables`` and from a plain list of tables. The mutants (``tables[0]``,
+    ``multi[0]``) always read group 0's table."""
+    batch = make_batch(32, [("a", 0, [5])], multi_as_list=multi_as_list)
+    group1 = make_batch(32, [("a", 0, [7])], multi_as_list=multi_as_list).block_table
+    if multi_as_list:
+        batch.block_table.append(group1[0])
+    else:
+        batch.block_table.block_tables.append(group1.block_tables[0])
+    assert FullAttentionGroupView(batch, 32).step_slots_cpu([2]).tolist() == [160, 161]
+    assert FullAttentionGroupView(batch, 32, group_index=1).step_slots_cpu([2]).tolist() == [224, 225]
+
+
+def test_block_layout_refuses_a_group_with_one_layer_of_another_block_size():
+    """MUTATION (2026-12-06): pins that every layer spec of a group must have the cache's block size, not just
+    one of them. The mutant (``sizes != {block_size}`` -> ``block_size not in sizes``) let a group whose layers
+    mix 32- and 64-token blocks through, though the 64-token layer's slots (block id * 64 + offset) name
+    other tokens than the cache's (block id * 32 + offset)."""
+
+    class UniformTypeKVCacheSpecs:  # vLLM's wrapper of per-layer specs of one type
+        def __init__(self, block_size, kv_cache_specs):
+            self.block_size, self.kv_cache_specs = block_size, kv_cache_specs
+
+    same = UniformTypeKVCacheSpecs(32, {"l0": FullAttentionSpec(32), "l1": FullAttentionSpec(32)})
+    check_prefix_cache_block_layout(32, [SimpleNamespace(kv_cache_spec=same)])
+    mixed = UniformTypeKVCacheSpecs(32, {"l0": FullAttentionSpec(32), "l1": FullAttentionSpec(64)})
+    with pytest.raises(PrefixCacheConfigError, match=r"KV-cache group 0 uses block size \[32, 64\]"):
+        check_prefix_cache_block_layout(32, [SimpleNamespace(kv_cache_spec=mixed)])

@@ -216,6 +216,69 @@ def test_padded_steps_zero_token_requests_and_hits_match_vllm_omni(committer_fac
         theirs.shutdown()
 
 
+def test_a_zero_token_request_first_in_the_batch_shifts_no_rows(committer_factory):
+    """MUTATION (2026-12-06): pins that a 0-token request takes no rows of the step's outputs, also first in
+    the batch: the save is taken, materialize matches vllm-omni's, and a later hit serves the rows written.
+    The mutant (``start += max(counts[r], 1)``) started every later request's write one row late; omnishm
+    refuses a layout whose writes are not contiguous from row 0, so it refused the save of this legitimate batch."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        h, mm = torch.randn(20, 8), {"feat": torch.randn(20, 6)}
+        so = _step(view, [("z", 0, [4], 0), ("a", 0, [0, 1], 20)], new=(("z", 0, [4]), ("a", 0, [0, 1])))
+        sids = _both(ours, theirs, view, so, h, mm, 20, 20)
+        got, want = ours.materialize(sids[0], ["z", "a"]), theirs.materialize(sids[1], ["z", "a"])
+        same(got, want, "zero-token request first")
+        assert torch.equal(got.hidden_states["a"], h) and got.hidden_states["z"].shape == (0, 8)
+        # "b" hits a's first block: the rows landed at a's slots
+        so = _step(view, [("b", 16, [0, 3], 4)], new=(("b", 16, [0, 3]),), finished=("a", "z"))
+        h2 = torch.randn(4, 8)
+        sids = _both(ours, theirs, view, so, h2, {"feat": torch.randn(4, 6)}, 4, 4)
+        got, want = ours.materialize(sids[0], ["b"]), theirs.materialize(sids[1], ["b"])
+        same(got, want, "hit after a zero-token request")
+        assert torch.equal(got.hidden_states["b"], torch.cat([h[:16], h2]))
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_leftover_mm_spans_are_each_requests_rows_in_batch_order(committer_factory):
+    """MUTATION (2026-12-06): pins the (start, count) span per request that the drop-in keeps for the mm
+    outputs it cannot save as rows ("leftover"), which its materialize slices with vllm-omni's
+    ``to_payload_element``. That function imports vLLM, so nothing observable is reachable without vLLM
+    (the vLLM tier compares the values): this test reads the drop-in's internal ``_saved[...].spans``.
+    The mutant (``spans[r] = (start + 1, count)``) sliced every request's leftover values one row late."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        so = _step(view, [("a", 0, [0, 1], 20), ("z", 0, [4], 0), ("b", 0, [2], 4)],
+                   new=(("a", 0, [0, 1]), ("z", 0, [4]), ("b", 0, [2])))
+        ours.new_step_starts(so)
+        sid = ours.save_outputs(torch.randn(24, 8), {"feat": torch.randn(24, 6), "lengths": [20, 0, 4]},
+                                num_tokens_unpadded=24, num_tokens_padded=24)
+        assert ours._saved[sid].spans == {"a": (0, 20), "z": (20, 0), "b": (20, 4)}
+        assert list(ours._saved[sid].leftover) == ["lengths"]
+        ours.discard_step(sid)
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_a_hidden_buffer_longer_than_the_padded_step_is_cut_to_the_steps_rows(committer_factory):
+    """MUTATION (2026-12-06): pins that the drop-in passes only the step's ``num_tokens_unpadded`` rows of
+    ``hidden_states`` on (a runner may hand its whole preallocated buffer, longer than the padded step), as
+    vllm-omni does. The mutant (``hidden_states`` passed uncut) had omnishm refuse the save."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        h = torch.randn(32, 8)
+        so = _step(view, [("a", 0, [0, 1], 20)], new=(("a", 0, [0, 1]),))
+        sids = _both(ours, theirs, view, so, h, {}, 20, 24)
+        got, want = ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"])
+        same(got, want, "long hidden buffer")
+        assert torch.equal(got.hidden_states["a"], h[:20])
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
 def test_hidden_opt_out_gives_none_as_vllm_omni_does(committer_factory):
     policy = VO.ModelCachePolicy(needs_full_hidden_states=False)
     ours, theirs, view = managers(committer_factory(), 8, 32, policy)
