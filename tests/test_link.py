@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from omnishm import protocol
+from omnishm import protocol, shm
 from omnishm.client import OmniPrefixCacheManager
 from omnishm.client.link import CommitterLink
 from omnishm.interface import OmniPrefixCacheCommitterError
@@ -367,5 +367,125 @@ def test_a_resume_never_connects_to_a_socket_name_another_user_could_have_bound(
         assert link.stats["resume_attempts"] == 0  # no Hello went anywhere
         with pytest.raises(OmniPrefixCacheCommitterError, match="not connected: socket .* does not exist yet"):
             link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=30)
+    finally:
+        link.close()
+
+
+# Mutation review of the link (2026-12-06): behaviours no other test pinned.
+
+
+def _until(cond, timeout_s: float, what: str) -> float:
+    """Seconds until ``cond()`` held, polled; fails naming ``what`` after ``timeout_s``."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"{what} not within {timeout_s:.1f}s"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_a_request_that_timed_out_leaves_no_pending_entry(committer_factory):
+    """MUTATION (2026-12-06): a ``request`` that timed out takes its entry off the pending requests. Kept
+    (the mutant), it held one of the ``MAX_IN_FLIGHT`` places until answered, and a resume would send again
+    a request its caller had given up on."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
+    os.kill(handle.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            with pytest.raises(OmniPrefixCacheCommitterError, match="did not answer within 0.2s"):
+                link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=0.2)
+        assert [rid for rid, e in link._pending.items() if e.resend] == []
+    finally:
+        os.kill(handle.proc.pid, signal.SIGCONT)
+        link.close()
+
+
+def test_heartbeats_go_out_at_the_committers_rate(committer_factory):
+    """MUTATION (2026-12-06): the link beats every ``heartbeat_s`` the committer asks for (0.25 s here: 4
+    beats take about 1 s). With the I/O thread's poll tick ten times longer, the beats came 2.5 times apart,
+    and a committer with a tight ``heartbeat_timeout_s`` would reap a live client."""
+    handle = committer_factory("--heartbeat-s", "0.25", "--heartbeat-timeout-s", "60")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
+    try:
+        n0 = link.heartbeats_sent
+        _until(lambda: link.heartbeats_sent - n0 >= 4, 2.4, "4 heartbeats 0.25 s apart")
+    finally:
+        link.close()
+
+
+def test_a_killed_committer_is_seen_gone_from_proc_long_before_its_silence_counts(committer_factory):
+    """MUTATION (2026-12-06): a SIGKILLed committer is seen gone through ``/proc`` within about a heartbeat,
+    not only once its silence passed the heartbeat timeout (60 s here); then the last client's close
+    removes its segments. Without the ``/proc`` check (the mutant) the link stayed connected for the 60 s."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         reconnect_timeout_s=1.5)
+    try:
+        assert shm.list_segments(handle.name)
+        os.kill(handle.proc.pid, signal.SIGKILL)
+        handle.proc.wait()
+        _until(lambda: link.state != "connected", 6.0, "the link to see its committer gone")
+    finally:
+        link.close()
+    assert shm.list_segments(handle.name) == []
+
+
+def test_a_hello_a_dying_committer_swallowed_is_sent_again_and_not_kept(committer_factory):
+    """MUTATION (2026-12-06): a committer that took the first Hello and died never answers it: the link sends
+    Hello again (every ``HELLO_RETRY_S``) and attaches to the committer started next, and the swallowed
+    Hello's entry is dropped. Kept (the mutant), a resume would have sent that plain Hello again."""
+    import zmq
+
+    from conftest import RUNTIME_DIR, unique_cache_name
+
+    name = unique_cache_name()
+    endpoint = shm.ipc_endpoint(RUNTIME_DIR, name)
+    ctx = zmq.Context()
+    dying = ctx.socket(zmq.ROUTER)
+    dying.setsockopt(zmq.LINGER, 0)
+    dying.bind(endpoint)
+    out: list[object] = []
+
+    def attach() -> None:
+        try:
+            out.append(CommitterLink(cache=name, role=protocol.ROLE_READER, endpoint=endpoint, layout=LAYOUT,
+                                     connect_timeout_s=25.0))
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            out.append(exc)
+
+    t = threading.Thread(target=attach)
+    t.start()
+    try:
+        assert dying.poll(10000), "no Hello reached the first committer"
+        dying.recv_multipart()  # swallowed: the committer dies holding it
+        dying.close()
+        ctx.term()
+        committer_factory(name=name)
+        t.join(30)
+        assert out and isinstance(out[0], CommitterLink), out
+        assert [rid for rid, e in out[0]._pending.items() if e.resend] == []
+    finally:
+        t.join(30)
+        for link in out:
+            if isinstance(link, CommitterLink):
+                link.close()
+
+
+def test_after_a_resume_no_heartbeat_of_the_lost_session_stays_pending(committer_factory):
+    """MUTATION (2026-12-06): the heartbeats unanswered when the committer was lost are failed then. Kept
+    (the mutant), they were never answered (a resume does not send heartbeats again) and held places of the
+    ``MAX_IN_FLIGHT`` window for good."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         reconnect_timeout_s=20.0)
+    try:
+        os.kill(handle.proc.pid, signal.SIGKILL)
+        handle.proc.wait()
+        _until(lambda: link.state != "connected", 6.0, "the link to see its committer gone")
+        lost = time.monotonic()
+        committer_factory("--heartbeat-timeout-s", "60", name=handle.name)
+        _until(lambda: link.stats["reconnects"] == 1, 15.0, "the resume")
+        assert link.dead is None
+        assert [rid for rid, e in link._pending.items() if not e.resend and e.sent_at < lost] == []
     finally:
         link.close()
