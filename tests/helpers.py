@@ -257,3 +257,20 @@ def interrupt_once(monkeypatch, owner: object, name: str, *, after_real: bool = 
 
     monkeypatch.setattr(owner, name, once)
     return fired
+
+
+def sigterm_during_goodbye(monkeypatch, link, handler) -> object:
+    """A SIGTERM, handled by ``handler`` (an engine's own: it shuts the cache down, then raises
+    ``SystemExit``), comes while ``link``'s goodbye is on its way; returns the previous SIGTERM handler,
+    for the caller to put back."""
+    import signal
+
+    real = link.request
+
+    def goodbye(*args, **kw):
+        monkeypatch.setattr(link, "request", real)
+        signal.raise_signal(signal.SIGTERM)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(link, "request", goodbye)
+    return signal.signal(signal.SIGTERM, handler)

@@ -402,6 +402,38 @@ def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_call(committe
     assert r.prefix_cache_manager is None and _links() == threads
 
 
+def test_a_shutdown_a_sigterm_handler_made_inside_the_runners_own_is_finished_by_the_next_call(
+        committer_factory, monkeypatch):
+    """REVIEW (2026-12-06, of the reentrant shutdown lock): as in test_vllm_hooks.py, an engine's SIGTERM
+    handler shut the runner's cache down during the runner's own shutdown, then raised ``SystemExit``; the
+    runner let its manager go on the handler's early return, and the cut-short shutdown was never finished."""
+    import signal
+
+    from helpers import sigterm_during_goodbye
+
+    handle = committer_factory()
+    threads = _links()
+    r = FakeRunner(handle.name, SimpleNamespace())
+    r._prefix_cache_load_policy()
+    r.tags["a"] = 1
+    r.prefix_cache_discard(r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))[1])
+    m = r.prefix_cache_manager
+
+    def handler(*_):
+        r.prefix_cache_shutdown()
+        raise SystemExit(143)
+
+    old = sigterm_during_goodbye(monkeypatch, m._link, handler)
+    try:
+        with pytest.raises(SystemExit):
+            r.prefix_cache_shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert r.prefix_cache_manager is m and not m.shut_down
+    r.prefix_cache_shutdown()
+    assert r.prefix_cache_manager is None and m.shut_down and _links() == threads
+
+
 def fake_parallel_state(monkeypatch, **functions) -> None:
     """A ``vllm.distributed.parallel_state`` with these functions in ``sys.modules`` for one test (vllm is not
     installed in the main suite)."""

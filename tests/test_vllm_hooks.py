@@ -369,6 +369,42 @@ def test_an_install_after_a_shutdown_cut_short_gives_working_hooks(committer, mo
         worker.omnishm_shutdown()
 
 
+def test_a_shutdown_a_sigterm_handler_made_inside_the_workers_own_keeps_the_hooks_until_it_is_finished(
+        committer, monkeypatch):
+    """REVIEW (2026-12-06, of the reentrant shutdown lock): an engine's SIGTERM handler that shuts the cache
+    down, then raises ``SystemExit``, came during the worker's own shutdown. The handler's shutdown returns at
+    once (its own thread is mid-shutdown), and the worker let the hooks go on that return; the outer shutdown,
+    cut short by the ``SystemExit``, could then never be finished. The hooks stay until it ran to its end."""
+    import signal
+    import threading
+
+    from helpers import sigterm_during_goodbye
+
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    links = lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("omnishm-link"))  # noqa: E731
+    before = links()
+    worker = _Worker()
+    runner = FakeV1Runner()
+    worker.model_runner = runner
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    m = worker._omnishm_hooks_or_none().manager
+
+    def handler(*_):
+        worker.omnishm_shutdown()
+        raise SystemExit(143)
+
+    old = sigterm_during_goodbye(monkeypatch, m._link, handler)
+    try:
+        with pytest.raises(SystemExit):
+            worker.omnishm_shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert worker._omnishm_hooks_or_none() is not None and not m.shut_down
+    worker.omnishm_shutdown()
+    assert m.shut_down and worker._omnishm_hooks_or_none() is None and links() == before
+
+
 def test_a_negative_bound_on_held_rows_is_refused_when_the_hooks_are_made(committer):
     """REVIEW (2026-12-05): ``held_bytes=-1`` was taken, and the first completed prompt raised StopIteration
     on the engine thread (evicting from empty tables). The knob refuses it; the argument now does too."""

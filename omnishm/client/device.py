@@ -418,8 +418,13 @@ class HostRegistration:
         if not self.ptrs:
             return
         cudart = torch.cuda.cudart()
-        while self.ptrs:  # each taken off before its call: a redo after an interrupt never unregisters it twice
-            cudart.cudaHostUnregister(ctypes.c_void_p(self.ptrs.pop()).value)
+        while self.ptrs:
+            # Taken off once its call returned: an interrupt between the two leaves it listed, and a redo
+            # unregisters it again (an error, cleared) rather than never (a mapping that goes away pinned).
+            rc = cudart.cudaHostUnregister(ctypes.c_void_p(self.ptrs[-1]).value)
+            self.ptrs.pop()
+            if int(rc) != 0:
+                _clear_last_cuda_error()  # not registered any more: before torch's next launch check trips on it
 
 
 def _clear_last_cuda_error() -> None:

@@ -480,6 +480,12 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         """Whether ``shutdown`` began (it may have been cut short: call it again to finish it)."""
         return self._closed
 
+    @property
+    def shut_down(self) -> bool:
+        """Whether a ``shutdown`` ran to its end. A shutdown called inside this thread's own (a signal
+        handler's) returns before that: let the manager go only once this holds."""
+        return self._shut_down
+
     def unconsumed_step_ids(self) -> list[StepId]:
         with self._lock:
             return sorted(self._ctxs)

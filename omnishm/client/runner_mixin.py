@@ -404,11 +404,14 @@ class PrefixCacheRunnerMixin:
     def prefix_cache_shutdown(self) -> None:
         """Shut the manager down (flushes deferred writes, detaches). Idempotent.
 
-        The runner lets the manager go once its shutdown returned: a call that a signal handler's exception
-        cut short leaves it here, and the next call finishes it (review, 2026-12-06)."""
+        The runner lets the manager go once its shutdown ran to its end: a call that a signal handler's exception
+        cut short, or one made inside this thread's own shutdown, leaves it here, and the next call finishes it
+        (reviews, 2026-12-06)."""
         manager = self._prefix_cache_manager
         if manager is not None:
             manager.shutdown()
+            if not manager.shut_down:  # called inside this thread's own shutdown (a signal handler's): not yet
+                return
         self._prefix_cache_manager = None
         self._prefix_cache_adapter = None
         self._prefix_cache_step_req_ids = None

@@ -86,10 +86,12 @@ class SessionSide:
                 except OmniPrefixCacheUnmatchError as exc:
                     logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
             elif self.is_writer:
-                # Fatal, or the link closed by a pass an interrupt cut short (its ``finally``): the writes not
-                # acknowledged never land, and a hit on their rows is refused. Said, not lost quietly.
+                # Fatal, or the link closed by a pass an interrupt cut short (its ``finally``): the writes never
+                # handed to the flusher never land, and a hit on their rows is refused. Said, not lost quietly.
+                # (A write handed over still goes: the flusher's stop drains its queue.)
                 with self._lock:
-                    lost = sorted(t.tid for t in [*self._open.values(), *self._closing.values()] if not t.done.done())
+                    lost = sorted(t.tid for t in [*self._open.values(), *self._closing.values()]
+                                  if not t.handed and not t.done.done())
                 if lost:
                     logger.warning("cache %s: deferred writes %s do not land: %s", self.cache, lost,
                                    self._fatal or self._link.dead)

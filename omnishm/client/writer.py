@@ -527,6 +527,7 @@ class WriterSide:
         assert self._flusher is not None
         while tasks:
             self._flusher.put(tasks[0])
+            tasks[0].handed = True
             del tasks[0]
             self.counters["deferred_flushes"] += 1
 

@@ -432,10 +432,12 @@ class OmniPrefixCacheWorkerExtension:
     def _omnishm_retire(self, hooks: OmniPrefixCacheRunnerHooks) -> dict[str, Any]:
         """Uninstall ``hooks`` and let them go (they hold the old runner, whose model and KV cache must go):
         what they completed stays in the worker's ``HeldResults`` for the ``omnishm_take_*`` calls (a
-        shutdown used to drop it, uncounted; review, 2026-12-05). Let go once their uninstall returned: one
-        that a signal handler's exception cut short leaves them here, and the next shutdown finishes it."""
+        shutdown used to drop it, uncounted; review, 2026-12-05). Let go once their manager's shutdown ran to
+        its end: one that a signal handler's exception cut short, or one made inside this thread's own, leaves
+        them here, and the next shutdown finishes it."""
         stats = hooks.uninstall()
-        if self.__dict__.get("_omnishm_hooks") is hooks:
+        done = hooks.manager is None or hooks.manager.shut_down  # not yet inside this thread's own shutdown
+        if done and self.__dict__.get("_omnishm_hooks") is hooks:
             del self.__dict__["_omnishm_hooks"]
         return stats
 
