@@ -384,16 +384,21 @@ def test_shutdown_leaves_nothing_behind(committer_factory):
         r.prefix_cache_materialize(sid)
 
 
-def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_call(committer_factory, monkeypatch):
-    """REVIEW (2026-12-06): ``prefix_cache_shutdown`` let its manager go before shutting it down. Cut short
-    by Ctrl-C in the goodbye's wait, a second call found no manager: the link went on heartbeating, and the
-    writer's seat stayed taken for the rest of the process. The runner keeps it until its shutdown returned."""
-    handle = committer_factory()
-    threads = _links()
+def _runner_after_one_step(handle) -> FakeRunner:
+    """A runner on ``handle``'s cache that ran one step of request a (its manager made, its step discarded)."""
     r = FakeRunner(handle.name, SimpleNamespace())
     r._prefix_cache_load_policy()
     r.tags["a"] = 1
     r.prefix_cache_discard(r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))[1])
+    return r
+
+
+def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_call(committer_factory, monkeypatch):
+    """REVIEW (2026-12-06): ``prefix_cache_shutdown`` let its manager go before shutting it down. Cut short
+    by Ctrl-C in the goodbye's wait, a second call found no manager: the link went on heartbeating, and the
+    writer's seat stayed taken for the rest of the process. The runner keeps it until its shutdown returned."""
+    threads = _links()
+    r = _runner_after_one_step(committer_factory())
     interrupt_once(monkeypatch, r.prefix_cache_manager._link, "request")
     with pytest.raises(KeyboardInterrupt):
         r.prefix_cache_shutdown()
@@ -411,12 +416,8 @@ def test_a_shutdown_a_sigterm_handler_made_inside_the_runners_own_is_finished_by
 
     from helpers import sigterm_during_goodbye
 
-    handle = committer_factory()
     threads = _links()
-    r = FakeRunner(handle.name, SimpleNamespace())
-    r._prefix_cache_load_policy()
-    r.tags["a"] = 1
-    r.prefix_cache_discard(r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))[1])
+    r = _runner_after_one_step(committer_factory())
     m = r.prefix_cache_manager
 
     def handler(*_):

@@ -318,26 +318,35 @@ def test_results_kept_past_shutdowns_stay_within_the_bound_and_keep_no_runner_al
     worker.omnishm_shutdown()
 
 
-def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_one(committer, monkeypatch):
-    """REVIEW (2026-12-06): ``omnishm_shutdown`` let the hooks go before their manager's shutdown. Cut short
-    by Ctrl-C in the goodbye's wait, the next call found no hooks: the link went on heartbeating, and the
-    writer's seat stayed taken for the rest of the process."""
+def _links() -> list[str]:
     import threading
 
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("omnishm-link"))
+
+
+def _worker_after_one_step(committer, monkeypatch) -> "_Worker":
+    """A worker whose hooks (installed on a fake runner, on ``committer``'s cache) ran one step of request A."""
     monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
     monkeypatch.setenv("OMNISHM_NAME", committer.name)
-    links = lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("omnishm-link"))  # noqa: E731
-    before = links()
     worker = _Worker()
     runner = FakeV1Runner()
     worker.model_runner = runner
     step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    return worker
+
+
+def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_one(committer, monkeypatch):
+    """REVIEW (2026-12-06): ``omnishm_shutdown`` let the hooks go before their manager's shutdown. Cut short
+    by Ctrl-C in the goodbye's wait, the next call found no hooks: the link went on heartbeating, and the
+    writer's seat stayed taken for the rest of the process."""
+    before = _links()
+    worker = _worker_after_one_step(committer, monkeypatch)
     interrupt_once(monkeypatch, worker._omnishm_hooks_or_none().manager._link, "request")
     with pytest.raises(KeyboardInterrupt):
         worker.omnishm_shutdown()
-    assert links() != before  # still attached
+    assert _links() != before  # still attached
     worker.omnishm_shutdown()
-    assert worker._omnishm_hooks_or_none() is None and links() == before
+    assert worker._omnishm_hooks_or_none() is None and _links() == before
 
 
 @pytest.mark.parametrize("cut", [KeyboardInterrupt, RuntimeError])
@@ -345,12 +354,8 @@ def test_an_install_after_a_shutdown_cut_short_gives_working_hooks(committer, mo
     """REVIEW (2026-12-06, of the fix above): the worker kept the hooks of a shutdown cut short (an interrupt,
     or an error out of the manager's shutdown), and ``omnishm_install`` installed those same hooks again,
     over a closed manager: the next step raised into vLLM. It finishes their retire and makes fresh ones."""
-    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
-    monkeypatch.setenv("OMNISHM_NAME", committer.name)
-    worker = _Worker()
-    runner = FakeV1Runner()
-    worker.model_runner = runner
-    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    worker = _worker_after_one_step(committer, monkeypatch)
+    runner = worker.model_runner
     old = worker._omnishm_hooks_or_none()
     real = type(old.manager)._join_previous_write
 
@@ -376,18 +381,11 @@ def test_a_shutdown_a_sigterm_handler_made_inside_the_workers_own_keeps_the_hook
     once (its own thread is mid-shutdown), and the worker let the hooks go on that return; the outer shutdown,
     cut short by the ``SystemExit``, could then never be finished. The hooks stay until it ran to its end."""
     import signal
-    import threading
 
     from helpers import sigterm_during_goodbye
 
-    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
-    monkeypatch.setenv("OMNISHM_NAME", committer.name)
-    links = lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("omnishm-link"))  # noqa: E731
-    before = links()
-    worker = _Worker()
-    runner = FakeV1Runner()
-    worker.model_runner = runner
-    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    before = _links()
+    worker = _worker_after_one_step(committer, monkeypatch)
     m = worker._omnishm_hooks_or_none().manager
 
     def handler(*_):
@@ -402,7 +400,7 @@ def test_a_shutdown_a_sigterm_handler_made_inside_the_workers_own_keeps_the_hook
         signal.signal(signal.SIGTERM, old)
     assert worker._omnishm_hooks_or_none() is not None and not m.shut_down
     worker.omnishm_shutdown()
-    assert m.shut_down and worker._omnishm_hooks_or_none() is None and links() == before
+    assert m.shut_down and worker._omnishm_hooks_or_none() is None and _links() == before
 
 
 def test_a_negative_bound_on_held_rows_is_refused_when_the_hooks_are_made(committer):
