@@ -6,6 +6,10 @@ SIGTERM its death signal sent raised ``KeyboardInterrupt`` inside the prefetcher
 prefetch thread's wakeup was lost, and ``stop`` waited out its timeout. Interrupted a little earlier, such
 a put left the queue's mutex held, and the next put waited for good (a stress like the one below hung
 in each of 4 runs of 3 s). Real signals here, every few microseconds, while the engine thread works.
+
+Then (reviews, 2026-12-06): a caller that catches the interrupt and goes on gets a sticky-fatal manager,
+never a stall or a wrong row; and a ``shutdown`` an interrupt cut short, or one a signal handler calls inside
+this thread's own, is finished by the next call.
 """
 
 from __future__ import annotations
