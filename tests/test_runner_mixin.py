@@ -435,6 +435,34 @@ def test_a_shutdown_a_sigterm_handler_made_inside_the_runners_own_is_finished_by
     assert r.prefix_cache_manager is None and m.shut_down and _links() == threads
 
 
+def test_a_forked_childs_runner_lets_its_copy_of_the_manager_go(committer_factory):
+    """REVIEW (2026-12-06, of the fix above): in a forked child, ``shutdown`` returns at once (the link is the
+    parent's), and never ran to its end there, so the child's runner kept its copy of the manager for good.
+    ``shut_down`` holds at once in a forked child."""
+    import os
+
+    r = _runner_after_one_step(committer_factory())
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its answer through the pipe, whatever happens
+        ok = b"0"
+        try:
+            r.prefix_cache_shutdown()
+            ok = b"1" if r.prefix_cache_manager is None else b"0"
+        finally:
+            os.write(wfd, ok)
+            os._exit(0)
+    os.close(wfd)
+    try:
+        answer = os.read(rfd, 1)
+        os.waitpid(pid, 0)
+        assert answer == b"1", "the child's runner kept its manager"
+        assert r.prefix_cache_manager is not None and not r.prefix_cache_manager.shut_down  # the parent's is untouched
+    finally:
+        os.close(rfd)
+        r.prefix_cache_shutdown()
+
+
 def fake_parallel_state(monkeypatch, **functions) -> None:
     """A ``vllm.distributed.parallel_state`` with these functions in ``sys.modules`` for one test (vllm is not
     installed in the main suite)."""

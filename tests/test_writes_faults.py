@@ -317,6 +317,32 @@ def test_a_deferred_write_whose_flush_piece_is_refused_fails(committer):
         m.shutdown()
 
 
+def test_a_deferred_write_that_fails_on_a_writer_already_fatal_is_said_lost(committer, monkeypatch, caplog):
+    """REVIEW (2026-12-06): a deferred write that failed once the writer was already sticky-fatal (here a
+    Ctrl-C caught inside a call) recorded no error of its own, so nothing said its rows never land: the
+    sticky error logged was the interrupt's. It is logged as a warning now."""
+    from helpers import interrupt_once
+
+    m = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    try:
+        one_applied_step(m)
+        task = m._open[("a", "feat")]
+        interrupt_once(monkeypatch, m, "_take_ctx")
+        with pytest.raises(KeyboardInterrupt):
+            m.discard_step(save(m, [Part("b", 2, [2], 0, 4)], BS))
+        m._flusher._send = _without_tids(m._flusher._send)
+        with m._lock:
+            m._close_task_locked(task)
+        m._flush([task])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tids has 0"):
+            task.done.result(timeout=10)
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(f"deferred write {task.tid} of request 'a'" in x and "tids has 0" in x for x in said), said
+    finally:
+        m.shutdown()
+
+
 def test_discard_step_on_a_sticky_fatal_writer_raises_the_sticky_error(committer):
     """MUTATION (2026-12-06): once the writer is sticky-fatal (here a step write the committer refused),
     ``discard_step`` of a step id still held raises the sticky error, as every other call does. With its

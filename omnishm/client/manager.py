@@ -482,9 +482,10 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
 
     @property
     def shut_down(self) -> bool:
-        """Whether a ``shutdown`` ran to its end. A shutdown called inside this thread's own (a signal
-        handler's) returns before that: let the manager go only once this holds."""
-        return self._shut_down
+        """Whether a ``shutdown`` ran to its end (in a forked child, whose copy never touches the parent's
+        link: at once). A shutdown called inside this thread's own (a signal handler's) returns before that:
+        let the manager go only once this holds."""
+        return self._shut_down or os.getpid() != self._pid
 
     def unconsumed_step_ids(self) -> list[StepId]:
         with self._lock:

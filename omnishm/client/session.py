@@ -66,6 +66,9 @@ class SessionSide:
 
     def _detach(self) -> None:
         """``shutdown``'s work, under its lock; each step may run again after an interrupted first pass."""
+        # Fatal, or the link closed by a pass an interrupt cut short (its ``finally``): no flush here, and what
+        # the flusher could not land is said once it stopped (review, 2026-12-06), not lost quietly.
+        report = self.is_writer and not (self._fatal is None and self._link.dead is None)
         if self._pages is not None:
             self._pages.close("the manager is shut down")
         try:
@@ -85,22 +88,23 @@ class SessionSide:
                     self._join_previous_write()
                 except OmniPrefixCacheUnmatchError as exc:
                     logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
-            elif self.is_writer:
-                # Fatal, or the link closed by a pass an interrupt cut short (its ``finally``): the writes never
-                # handed to the flusher never land, and a hit on their rows is refused. Said, not lost quietly.
-                # (A write handed over still goes: the flusher's stop drains its queue.)
-                with self._lock:
-                    lost = sorted(t.tid for t in [*self._open.values(), *self._closing.values()]
-                                  if not t.handed and not t.done.done())
-                if lost:
-                    logger.warning("cache %s: deferred writes %s do not land: %s", self.cache, lost,
-                                   self._fatal or self._link.dead)
         finally:
             try:
                 self._stop_threads()
+                if report:
+                    self._report_unlanded_writes()
                 self._unregister_staging()
             finally:
                 self._link.close()  # whatever failed before: the session and its writer seat must go
+
+    def _report_unlanded_writes(self) -> None:
+        """Shutdown of a fatal writer, once the flusher stopped: the deferred writes still open or closed
+        and not done never land (a hit on their rows is refused). One the flusher failed said so itself."""
+        with self._lock:
+            lost = sorted(t.tid for t in [*self._open.values(), *self._closing.values()] if not t.done.done())
+        if lost:
+            logger.warning("cache %s: deferred writes %s do not land: %s", self.cache, lost,
+                           self._fatal or self._link.dead)
 
     def _unregister_staging(self) -> None:
         """Shutdown: unpin the staging (``device.unregister_after_drain``); what stays registered is logged."""

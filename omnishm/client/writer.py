@@ -8,6 +8,7 @@ state of its own. Claim-table writes happen only on the engine thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import struct
 import time
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ from omnishm.interface import (
     TensorName,
 )
 from omnishm.versions import cv_epoch, make_cv
+
+logger = logging.getLogger("omnishm.client.manager")  # one logger for the whole manager, as before the split
 
 _ONE_I64 = struct.Struct("<q")
 _WRITE_STRUCTS: dict[int, struct.Struct] = {}
@@ -527,7 +530,6 @@ class WriterSide:
         assert self._flusher is not None
         while tasks:
             self._flusher.put(tasks[0])
-            tasks[0].handed = True
             del tasks[0]
             self.counters["deferred_flushes"] += 1
 
@@ -561,9 +563,12 @@ class WriterSide:
                 if src is not None:
                     src.alive = False
         if failed:
+            already = self._fatal is not None
             err = self._set_fatal(f"deferred write {task.tid} of request {task.req_id!r} tensor {task.key!r} "
                                   f"failed: {failed}", req_id=task.req_id, key=task.key,
                                   step_id=task.opened_step)
+            if already:  # the sticky error logged was another's: this write's loss is said here
+                logger.warning("%s", err)
             task.done.set_exception(err)
         else:
             task.done.set_result(result)

@@ -94,8 +94,6 @@ class WriteTask:
     chunks: list[Chunk] = field(default_factory=list)
     state: TaskState = TaskState.OPEN
     done: Future = field(default_factory=Future)
-    handed: bool = False
-    """Handed to the flusher (``_flush``); set once the hand-over returned."""
 
     @property
     def nbytes(self) -> int:
