@@ -66,13 +66,13 @@ class SessionSide:
 
     def _detach(self) -> None:
         """``shutdown``'s work, under its lock; each step may run again after an interrupted first pass."""
-        # Fatal, or the link closed by a pass an interrupt cut short (its ``finally``): no flush here, and what
-        # the flusher could not land is said once it stopped (review, 2026-12-06), not lost quietly.
-        report = self.is_writer and not (self._fatal is None and self._link.dead is None)
+        # Not on a fatal writer, nor over a link a pass an interrupt cut short closed (its ``finally``): then
+        # what the flusher could not land is said once it stopped (review, 2026-12-06), not lost quietly.
+        flush = self.is_writer and self._fatal is None and self._link.dead is None
         if self._pages is not None:
             self._pages.close("the manager is shut down")
         try:
-            if self.is_writer and self._fatal is None and self._link.dead is None:
+            if flush:
                 with self._lock:
                     tasks = [t for t in self._open.values()]
                     for t in tasks:
@@ -91,7 +91,7 @@ class SessionSide:
         finally:
             try:
                 self._stop_threads()
-                if report:
+                if self.is_writer and not flush:
                     self._report_unlanded_writes()
                 self._unregister_staging()
             finally:

@@ -464,7 +464,7 @@ class OmniPrefixCacheWorkerExtension:
         if runner is None:
             return False
         hooks = self._omnishm_hooks_or_none()
-        if hooks is not None and (hooks.manager is not None and hooks.manager.closed or hooks.runner is not runner):
+        if hooks is not None and ((hooks.manager is not None and hooks.manager.closed) or hooks.runner is not runner):
             self._omnishm_retire(hooks)  # a shutdown cut short (it kept them) or another runner's: finished first
             hooks = None
         if hooks is not None:
