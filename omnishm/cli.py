@@ -64,14 +64,14 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
     Raises CommitterUnavailable when nothing answers within ``timeout_s`` (overall), and at once when
     ``endpoint`` is the cache's own socket in ``runtime_dir`` (where its lock lives) and nothing holds
     that lock (a crashed committer's socket), or when an ipc socket fails a client's check
-    (``shm.check_socket_path``: another user's socket or directory).
+    (``paths.check_socket_path``: another user's socket or directory).
     """
     import time
 
     import msgspec
     import zmq
 
-    from omnishm import protocol, shm
+    from omnishm import liveness, protocol
 
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://"):])
@@ -86,21 +86,21 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
             raise CommitterUnavailable(f"cannot reach the socket of cache {name!r} at {path}: "
                                        f"{exc.strerror or exc}") from None
         if not path.exists():
-            held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name)) if runtime_dir is not None else None
-            if held is not None and shm.cache_is_live(runtime_dir, name):  # started with another --endpoint
+            held = liveness.CacheLock.holder(liveness.lock_path(runtime_dir, name)) if runtime_dir is not None else None
+            if held is not None and liveness.cache_is_live(runtime_dir, name):  # started with another --endpoint
                 raise CommitterUnavailable(f"the committer of cache {name!r} (pid {held[1]}) does not serve {endpoint} "
                                            f"(socket {path} does not exist): pass the --endpoint it was started with")
             raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} does not exist")
         # The cache's own socket, with nobody holding the lock beside it: a crashed committer's (trap 4).
         if runtime_dir is not None and path == paths.socket_path(runtime_dir, name) \
-                and not shm.cache_is_live(runtime_dir, name):
+                and not liveness.cache_is_live(runtime_dir, name):
             raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} is left over from one that "
                                        f"is gone (nothing holds the cache lock); `omnishm cleanup --name {name}` "
                                        f"removes what it left")
         try:
             # A client's own check (``CommitterLink``): in a shared sticky directory another user may have
             # bound the name, and a ping answered there said a committer ran when ours did not (review).
-            shm.check_socket_path(path)
+            paths.check_socket_path(path)
         except PermissionError as exc:
             raise CommitterUnavailable(f"not asking the socket of cache {name!r}: {exc}") from None
     ctx = zmq.Context.instance()
@@ -115,8 +115,8 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not sock.poll(int(remaining * 1000), zmq.POLLIN):
             own = runtime_dir is not None and endpoint == paths.ipc_endpoint(runtime_dir, name)
-            held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name)) if own else None
-            if held is not None and shm.cache_is_live(runtime_dir, name):  # alive, but stopped or swamped
+            held = liveness.CacheLock.holder(liveness.lock_path(runtime_dir, name)) if own else None
+            if held is not None and liveness.cache_is_live(runtime_dir, name):  # alive, but stopped or swamped
                 raise CommitterUnavailable(
                     f"the committer of cache {name!r} (pid {held[1]}) holds its lock but did not answer on {endpoint} "
                     f"within {timeout_s}s: stopped (SIGSTOP), or busy; its log says which, and `kill -USR1 "

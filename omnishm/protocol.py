@@ -110,7 +110,7 @@ class Hello(msgspec.Struct, tag="hello"):
     resume_epoch: int = 0
     resume_staging: Annotated[list[str], Items] = []
     started: str = ""
-    """The client process's start time as its own ``/proc`` shows it (``shm.proc_identity``). The
+    """The client process's start time as its own ``/proc`` shows it (``liveness.proc_identity``). The
     committer trusts ``pid`` to name this client only when its ``/proc`` shows that pid with this start
     time: a client in another pid namespace names a pid of its own, maybe an unrelated process's here."""
 

@@ -28,7 +28,7 @@ os.environ["OMNISHM_RUNTIME_DIR"] = str(RUNTIME_DIR)
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from omnishm import protocol, shm  # noqa: E402
+from omnishm import paths, protocol, shm  # noqa: E402
 
 from helpers import RawClient  # noqa: E402
 from manager_helpers import quick_config  # noqa: E402
@@ -153,7 +153,7 @@ def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: b
         proc = subprocess.Popen([sys.executable, *python_args, "--name", name,
                                  "--runtime-dir", str(RUNTIME_DIR), *extra],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    handle = CommitterHandle(name, shm.ipc_endpoint(RUNTIME_DIR, name), RUNTIME_DIR, proc, log_path)
+    handle = CommitterHandle(name, paths.ipc_endpoint(RUNTIME_DIR, name), RUNTIME_DIR, proc, log_path)
     if wait:
         try:
             wait_ready(handle)

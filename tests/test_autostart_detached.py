@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from omnishm import shm
-from omnishm.shm import proc_identity
+from omnishm import liveness, paths, shm
+from omnishm.liveness import proc_identity
 
 _RANK = """
 import sys, time
@@ -63,7 +63,7 @@ def _writer_silence(name: str, runtime: Path) -> float:
     from omnishm import protocol
     from omnishm.cli import admin_request
 
-    reply = admin_request(name, shm.ipc_endpoint(runtime, name), lambda rid: protocol.StatusRequest(rid=rid), 5.0,
+    reply = admin_request(name, paths.ipc_endpoint(runtime, name), lambda rid: protocol.StatusRequest(rid=rid), 5.0,
                           runtime)
     return max(c["last_seen_s_ago"] for c in reply.status["clients"] if c["role"] == "writer")
 
@@ -161,7 +161,7 @@ def test_an_engine_started_again_at_once_attaches_once_the_killed_writer_is_reap
             m.shutdown()
         assert 1.0 < waited < 30.0, waited
         deadline = time.monotonic() + 30
-        while (shm.cache_is_live(runtime, name) or shm.list_segments(name)) and time.monotonic() < deadline:
+        while (liveness.cache_is_live(runtime, name) or shm.list_segments(name)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert shm.list_segments(name) == []
     finally:
@@ -186,7 +186,7 @@ ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPE
 sys.path.insert(0, sys.argv[3])
 from manager_helpers import small_config
 from omnishm.client import OmniPrefixCacheManager
-from omnishm.shm import proc_parent
+from omnishm.liveness import proc_parent
 m = OmniPrefixCacheManager(small_config(), cache=sys.argv[1], autostart=True, runtime_dir=sys.argv[2],
                            connect_timeout_s=60.0)
 pid = m._link.welcome.committer_pid

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from omnishm import protocol, shm
+from omnishm import liveness, paths, protocol, shm
 
 from conftest import START_TIMEOUT_S, assert_clean_stop
 from helpers import Writer, catches_signal
@@ -28,9 +28,9 @@ LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 def assert_idle_committer_exits(runtime, name: str, timeout_s: float = 30.0) -> None:
     """An ``--exit-when-idle`` committer whose last client left exits (bounded wait) and leaves no segment."""
     deadline = time.monotonic() + timeout_s
-    while shm.cache_is_live(runtime, name) and time.monotonic() < deadline:
+    while liveness.cache_is_live(runtime, name) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not shm.cache_is_live(runtime, name), "the autostarted committer did not exit when its client left"
+    assert not liveness.cache_is_live(runtime, name), "the autostarted committer did not exit when its client left"
     assert shm.list_segments(name) == []
 
 
@@ -95,15 +95,15 @@ def test_a_client_accepts_a_sticky_shared_directory_like_tmp_once_its_committers
 _SPAWN_AND_LEAVE = """
 import sys, time
 from pathlib import Path
-from omnishm import shm
+from omnishm import liveness, paths, shm
 from omnishm.client.committer_process import start_committer
 name, rt = sys.argv[1], Path(sys.argv[2])
-shm.ensure_runtime_dir(rt)
+paths.ensure_runtime_dir(rt)
 proc = start_committer(name, rt)
 deadline = time.monotonic() + 60
-while not shm.cache_is_live(rt, name) and time.monotonic() < deadline:
+while not liveness.cache_is_live(rt, name) and time.monotonic() < deadline:
     time.sleep(0.05)
-print(proc.pid, shm.cache_is_live(rt, name), flush=True)
+print(proc.pid, liveness.cache_is_live(rt, name), flush=True)
 """
 
 
@@ -112,7 +112,7 @@ def test_an_autostarted_committer_nobody_attached_to_exits_when_its_starter_is_g
     other served the whole run and exited. Nobody attaches to it: once the process that started it is
     gone it exits cleanly (lock, socket, segments and log removed), well before the 60 s unused limit."""
     from conftest import unique_cache_name
-    from omnishm.shm import proc_identity
+    from omnishm.liveness import proc_identity
     from omnishm.committer.server import UNUSED_EXIT_S
 
     name = unique_cache_name("spawn")
@@ -123,9 +123,9 @@ def test_an_autostarted_committer_nobody_attached_to_exits_when_its_starter_is_g
     pid, live = out.stdout.split()
     assert live == "True", "the autostarted committer never came up"
     gone_by = time.monotonic() + UNUSED_EXIT_S / 3
-    while shm.cache_is_live(runtime, name) and time.monotonic() < gone_by:
+    while liveness.cache_is_live(runtime, name) and time.monotonic() < gone_by:
         time.sleep(0.05)
-    assert not shm.cache_is_live(runtime, name), "an unused committer outlived the client that started it"
+    assert not liveness.cache_is_live(runtime, name), "an unused committer outlived the client that started it"
     deadline = time.monotonic() + 10
     while proc_identity(int(pid)) is not None and time.monotonic() < deadline:  # exited (a zombie counts)
         time.sleep(0.05)
@@ -137,10 +137,10 @@ def test_an_autostarted_committer_nobody_attached_to_exits_when_its_starter_is_g
 _SPAWN_AND_DIE = """
 import os, sys
 from pathlib import Path
-from omnishm import shm
+from omnishm import liveness, paths, shm
 from omnishm.client.committer_process import start_committer
 name, rt = sys.argv[1], Path(sys.argv[2])
-shm.ensure_runtime_dir(rt)
+paths.ensure_runtime_dir(rt)
 print(start_committer(name, rt).pid, flush=True)
 os._exit(0)  # gone before its committer imported torch and took the cache lock
 """
@@ -153,7 +153,7 @@ def test_an_autostarted_committer_exits_when_its_starter_is_gone_before_it_took_
     60 s unused limit (the starter is not its parent any more when it looks: it is known by pid and start
     time instead)."""
     from conftest import unique_cache_name
-    from omnishm.shm import proc_identity
+    from omnishm.liveness import proc_identity
     from omnishm.committer.server import UNUSED_EXIT_S
 
     name = unique_cache_name("orphan")
@@ -166,7 +166,7 @@ def test_an_autostarted_committer_exits_when_its_starter_is_gone_before_it_took_
     try:
         # Up (lock held) or already gone; a start under load takes seconds (import torch).
         deadline = time.monotonic() + 60
-        while not shm.cache_is_live(runtime, name) and proc_identity(pid) is not None \
+        while not liveness.cache_is_live(runtime, name) and proc_identity(pid) is not None \
                 and time.monotonic() < deadline:
             time.sleep(0.02)
         gone_by = time.monotonic() + UNUSED_EXIT_S / 3
@@ -181,7 +181,7 @@ def test_an_autostarted_committer_exits_when_its_starter_is_gone_before_it_took_
             deadline = time.monotonic() + 15
             while proc_identity(pid) == ident and time.monotonic() < deadline:
                 time.sleep(0.05)
-    assert not shm.cache_is_live(runtime, name)
+    assert not liveness.cache_is_live(runtime, name)
     assert shm.list_segments(name) == []
     assert sorted(p.name for p in runtime.iterdir()) == [], "it did not stop cleanly (lock, socket or log kept)"
 
@@ -214,7 +214,7 @@ def test_a_client_whose_autostarted_committer_lost_the_lock_autostarts_again(tmp
             proc = real_start(cache, runtime_dir, **kw)
             started.append(proc.pid)
             return proc
-        other = shm.CacheLock.acquire(runtime_dir, cache, "other")  # another rank's committer, say
+        other = liveness.CacheLock.acquire(runtime_dir, cache, "other")  # another rank's committer, say
         assert other is not None
         try:
             proc = real_start(cache, runtime_dir, **kw)
@@ -283,14 +283,14 @@ def test_an_autostarted_committer_that_lost_the_race_is_stopped_by_its_client(tm
     assert not loser.alive()
     log = RUNTIME_DIR / f"{name}.autostart.log"
     assert not log.exists(), log.read_text()  # stopped cleanly before it started: nothing made, log removed
-    assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
+    assert not liveness.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
 
 
 def _start_as_autostarted(name: str, tmp_path: Path) -> tuple[Path, Path, subprocess.Popen]:
     """A committer of ``name`` in its own runtime dir, its output in ``NAME.autostart.log`` there, told so as an
     autostarting client tells it (``OMNISHM_AUTOSTART_LOG``). Returns the runtime dir, the log and the process."""
     runtime = tmp_path / "rt"
-    shm.ensure_runtime_dir(runtime)
+    paths.ensure_runtime_dir(runtime)
     log_path = runtime / f"{name}.autostart.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
@@ -334,7 +334,7 @@ def test_autostart_serves_the_cache_own_socket_whatever_omnishm_endpoint_says(tm
     m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=runtime,
                                connect_timeout_s=20.0)
     try:
-        assert m._link.endpoint == shm.ipc_endpoint(runtime, name)
+        assert m._link.endpoint == paths.ipc_endpoint(runtime, name)
     finally:
         m.shutdown()
     assert_idle_committer_exits(runtime, name)
@@ -356,7 +356,7 @@ def test_an_autostarted_committer_stopped_with_a_writer_attached_warns_and_keeps
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.02)
         if attached:
-            writer = Writer(shm.ipc_endpoint(runtime, name), name, LAYOUT, 4)
+            writer = Writer(paths.ipc_endpoint(runtime, name), name, LAYOUT, 4)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
@@ -385,7 +385,7 @@ def _another_autostart(name: str, runtime: Path) -> subprocess.Popen:
 
 def _serving(runtime: Path, name: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not (shm.cache_is_live(runtime, name) and (runtime / f"{name}.sock").exists()):
+    while not (liveness.cache_is_live(runtime, name) and (runtime / f"{name}.sock").exists()):
         assert proc.poll() is None and time.monotonic() < deadline, "the committer did not come up"
         time.sleep(0.05)
 

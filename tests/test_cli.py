@@ -145,18 +145,18 @@ def test_ping_names_a_crashed_committers_socket_and_the_command_that_removes_it(
     come; cleanup then removes what was left."""
     import signal
 
-    from omnishm import shm
+    from omnishm import paths, shm
 
     handle = committer_factory()
     assert handle.stop(signal.SIGKILL) == -signal.SIGKILL
-    assert shm.socket_path(handle.runtime_dir, handle.name).exists()
+    assert paths.socket_path(handle.runtime_dir, handle.name).exists()
     t0 = time.monotonic()
     code, _out, err = run(capsys, "ping", "--name", handle.name, "--timeout-s", "30")
     assert code == 1 and time.monotonic() - t0 < 10, err
     assert "left over" in err and f"omnishm cleanup --name {handle.name}" in err, err
     code, _out, err = run(capsys, "cleanup", "--name", handle.name)
     assert code == 0, err
-    assert not shm.socket_path(handle.runtime_dir, handle.name).exists()
+    assert not paths.socket_path(handle.runtime_dir, handle.name).exists()
     assert shm.list_segments(handle.name) == []
 
 

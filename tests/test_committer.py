@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from omnishm import protocol, shm
+from omnishm import liveness, protocol, shm
 from omnishm.committer.config import check_endpoint
 
 from conftest import RUNTIME_DIR, unique_cache_name
@@ -549,12 +549,12 @@ def test_a_second_writer_of_the_seated_writers_own_process_is_told_so(committer)
     """NEWCOMER (2026-12-06): a manager made again after a sticky error, before the old one was shut down, was
     refused with a pid alone. The refusal says the writer is the same process only when both Hellos name
     that process with the start time the committer's ``/proc`` shows."""
-    me = {"pid": os.getpid(), "started": shm.proc_identity(os.getpid())}
+    me = {"pid": os.getpid(), "started": liveness.proc_identity(os.getpid())}
     first, other, again = (RawClient(committer.endpoint, committer.name) for _ in range(3))
     try:
         assert isinstance(first.hello(protocol.ROLE_WRITER, LAYOUT, 4, **me), protocol.Welcome)
         stranger = other.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=committer.proc.pid,
-                               started=shm.proc_identity(committer.proc.pid))
+                               started=liveness.proc_identity(committer.proc.pid))
         assert isinstance(stranger, protocol.Refused) and "already has a writer" in stranger.reason, stranger
         assert "same process" not in stranger.reason and stranger.retry_after_s == 0, stranger
         own = again.hello(protocol.ROLE_WRITER, LAYOUT, 4, **me)
@@ -607,7 +607,7 @@ def test_a_killed_writer_credited_by_a_stall_still_lets_its_replacement_retry(co
 _WRITER_CHILD = """
 import os, sys, time, zmq
 from omnishm import protocol
-from omnishm.shm import proc_identity
+from omnishm.liveness import proc_identity
 sock = zmq.Context.instance().socket(zmq.DEALER)
 sock.connect(sys.argv[1])
 sock.send(protocol.encode(protocol.Hello(
@@ -667,14 +667,14 @@ def test_a_live_writer_whose_hello_named_another_process_is_never_taken_for_gone
     for gone, and a second writer (two engines given one name) was told, at every retry, that its seat
     frees in a few seconds. The committer now trusts a Hello's pid only when its ``/proc`` shows that pid
     with the start time the client gave (``Hello.started``)."""
-    from omnishm.shm import proc_identity
+    from omnishm.liveness import proc_identity
 
     handle = committer_factory("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "2")
     other = subprocess.Popen(["sleep", "60"])  # the unrelated process the foreign pid names here
     live, second = RawClient(handle.endpoint, handle.name), RawClient(handle.endpoint, handle.name)
     try:
         # Its own start time, as its own /proc shows it, beside a pid that names another process here.
-        welcome = live.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=other.pid, started=proc_identity(os.getpid()))
+        welcome = live.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=other.pid, started=liveness.proc_identity(os.getpid()))
         assert isinstance(welcome, protocol.Welcome), welcome
         other.kill()
         other.wait()

@@ -27,7 +27,7 @@ import posix_ipc
 import pytest
 import torch
 
-from omnishm import orphans, protocol, shm
+from omnishm import liveness, orphans, paths, protocol, shm
 from omnishm.committer import meta
 from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, MAX_STAGING_ROWS, CachePool
 
@@ -202,7 +202,7 @@ def test_a_generation_that_fails_to_adopt_in_any_way_is_logged_and_left_to_the_s
             cfg = types.SimpleNamespace(name=name, prefault=False, runtime_dir=RUNTIME_DIR)
             assert start.adopt_live_cache(cfg) == (None, None)
         assert "0badc0de" in caplog.text and "cannot be adopted" in caplog.text and "0 elements" in caplog.text
-        assert not shm.generation_owned(name, "0badc0de")  # the owner lock was let go for the sweep
+        assert not liveness.generation_owned(name, "0badc0de")  # the owner lock was let go for the sweep
     finally:
         for seg in shm.list_segments(name):
             shm.unlink_segment(seg)
@@ -315,8 +315,8 @@ def test_a_committer_binds_an_explicit_endpoint_only_under_its_sockets_lock(comm
 
     path = tmp_path / "shared.sock"
     endpoint = f"ipc://{path}"
-    held = shm.CacheLock.at(shm.socket_lock_path(path), "feedf00d")
-    assert held is not None and shm.socket_lock_path(path) == tmp_path / "shared.sock.lock"
+    held = liveness.CacheLock.at(liveness.socket_lock_path(path), "feedf00d")
+    assert held is not None and liveness.socket_lock_path(path) == tmp_path / "shared.sock.lock"
     try:
         refused = committer_factory("--endpoint", endpoint, name=unique_cache_name("ep"), wait=False)
         assert refused.proc.wait(30) == 2
@@ -327,7 +327,7 @@ def test_a_committer_binds_an_explicit_endpoint_only_under_its_sockets_lock(comm
     handle = committer_factory("--endpoint", endpoint, name=unique_cache_name("ep"), wait=False)
     handle.endpoint = endpoint
     wait_ready(handle)
-    assert shm.CacheLock.holder(tmp_path / "shared.sock.lock")[1] == handle.proc.pid
+    assert liveness.CacheLock.holder(tmp_path / "shared.sock.lock")[1] == handle.proc.pid
     assert_clean_stop(handle)
     assert not path.exists() and not (tmp_path / "shared.sock.lock").exists()
 
@@ -351,7 +351,7 @@ def test_a_stopping_committer_removes_only_the_socket_it_bound(committer_factory
         other.bind(str(path))  # the socket of the committer that took the path since
         other.listen()
         assert_clean_stop(first)
-        assert path.exists() and shm.socket_in_use(path)
+        assert path.exists() and paths.socket_in_use(path)
     finally:
         other.close()
         path.unlink(missing_ok=True)
@@ -570,7 +570,7 @@ def test_a_sweep_removes_a_killed_committers_explicit_endpoint_socket_in_the_run
     handle.proc.kill()
     handle.proc.wait()
     removed = orphans.sweep(runtime_dir)
-    lock = shm.socket_lock_path(sock)
+    lock = liveness.socket_lock_path(sock)
     assert str(sock) in removed and str(lock) in removed, removed
     assert not os.path.lexists(sock) and not os.path.lexists(lock)
 
@@ -597,7 +597,7 @@ def test_a_sweep_removes_a_dead_endpoints_socket_under_the_lock_of_the_cache_who
 
     def probe(path):
         if path == sock:  # the sweep's probe: does it hold Y's cache lock here, where Y would unlink and bind?
-            fd = os.open(shm.lock_path(RUNTIME_DIR, y), os.O_RDONLY)
+            fd = os.open(liveness.lock_path(RUNTIME_DIR, y), os.O_RDONLY)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 lock_held_by_the_sweep.append(False)
@@ -612,8 +612,8 @@ def test_a_sweep_removes_a_dead_endpoints_socket_under_the_lock_of_the_cache_who
     sweeper.start()
     sweeper.join(30)
     assert lock_held_by_the_sweep == [True]
-    assert not os.path.lexists(sock) and not os.path.lexists(shm.socket_lock_path(sock))
-    assert not os.path.lexists(shm.lock_path(RUNTIME_DIR, y))  # made for the purpose, and removed
+    assert not os.path.lexists(sock) and not os.path.lexists(liveness.socket_lock_path(sock))
+    assert not os.path.lexists(liveness.lock_path(RUNTIME_DIR, y))  # made for the purpose, and removed
 
 
 def test_a_caches_own_socket_is_held_under_its_socket_lock_too(committer_factory):
@@ -627,8 +627,8 @@ def test_a_caches_own_socket_is_held_under_its_socket_lock_too(committer_factory
 
     own = committer_factory(*SLOW)
     sock = own.runtime_dir / f"{own.name}.sock"
-    lock = shm.socket_lock_path(sock)
-    assert shm.CacheLock.holder(lock)[1] == own.proc.pid
+    lock = liveness.socket_lock_path(sock)
+    assert liveness.CacheLock.holder(lock)[1] == own.proc.pid
     other = committer_factory(*SLOW, "--endpoint", f"ipc://{sock}", name=unique_cache_name("other"), wait=False)
     assert other.proc.wait(30) == 2
     assert "belongs to a running committer (generation" in other.log() and f"pid {own.proc.pid}" in other.log()

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from omnishm import protocol, shm
+from omnishm import liveness, protocol, shm
 
 from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
 from helpers import RawClient, Writer, catches_signal, ignores_signal, wait_queued_at, wait_stopped
@@ -53,7 +53,7 @@ def test_sigterm_while_the_committer_imports_stops_cleanly(committer_factory):
     deadline = time.monotonic() + START_TIMEOUT_S
     while not catches_signal(handle.proc.pid, signal.SIGTERM):  # busy poll: the handler is the first thing it installs
         assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
-    assert not shm.lock_path(RUNTIME_DIR, handle.name).exists()
+    assert not liveness.lock_path(RUNTIME_DIR, handle.name).exists()
     assert_clean_stop(handle)
     assert "stopped (SIGTERM) before it started" in handle.log(), handle.log()
 
@@ -65,7 +65,7 @@ def test_sigterm_during_start_up_stops_cleanly(committer_factory):
     """
     for _ in range(3):
         handle = committer_factory(wait=False)
-        lock = shm.lock_path(RUNTIME_DIR, handle.name)
+        lock = liveness.lock_path(RUNTIME_DIR, handle.name)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not lock.exists():  # busy poll: the window after the lock is a few milliseconds
             assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()

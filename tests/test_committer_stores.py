@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from omnishm import protocol, shm
+from omnishm import paths, protocol
 from omnishm.committer import stores
 
 from conftest import REPO, RUNTIME_DIR, START_TIMEOUT_S, CommitterHandle, assert_clean_stop, wait_ready
@@ -152,7 +152,7 @@ def test_a_config_file_that_is_a_pipe_is_read_once_and_kept(tmp_path):
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     proc.stdin.write(b"heartbeat_s = 0.25\nheartbeat_timeout_s = 30.0\n")
     proc.stdin.close()
-    handle = CommitterHandle(name, shm.ipc_endpoint(RUNTIME_DIR, name), RUNTIME_DIR, proc, log_path)
+    handle = CommitterHandle(name, paths.ipc_endpoint(RUNTIME_DIR, name), RUNTIME_DIR, proc, log_path)
     try:
         wait_ready(handle)
         client = handle.client()

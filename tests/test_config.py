@@ -152,7 +152,7 @@ def test_a_manager_built_directly_takes_the_connection_knobs_from_the_environmen
     from conftest import RUNTIME_DIR, unique_cache_name
     from manager_helpers import small_config
 
-    from omnishm import shm
+    from omnishm import liveness, shm
     from omnishm.client import OmniPrefixCacheManager
     from omnishm.interface import OmniPrefixCacheCommitterError
 
@@ -162,7 +162,7 @@ def test_a_manager_built_directly_takes_the_connection_knobs_from_the_environmen
     monkeypatch.setenv("OMNISHM_CONNECT_TIMEOUT_S", "0.5")
     with pytest.raises(OmniPrefixCacheCommitterError, match=absent):
         OmniPrefixCacheManager(small_config())
-    assert not shm.lock_path(RUNTIME_DIR, absent).exists() and shm.list_segments(absent) == []  # none started
+    assert not liveness.lock_path(RUNTIME_DIR, absent).exists() and shm.list_segments(absent) == []  # none started
 
     handle = committer_factory()
     monkeypatch.setenv("OMNISHM_NAME", handle.name)

@@ -24,10 +24,10 @@ import torch
 from conftest import REPO, RUNTIME_DIR, unique_cache_name
 from manager_helpers import small_config
 
-from omnishm import cpus, shm
+from omnishm import cpus, liveness, shm
 from omnishm.config import ConfigError
 from omnishm.client import OmniPrefixCacheManager
-from omnishm.shm import proc_identity
+from omnishm.liveness import proc_identity
 
 
 def _bind_memory_to(node: int) -> bool:
@@ -131,7 +131,7 @@ def test_the_clients_threads_and_its_autostarted_committer_run_on_every_cpu(monk
     while proc_identity(seen["pid"]) is not None and time.monotonic() < deadline:  # it exits when idle
         time.sleep(0.05)
     assert proc_identity(seen["pid"]) is None  # gone, its log removed after its lock
-    assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
+    assert not liveness.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
 
 
 @pytest.mark.parametrize("name, dropped", [
@@ -276,4 +276,4 @@ def test_a_committer_autostarted_on_a_resume_gets_the_engines_policy_not_the_io_
     while proc_identity(second) is not None and time.monotonic() < deadline:  # it exits when idle
         time.sleep(0.05)
     assert proc_identity(second) is None
-    assert not shm.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []
+    assert not liveness.cache_is_live(RUNTIME_DIR, name) and shm.list_segments(name) == []

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from omnishm import shm
-from omnishm.shm import proc_identity
+from omnishm.liveness import proc_identity
 
 from conftest import REPO, RUNTIME_DIR, unique_cache_name
 from helpers import catches_signal

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from omnishm import orphans, protocol, shm
+from omnishm import liveness, orphans, protocol, shm
 from omnishm.client.link import CommitterLink
 from omnishm.interface import OmniPrefixCacheCommitterError
 from omnishm.versions import make_cv
@@ -244,7 +244,7 @@ def test_a_start_sweeps_other_names_only_where_nobody_is_left(committer_factory)
                             reconnect_timeout_s=30.0, commit_timeout_s=5.0)
     m = OmniPrefixCacheManager(cfg, cache=waiting.name, endpoint=waiting.endpoint, autostart=False)
     elsewhere = unique_cache_name("elsewhere")
-    owner = shm.GenerationOwner.acquire(elsewhere, "g0", runtime_dir=RUNTIME_DIR)  # only its lock keeps it
+    owner = liveness.GenerationOwner.acquire(elsewhere, "g0", runtime_dir=RUNTIME_DIR)  # only its lock keeps it
     pool = shm.Segment.create(shm.segment_name(elsewhere, "g0", "pool.k0"), 4096)
     try:
         waiting.stop(signal.SIGKILL)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from omnishm import protocol, shm
+from omnishm import paths, protocol, shm
 from omnishm.client import OmniPrefixCacheManager
 from omnishm.client.link import CommitterLink
 from omnishm.interface import OmniPrefixCacheCommitterError
@@ -439,7 +439,7 @@ def test_a_hello_a_dying_committer_swallowed_is_sent_again_and_not_kept(committe
     from conftest import RUNTIME_DIR, unique_cache_name
 
     name = unique_cache_name()
-    endpoint = shm.ipc_endpoint(RUNTIME_DIR, name)
+    endpoint = paths.ipc_endpoint(RUNTIME_DIR, name)
     ctx = zmq.Context()
     dying = ctx.socket(zmq.ROUTER)
     dying.setsockopt(zmq.LINGER, 0)

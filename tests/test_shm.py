@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnishm import orphans, shm
+from omnishm import liveness, orphans, paths, shm
 
 from conftest import unique_cache_name
 
@@ -60,38 +60,38 @@ def test_create_too_large_fails_cleanly():
 
 
 def test_runtime_dir_checks(tmp_path):
-    good = shm.ensure_runtime_dir(tmp_path / "rt")
+    good = paths.ensure_runtime_dir(tmp_path / "rt")
     assert stat.S_IMODE(good.stat().st_mode) == 0o700
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)
     with pytest.raises(PermissionError, match="0777"):
-        shm.ensure_runtime_dir(open_dir)
+        paths.ensure_runtime_dir(open_dir)
     foreign = tmp_path / "foreign"
     foreign.mkdir(mode=0o700)
     if os.geteuid() == 0:
         os.chown(foreign, 65534, 65534)
         with pytest.raises(PermissionError, match="owned by uid 65534"):
-            shm.ensure_runtime_dir(foreign)
+            paths.ensure_runtime_dir(foreign)
     not_dir = tmp_path / "file"
     not_dir.write_text("x")
     with pytest.raises((PermissionError, FileExistsError, NotADirectoryError)):
-        shm.ensure_runtime_dir(not_dir)
+        paths.ensure_runtime_dir(not_dir)
 
 
 def test_lock_liveness_and_sweep(tmp_path):
-    rt = shm.ensure_runtime_dir(tmp_path / "rt")
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
     live, dead = unique_cache_name("live"), unique_cache_name("dead")
-    lock = shm.CacheLock.acquire(rt, live, "gen1")
-    assert lock is not None and shm.cache_is_live(rt, live)
-    assert shm.CacheLock.acquire(rt, live, "gen2") is None  # one committer per name
+    lock = liveness.CacheLock.acquire(rt, live, "gen1")
+    assert lock is not None and liveness.cache_is_live(rt, live)
+    assert liveness.CacheLock.acquire(rt, live, "gen2") is None  # one committer per name
     assert lock.path.read_text().split() == ["gen1", str(os.getpid())]
     segs = [shm.Segment.create(shm.segment_name(cache, gen, "ctl"), 128)
             for cache, gen in ((live, "gen1"), (live, "old0"), (dead, "gen9"))]
     try:
         Path(rt, f"{dead}.sock").touch()
         Path(rt, f"{dead}.lock").touch()  # lock file nobody holds: stale
-        assert not shm.cache_is_live(rt, dead)
+        assert not liveness.cache_is_live(rt, dead)
         removed = orphans.sweep(rt, dead)
         assert segs[2].name in removed and str(Path(rt, f"{dead}.sock")) in removed
         assert not Path(rt, f"{dead}.lock").exists()
@@ -103,7 +103,7 @@ def test_lock_liveness_and_sweep(tmp_path):
         for seg in segs:
             seg.unlink()
         lock.release()
-    assert not lock.path.exists() and not shm.cache_is_live(rt, live)
+    assert not lock.path.exists() and not liveness.cache_is_live(rt, live)
 
 
 def _dead_generation(cache: str, gen: str, recorded: Path | None) -> list[str]:
@@ -111,9 +111,9 @@ def _dead_generation(cache: str, gen: str, recorded: Path | None) -> list[str]:
     names = [shm.segment_name(cache, gen, w) for w in ("ctl", "pool.k0")]
     for name in names:
         shm.Segment.create(name, 64).close()
-    owner = shm.GenerationOwner.acquire(cache, gen, runtime_dir=recorded)
+    owner = liveness.GenerationOwner.acquire(cache, gen, runtime_dir=recorded)
     owner.release(unlink=False)
-    return sorted(names + [shm.segment_name(cache, gen, shm.OWNER)])
+    return sorted(names + [shm.segment_name(cache, gen, liveness.OWNER)])
 
 
 def test_a_start_up_sweep_leaves_other_runtime_dirs_to_their_own_committers(tmp_path):
@@ -122,19 +122,19 @@ def test_a_start_up_sweep_leaves_other_runtime_dirs_to_their_own_committers(tmp_
     session's), and leaves those of a dir where a committer still holds a cache lock (another live test
     session's deliberate leftovers, say) or of no recorded dir; ``omnishm cleanup`` (``foreign_dirs=True``)
     removes them all."""
-    rt = shm.ensure_runtime_dir(tmp_path / "rt")
-    served = shm.ensure_runtime_dir(tmp_path / "served")
-    abandoned = shm.ensure_runtime_dir(tmp_path / "abandoned")
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    served = paths.ensure_runtime_dir(tmp_path / "served")
+    abandoned = paths.ensure_runtime_dir(tmp_path / "abandoned")
     (abandoned / "killed.lock").write_text("0badc0de 4194304\n")  # its committer's lock, nobody holds it
     dirs = {"here": rt, "served": served, "abandoned": abandoned, "gone": tmp_path / "gone", "unknown": None}
     caches = {what: unique_cache_name(what) for what in dirs}
     made = {what: _dead_generation(caches[what], "g0", d) for what, d in dirs.items()}
-    lock = shm.CacheLock.acquire(served, "alive", "g1")  # a committer still serving from there
+    lock = liveness.CacheLock.acquire(served, "alive", "g1")  # a committer still serving from there
     try:
         removed = orphans.sweep(rt, foreign_dirs=False)
         assert sorted(removed) == sorted(made["here"] + made["abandoned"] + made["gone"])
         here = [n for n in removed if f".{caches['here']}." in n]
-        assert here[-1].endswith("." + shm.OWNER), here  # the owner segment goes last, its lock held till then
+        assert here[-1].endswith("." + liveness.OWNER), here  # the owner segment goes last, its lock held till then
         assert {w: shm.list_segments(c) for w, c in caches.items()} == {
             "here": [], "served": made["served"], "abandoned": [], "gone": [], "unknown": made["unknown"]}
         assert sorted(orphans.sweep(rt)) == sorted(made["served"] + made["unknown"])
@@ -159,12 +159,12 @@ def test_a_probe_in_flight_does_not_hide_a_generation_from_a_restart():
     made = _dead_generation(cache, "g0", None)
     fds = []
     try:
-        for what in ("ctl", shm.OWNER):  # a client attached; a probe of the owner in flight
+        for what in ("ctl", liveness.OWNER):  # a client attached; a probe of the owner in flight
             fd = posix_ipc.SharedMemory(shm.segment_name(cache, "g0", what), 0).fd
             fds.append(fd)
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         assert meta.live_generations(cache) == ["g0"]
-        assert not shm.generation_owned(cache, "g0")
+        assert not liveness.generation_owned(cache, "g0")
     finally:
         for fd in fds:
             os.close(fd)
@@ -175,7 +175,7 @@ def test_a_probe_in_flight_does_not_hide_a_generation_from_a_restart():
 def test_a_sweep_without_a_name_leaves_runtime_files_no_committer_wrote(tmp_path):
     """A runtime dir may be shared (``$XDG_RUNTIME_DIR`` given as ``--runtime-dir``): a sweep of every cache removes
     only the socket and lock file of a dead cache whose lock a committer wrote (generation and pid)."""
-    rt = shm.ensure_runtime_dir(tmp_path / "rt")
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
     dead = unique_cache_name("deadfiles")
     (rt / "docker.sock").touch()
     (rt / "app.lock").write_text("held by nobody\n")
@@ -190,17 +190,17 @@ def test_a_sweep_leaves_the_files_of_a_committer_that_started_while_it_waited_fo
     sweep) and a new committer made its own lock and socket. The sweep's lock on the removed file guards
     nothing: it leaves the new files alone (it removed them, and a third committer then started beside the
     second; review)."""
-    rt = shm.ensure_runtime_dir(tmp_path / "rt")
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
     cache = unique_cache_name("restarted")
-    lock_file, sock_file = shm.lock_path(rt, cache), Path(rt, f"{cache}.sock")
+    lock_file, sock_file = liveness.lock_path(rt, cache), Path(rt, f"{cache}.sock")
     lock_file.write_text("gen0 4194304\n")  # the dead committer's
-    held: list[shm.CacheLock] = []
+    held: list[liveness.CacheLock] = []
     real_fcntl = orphans.fcntl
 
     def flock(fd, op):
         if not held:  # between the sweep's open and its flock
             lock_file.unlink()
-            held.append(shm.CacheLock.acquire(rt, cache, "gen1"))
+            held.append(liveness.CacheLock.acquire(rt, cache, "gen1"))
             sock_file.touch()
         return real_fcntl.flock(fd, op)
 
@@ -208,7 +208,7 @@ def test_a_sweep_leaves_the_files_of_a_committer_that_started_while_it_waited_fo
                                                                 LOCK_NB=real_fcntl.LOCK_NB))
     try:
         assert orphans.sweep(rt, cache) == []
-        assert sock_file.exists() and held[0] is not None and shm.still_names(lock_file, held[0].fd)
+        assert sock_file.exists() and held[0] is not None and liveness.still_names(lock_file, held[0].fd)
     finally:
         monkeypatch.undo()
         if held and held[0] is not None:
@@ -237,12 +237,12 @@ def test_a_momentary_lock_probe_does_not_make_a_starting_committer_refuse():
     from conftest import RUNTIME_DIR, unique_cache_name
 
     name = unique_cache_name("probe")
-    shm.ensure_runtime_dir(RUNTIME_DIR)
-    path = shm.lock_path(RUNTIME_DIR, name)
+    paths.ensure_runtime_dir(RUNTIME_DIR)
+    path = liveness.lock_path(RUNTIME_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_SH)  # a probe in flight ...
     threading.Timer(0.05, os.close, (fd,)).start()  # ... that ends 50 ms later
-    lock = shm.CacheLock.acquire(RUNTIME_DIR, name, "g")
+    lock = liveness.CacheLock.acquire(RUNTIME_DIR, name, "g")
     try:
         assert lock is not None, "refused while only a probe held the lock"
     finally:
@@ -279,5 +279,5 @@ def test_a_sweep_removes_a_socket_lock_left_without_its_socket_at_a_caches_socke
     runtime.mkdir(mode=0o700)
     lock = runtime / "x.sock.lock"
     lock.write_text("deadbeef 999999\n")  # what a committer writes in its lock files
-    assert shm.CacheLock.holder(lock) == ("deadbeef", 999999)
+    assert liveness.CacheLock.holder(lock) == ("deadbeef", 999999)
     assert orphans.sweep(runtime) == [str(lock)] and not lock.exists()

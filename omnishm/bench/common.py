@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from omnishm import protocol as P
-from omnishm import orphans, shm
+from omnishm import liveness, orphans, paths, shm
 from omnishm.bench.nt_memcpy import NonTemporalMemcpy
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class ProcessCommitter:
         self.cleanup = cleanup
         self.name = cleanup.cache_name(tag)
         self.runtime_dir = cleanup.runtime_dir
-        self.endpoint = shm.ipc_endpoint(self.runtime_dir, self.name)
+        self.endpoint = paths.ipc_endpoint(self.runtime_dir, self.name)
         self.log_path = self.runtime_dir / f"{self.name}.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -202,14 +202,14 @@ class ThreadCommitter:
 
         self.name = cleanup.cache_name(tag)
         self.runtime_dir = cleanup.runtime_dir
-        self.endpoint = shm.ipc_endpoint(self.runtime_dir, self.name)
+        self.endpoint = paths.ipc_endpoint(self.runtime_dir, self.name)
         generation = uuid.uuid4().hex[:8]
-        self.lock = shm.CacheLock.acquire(self.runtime_dir, self.name, generation)
+        self.lock = liveness.CacheLock.acquire(self.runtime_dir, self.name, generation)
         if self.lock is None:
             raise RuntimeError(f"cache {self.name} is already locked")
         # Held as the committer process holds it: a committer starting meanwhile, from any runtime
         # dir, sweeps dead caches of other names and must see this one as live.
-        self.owner = shm.GenerationOwner.acquire(self.name, generation, runtime_dir=self.runtime_dir)
+        self.owner = liveness.GenerationOwner.acquire(self.name, generation, runtime_dir=self.runtime_dir)
         if self.owner is None:
             self.lock.release(remove=True)
             raise RuntimeError(f"generation {generation} of cache {self.name} is already owned")

@@ -46,10 +46,10 @@ import msgspec
 import posix_ipc
 
 from omnishm import protocol as P
-from omnishm import orphans, paths, shm
+from omnishm import liveness, orphans, paths
 from omnishm.client.committer_process import start_committer
 from omnishm.interface import OmniPrefixCacheCommitterError
-from omnishm.shm import proc_identity
+from omnishm.liveness import proc_identity
 from omnishm.versions import cv_step
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ class LinkAttach:
                     hint = (f"autostart is on: why the committer it started did not answer is in "
                             f"{self.runtime_dir}/{self.cache}.autostart.log")
                 else:
-                    own = self.endpoint == shm.ipc_endpoint(self.runtime_dir, self.cache)
+                    own = self.endpoint == paths.ipc_endpoint(self.runtime_dir, self.cache)
                     hint = (f"start one with `omnishm committer --name {self.cache}"
                             f"{'' if own else f' --endpoint {self.endpoint}'}` (or scripts/launch_committer.sh)"
                             + ("; autostart covers ipc endpoints only" if not self.endpoint.startswith("ipc://")
@@ -154,9 +154,9 @@ class LinkAttach:
         if not self._autostarted and now - self._last_autostart <= 5.0:
             return  # a launch that failed (``_autostart_failed``): again in 5 s; one that ended: again at once
         try:
-            if shm.cache_is_live(self.runtime_dir, self.cache):
+            if liveness.cache_is_live(self.runtime_dir, self.cache):
                 return  # another rank's won the lock (the one this link started lost it and ended)
-            shm.ensure_runtime_dir(self.runtime_dir)
+            paths.ensure_runtime_dir(self.runtime_dir)
         except OSError as exc:
             if not io_thread:
                 raise
@@ -304,7 +304,7 @@ class LinkAttach:
             try:
                 # Again at each resume: in a shared sticky directory another user may have bound the name
                 # since the committer's socket went (review: the resume sent its Hello there).
-                shm.check_socket_path(sock_path)
+                paths.check_socket_path(sock_path)
             except OSError as exc:
                 if self._socket_refused != str(exc):
                     logger.warning("cache %s: not connecting for the resume: %s", self.cache, exc)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omnishm import cpus
 from omnishm.paths import ipc_endpoint
-from omnishm.shm import proc_identity, proc_parent
+from omnishm.liveness import proc_identity, proc_parent
 
 logger = logging.getLogger(__name__)
 

@@ -144,13 +144,13 @@ class CommitterLink(LinkIO, LinkAttach):
         self.cache = cache
         self.role = role
         self.client_id = uuid.uuid4().hex
-        self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else shm.default_runtime_dir()
-        self.endpoint = endpoint or shm.ipc_endpoint(self.runtime_dir, cache)
+        self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else paths.default_runtime_dir()
+        self.endpoint = endpoint or paths.ipc_endpoint(self.runtime_dir, cache)
         sock_path = paths.ipc_path(self.endpoint)
         if sock_path is not None:
             if os.path.realpath(sock_path.parent) == os.path.realpath(self.runtime_dir):  # however spelled
-                shm.ensure_runtime_dir(self.runtime_dir)  # ours from the start: nobody else's socket can be in it
-            shm.check_socket_path(sock_path)
+                paths.ensure_runtime_dir(self.runtime_dir)  # ours from the start: nobody else's socket can be in it
+            paths.check_socket_path(sock_path)
         self.request_timeout_s = request_timeout_s
         if reconnect_timeout_s is None:
             reconnect_timeout_s = request_timeout_s

@@ -18,7 +18,7 @@ import zmq
 from omnishm import protocol as P
 from omnishm.client.attach import CONNECTED, DEAD, RECONNECTING, logger
 from omnishm.interface import OmniPrefixCacheCommitterError
-from omnishm.shm import proc_identity
+from omnishm.liveness import proc_identity
 
 
 class LinkIO:

@@ -20,7 +20,7 @@ import msgspec
 from omnishm import protocol
 from omnishm.committer.pool import MAX_STAGING_ROWS, PoolError
 from omnishm.committer.sessions import Session
-from omnishm.shm import proc_identity
+from omnishm.liveness import proc_identity
 from omnishm.versions import MAX_EPOCH
 
 logger = logging.getLogger("omnishm.committer")

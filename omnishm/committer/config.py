@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnishm import config as knobs
-from omnishm import paths, shm
+from omnishm import paths
 from omnishm.config import LOOPBACK_HOSTS, ConfigError, check_endpoint  # noqa: F401 (re-exported)
 
 EXIT_OK = 0
@@ -45,7 +45,7 @@ class CommitterConfig:
     """pid of the client process that autostarted this committer, 0 when not autostarted. Not its parent:
     autostart detaches it (``client/committer_process.py``)."""
     spawned_by_start: str = ""
-    """That process's start time (``shm.proc_identity``) when the client passed one: the committer then
+    """That process's start time (``liveness.proc_identity``) when the client passed one: the committer then
     tells that very process from a later one under the same pid. Without it, only a parent is recognised."""
 
     @property
@@ -106,7 +106,7 @@ def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterCo
     Values were checked when parsed; this fills the endpoint default and checks
     that ``prometheus_client`` is importable when metrics were asked for.
     """
-    endpoint = check_endpoint(args.endpoint or shm.ipc_endpoint(runtime_dir, args.name))
+    endpoint = check_endpoint(args.endpoint or paths.ipc_endpoint(runtime_dir, args.name))
     spawned_by, spawned_by_start = getattr(args, "spawned_by", None) or (0, "")
     if args.metrics_port:
         from omnishm.committer.metrics import require_prometheus

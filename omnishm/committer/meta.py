@@ -34,7 +34,7 @@ import zlib
 from typing import Any
 
 
-from omnishm import protocol, shm
+from omnishm import liveness, protocol, shm
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +110,8 @@ def live_generations(cache: str) -> list[str]:
     """Generations of ``cache`` in /dev/shm whose control segment has an attached client and whose
     committer is gone (a generation a live committer owns, from any runtime dir, is never adopted)."""
     gens = sorted({shm.parse_segment_name(n)[1] for n in shm.list_segments(cache)})  # type: ignore[index]
-    return [g for g in gens if shm.clients_attached(shm.segment_name(cache, g, "ctl"))
-            and not shm.generation_owned(cache, g)]
+    return [g for g in gens if liveness.clients_attached(shm.segment_name(cache, g, "ctl"))
+            and not liveness.generation_owned(cache, g)]
 
 
 def empty_doc(cache: str, generation: str, layout: protocol.Layout) -> dict[str, Any]:

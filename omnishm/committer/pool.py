@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from omnishm import protocol, shm
+from omnishm import liveness, protocol, shm
 from omnishm.committer import meta
 from omnishm.committer.apply import GATHER_BYTES, RUN_BYTES, StepApply
 
@@ -523,7 +523,7 @@ class CachePool(StepApply):
         keep = set(pool.segment_names())
         for stray in shm.list_segments(name):
             parsed = shm.parse_segment_name(stray)
-            if parsed is not None and parsed[1] == generation and parsed[2] != shm.OWNER and stray not in keep:
+            if parsed is not None and parsed[1] == generation and parsed[2] != liveness.OWNER and stray not in keep:
                 shm.unlink_segment(stray)
                 logger.info("cache %s: unlinked %s (created but never recorded before the crash)", name, stray)
         pool.ctl[protocol.CTL_COMMITTER_PID] = os.getpid()

@@ -46,7 +46,7 @@ from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTE
 from omnishm.committer.pool import CachePool, PoolError
 from omnishm.committer.sessions import Session, SessionTable
 from omnishm.committer.stores import threshold_in_effect
-from omnishm.shm import proc_identity
+from omnishm.liveness import proc_identity
 from omnishm.versions import MAX_STEP, make_cv
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ class Session:
     """Placeholder of a writer found by an adopting restart; no socket until it resumes."""
     resumes: int = 0
     started: str | None = None
-    """Its process's start time (``shm.proc_identity`` of ``pid``) at its Hello, when the committer's
+    """Its process's start time (``liveness.proc_identity`` of ``pid``) at its Hello, when the committer's
     ``/proc`` confirmed it (``attach.confirmed_start``): a process since gone is a killed client's
     (``attach.process_gone``)."""
     heard_at: float = field(init=False)

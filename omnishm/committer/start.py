@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
-from omnishm import cpus, orphans, shm, versions
+from omnishm import cpus, liveness, orphans, paths, shm, versions
 from omnishm.committer import meta
 from omnishm.committer.config import (
     EXIT_OK,
@@ -45,11 +45,11 @@ logger = logging.getLogger("omnishm.committer")
 
 
 def _lock_holder(runtime_dir, name: str) -> str:
-    held = shm.CacheLock.holder(shm.lock_path(runtime_dir, name))
+    held = liveness.CacheLock.holder(liveness.lock_path(runtime_dir, name))
     return f"pid {held[1]}" if held is not None else "unknown pid"
 
 
-def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.GenerationOwner | None]:
+def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, liveness.GenerationOwner | None]:
     """The pool of a previous committer of this cache whose clients are still attached, and its owner lock.
 
     ``(None, None)`` when there is none. Called with the cache lock held,
@@ -64,7 +64,7 @@ def adopt_live_cache(cfg: CommitterConfig) -> tuple[CachePool | None, shm.Genera
 
     live = meta.live_generations(cfg.name)
     for gen in live:
-        owner = shm.GenerationOwner.acquire(cfg.name, gen, runtime_dir=cfg.runtime_dir)
+        owner = liveness.GenerationOwner.acquire(cfg.name, gen, runtime_dir=cfg.runtime_dir)
         if owner is None:
             logger.info("committer %s: generation %s is being adopted by another committer", cfg.name, gen)
             continue
@@ -168,13 +168,13 @@ def _enable_stack_dumps() -> Callable[[], None] | None:
 def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
     try:
         shm.check_cache_name(args.name)
-        runtime_dir = shm.ensure_runtime_dir(args.runtime_dir)
+        runtime_dir = paths.ensure_runtime_dir(args.runtime_dir)
         cfg = config_from_args(args, runtime_dir)
     except (ValueError, PermissionError) as exc:  # PermissionError: ours, naming the dir and the rule
         print(f"omnishm committer: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except OSError as exc:  # a runtime dir it cannot create: under a file, on a read-only filesystem
-        print(f"omnishm committer: cannot use runtime dir {args.runtime_dir or shm.default_runtime_dir()}: "
+        print(f"omnishm committer: cannot use runtime dir {args.runtime_dir or paths.default_runtime_dir()}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return EXIT_REFUSED
     # Imported only now: a refused start (bad option or name) answers without numpy's and zmq's import. The
@@ -185,7 +185,7 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
     generation = uuid.uuid4().hex[:8]
     if early.reason:  # stopped before anything was made: nothing to clean up but an autostart log
         logger.info("committer %s stopped (%s) before it started", cfg.name, early.reason)
-        lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
+        lock = liveness.CacheLock.acquire(runtime_dir, cfg.name, generation)
         if lock is not None:  # else the log is a running committer's too (autostarts of one name share it)
             sock_lock = None
             try:
@@ -199,17 +199,17 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
                     sock_lock.release(remove=True)
                 lock.release(remove=True)
         return EXIT_OK
-    lock = shm.CacheLock.acquire(runtime_dir, cfg.name, generation)
+    lock = liveness.CacheLock.acquire(runtime_dir, cfg.name, generation)
     if lock is None:
         print(f"omnishm committer: cache {cfg.name!r} already has a running committer "
-              f"({_lock_holder(runtime_dir, cfg.name)}, lock file {shm.lock_path(runtime_dir, cfg.name)}); "
+              f"({_lock_holder(runtime_dir, cfg.name)}, lock file {liveness.lock_path(runtime_dir, cfg.name)}); "
               f"refusing to start a second one", file=sys.stderr)
         return EXIT_REFUSED
     _reopen_autostart_log(runtime_dir, cfg.name)
     committer: Committer | None = None
     adopted: CachePool | None = None
-    owner: shm.GenerationOwner | None = None
-    sock_lock: shm.CacheLock | None = None
+    owner: liveness.GenerationOwner | None = None
+    sock_lock: liveness.CacheLock | None = None
     served = False
     code: int | None = None
     try:
@@ -217,7 +217,7 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
             sock_lock = _lock_socket(cfg, runtime_dir, generation)
         except _SocketTaken as exc:
             print(f"omnishm committer: endpoint {cfg.endpoint} belongs to a running committer ({exc}, lock file "
-                  f"{shm.socket_lock_path(cfg.ipc_path)}); refusing to take its socket over", file=sys.stderr)
+                  f"{liveness.socket_lock_path(cfg.ipc_path)}); refusing to take its socket over", file=sys.stderr)
             code = EXIT_REFUSED
             return code
         except OSError as exc:  # the endpoint's directory is missing or not writable: it could not be bound either
@@ -228,7 +228,7 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         serving = adopted.generation if adopted is not None else generation
         if owner is None:
             # a fresh generation: nobody else knows it
-            owner = shm.GenerationOwner.acquire(cfg.name, serving, runtime_dir=runtime_dir)
+            owner = liveness.GenerationOwner.acquire(cfg.name, serving, runtime_dir=runtime_dir)
         if owner is None:
             print(f"omnishm committer: generation {serving} of cache {cfg.name!r} is held by another process; "
                   f"refusing to start", file=sys.stderr)
@@ -288,8 +288,8 @@ class _SocketTaken(Exception):
     """The lock of an explicit endpoint's socket is held by another process (the holder is the message)."""
 
 
-def _lock_socket(cfg: CommitterConfig, runtime_dir: Path, generation: str) -> shm.CacheLock | None:
-    """The caller holds the cache lock: take the lock of the ipc endpoint's socket (``shm.socket_lock_path``).
+def _lock_socket(cfg: CommitterConfig, runtime_dir: Path, generation: str) -> liveness.CacheLock | None:
+    """The caller holds the cache lock: take the lock of the ipc endpoint's socket (``liveness.socket_lock_path``).
 
     The cache's default socket too: the cache lock alone left it open to a committer of another cache given
     the same path as its explicit endpoint, and the later of two such starts took the other's socket (review).
@@ -297,10 +297,10 @@ def _lock_socket(cfg: CommitterConfig, runtime_dir: Path, generation: str) -> sh
     lock file cannot be made."""
     if cfg.ipc_path is None:
         return None
-    path = shm.socket_lock_path(cfg.ipc_path)
-    lock = shm.CacheLock.at(path, generation)
+    path = liveness.socket_lock_path(cfg.ipc_path)
+    lock = liveness.CacheLock.at(path, generation)
     if lock is None:
-        held = shm.CacheLock.holder(path)
+        held = liveness.CacheLock.holder(path)
         raise _SocketTaken(f"generation {held[0]}, pid {held[1]}" if held else "holder unknown")
     return lock
 
@@ -311,7 +311,7 @@ def _remove_stale_socket(cfg: CommitterConfig) -> bool:
     another runtime dir, was given too): it is left alone."""
     if cfg.ipc_path is None or not cfg.ipc_path.exists():
         return True
-    if shm.socket_in_use(cfg.ipc_path):
+    if paths.socket_in_use(cfg.ipc_path):
         return False
     cfg.ipc_path.unlink(missing_ok=True)
     return True
@@ -333,7 +333,7 @@ def _reopen_autostart_log(runtime_dir: Path, name: str) -> None:
     as its stderr. What this one logs from now on goes to a file an operator can find.
     """
     path = _autostart_log(runtime_dir, name)
-    if path is None or shm.still_names(path, 2):
+    if path is None or liveness.still_names(path, 2):
         return
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

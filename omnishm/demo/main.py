@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from omnishm import shm
+from omnishm import liveness, paths, shm
 from omnishm.config import ConfigError, manager_connection, seconds_argument
 from omnishm.demo.launch import InterruptOnce, RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
@@ -133,8 +133,8 @@ def cli_main(args: argparse.Namespace) -> int:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
     try:  # what every rank's manager checks: else each rank failed, and then the demo's own check raised
-        runtime_dir = shm.ensure_runtime_dir(_runtime_dir(opts))
-        live = shm.cache_is_live(runtime_dir, opts.cache)
+        runtime_dir = paths.ensure_runtime_dir(_runtime_dir(opts))
+        live = liveness.cache_is_live(runtime_dir, opts.cache)
     except OSError as exc:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
@@ -229,14 +229,14 @@ def passed(summary: dict, opts: RankOptions) -> bool:
 
 def _runtime_dir(opts: RankOptions) -> Path:
     """Where the ranks' managers look: OMNISHM_RUNTIME_DIR or the config file's, else the default."""
-    return Path(opts.runtime_dir or manager_connection(runtime_dir=None)["runtime_dir"] or shm.default_runtime_dir())
+    return Path(opts.runtime_dir or manager_connection(runtime_dir=None)["runtime_dir"] or paths.default_runtime_dir())
 
 
 def _wait_for_cleanup(opts: RankOptions, timeout_s: float = 20.0) -> list[str]:
     """The embedded committer exits once the last rank said goodbye; then nothing may remain."""
     runtime_dir = _runtime_dir(opts)
     deadline = time.monotonic() + timeout_s
-    while shm.cache_is_live(runtime_dir, opts.cache) and time.monotonic() < deadline:
+    while liveness.cache_is_live(runtime_dir, opts.cache) and time.monotonic() < deadline:
         time.sleep(0.05)
     files = sorted(str(p) for p in runtime_dir.glob(f"{opts.cache}.*")) if runtime_dir.is_dir() else []
     return shm.list_segments(opts.cache) + files
