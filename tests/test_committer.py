@@ -726,6 +726,33 @@ def test_a_writers_resume_naming_another_epoch_is_refused(committer):
         writer.goodbye()
 
 
+def test_a_live_writers_session_is_not_taken_by_another_processs_resume(committer):
+    """REVIEW (2026-12-06): a resume naming a live writer's client id, generation and epoch (all of which
+    `omnishm status` prints) and no staging was welcomed from any socket: the session and its staging moved
+    there, and the writer's next call got ``no_session``. A resume from another live process than the one
+    the session said Hello from is refused now, naming both pids; the writer goes on."""
+    writer = RawClient(committer.endpoint, committer.name)
+    other = RawClient(committer.endpoint, committer.name)
+    other.client_id = writer.client_id
+    bystander = subprocess.Popen(["sleep", "60"])  # a live process that is not the writer's
+    try:
+        welcome = writer.hello(protocol.ROLE_WRITER, LAYOUT, 32, started=liveness.proc_identity(os.getpid()))
+        assert isinstance(welcome, protocol.Welcome), welcome
+        reply = other.hello(protocol.ROLE_WRITER, LAYOUT, 32, resume=True, resume_generation=welcome.generation,
+                            resume_epoch=welcome.epoch, resume_staging=[], pid=bystander.pid,
+                            started=liveness.proc_identity(bystander.pid))
+        assert isinstance(reply, protocol.Refused), reply
+        assert f"belongs to process {os.getpid()}, which is alive" in reply.reason, reply.reason
+        assert f"from pid {bystander.pid}" in reply.reason, reply.reason
+        assert isinstance(writer.call(protocol.Heartbeat(rid=writer.next_rid())), protocol.HeartbeatAck)
+        assert isinstance(writer.goodbye(), protocol.Bye)
+    finally:
+        bystander.kill()
+        bystander.wait()
+        other.close()
+        writer.close()
+
+
 @pytest.mark.parametrize("role", [protocol.ROLE_READER, protocol.ROLE_ADMIN])
 def test_a_resume_of_another_generation_is_refused_by_a_committer_that_adopted_nothing(committer, role):
     """MUTATION REVIEW (2026-12-06): checking a resume's generation only on a committer that adopted a cache

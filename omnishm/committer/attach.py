@@ -261,6 +261,15 @@ class Attach:
         if session is not None and session.role != msg.role:
             return self.refuse(msg, f"cannot resume: client {msg.client_id} was a {session.role}, not a "
                                     f"{_short(msg.role, 20)}", "resume_role")
+        if session is not None and not process_gone(session) and session.started is not None \
+                and (msg.pid, confirmed_start(msg)) != (session.pid, session.started):
+            # Another live process's session: a client id is printed by `omnishm status` and logged, and one
+            # taken by mistake (a copied config, a stale id) moved the session and its staging away from its
+            # writer, whose next call got no_session (review, 2026-12-06). Within one process the id is the
+            # only name a session has; a link resuming after a lost socket is always its own session's.
+            return self.refuse(msg, f"cannot resume {session.role} {msg.client_id}: its session belongs to "
+                                    f"process {session.pid}, which is alive, and this Hello comes from pid "
+                                    f"{msg.pid}; a client id names one client", "resume_taken")
         if msg.role == protocol.ROLE_WRITER:
             if session is None:
                 why = self.sessions.reaped_ids.get(msg.client_id, "unknown to this committer")
