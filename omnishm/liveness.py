@@ -216,9 +216,13 @@ class CacheLock:
         return parts[0].decode(errors="replace"), int(parts[1])
 
     def release(self, *, remove: bool = True) -> None:
+        """Drop the lock; ``remove`` also unlinks the file, while still holding the lock, and only when its path
+        still names this lock's file. A committer whose runtime dir was emptied under it (``rm -rf``, a tmp
+        cleaner) unlinked the lock of the committer started after it, which then looked dead to ``ping``,
+        ``cache_is_live`` and autostart (review, 2026-12-06)."""
         if self.fd < 0:
             return
-        if remove:
+        if remove and still_names(self.path, self.fd):
             try:
                 self.path.unlink()
             except FileNotFoundError:

@@ -691,3 +691,45 @@ def test_a_key_whose_commit_table_cannot_be_made_leaves_no_segment(monkeypatch):
     finally:
         pool.close()
     assert shm.list_segments(pool.name) == []
+
+
+def test_a_readers_open_key_of_an_unknown_huge_name_is_answered_with_the_name_cut(committer_factory):
+    """REVIEW (2026-12-06): a reader's OpenKey of an unknown key echoed the whole name back: a 5 MB name made
+    a 5 MB reply, built on the loop thread. The name is cut as every other client-supplied value is."""
+    h = committer_factory()
+    raw = h.client()
+    try:
+        assert isinstance(raw.hello(protocol.ROLE_READER, LAYOUT), protocol.Welcome)
+        reply = raw.call(protocol.OpenKey(rid=raw.next_rid(), key="z" * 5_000_000, dtype="bfloat16", width=8))
+        assert isinstance(reply, protocol.Error) and reply.code == "unknown_key", reply
+        assert len(reply.message) < 300 and "(5000002 chars)" in reply.message, reply.message[:300]
+        assert isinstance(raw.goodbye(), protocol.Bye)
+    finally:
+        raw.close()
+
+
+def test_a_committer_whose_runtime_files_were_removed_leaves_its_successors_lock_files(committer_factory, capsys):
+    """REVIEW (2026-12-06): a committer whose runtime dir was emptied under it (``rm -rf``, a tmp cleaner)
+    unlinked, when it stopped, the lock files of the committer of its name started meanwhile. That live
+    committer then looked dead: ``omnishm ping`` called its socket "left over from one that is gone", and
+    every client's autostart started a committer bound to fail. A lock file is removed only while its path
+    still names the lock's own file."""
+    from omnishm import cli
+    from conftest import RUNTIME_DIR
+
+    a = committer_factory()
+    name = a.name
+    files = [RUNTIME_DIR / f"{name}.lock", RUNTIME_DIR / f"{name}.sock.lock", RUNTIME_DIR / f"{name}.sock"]
+    for f in files:
+        f.unlink()
+    b = committer_factory(name=name)
+    try:
+        assert liveness.cache_is_live(RUNTIME_DIR, name)
+        assert a.stop() == 0
+        assert b.proc.poll() is None and all(f.exists() for f in files), [f.exists() for f in files]
+        assert liveness.cache_is_live(RUNTIME_DIR, name)
+        capsys.readouterr()
+        assert cli.main(["ping", "--name", name, "--runtime-dir", str(RUNTIME_DIR)]) == 0, capsys.readouterr()
+    finally:
+        assert b.stop() == 0
+    assert not any(f.exists() for f in files)

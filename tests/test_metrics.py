@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import RawClient, free_port
+from helpers import RawClient, Writer, free_port, pack
 from manager_helpers import Part, extended, save, started
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -159,6 +159,60 @@ def test_a_client_back_after_a_thousand_others_left_is_counted_once():
     t.heartbeat("x", "reader", {"steps_saved": 103})
     t.departed("x")
     assert t.totals()["reader"] == {"steps_saved": 103.0 + RETAIN_DEPARTED_IDS}
+
+
+def test_a_client_back_in_another_role_keeps_what_it_counted_in_the_old_one():
+    """REVIEW (2026-12-06): a reader's socket that said Hello again as an admin (same client id) dropped the
+    reader's departed values at its first heartbeat: the readers' cumulative total went from 100 back to 0.
+    The old role's values stay, folded (departed, and folded after 1024 others left); a return in the same
+    role still supersedes them."""
+    from omnishm.committer.metrics import RETAIN_DEPARTED_IDS
+
+    t = ClientCounterTotals()
+    t.heartbeat("x", "reader", {"hit_tokens": 100})
+    t.departed("x")
+    t.heartbeat("x", "admin", {})
+    assert t.totals()["reader"] == {"hit_tokens": 100.0}
+    t.departed("x")
+    t.heartbeat("x", "reader", {"hit_tokens": 7})  # a reader again, its counters new: nothing to supersede
+    assert t.totals()["reader"] == {"hit_tokens": 107.0}
+    t.departed("x")
+    for i in range(RETAIN_DEPARTED_IDS):  # x's 7 folded into the readers' total
+        t.heartbeat(f"r{i}", "reader", {"hit_tokens": 1})
+        t.departed(f"r{i}")
+    t.heartbeat("x", "writer", {})
+    assert t.totals()["reader"] == {"hit_tokens": 107.0 + RETAIN_DEPARTED_IDS}
+
+
+def test_a_reaped_writers_failed_writes_are_counted_and_a_reaped_readers_step_write_is_not(committer_factory):
+    """REVIEW (2026-12-06): ``omnishm_failed_writes_total`` left out the tids failed for a reaped writer
+    (status ``tids_failed_reaped`` alone had them); and a reaped reader's StepWrite was answered as a reaped
+    writer's ("this writer's session was reaped"), its tids counted as failed writes. The reader's gets
+    ``no_session`` now, counted as such."""
+    port = free_port()
+    h = committer_factory("--metrics-port", str(port), "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5")
+    w = Writer(h.endpoint, h.name, protocol.Layout(num_blocks=NUM_BLOCKS, block_size=BS), 8)
+    reader = RawClient(h.endpoint, h.name)
+    try:
+        w.open_key("k", "bfloat16", 8)
+        assert isinstance(reader.hello(protocol.ROLE_READER), protocol.Welcome)
+        wait_for(port, "both reaped", lambda m: value(m, "omnishm_clients_reaped_total") == 2)
+        cv = w.new_cv(1)
+        reply = w.step_write(1, [("k", 11, cv, 0, [0]), ("k", 12, cv, 1, [1]), ("k", 13, cv, 2, [2])],
+                             claim=False)
+        assert isinstance(reply, protocol.StepDone) and len(reply.failed_tids) == 3 * 8, reply
+        n = 100
+        reply = reader.call(protocol.StepWrite(
+            rid=reader.next_rid(), step=1, keys=["k"], key_idx=pack([0] * n), tids=pack(range(n)),
+            cvs=pack([1] * n), src_rows=pack([0] * n), counts=pack([0] * n), slots=b""))
+        assert isinstance(reply, protocol.Error) and reply.code == "no_session", reply
+        m = scrape(port)
+        assert value(m, "omnishm_failed_writes_total") == 3
+        assert value(m, "omnishm_rejected_messages_total", reason="reaped_write") == 1
+        assert value(m, "omnishm_rejected_messages_total", reason="no_session") == 1
+    finally:
+        reader.close()
+        w.raw.close()
 
 
 def test_throughput_ring_reports_recent_rates():

@@ -145,14 +145,26 @@ class ClientCounterTotals:
     """Client id -> (role, what it added to ``retained``), the latest ``RETAIN_FOLDED_IDS`` folded."""
 
     def heartbeat(self, client_id: str, role: str, counters: dict[str, float]) -> None:
-        self.departed_ids.pop(client_id, None)
+        gone = self.departed_ids.pop(client_id, None)
+        if gone is not None and gone[0] != role:
+            # Back in another role (a second Hello on its socket): its values of the old role never come again,
+            # and dropping them took a role's total back (review, 2026-12-06). They stay, folded for good.
+            self._add(*gone)
         back = self.folded.pop(client_id, None)
-        if back is not None:  # its cumulative values come again: take out what it left behind
+        if back is not None and back[0] == role:  # its cumulative values come again: take out what it left behind
             old_role, added = back
             bucket = self.retained.get(old_role, {})
             for name, value in added.items():
                 bucket[name] = bucket.get(name, 0.0) - value
         self.live[client_id] = (role, dict(counters))
+
+    def _add(self, role: str, counters: dict[str, float]) -> dict[str, float]:
+        """Add a departed client's cumulative ``counters`` to ``retained[role]``; returns what was added."""
+        bucket = self.retained.setdefault(role, {})
+        added = {name: float(value) for name, value in counters.items() if name in CLIENT_COUNTERS}
+        for name, value in added.items():
+            bucket[name] = bucket.get(name, 0.0) + value
+        return added
 
     def departed(self, client_id: str) -> None:
         entry = self.live.pop(client_id, None)
@@ -161,11 +173,7 @@ class ClientCounterTotals:
         self.departed_ids[client_id] = entry
         while len(self.departed_ids) > RETAIN_DEPARTED_IDS:  # fold the oldest into the role total
             gone, (role, counters) = self.departed_ids.popitem(last=False)
-            bucket = self.retained.setdefault(role, {})
-            added = {name: float(value) for name, value in counters.items() if name in CLIENT_COUNTERS}
-            for name, value in added.items():
-                bucket[name] = bucket.get(name, 0.0) + value
-            self.folded[gone] = (role, added)
+            self.folded[gone] = (role, self._add(role, counters))
             while len(self.folded) > RETAIN_FOLDED_IDS:
                 self.folded.popitem(last=False)
 
@@ -344,8 +352,8 @@ class _SnapshotCollector:
                                   value=st["steps_applied"])
         yield CounterMetricFamily("omnishm_failed_steps_total", "StepWrite messages rejected by validation",
                                   value=st["steps_failed"])
-        yield CounterMetricFamily("omnishm_failed_writes_total", "writes (tids) reported failed to the writer",
-                                  value=st["tids_failed"])
+        yield CounterMetricFamily("omnishm_failed_writes_total", "writes (tids) reported failed to the writer "
+                                  "(a reaped writer's included)", value=st["tids_failed"] + st["tids_failed_reaped"])
         yield CounterMetricFamily("omnishm_messages_total", "messages received", value=st["messages"])
         reasons = dict(st["rejected"])
         for kind, n in st["decode_errors"].items():

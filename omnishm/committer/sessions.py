@@ -136,7 +136,9 @@ class SessionTable:
     def mark_reaped(self, session: Session, why: str, keep: int = 4096) -> None:
         self.reaped += 1
         self.reaped_ids[session.client_id] = why
-        if not session.adopted:  # a placeholder had no socket
+        # Only a writer's socket: a later StepWrite from it is answered as the reaped writer's failed writes. A
+        # reaped reader's or admin's was answered so too, and counted as a writer's (review, 2026-12-06).
+        if not session.adopted and session.role == protocol.ROLE_WRITER:  # a placeholder had no socket
             self.reaped_identities[session.identity] = session.client_id
         while len(self.reaped_ids) > keep:
             self.reaped_ids.popitem(last=False)
