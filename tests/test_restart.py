@@ -131,6 +131,38 @@ def test_a_crash_around_making_a_new_keys_staging_keeps_the_writer(committer_fac
         w.close()
 
 
+def test_a_resume_naming_staging_the_restarted_committer_lost_is_refused(committer_factory):
+    """MUTATION (2026-12-06): welcoming a writer's resume that names a staging segment the adopting committer
+    does not hold survived the suite. The writer would go on staging into its map of the lost segment, while
+    the committer made a new one of the same name for the key's next OpenKey and committed its zero rows.
+    Here the staging was unlinked while no committer ran; the resume is refused, naming it."""
+    import fcntl
+
+    import posix_ipc
+    from helpers import RawClient, Writer
+
+    first = committer_factory(*FAST)
+    w = Writer(first.endpoint, first.name, LAYOUT, 4)
+    again = RawClient(first.endpoint, first.name)
+    again.client_id = w.raw.client_id
+    control = posix_ipc.SharedMemory(w.welcome.control)  # held as a client holds it: the restart adopts
+    try:
+        fcntl.flock(control.fd, fcntl.LOCK_SH)
+        staging = w.open_key("k0", "float32", 4).segments.staging
+        first.stop(signal.SIGKILL)
+        assert shm.unlink_segment(staging)
+        second = committer_factory(*FAST, name=first.name)
+        reply = again.hello(protocol.ROLE_WRITER, LAYOUT, 4, resume=True, resume_generation=w.welcome.generation,
+                            resume_epoch=w.epoch, resume_staging=[staging])
+        assert isinstance(reply, protocol.Refused), reply
+        assert "cannot resume writer" in reply.reason and staging in reply.reason, reply.reason
+        assert second.proc.poll() is None
+    finally:
+        control.close_fd()
+        again.close()
+        w.raw.close()
+
+
 def test_an_adopted_key_keeps_the_row_shape_it_was_opened_with(committer_factory):
     """Each key's row shape is in the metadata a restarted committer adopts (metadata version 2), so a
     key still refuses rows of another shape after a restart, and its segments still name the shape."""

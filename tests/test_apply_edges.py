@@ -1,0 +1,120 @@
+"""The committer's ``apply_step`` at its edges, on a ``CachePool`` in real shared memory.
+
+Each test kills a mutant that survived the rest of the suite (mutation review of the committer, 2026-12-06):
+a tid at the top of int64 on the fast path, done tids of a two-key step whose keys carry other tids, rows
+larger than one gather piece, a gather larger than the first, and a layout with a dimension of 0 or less.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from omnishm import protocol, shm
+from omnishm.committer.pool import CachePool, PoolError
+from omnishm.versions import make_cv
+
+from helpers import pack
+
+CLIENT = "c" * 32
+EPOCH = 1  # the writer CLIENT's epoch
+MAX_I8 = (1 << 63) - 1
+
+
+@pytest.fixture
+def pool():
+    p = CachePool(f"tedge{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:8])
+    try:
+        yield p
+    finally:
+        p.close()
+        assert shm.list_segments(p.name) == []
+
+
+def _key(pool: CachePool, width: int, num_blocks: int, block_size: int, staging_rows: int, key: str = "h"):
+    """Lay the pool out (once) and open ``key`` with float32 rows of ``width``, its staging filled at random."""
+    if pool.layout is None:
+        pool.set_layout(protocol.Layout(num_blocks=num_blocks, block_size=block_size))
+    state = pool.open_key(key, protocol.KeySpec("float32", width, (width,)))
+    staging = pool.ensure_staging(CLIENT, state, staging_rows)
+    gen = torch.Generator().manual_seed(11)
+    torch.from_numpy(staging.data).copy_(torch.randint(0, 256, tuple(staging.data.shape), generator=gen,
+                                                       dtype=torch.uint8))
+    return state, staging
+
+
+def _gathered_step(pool: CachePool, state, staging, slots: list[int], src: list[int], step: int) -> None:
+    """One row per tid, on the general path (the fast path declined); every row lands in its slot."""
+    pool._apply_repeated = lambda *_a, **_k: None
+    n = len(slots)
+    cvs = [make_cv(EPOCH, step, j + 1) for j in range(n)]
+    state.claim[np.asarray(slots)] = cvs
+    done = pool.apply_step(CLIENT, protocol.StepWrite(
+        rid=step, step=step, keys=[state.name], key_idx=pack([0] * n), tids=pack(range(n)), cvs=pack(cvs),
+        src_rows=pack(src), counts=pack([1] * n), slots=pack(slots)), EPOCH)
+    assert (done.rows_written, done.rows_skipped, done.reason) == (n, 0, ""), done
+    for s, r in zip(slots, src):
+        assert np.array_equal(state.data[s], staging.data[r]), (slots, src, s, r)
+
+
+def test_a_fast_path_step_whose_first_tid_is_the_largest_int64_is_applied(pool):
+    """MUTATION (2026-12-06): without the ``first <= MAX - n`` bound, the fast path's "tids are one run"
+    shortcut built ``arange(MAX, MAX + 3)`` for tids [MAX, 0, 1], and its OverflowError escaped
+    ``apply_step``, which never raises, on a valid step."""
+    state, staging = _key(pool, 4, num_blocks=2, block_size=4, staging_rows=8)
+    taken = []
+    fast = pool._apply_repeated
+    pool._apply_repeated = lambda *a, **k: taken.append(fast(*a, **k)) or taken[-1]
+    tids = [MAX_I8, 0, 1]
+    cvs = [make_cv(EPOCH, 1, j + 1) for j in range(3)]
+    state.claim[[0, 1, 2]] = cvs
+    done = pool.apply_step(CLIENT, protocol.StepWrite(
+        rid=1, step=1, keys=["h"], key_idx=pack([0] * 3), tids=pack(tids), cvs=pack(cvs), src_rows=pack([0, 1, 2]),
+        counts=pack([1, 1, 1]), slots=pack([0, 1, 2])), EPOCH)
+    assert taken and taken[0] is not None  # the fast path took it
+    assert (done.rows_written, done.reason, done.done_tids) == (3, "", pack(sorted(tids))), done
+    assert np.array_equal(state.data[:3], staging.data[:3])
+
+
+def test_done_tids_of_a_two_key_step_name_every_tid_of_every_key(pool):
+    """MUTATION (2026-12-06): with the fast path's per-key tid check dropped, a two-key step whose keys carry
+    different tids ([5] and [3]) came back with done tids [5]: tid 3 landed and was never reported done."""
+    for key in ("h", "m"):
+        _key(pool, 4, num_blocks=2, block_size=4, staging_rows=8, key=key)
+    cv1, cv2 = make_cv(EPOCH, 1, 1), make_cv(EPOCH, 1, 2)
+    pool.keys["h"].claim[0] = cv1
+    pool.keys["m"].claim[1] = cv2
+    done = pool.apply_step(CLIENT, protocol.StepWrite(
+        rid=1, step=1, keys=["h", "m"], key_idx=pack([0, 1]), tids=pack([5, 3]), cvs=pack([cv1, cv2]),
+        src_rows=pack([0, 0]), counts=pack([1, 1]), slots=pack([0, 1])), EPOCH)
+    assert (done.rows_written, done.reason, done.done_tids) == (2, "", pack([3, 5])), done
+
+
+def test_rows_larger_than_a_gather_piece_are_gathered_one_at_a_time(pool):
+    """MUTATION (2026-12-06): rows of 8 MiB (over ``GATHER_BYTES``) with a gather piece of 0 rows
+    (``max(0, ...)`` for ``max(1, ...)``) raised on ``range(..., step=0)``: rows staged out of order never
+    landed. Reversed staging rows make every run one row, gathered in pieces of one."""
+    state, staging = _key(pool, 1 << 21, num_blocks=1, block_size=4, staging_rows=4)
+    assert state.gather_rows == 1
+    _gathered_step(pool, state, staging, [0, 1, 2], [3, 1, 0], step=1)
+
+
+def test_the_gather_buffer_grows_for_a_later_larger_gather(pool):
+    """MUTATION (2026-12-06): a gather buffer kept at the size of the first gather (64 rows here) made a later
+    gather of 100 rows fail on its shape."""
+    state, staging = _key(pool, 8, num_blocks=32, block_size=4, staging_rows=128)
+    _gathered_step(pool, state, staging, [0, 1], [1, 0], step=1)
+    _gathered_step(pool, state, staging, list(range(100)), np.random.default_rng(3).permutation(100).tolist(),
+                   step=2)
+
+
+@pytest.mark.parametrize("num_blocks,block_size", [(4, 0), (4, -2), (0, 4), (-1, -4)])
+def test_a_layout_with_a_dimension_of_zero_or_less_is_refused(pool, num_blocks, block_size):
+    """MUTATION (2026-12-06): without the ``block_size <= 0`` check a layout of 0 or negative slots was taken."""
+    with pytest.raises(PoolError) as err:
+        pool.set_layout(protocol.Layout(num_blocks=num_blocks, block_size=block_size))
+    assert err.value.code == "bad_layout"
+    assert pool.layout is None
