@@ -21,7 +21,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """4: keys carry their row shape (``OpenKey.row_shape``, ``KeySpec.row_shape``, ``KeySegments.row_shape``)."""
 MAX_MESSAGE_BYTES = 64 << 20
 """Frames above this are dropped by libzmq (ZMQ_MAXMSGSIZE) before we decode them."""
@@ -44,6 +44,16 @@ CTL_WRITER_EPOCH = 1     # committer: epoch of the attached writer (0: none yet)
 CTL_COMMITTER_PID = 2    # committer
 # word 3: unused (kept so the words after it keep their places in a mixed-version restart)
 CTL_ACKED_STEP = 4       # committer: make_cv(epoch, step, 0) of the writer's last quiet StepWrite applied in full
+CTL_HITS_AT = CTL_WORDS  # word where the writer's ring of planned hits starts (after the control words)
+CTL_HITS_RING = 240
+"""Entries of the planned-hits ring (two words each; the committer maps none of them, only the writer writes them).
+
+The entry of each step with hits, at word ``CTL_HITS_AT + 2 * (step % CTL_HITS_RING)``: ``make_cv(epoch, step, 0)``
+(-1 while it is being written) and the digest of the writer's hit plan for that step (``steps.hits_digest``),
+written before the step is published. A reader serves no hit row of a step whose digest is not its own: the TP
+ranks must be given the same scheduler output and make the same calls, and a reader given other block ids, or
+whose step ids had drifted from its writer's, served another request's or a later tenant's rows (review,
+2026-12-06). The ring ends before the metadata (``committer.meta.META_OFFSET``); protocol version 5 has it."""
 
 
 DTYPE_ITEMSIZE: dict[str, int] = {

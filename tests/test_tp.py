@@ -761,3 +761,69 @@ def test_a_readers_prefetched_hit_is_its_result_not_copied_again(committer, ids)
     finally:
         r.shutdown()
         w.shutdown()
+
+
+def _writer_and_reader(committer):
+    return (OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False),
+            OmniPrefixCacheManager(cfg(), cache=committer.name, role="reader", autostart=False))
+
+
+def test_a_reader_given_other_block_ids_than_its_writer_refuses_the_hit(committer):
+    """REVIEW (2026-12-06): a reader whose scheduler output named another block for a hit than its writer's
+    served that block's rows, another request's (x's), as b's prefix, with no error. The writer records each
+    step's hit plan (``P.CTL_HITS_RING``) and a reader serves no hit row of a step whose plan is not its own."""
+    w, r = _writer_and_reader(committer)
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0]), started("x", [1])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4), Part("x", 7, [1], 0, 4)], BS))
+        w.new_step_starts([started("b", [0, 2], hit=4)])
+        r.new_step_starts([started("b", [1, 2], hit=4)])  # the reader's output names x's block for b's hit
+        ids = [save(m, [Part("b", 1, [0, 2], 4, 2)], BS) for m in (w, r)]
+        assert torch.equal(w.materialize(ids[0], ["b"]).hidden_states["b"], expect(1, 4, 1, 4, 2))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"ranks disagree .*planned other hits") as err:
+            r.materialize(ids[1], ["b"])
+        assert "request='b'" in str(err.value) and f"step_id={ids[1]}" in str(err.value)
+    finally:
+        w.shutdown()
+        r.shutdown()
+
+
+def test_a_reader_whose_step_ids_ran_ahead_of_its_writers_refuses_the_hit(committer):
+    """REVIEW (2026-12-06): a reader that saved one step more than its writer read its hit of step 2 after the
+    writer's own step 2 had given the hit's block to c: c's claim carries step 2, not later than the reader's
+    step, and the reader served c's rows as b's prefix. The writer's step 2 planned no hit, so the reader
+    refuses; a ring entry overwritten by a later step (a reader far behind) is refused too."""
+    w, r = _writer_and_reader(committer)
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        r.new_step_starts([])  # a step the writer never made
+        r.discard_step(save(r, [], BS))
+        hit = [finished("a"), started("b", [0, 2], hit=4)]
+        w.new_step_starts(hit)
+        w.discard_step(save(w, [Part("b", 1, [0, 2], 4, 2)], BS))
+        w.new_step_starts([aborted("b"), started("c", [0])])
+        w.discard_step(save(w, [Part("c", 9, [0], 0, 4)], BS))
+        w.wait_idle()
+        r.new_step_starts(hit)
+        sid = save(r, [Part("b", 1, [0, 2], 4, 2)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"ranks disagree .*the writer planned no hit"):
+            r.materialize(sid, ["b"])
+        # The writer's entry for the reader's next step, overwritten as by one CTL_HITS_RING steps later.
+        from omnishm import protocol
+        from omnishm.versions import make_cv
+
+        w.new_step_starts([])
+        w.discard_step(save(w, [], BS))  # published: the reader's wait for it ends
+        r.new_step_starts([started("d", [0, 3], hit=4)])
+        sid = save(r, [Part("d", 9, [0, 3], 4, 2)], BS)
+        at = 2 * (sid % protocol.CTL_HITS_RING)
+        w._hits_ring[at + 1] = 12345
+        w._hits_ring[at] = make_cv(w._epoch, sid + protocol.CTL_HITS_RING, 0)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"record of this step was overwritten"):
+            r.materialize(sid, ["d"])
+    finally:
+        w.shutdown()
+        r.shutdown()

@@ -23,7 +23,7 @@ from omnishm.client.segments import KeyViews, dtype_name
 from omnishm.client.steps import HitSpan, StepCtx
 from omnishm.interface import (HIDDEN_KEY, OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError, ReqId,
                                StageCacheOutputs, StepId, TensorName)
-from omnishm.versions import cv_epoch, cv_step
+from omnishm.versions import cv_epoch, cv_step, make_cv
 
 _POLL_S = 0.0005
 
@@ -55,6 +55,7 @@ class ReadSide:
                 # waiting for a publication it does not need would stall the engine thread on a late or
                 # stuck writer (up to commit_timeout_s every step).
                 self._wait_published(step_id, deadline)
+                self._check_same_plan(ctx)
             hidden: dict[ReqId, Any] = {}
             mm: dict[ReqId, dict[TensorName, Any]] = {}
             hits: dict[ReqId, int] = {}
@@ -360,6 +361,29 @@ class ReadSide:
                     "before their writer left the cache (goodbye, or reaped)" if left
                     else f"within {self.config.commit_timeout_s:.1f}s"), req_id=req, key=key, step_id=step_id)
             time.sleep(_POLL_S)
+
+    def _check_same_plan(self, ctx: StepCtx) -> None:
+        """Reader, the thread of ``materialize``, before any hit row is served: raise
+        ``OmniPrefixCacheUnmatchError`` unless the writer it follows planned the same hits for this step
+        (``P.CTL_HITS_RING``). The step is published (``_wait_published``), so the writer recorded its plan
+        before: what differs is the ranks' calls (another scheduler output, step ids that drifted apart), and
+        the slots this rank planned may hold other requests' rows."""
+        at = 2 * (ctx.step_id % P.CTL_HITS_RING)
+        ring = self._hits_ring
+        marker, digest, again = ring[at], ring[at + 1], ring[at]
+        want = make_cv(self._follows, ctx.step_id, 0)
+        if marker == again == want and digest == ctx.hits_digest:
+            return
+        if marker == again == want:
+            why = "the writer planned other hits (other requests, blocks or hit lengths)"
+        elif marker != again or (marker > 0 and cv_epoch(marker) == self._follows and cv_step(marker) > ctx.step_id):
+            why = (f"the writer's record of this step was overwritten: this reader runs {P.CTL_HITS_RING} or more "
+                   f"steps with hits behind it")
+        else:
+            why = "the writer planned no hit"
+        raise self._unmatch(f"ranks disagree on the step's hits ({why}); every rank must be given the same "
+                            f"scheduler output and make the same calls", req_id=next(iter(ctx.hits)),
+                            step_id=ctx.step_id)
 
     def _wait_published(self, step_id: StepId, deadline: float) -> None:
         """Reader, any thread: wait until the writer this reader follows published ``step_id`` (its claims

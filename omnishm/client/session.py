@@ -34,6 +34,10 @@ class SessionSide:
         self._epoch = welcome.epoch
         self._ctl_seg = Segment.attach(welcome.control, readonly=not self.is_writer)
         self._ctl = self._ctl_seg.tensor(torch.int64, (P.CTL_WORDS,))
+        # The writer's planned hits per step (P.CTL_HITS_RING), as plain ints: the writer stores an entry, a
+        # reader loads one, per step with hits.
+        self._hits_ring = memoryview(self._ctl_seg.tensor(torch.int64, (2 * P.CTL_HITS_RING,),
+                                                          offset=P.CTL_HITS_AT * 8).numpy())
         self._epoch_at_attach = int(self._ctl[P.CTL_WRITER_EPOCH])
         """Writer epoch in the control segment right after this client attached: a larger one later is a
         writer that attached after it (epochs only grow), see ``ReadSide._follow_writer``."""

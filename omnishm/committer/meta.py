@@ -45,6 +45,7 @@ META_OFFSET = 4096
 SLOT_BYTES = 64 << 10
 _HEADER = struct.Struct("<QQI4x")  # seq, length, crc32
 CTL_BYTES = META_OFFSET + 2 * SLOT_BYTES
+assert (protocol.CTL_HITS_AT + 2 * protocol.CTL_HITS_RING) * 8 <= META_OFFSET  # the hits ring ends before
 
 
 class MetaError(Exception):
