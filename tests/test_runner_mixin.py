@@ -671,3 +671,15 @@ def test_an_unsupported_stage_is_refused_at_kv_cache_init_not_at_its_first_reque
         hybrid.initialize_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
             SimpleNamespace(layer_names=["layers.0.attn"], kv_cache_spec=FullAttentionSpec(BS))]))
     assert hybrid.kv_init_calls == 2 and hybrid.prefix_cache_manager is None
+
+
+def test_a_padded_zero_token_save_after_the_manager_exists_gives_no_step_id(runner):
+    """MUTATION (2026-12-06): the mixin's save no longer checking for 0 tokens survived: a padded dummy run (0
+    tokens, 4 padded rows) once the manager existed took a step id nobody consumes."""
+    r = runner()
+    r.tags["a"] = 1
+    _, sid = r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 5}))
+    r.prefix_cache_discard(sid)
+    assert r.prefix_cache_save(torch.zeros((4, WIDTH)), None, 0, 4, sched()) is None
+    _, sid = r.execute_model(sched(cached=[("a", 5, [])], counts={"a": 1}))
+    r.prefix_cache_discard(sid)

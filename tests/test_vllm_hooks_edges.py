@@ -1,0 +1,213 @@
+"""The stock-vLLM hooks at their edges: prompt rows, hit lengths, held results, request ids, the worker's runner
+and the runner mixin's cache naming.
+
+Each test kills a mutant of ``omnishm/integrations/vllm.py`` or ``omnishm/client/runner_mixin.py`` that survived
+the rest of the suite (mutation review, 2026-12-06: 49 mutants, 25 killed before). vLLM is not installed here:
+the fakes of ``test_vllm_hooks`` stand in for its objects; the committer is real.
+"""
+from __future__ import annotations
+
+import torch
+
+from manager_helpers import rows
+from omnishm.integrations.vllm import external_req_id
+
+from test_vllm_hooks import hooks, so, step  # noqa: F401  (the fixture and fakes of vLLM objects)
+
+
+def test_external_req_id_strips_only_an_8_char_suffix():
+    """MUTATION (2026-12-06): stripping any dash-part of 8 characters or more survived: a caller's id ending in a UUID
+    group lost it."""
+    assert external_req_id("chat-0123abcd") == "chat"
+    # a caller id whose own last dash-part is longer than 8 (a UUID's last group: 12) stays whole
+    assert external_req_id("550e8400-e29b-41d4-a716-446655440000") == "550e8400-e29b-41d4-a716-446655440000"
+    assert external_req_id("req-123456789") == "req-123456789"
+    assert external_req_id("req-1234567") == "req-1234567"
+
+
+def test_a_request_re_added_as_new_that_recomputes_prompt_and_outputs_holds_only_its_prompt_rows(hooks):
+    """MUTATION (2026-12-06): one row too many in the held prompt (``prompt_len - start + 1``) survived: an output
+    token's row became part of the prompt. A request that decoded 2 tokens, was preempted and is re-added as new
+    (V2-style resume) recomputes its 8 prompt tokens and its 2 output tokens in one step: the held prompt rows are
+    exactly the 8 prompt rows, never an output-token row."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert torch.equal(h.take_results()["A"][0], rows(1, range(8)))
+    step(runner, so(cached=[("A", 8, [2])], counts={"A": 1}))
+    step(runner, so(cached=[("A", 9, None)], counts={"A": 1}))
+    step(runner, so(preempted=["A"], counts={}))
+    step(runner, so(finished=[], new=[("A", 8, 0, [3, 4, 5])], counts={"A": 10}))
+    res = h.take_results()
+    assert "A" in res
+    assert res["A"][0].shape[0] == 8 and torch.equal(res["A"][0], rows(1, range(8))), res["A"][0].shape
+
+
+def test_a_request_finished_mid_prompt_in_a_step_that_schedules_nothing_is_let_go(hooks):
+    """MUTATION (2026-12-06), beside the next test: a request aborted while its prompt is half computed, reported
+    in a zero-token step: its partial rows are dropped (and counted), not kept for ever."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 16, 0, [0, 1, 2, 3])], counts={"A": 4}))
+    step(runner, so(finished=["A"], counts={}))
+    assert h.stats()["incomplete_dropped"] == 1
+    assert "A" not in h._prompts and "A" not in h._raw
+
+
+def test_an_aborted_request_mid_prompt_is_let_go(hooks):
+    """MUTATION (2026-12-06): dropping ABORTED from the kinds that let a request's rows go survived: an aborted
+    request's partial rows stayed for ever. vLLM reports an abort in finished_req_ids and aborted_req_ids: the hooks
+    drop its partial rows."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 16, 0, [0, 1, 2, 3]), ("B", 8, 0, [4, 5])], counts={"A": 4, "B": 4}))
+    s = so(cached=[("B", 4, None)], finished=["A"], counts={"B": 4})
+    s.aborted_req_ids = {"A"}
+    step(runner, s)
+    assert h.stats()["incomplete_dropped"] == 1
+    assert "A" not in h._prompts and "A" not in h._raw
+    assert torch.equal(h.take_results()["B"][0], rows(1, range(8)))
+
+
+def test_padded_hidden_states_rows_are_never_saved_or_returned(committer, monkeypatch):
+    """MUTATION (2026-12-06): saving the padded row count (``hidden.shape[0]``) survived: CUDA-graph padding rows were
+    saved and returned. CUDA-graph padding: execute_model_state.hidden_states has more rows than the step's tokens.
+    Only the first total_num_scheduled_tokens rows are the step's; the held prompt rows are exact."""
+    from types import SimpleNamespace
+
+    from omnishm.integrations.vllm import OmniPrefixCacheRunnerHooks
+    from test_vllm_hooks import FakeV1Runner
+
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+
+    class Padded(FakeV1Runner):
+        def execute_model(self, s, intermediate_tensors=None):
+            super().execute_model(s, intermediate_tensors)
+            if s.total_num_scheduled_tokens:
+                h = self.execute_model_state.hidden_states
+                pad = torch.full((8 - h.shape[0] % 8, h.shape[1]), -7.0, dtype=h.dtype)
+                self.execute_model_state = SimpleNamespace(hidden_states=torch.cat([h, pad]))
+
+    runner = Padded()
+    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    h.install()
+    try:
+        step(runner, so(new=[("A", 6, 0, [0, 1]), ("B", 3, 0, [2])], counts={"A": 6, "B": 3}))
+        res = h.take_results()
+        assert torch.equal(res["A"][0], rows(1, range(6))) and torch.equal(res["B"][0], rows(1, range(3)))
+        assert h.stats()["rows_saved"] == 9
+    finally:
+        h.uninstall()
+
+
+def test_a_completed_prompt_is_handed_out_once_not_again_at_each_decode_step(hooks):
+    """MUTATION (2026-12-06): dropping the ``length < prompt_len`` check survived: a finished prompt's raw rows were
+    held again at every decode step."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert sorted(h.take_results()) == ["A"] and sorted(h.take_raw()) == ["A"]
+    step(runner, so(cached=[("A", 8, [2])], counts={"A": 1}))
+    step(runner, so(cached=[("A", 9, None)], counts={"A": 1}))
+    assert h.take_results() == {} and h.take_raw() == {}
+    assert h.stats()["raw_requests"] == 1 and h.stats()["requests"] == 1
+
+
+def test_a_request_resumed_with_a_hit_after_its_prompt_completed_is_not_handed_out_again(hooks):
+    """MUTATION (2026-12-06): ``length > prompt_len`` for ``>=`` survived: a request resumed after its prompt completed
+    was handed out a second time. A completes its prompt, decodes, is preempted and resumed (V1: cached +
+    resumed_req_ids) with a hit on its own prompt blocks: its prompt was handed out already; no second result, no
+    second count."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    step(runner, so(cached=[("A", 8, [2])], counts={"A": 1}))
+    assert sorted(h.take_results()) == ["A"]
+    step(runner, so(preempted=["A"], counts={}))
+    step(runner, so(cached=[("A", 8, [0, 1, 3])], resumed=["A"], counts={"A": 2}))
+    assert h.take_results() == {} and h.stats()["requests"] == 1
+
+
+def test_the_hit_tokens_of_a_prompt_computed_in_chunks_after_its_hit_are_the_hit(hooks):
+    """MUTATION (2026-12-06): keeping the last scheduling's hit instead of the longest survived: a prompt computed in
+    chunks after its hit reported 0 hit tokens."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    step(runner, so(new=[("B", 16, 8, [0, 1, 2])], counts={"B": 4}))  # hit 8, first chunk 8..11
+    step(runner, so(cached=[("B", 12, [3])], counts={"B": 4}))  # second chunk 12..15
+    res = h.take_results()
+    assert torch.equal(res["B"][0], rows(1, range(16))) and res["B"][1] == 8, res["B"][1]
+    assert h.stats()["hit_tokens"] == 8 and h.stats()["hit_requests"] == 1
+
+
+def test_a_completed_prompt_is_not_kept_twice(hooks):
+    """MUTATION (2026-12-06): not clearing the accumulator's parts survived: a completed prompt's rows were kept twice,
+    outside the held-bytes bound. Once held for the takers, the accumulator lets its rows go (they are counted in
+    the bound once)."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert h._prompts["A"].parts == []
+
+
+def test_a_finished_complete_prompt_is_not_counted_as_incomplete(hooks):
+    """MUTATION (2026-12-06): ``<=`` for ``<`` survived: a finished complete prompt was counted as dropped
+    incomplete."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    step(runner, so(finished=["A"], counts={}))
+    assert h.stats()["incomplete_dropped"] == 0
+
+
+def test_a_worker_whose_runner_is_set_to_none_retires_its_hooks(committer, monkeypatch):
+    """MUTATION (2026-12-06): retiring the hooks only when the same runner is set again (``is`` for ``is not``)
+    survived: after ``model_runner = None`` the link kept heartbeating. Assigning no runner (a worker tearing down)
+    detaches the hooks' manager: no link left heartbeating."""
+    from test_vllm_hooks import _links, _worker_after_one_step
+
+    before = _links()
+    worker = _worker_after_one_step(committer, monkeypatch)
+    m = worker._omnishm_hooks_or_none().manager
+    worker.model_runner = None
+    assert m.shut_down and worker._omnishm_hooks_or_none() is None and _links() == before
+    assert sorted(worker.omnishm_take_prompt_hidden()) == ["A"]
+
+
+def test_reassigning_the_same_runner_keeps_the_hooks(committer, monkeypatch):
+    """MUTATION (2026-12-06): the same mutant's other side: the same runner set again keeps its hooks."""
+    from test_vllm_hooks import _worker_after_one_step
+
+    worker = _worker_after_one_step(committer, monkeypatch)
+    hooks = worker._omnishm_hooks_or_none()
+    worker.model_runner = worker.model_runner
+    try:
+        assert worker._omnishm_hooks_or_none() is hooks and not hooks.manager.closed
+    finally:
+        worker.omnishm_shutdown()
+
+
+def test_decode_results_keeps_hit_tokens():
+    """MUTATION (2026-12-06): ``decode_results`` returning hit 0 survived."""
+    from omnishm.integrations.vllm import decode_results, encode_tensor
+
+    t = rows(1, range(3))
+    out = decode_results({"A": {"hidden": encode_tensor(t), "hit_tokens": 2}})
+    assert torch.equal(out["A"][0], t) and out["A"][1] == 2
+
+
+def test_held_rows_over_the_bound_drop_raw_rows_before_results():
+    """MUTATION (2026-12-06): evicting finished results before raw rows over the bound survived."""
+    from omnishm.integrations.vllm import HeldResults
+
+    t = rows(1, range(4))
+    one = t.numel() * t.element_size()
+    held = HeldResults(2 * one)
+    held.hold("done", "A", (t.clone(), 0))
+    held.hold("raw", "A", t.clone())
+    held.hold("done", "B", (t.clone(), 0))
+    assert sorted(held.take("done")) == ["A", "B"] and held.take("raw") == {}
+
+
+def test_a_lone_engine_with_dp_index_0_keeps_its_name_and_endpoint():
+    """MUTATION (2026-12-06): ``index >= 0`` for ``> 0`` survived: a lone engine with data-parallel index 0 got a
+    replica name and a ConfigError."""
+    from types import SimpleNamespace
+
+    from omnishm.client.runner_mixin import replica_cache_name
+
+    pc = SimpleNamespace(data_parallel_index=0)
+    assert replica_cache_name("x", "ipc:///tmp/x.sock", parallel_config=pc) == "x"
