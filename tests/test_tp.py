@@ -827,3 +827,18 @@ def test_a_reader_whose_step_ids_ran_ahead_of_its_writers_refuses_the_hit(commit
     finally:
         w.shutdown()
         r.shutdown()
+
+
+def test_two_hit_plans_never_share_a_digest_through_an_id_that_holds_other_fields():
+    """REVIEW (2026-12-06): request ids went into the digest without their length, so a reader's one request
+    whose id held NUL, a length and a block number ("a\\0...b") hashed as its writer's two requests "a" and "b",
+    and was served x's rows. Every field goes in with its length first."""
+    from omnishm.client.steps import HitSpan, hits_digest
+
+    def span(blocks):
+        return HitSpan(slots=(torch.tensor(blocks)[:, None] * BS + torch.arange(BS)).reshape(-1), cvs={})
+
+    crafted = "a\0" + BS.to_bytes(8, "little").decode("latin-1") + (0).to_bytes(8, "little").decode("latin-1") + "b"
+    assert hits_digest({"a": span([0]), "b": span([1])}, BS) != hits_digest({crafted: span([1])}, BS)
+    assert hits_digest({"a": span([0]), "b": span([1])}, BS) == hits_digest({"b": span([1]), "a": span([0])}, BS)
+    assert hits_digest({"a": span([0, 1])}, BS) != hits_digest({"a": span([1, 0])}, BS)

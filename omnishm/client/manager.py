@@ -376,11 +376,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                 ctx.prefetch_taken = threading.Lock()
                 self._prefetcher.put(ctx)
             if self.is_writer:
-                if ctx.hits:  # the plan first: a reader that sees the step published finds its plan recorded
-                    at = 2 * (step_id % P.CTL_HITS_RING)
-                    self._hits_ring[at] = -1
-                    self._hits_ring[at + 1] = ctx.hits_digest
-                    self._hits_ring[at] = make_cv(self._epoch, step_id, 0)
+                self._record_plan(step_id, ctx.hits, ctx.hits_digest)  # first: a published step's plan is there
                 # Tagged with this writer's epoch: a reader takes no other writer's publication for its own.
                 self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
                 slot_bytes = (struct.pack(f"<{n}q", *slot_list) if slot_list is not None

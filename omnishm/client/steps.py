@@ -78,8 +78,10 @@ def hits_digest(hits: Mapping[ReqId, HitSpan], block_size: int) -> int:
     h = hashlib.blake2b(digest_size=8)
     for req in sorted(hits):
         slots = hits[req].slots
-        h.update(req.encode("utf-8", "surrogatepass"))
-        h.update(b"\0" + len(slots).to_bytes(8, "little"))
+        name = req.encode("utf-8", "surrogatepass")
+        # Every field with its length first: an id may hold any byte, and one id must never read as another
+        # plan's id, length and blocks (review, 2026-12-06: "a\0..." made two plans hash alike).
+        h.update(len(name).to_bytes(8, "little") + name + len(slots).to_bytes(8, "little"))
         h.update(slots[::block_size].numpy().astype("<i8").tobytes())
     return int.from_bytes(h.digest(), "little", signed=True)
 
@@ -205,17 +207,34 @@ class StepLifecycle:
                 self._forget_refused(write_layout)
                 cleared = True
         finally:
+            taken: dict[ReqId, HitSpan] = {}
             with self._lock:
                 try:
                     for w in write_layout.writes:
                         if w.num_tokens > 0:  # what a save takes (a 0-token request's hit waits for its next)
-                            self._pending_hits.pop(w.req_id, None)
+                            hit = self._pending_hits.pop(w.req_id, None)
+                            if hit is not None:
+                                taken[w.req_id] = HitSpan(slots=hit, cvs={})
                 except Exception:  # noqa: BLE001 - a layout refused as malformed names no request reliably
                     pass
                 self._consumed.add(step_id)
             self._next_step += 1
             if self.is_writer and cleared:
+                # The hits the readers' save took are this step's plan: a refusal on the writer alone is not the
+                # ranks disagreeing (review, 2026-12-06: readers refused such hits as "planned no hit").
+                self._record_plan(step_id, taken)
                 self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
+
+    def _record_plan(self, step_id: StepId, hits: Mapping[ReqId, HitSpan], digest: int | None = None) -> None:
+        """Writer, engine thread, before it publishes ``step_id``: record the step's hit plan for its readers'
+        check (``P.CTL_HITS_RING``); nothing for a step without hits. ``digest``: ``hits_digest(hits)``
+        already made."""
+        if not hits:
+            return
+        at = 2 * (step_id % P.CTL_HITS_RING)
+        self._hits_ring[at] = -1  # a reader that loads the entry meanwhile sees it is being written
+        self._hits_ring[at + 1] = hits_digest(hits, self.config.block_size) if digest is None else digest
+        self._hits_ring[at] = make_cv(self._epoch, step_id, 0)
 
     def _wait_step_events(self, ctx: StepCtx) -> None:
         """materialize waits only the events of the step it reads, then sends the step if still unsent."""
