@@ -129,7 +129,10 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
                                        f"{protocol.PROTOCOL_VERSION} ({exc})") from None
 
     try:
-        sock.connect(endpoint)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:  # a form ZeroMQ refuses (check_endpoint passes only the ones it takes)
+            raise CommitterUnavailable(f"cannot connect to {endpoint}: {exc}") from None
         welcome = call(protocol.Hello(rid=1, protocol=protocol.PROTOCOL_VERSION, client_id=uuid.uuid4().hex,
                                       pid=os.getpid(), uid=os.geteuid(), role=protocol.ROLE_ADMIN, cache=name))
         if not isinstance(welcome, protocol.Welcome):

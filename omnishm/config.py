@@ -73,8 +73,14 @@ def check_endpoint(endpoint: str) -> str:
         if host not in LOOPBACK_HOSTS:
             raise ValueError(f"endpoint {endpoint!r} refused: tcp is allowed only on loopback "
                              f"({', '.join(LOOPBACK_HOSTS)}), never on {host!r}")
+        # ZeroMQ takes tcp://HOST:PORT and nothing more: a path, query or user part passed here, and a client's
+        # connect then raised a bare ZMQError (review, 2026-12-06).
+        if parts.username is not None or parts.path or parts.query or parts.fragment or endpoint.endswith(("?", "#")):
+            raise ValueError(f"endpoint {endpoint!r} refused: use tcp://HOST:PORT, with no user, path or query")
         if port is None:
             raise ValueError(f"endpoint {endpoint!r} has no port")
+        if port == 0:  # ZeroMQ binds any free port then, and no client can know which
+            raise ValueError(f"endpoint {endpoint!r} refused: port 0 binds a port no client knows; name one")
         return endpoint
     raise ValueError(f"endpoint {endpoint!r} refused: use ipc://PATH or tcp://127.0.0.1:PORT")
 
@@ -243,8 +249,11 @@ def _typed(knob: Knob, raw: Any) -> Any:
         if isinstance(raw, bool) or isinstance(raw, float):
             raise ValueError("expected an integer")
         if isinstance(raw, str):
+            text = raw.strip().replace("_", "")
+            # Decimal unless it says 0x, 0o or 0b: base 0 alone refused "08" as "expected an integer" (review).
+            prefixed = text.lstrip("+-")[:2].lower() in ("0x", "0o", "0b")
             try:
-                return int(raw.strip().replace("_", ""), 0)
+                return int(text, 0 if prefixed else 10)
             except ValueError:
                 raise ValueError("expected an integer") from None
         if isinstance(raw, int):
@@ -314,10 +323,11 @@ class Resolved:
 
 def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
             env: Mapping[str, str] | None = None, config_file: str | os.PathLike | None = None,
-            names: tuple[str, ...] | None = None) -> Resolved:
+            names: tuple[str, ...] | None = None, given_as: str = "flag") -> Resolved:
     """Knob values for ``scope`` (``committer``, ``client`` or ``both``): flags > env > file > defaults.
 
-    ``flags``: values given on the command line (absent or None: not given).
+    ``flags``: values given on the command line (absent or None: not given), or, with ``given_as="keyword"``,
+    as keyword arguments of a Python call (an error then names ``keyword NAME=``, not a flag nobody gave).
     ``names``: resolve only these knobs (a tool that needs three knobs does not
     fail on a bad unrelated one).
     ``env``: defaults to ``os.environ``. ``config_file``: defaults to ``$OMNISHM_CONFIG``
@@ -346,7 +356,7 @@ def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
                 source = f"env {var}"
                 value = convert(knob, env[var], source)
         if knob.name in flags:
-            source = f"flag {knob.flag}"
+            source = f"flag {knob.flag}" if given_as == "flag" else f"keyword {knob.name}="
             value = convert(knob, flags[knob.name], source)
         values[knob.name] = value
         sources[knob.name] = source
@@ -447,7 +457,7 @@ def client_settings(*, env: Mapping[str, str] | None = None, config_file: str | 
 
     Raises ConfigError on a bad value or an unknown override.
     """
-    r = resolve("client", overrides, env=env, config_file=config_file)
+    r = resolve("client", overrides, env=env, config_file=config_file, given_as="keyword")
     v = r.values
     return ClientSettings(name=v["name"], runtime_dir=v["runtime_dir"], endpoint=v["endpoint"],
                           autostart=v["autostart"], connect_timeout_s=v["connect_timeout_s"],
@@ -471,7 +481,8 @@ def load_prefix_cache_config(num_blocks: int, block_size: int, *, derived: Mappi
     if bad:
         raise ConfigError(f"load_prefix_cache_config: {', '.join(sorted(bad))} not a prefix-cache knob "
                           f"(those are {', '.join(PREFIX_CACHE_KNOBS)})")
-    r = resolve("client", overrides, env=env, config_file=config_file, names=PREFIX_CACHE_KNOBS)
+    r = resolve("client", overrides, env=env, config_file=config_file, names=PREFIX_CACHE_KNOBS,
+                given_as="keyword")
     values = dict(r.values)
     for name, raw in derived.items():
         if r.sources[name] == "default" and raw is not None:

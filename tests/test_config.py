@@ -84,6 +84,12 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     ({}, {}, 'endpoint = "tcp://10.0.0.1:5555"\n', "tcp is allowed only on loopback"),
     # A review's: the committer took "@x" for a file in its working directory, removed one, then crashed.
     ({"endpoint": "ipc://@x"}, {}, "", "abstract ipc sockets have no file permissions"),
+    # REVIEW (2026-12-06): forms ZeroMQ cannot connect to passed, and a client's connect raised a bare ZMQError;
+    # port 0 bound a random port no client could know.
+    ({"endpoint": "tcp://127.0.0.1:5599/x"}, {}, "", "use tcp://HOST:PORT, with no user, path or query"),
+    ({"endpoint": "tcp://me@127.0.0.1:5598"}, {}, "", "use tcp://HOST:PORT, with no user, path or query"),
+    ({"endpoint": "tcp://127.0.0.1:5597?a=b"}, {}, "", "use tcp://HOST:PORT, with no user, path or query"),
+    ({"endpoint": "tcp://127.0.0.1:0"}, {}, "", "port 0 binds a port no client knows"),
     ({}, {}, "staging_depth = 0\n", "bad staging_depth = 0 (from file"),
     ({}, {}, 'prefault = "maybe"\n', "expected a boolean"),
     ({}, {}, "staging_dpeth = 3\n", "unknown key 'staging_dpeth' (did you mean 'staging_depth'?)"),
@@ -228,3 +234,25 @@ def test_prefix_cache_config_refuses_non_finite_timeouts(value):
 
     with pytest.raises(ValueError, match="commit_timeout_s"):
         PrefixCacheConfig(num_blocks=16, block_size=4, commit_timeout_s=value)
+
+
+def test_a_keyword_override_is_named_as_a_keyword_and_a_leading_zero_is_decimal():
+    """REVIEW (2026-12-06): a keyword override of ``load_prefix_cache_config`` or ``client_settings`` was
+    reported as a command-line flag nobody gave ("from flag --staging-depth"); and "08" was refused as "expected
+    an integer" (base 0 refuses a leading zero), while 0x/0o/0b forms are still read."""
+    with pytest.raises(ConfigError, match=r"bad staging_depth = 0 \(from keyword staging_depth=\)"):
+        knobs.load_prefix_cache_config(8, 4, env={}, staging_depth=0)
+    with pytest.raises(ConfigError, match=r"\(from keyword autostart=\)"):
+        knobs.client_settings(env={}, autostart="maybe")
+    for text, value in (("08", 8), ("010", 10), ("0x10", 16), ("0o10", 8), ("1_000", 1000)):
+        assert knobs.resolve("client", env={"OMNISHM_STAGING_DEPTH": text}, names=("staging_depth",))[
+            "staging_depth"] == value, text
+
+
+def test_an_admin_request_to_an_endpoint_zeromq_refuses_is_unavailable_not_a_traceback():
+    """REVIEW (2026-12-06): ``omnishm ping``/``status`` connected without a guard, and an endpoint ZeroMQ refuses
+    printed a ZMQError traceback. ``check_endpoint`` refuses those forms now; the connect is guarded too."""
+    from omnishm.cli import CommitterUnavailable, admin_request
+
+    with pytest.raises(CommitterUnavailable, match="cannot connect to tcp://127.0.0.1:5599/x"):
+        admin_request("x", "tcp://127.0.0.1:5599/x", None, timeout_s=1.0)

@@ -121,6 +121,21 @@ def test_a_bad_client_knob_stops_the_demo_before_it_starts_anything():
     assert not shm.list_segments(name) and not list(RUNTIME_DIR.glob(f"{name}.*"))
 
 
+def test_a_bad_committer_knob_stops_the_demo_before_it_starts_anything():
+    """REVIEW (2026-12-06): a bad committer knob in the environment (read by the committer a rank autostarts)
+    was refused only by each rank's autostarted committer in turn: the knob's error three times, the refused
+    starts' logs counted as leaked, exit 1. It is refused once, by the launcher, with exit 2, as a client
+    knob is."""
+    name = unique_cache_name("demo")
+    env = {**os.environ, "OMNISHM_HEARTBEAT_S": "abc"}
+    proc = subprocess.run([sys.executable, "-m", "omnishm", "demo", "--name", name, *SMALL], env=env,
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("bad heartbeat_s = 'abc' (from env OMNISHM_HEARTBEAT_S)") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not shm.list_segments(name) and not list(RUNTIME_DIR.glob(f"{name}.*"))
+
+
 def test_a_cache_name_a_running_committer_serves_stops_the_demo_before_it_starts_anything(committer):
     """REVIEW (2026-12-06, a newcomer's walkthrough): ``omnishm demo --name N`` beside a committer N launched
     with ``scripts/launch_committer.sh`` ran its ranks on that committer, which outlives them, and then

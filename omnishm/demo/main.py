@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from omnishm import liveness, paths, shm
-from omnishm.config import ConfigError, manager_connection, seconds_argument
+from omnishm.config import ConfigError, manager_connection, resolve, seconds_argument
 from omnishm.demo.launch import InterruptOnce, RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
 
@@ -129,6 +129,10 @@ def cli_main(args: argparse.Namespace) -> int:
         return 2
     try:
         opts.prefix_cache_config()  # what every rank will build: a bad OMNISHM_* knob stops the demo here
+        if opts.autostart:
+            # The committer a rank autostarts reads the same environment and file. A bad committer knob made
+            # each rank's start fail in turn, and the refused starts' logs were counted as leaks (review).
+            resolve("committer", {"name": opts.cache})
     except (ConfigError, ValueError) as exc:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
