@@ -17,10 +17,10 @@ from pathlib import Path
 
 import posix_ipc
 
-from omnishm.paths import default_runtime_dir, socket_path
+from omnishm.liveness import (OWNER, CacheLock, cache_is_live, clients_attached, flock_within, generation_owned,
+                              lock_path, recorded_runtime_dir, socket_lock_path, still_names)
+from omnishm.paths import default_runtime_dir, socket_in_use, socket_path
 from omnishm.shm import SHM_DIR, is_cache_name, list_segments, parse_segment_name, segment_name, unlink_segment
-from omnishm.liveness import OWNER, CacheLock, cache_is_live, clients_attached, flock_within, generation_owned, lock_path, recorded_runtime_dir, socket_lock_path, still_names
-from omnishm.paths import socket_in_use
 
 logger = logging.getLogger(__name__)
 

@@ -674,7 +674,7 @@ def test_a_live_writer_whose_hello_named_another_process_is_never_taken_for_gone
     live, second = RawClient(handle.endpoint, handle.name), RawClient(handle.endpoint, handle.name)
     try:
         # Its own start time, as its own /proc shows it, beside a pid that names another process here.
-        welcome = live.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=other.pid, started=liveness.proc_identity(os.getpid()))
+        welcome = live.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=other.pid, started=proc_identity(os.getpid()))
         assert isinstance(welcome, protocol.Welcome), welcome
         other.kill()
         other.wait()

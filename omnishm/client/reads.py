@@ -376,7 +376,9 @@ class ReadSide:
             return
         if marker == again == want:
             why = "the writer planned other hits (other requests, blocks or hit lengths)"
-        elif marker != again or (marker > 0 and cv_epoch(marker) == self._follows and cv_step(marker) > ctx.step_id):
+        elif marker != again or marker == -1 or (marker > 0 and cv_epoch(marker) == self._follows
+                                                  and cv_step(marker) > ctx.step_id):
+            # This step's entry was whole before its publication: one changing now is a later step's.
             why = (f"the writer's record of this step was overwritten: this reader runs {P.CTL_HITS_RING} or more "
                    f"steps with hits behind it")
         else:
