@@ -824,6 +824,14 @@ def test_a_reader_whose_step_ids_ran_ahead_of_its_writers_refuses_the_hit(commit
         w._hits_ring[at] = make_cv(w._epoch, sid + protocol.CTL_HITS_RING, 0)
         with pytest.raises(OmniPrefixCacheUnmatchError, match=r"record of this step was overwritten"):
             r.materialize(sid, ["d"])
+        # An entry caught mid-write after its step was published is a later step's too.
+        w.new_step_starts([])
+        w.discard_step(save(w, [], BS))
+        r.new_step_starts([started("e", [0, 3], hit=4)])
+        sid = save(r, [Part("e", 9, [0, 3], 4, 2)], BS)
+        w._hits_ring[2 * (sid % protocol.CTL_HITS_RING)] = -1
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"record of this step was overwritten"):
+            r.materialize(sid, ["e"])
     finally:
         w.shutdown()
         r.shutdown()
