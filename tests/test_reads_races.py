@@ -382,3 +382,43 @@ def test_writer_serves_a_hit_rescued_while_its_reading_thread_was_inside_the_ste
     assert m.counters["cow_rescues"] >= 4
     assert "exc" not in result, f"the writer refused a read it had rescued: {result.get('exc')}"
     assert torch.equal(result["out"].hidden_states["b"], expect(1, 4, 1, 4, 3))
+
+
+def test_a_readers_materialize_of_a_landed_hit_never_waits_for_another_requests_rows(committer):
+    """REVIEW (2026-12-06): the reader's prefetch read a step's hit requests one after another and signalled the
+    step done after the last, and ``materialize(["x"])`` waited for that: with b's hit rows held in transit for
+    3 s, x's call (its rows committed long before) took 2.8 s. Each hit request is claimed by whoever comes to
+    it first; materialize waits for the prefetch of the requests it asked for only, and reads the others
+    itself."""
+    cfg = quick_config(commit_timeout_s=10.0)
+    w = OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False)
+    r = OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False, role="reader")
+    gate = Gate()
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        w.wait_idle()
+        real = w._link.submit
+        w._link.submit = gate.wrap(real)
+        sids = []
+        for m in (w, r):  # c writes blocks 1-2; b hits block 1 in the same step (held); x hits block 0 (landed)
+            m.new_step_starts([started("c", [1, 2]), started("b", [1, 3], hit=4), started("x", [0, 4], hit=4)])
+            sids.append(save(m, [Part("c", 3, [1, 2], 0, 8), Part("b", 3, [1, 3], 4, 2),
+                                 Part("x", 1, [0, 4], 4, 2)], BS))
+        w._link.submit = real
+        w.discard_step(sids[0])
+        threading.Timer(3.0, gate.open.set).start()
+        deadline = time.monotonic() + 5
+        while not r._ctxs[sids[1]].prefetch_taken.locked():  # the prefetch thread took the step (b is first)
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        out = r.materialize(sids[1], ["x"])
+        took = time.monotonic() - t0
+        assert torch.equal(out.hidden_states["x"], expect(1, 4, 1, 4, 2))
+        assert took < 1.5, f"materialize of x waited {took:.2f}s for b's rows"
+    finally:
+        gate.open.set()
+        r.shutdown()
+        w.shutdown()

@@ -374,6 +374,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             if self._prefetcher is not None and ctx.hits:
                 ctx.prefetch_done = threading.Event()
                 ctx.prefetch_taken = threading.Lock()
+                ctx.prefetch_lock = threading.Lock()
                 self._prefetcher.put(ctx)
             if self.is_writer:
                 self._record_plan(step_id, ctx.hits, ctx.hits_digest)  # first: a published step's plan is there
@@ -418,7 +419,11 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         step are views of one buffer: holding one request's keeps the whole step's
         buffer alive, and pickling it carries the other requests' rows. ``clone()``
         what is kept past the request's prompt or sent elsewhere (the vLLM
-        integration and the drop-in do).
+        integration and the drop-in do). Sending a result through
+        ``torch.multiprocessing`` uncloned moves the whole buffer to new shared
+        memory (``share_memory_()``): the tensors follow, but a numpy array made
+        earlier from another request's result (``.numpy()``) stays on the old
+        memory, which the result pool then hands to a later step.
         """
         try:
             return self._materialize(step_id, req_ids, out)

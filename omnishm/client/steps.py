@@ -67,6 +67,13 @@ class StepCtx:
     """Reader: taken once, by whoever comes to the step first: the prefetch thread (it reads the hit rows)
     or ``_take_ctx`` (the step was consumed while the prefetch thread was still busy with earlier steps:
     it skips the step, and ``prefetch_done`` is dropped, since nothing will set it)."""
+    prefetch_claims: dict[ReqId, threading.Event | None] = field(default_factory=dict)
+    """Reader, under ``prefetch_lock``: who reads each hit request's rows, claimed by whoever comes to it first.
+    The prefetch thread's claim is an Event it sets once the request is done (its rows in ``prefetched``, or
+    failed); materialize's is None, and the prefetch thread then skips the request. So a materialize waits
+    for the prefetch of the requests it asked for only, never for another request's rows in transit (review,
+    2026-12-06: ``materialize(["x"])`` waited out b's held rows, 2.8 s)."""
+    prefetch_lock: threading.Lock | None = None
 
 
 def hits_digest(hits: Mapping[ReqId, HitSpan], block_size: int) -> int:
@@ -251,8 +258,24 @@ class StepLifecycle:
         and returns those: the hit is copied once, not into the prefetch's buffer and again into the result."""
         if ctx.prefetch_done is None or not any(r in ctx.hits for r in req_ids):
             return set()  # never wait for other requests' hits (review: a call without hits waited them out)
-        ctx.prefetch_done.wait(max(0.0, deadline - time.monotonic()))
-        return {r for r in req_ids if r in ctx.hits and all((r, k) in ctx.prefetched for k in ctx.step_rows)}
+        ready = set()
+        for r in req_ids:
+            done = self._prefetch_claim(ctx, r) if r in ctx.hits else None
+            if done is not None:
+                done.wait(max(0.0, deadline - time.monotonic()))
+                if all((r, k) in ctx.prefetched for k in ctx.step_rows):
+                    ready.add(r)
+        return ready
+
+    @staticmethod
+    def _prefetch_claim(ctx: StepCtx, req: ReqId) -> threading.Event | None:
+        """Reader, materialize's thread: the prefetch thread's Event for hit request ``req`` (set once it is
+        done), or None when materialize reads ``req`` itself: claimed here first, the prefetch skips it."""
+        assert ctx.prefetch_lock is not None
+        with ctx.prefetch_lock:
+            if req not in ctx.prefetch_claims:
+                ctx.prefetch_claims[req] = None
+            return ctx.prefetch_claims[req]
 
     def _take_prefetched(self, ctx: StepCtx, req: ReqId, key: TensorName, deadline: float) -> torch.Tensor | None:
         """The result the prefetch thread made for ``req``/``key`` (``(hit + step rows, width)``, the hit's rows
@@ -263,7 +286,9 @@ class StepLifecycle:
             if ctx.prefetch_taken is not None:  # a prefetch the consumed step got ahead of (``_take_ctx``)
                 self.counters["prefetch_dropped"] += 1
             return None
-        ctx.prefetch_done.wait(max(0.0, deadline - time.monotonic()))
+        done = self._prefetch_claim(ctx, req)
+        if done is not None:
+            done.wait(max(0.0, deadline - time.monotonic()))
         rows = ctx.prefetched.pop((req, key), None)
         self.counters["prefetch_used" if rows is not None else "prefetch_dropped"] += 1
         return rows
