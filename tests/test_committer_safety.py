@@ -733,3 +733,20 @@ def test_a_committer_whose_runtime_files_were_removed_leaves_its_successors_lock
     finally:
         assert b.stop() == 0
     assert not any(f.exists() for f in files)
+
+
+def test_a_message_of_three_frames_is_a_decode_error_and_the_queue_depth_is_true(committer_factory):
+    """MUTATION (2026-12-06): the status ``queue_depth`` one off the batch size survived (1 for a request alone
+    in its batch), and a three-frame message is a decode error of kind ``frames``."""
+    h = committer_factory()
+    c = h.client()
+    try:
+        assert isinstance(c.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+        c.send_raw(protocol.encode(protocol.StatusRequest(rid=7)), b"trailing")
+        reply = c.recv()
+        assert isinstance(reply, protocol.Error) and reply.code == "decode" and "frames" in reply.message, reply
+        st = c.status()  # alone in its batch: nothing queued behind it
+        assert st["queue_depth"] == 0 and st["decode_errors"].get("frames") == 1, st
+        assert isinstance(c.goodbye(), protocol.Bye)
+    finally:
+        c.close()

@@ -414,3 +414,60 @@ def test_held_connections_cannot_take_the_metrics_threads_or_fds_beyond_a_bound(
         for c in conns:
             c.close()
         exporter.close()
+
+
+def test_a_departed_clients_gauge_leaves_and_per_role_sums_are_sums(committer_factory):
+    """MUTATION (2026-12-06): three survivors of the committer's metrics. A Goodbye that no longer told the
+    metrics the client departed left its ``staging_pages_in_use`` gauge in the role's sum (7 instead of 4); a
+    role's resident bytes were one client's, not the sum; and the ``decode_`` prefix could go from a decode
+    error's reason label unseen."""
+    port = free_port()
+    h = committer_factory("--metrics-port", str(port))
+    a, b = RawClient(h.endpoint, h.name), RawClient(h.endpoint, h.name)
+    layout = protocol.Layout(num_blocks=NUM_BLOCKS, block_size=BS)
+    try:
+        for c, pages in ((a, 3.0), (b, 4.0)):
+            assert isinstance(c.hello(protocol.ROLE_READER, layout), protocol.Welcome)
+            ack = c.call(protocol.Heartbeat(rid=c.next_rid(), counters={"staging_pages_in_use": pages,
+                                                                        "steps_saved": 2.0}))
+            assert isinstance(ack, protocol.HeartbeatAck), ack
+        m = scrape(port)
+        assert value(m, "omnishm_client_staging_pages_in_use", role="reader") == 7.0
+        rss = [c["rss_bytes"] for c in h.status()["clients"] if c["role"] == "reader"]
+        assert len(rss) == 2 and value(m, "omnishm_process_resident_bytes", role="reader") >= 1.5 * max(rss)
+        assert isinstance(a.goodbye(), protocol.Bye)
+        m = scrape(port)
+        assert value(m, "omnishm_client_staging_pages_in_use", role="reader") == 4.0
+        assert value(m, "omnishm_client_steps_saved_total", role="reader") == 4.0  # the departed one still counts
+        b.send_raw(b"\xc1 not msgpack")
+        assert b.recv().code == "decode"
+        assert value(scrape(port), "omnishm_rejected_messages_total", reason="decode_msgpack") == 1.0
+        assert isinstance(b.goodbye(), protocol.Bye)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_throughput_window_health_bound_and_queue_depth_of_the_metrics():
+    """MUTATION (2026-12-06): three survivors of ``committer/metrics.py``. A ring that sampled at every tick
+    (``<=`` for ``>=``) shrank the throughput window from about 10 s to 1.1 s; a health bound of
+    ``min(5 s, ...)`` for ``max`` reported a committer with a 0.1 s tick unhealthy after 0.5 s of loop silence;
+    and ``omnishm_queue_depth`` one off the batch size."""
+    from types import SimpleNamespace
+
+    from omnishm.committer.metrics import Observability, _SnapshotCollector
+
+    ring = ThroughputRing(sample_s=1.0, window_s=10.0)
+    for i in range(301):  # a tick every 0.1 s for 30 s
+        ring.maybe_sample(i / 10, i * 10, i * 100)
+    rates = ring.rates(30.0, 3000, 30000)
+    assert 9.0 <= rates["window_s"] <= 11.0 and rates["rows_per_s"] == pytest.approx(100.0), rates
+    stub = SimpleNamespace(cfg=SimpleNamespace(name="stub", metrics_port=0), stopping=False, stop_reason="",
+                           pool=SimpleNamespace(keys={}))
+    obs = Observability(stub, tick_s=0.1)
+    obs.last_tick = time.monotonic() - 2.0
+    assert obs.healthy()[0], obs.healthy()
+    now = time.monotonic()
+    obs.batch_done(3, now, now)
+    families = {f.name: f for f in _SnapshotCollector(obs).collect()}
+    assert families["omnishm_queue_depth"].samples[0].value == 3
