@@ -299,7 +299,7 @@ def cache_is_live(runtime_dir: Path, cache: str) -> bool:
     path = lock_path(runtime_dir, cache)
     try:
         fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock there; a runtime dir that is a file holds none
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

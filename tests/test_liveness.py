@@ -1,0 +1,322 @@
+"""Liveness, the orphan sweep, the committer's start-up sweep and its metadata at their edges.
+
+Each test kills a mutant of ``omnishm/orphans.py``, ``omnishm/liveness.py``, ``omnishm/committer/start.py`` or
+``omnishm/committer/meta.py`` that survived the rest of the suite (mutation review, 2026-12-06: 50 mutants, 34
+killed before). Races between a sweep and a starting committer are placed by patching ``flock_within``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import posix_ipc
+import pytest
+
+from conftest import unique_cache_name
+from omnishm import liveness, orphans, paths, shm
+from omnishm.committer import meta, start
+
+
+# MUTATION (2026-12-06), O5 survived the suite: a committer's own start-up sweep (assume_dead) removes its name's
+# other generations even with clients attached (a generation that failed to adopt, or a second live one):
+# adopt_live_cache logs that they are swept.
+def test_assume_dead_sweeps_other_generations_with_clients_attached(tmp_path):
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("twolive")
+    made = []
+    for gen in ("g0", "g1"):
+        for w in ("ctl", "pool.k0"):
+            name = shm.segment_name(cache, gen, w)
+            shm.Segment.create(name, 64).close()
+            made.append(name)
+    lock = liveness.CacheLock.acquire(rt, cache, "g1")
+    owner = liveness.GenerationOwner.acquire(cache, "g1", runtime_dir=rt)
+    fd = posix_ipc.SharedMemory(shm.segment_name(cache, "g0", "ctl"), 0).fd
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a client still attached to g0
+    try:
+        removed = orphans.sweep(rt, cache, keep_generation="g1", assume_dead=True)
+        assert sorted(removed) == sorted(n for n in made if ".g0." in n), removed
+    finally:
+        os.close(fd)
+        owner.release(unlink=True)
+        lock.release()
+        for n in shm.list_segments(cache):
+            shm.unlink_segment(n)
+
+
+# MUTATION (2026-12-06), O14 survived the suite: _remove_generation must re-check that the owner segment's name
+# still names the fd it locked.
+def test_sweep_leaves_a_generation_whose_owner_was_remade_and_is_held_between_open_and_lock(tmp_path, monkeypatch):
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("remade")
+    names = [shm.segment_name(cache, "g0", w) for w in ("ctl", "pool.k0")]
+    for n in names:
+        shm.Segment.create(n, 64).close()
+    liveness.GenerationOwner.acquire(cache, "g0", runtime_dir=rt).release(unlink=False)
+    owner_name = shm.segment_name(cache, "g0", liveness.OWNER)
+    held = []
+    real = orphans.flock_within
+
+    def flock_within(fd, patience):
+        if not held:  # between the sweep's open of the owner and its lock: removed, and made again by a committer
+            shm.unlink_segment(owner_name)
+            held.append(liveness.GenerationOwner.acquire(cache, "g0", runtime_dir=rt))
+            # held: a committer adopting g0 owns it now
+        return real(fd, patience)
+
+    monkeypatch.setattr(orphans, "flock_within", flock_within)
+    try:
+        removed = orphans.sweep(rt, cache, force=True)
+        assert removed == [], removed
+        assert sorted(shm.list_segments(cache)) == sorted(names + [owner_name])
+    finally:
+        monkeypatch.undo()
+        if held and held[0] is not None:
+            held[0].release(unlink=False)
+        for n in names + [owner_name]:
+            shm.unlink_segment(n)
+
+
+# MUTATION (2026-12-06), O18 survived the suite: a client that attaches between sweep's first clients_attached check
+# and its owner lock keeps its generation (the re-check under the lock in _remove_generation).
+def test_a_client_attaching_while_the_sweep_takes_the_owner_lock_keeps_the_generation(tmp_path, monkeypatch):
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("lateclient")
+    names = [shm.segment_name(cache, "g0", w) for w in ("ctl", "pool.k0")]
+    for n in names:
+        shm.Segment.create(n, 64).close()
+    liveness.GenerationOwner.acquire(cache, "g0", runtime_dir=rt).release(unlink=False)
+    fds = []
+    real = orphans.flock_within
+
+    def flock_within(fd, patience):
+        if not fds:
+            cfd = posix_ipc.SharedMemory(names[0], 0).fd
+            fcntl.flock(cfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fds.append(cfd)
+        return real(fd, patience)
+
+    monkeypatch.setattr(orphans, "flock_within", flock_within)
+    try:
+        assert orphans.sweep(rt, cache) == []
+        assert len(shm.list_segments(cache)) == 3
+    finally:
+        monkeypatch.undo()
+        for fd in fds:
+            os.close(fd)
+        for n in shm.list_segments(cache):
+            shm.unlink_segment(n)
+
+
+# MUTATION (2026-12-06), L5 survived the suite: GenerationOwner.acquire must hold its lock on the segment the name
+# names now, not on one unlinked (by a sweep) between its open and its flock: else two committers both own the
+# generation.
+def test_owner_acquire_retakes_a_segment_unlinked_before_its_lock(monkeypatch):
+    cache = unique_cache_name("ownrace")
+    name = shm.segment_name(cache, "g0", liveness.OWNER)
+    real = liveness.flock_within
+    calls = []
+
+    def flock_within(fd, patience):
+        if not calls:  # a sweep removed the owner segment between acquire's open and its flock
+            calls.append(1)
+            shm.unlink_segment(name)
+        return real(fd, patience)
+
+    monkeypatch.setattr(liveness, "flock_within", flock_within)
+    owner = liveness.GenerationOwner.acquire(cache, "g0")
+    monkeypatch.undo()
+    try:
+        assert owner is not None
+        assert liveness.generation_owned(cache, "g0"), "the owner lock is on an unlinked segment"
+        assert liveness.GenerationOwner.acquire(cache, "g0", patience_s=0.05) is None
+    finally:
+        if owner is not None:
+            owner.release(unlink=True)
+        shm.unlink_segment(name)
+
+
+# MUTATION (2026-12-06), L13 survived the suite: CacheLock.at holds the file its path names now, not one a sweep
+# unlinked between its open and flock.
+def test_cache_lock_retakes_a_file_unlinked_before_its_flock(tmp_path, monkeypatch):
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("unl")
+    path = liveness.lock_path(rt, cache)
+    real = liveness.flock_within
+    calls = []
+
+    def flock_within(fd, patience):
+        if not calls:
+            calls.append(1)
+            path.unlink()
+        return real(fd, patience)
+
+    monkeypatch.setattr(liveness, "flock_within", flock_within)
+    lock = liveness.CacheLock.acquire(rt, cache, "g1")
+    monkeypatch.undo()
+    try:
+        assert lock is not None and path.exists() and liveness.still_names(path, lock.fd)
+        assert liveness.cache_is_live(rt, cache)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+# MUTATION (2026-12-06), L9 survived the suite: a segment not ours to open (PermissionsError: another user's) counts
+# as locked, never as free to remove.
+def test_a_segment_we_may_not_open_counts_as_locked(monkeypatch):
+    def denied(name, flags=0, *a, **k):
+        raise posix_ipc.PermissionsError("denied")
+
+    monkeypatch.setattr(liveness.posix_ipc, "SharedMemory", denied)
+    assert liveness.segment_locked("/omnishm.someone.g0.ctl")
+    assert liveness.clients_attached("/omnishm.someone.g0.ctl")
+    assert liveness.generation_owned("someone", "g0")
+
+
+# MUTATION (2026-12-06), L14 survived the suite: a lock file with more than two words is not a committer's: a sweep
+# of every cache leaves it.
+def test_a_three_word_lock_file_is_not_a_committers(tmp_path):
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    (rt / "app.lock").write_text("app 1234 extra\n")
+    assert liveness.CacheLock.holder(rt / "app.lock") is None
+    assert orphans.sweep(rt) == []
+    assert os.listdir(rt) == ["app.lock"]
+
+
+# MUTATION (2026-12-06), L19 survived the suite: cache_is_live is a shared probe: another probe in flight (a shared
+# lock) is not a live committer.
+def test_a_probe_in_flight_is_not_a_committer(tmp_path):
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("probe")
+    path = liveness.lock_path(rt, cache)
+    path.write_text("dead 4194304\n")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # another cache_is_live (a client's autostart check) in flight
+        assert not liveness.cache_is_live(rt, cache)
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+# MUTATION (2026-12-06), L17/L18/L21 survived the suite: proc_identity: None for a zombie; the start time (field 22
+# of /proc/PID/stat), even when the command name holds ') '.
+def _starttime(pid):
+    text = open(f"/proc/{pid}/stat", "rb").read()
+    return text[text.rfind(b")") + 2:].split()[19].decode()
+
+
+def test_a_zombie_has_no_identity():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        for _ in range(200):
+            if open(f"/proc/{pid}/stat", "rb").read().split(b") ")[1][:1] == b"Z":
+                break
+            time.sleep(0.01)
+        assert liveness.proc_identity(pid) is None
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_identity_is_the_start_time():
+    assert liveness.proc_identity(os.getpid()) == _starttime(os.getpid())
+    assert liveness.proc_identity(os.getpid()) != "0"
+
+
+def test_identity_of_a_process_whose_name_holds_a_paren():
+    code = ("import ctypes,sys,time; ctypes.CDLL(None).prctl(15, b'a) b c d e', 0, 0, 0); "
+            "print('ok', flush=True); time.sleep(30)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"ok"
+        assert b"a) b c d e" in open(f"/proc/{p.pid}/stat", "rb").read()
+        assert liveness.proc_identity(p.pid) == _starttime(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+
+
+# MUTATION (2026-12-06), S10 survived the suite: a committer's start-up sweep of other names leaves the dead
+# generations of another runtime dir where a committer still serves (another session's), and those whose owner names
+# no dir.
+def _dead_generation(cache, gen, recorded):
+    names = [shm.segment_name(cache, gen, w) for w in ("ctl", "pool.k0")]
+    for name in names:
+        shm.Segment.create(name, 64).close()
+    liveness.GenerationOwner.acquire(cache, gen, runtime_dir=recorded).release(unlink=False)
+    return sorted(names + [shm.segment_name(cache, gen, liveness.OWNER)])
+
+
+def test_start_up_sweep_leaves_a_served_foreign_dirs_dead_cache(tmp_path):
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    other = paths.ensure_runtime_dir(tmp_path / "other")
+    cache, nodir = unique_cache_name("foreign"), unique_cache_name("nodir")
+    made = _dead_generation(cache, "g0", other)
+    made2 = _dead_generation(nodir, "g0", None)
+    lock = liveness.CacheLock.acquire(other, "alive", "g1")
+    try:
+        start._sweep_dead_caches(rt, "me")
+        assert sorted(shm.list_segments(cache)) == made
+        assert sorted(shm.list_segments(nodir)) == made2
+    finally:
+        lock.release()
+        for n in made + made2:
+            shm.unlink_segment(n)
+
+
+# MUTATION (2026-12-06), X1/X2/X3/X5 survived the suite: meta.read/write: an empty slot is not a torn one; the
+# newest valid slot wins; a torn newest write leaves the previous one readable; another version is refused.
+def _mm():
+    return bytearray(meta.CTL_BYTES)
+
+
+def test_one_write_reads_back_without_a_torn_warning(caplog):
+    mm = _mm()
+    doc = {"version": meta.META_VERSION, "x": 1}
+    meta.write(mm, doc, 1)
+    with caplog.at_level(logging.WARNING, logger="omnishm"):
+        assert meta.read(mm) == (1, doc)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_the_newest_slot_wins_and_a_torn_newest_write_leaves_the_previous():
+    mm = _mm()
+    for seq in (1, 2, 3):
+        meta.write(mm, {"version": meta.META_VERSION, "seq": seq}, seq)
+    assert meta.read(mm)[0] == 3
+    off = meta.META_OFFSET + (3 % 2) * meta.SLOT_BYTES
+    mm[off + 24] ^= 0xFF  # tear the body of the newest write
+    assert meta.read(mm) == (2, {"version": meta.META_VERSION, "seq": 2})
+
+
+def test_another_version_is_refused():
+    mm = _mm()
+    meta.write(mm, {"version": 1}, 1)
+    with pytest.raises(meta.MetaError, match="version"):
+        meta.read(mm)
+
+
+def test_cleanup_given_a_file_as_its_runtime_dir_still_sweeps_dead_segments(tmp_path, capsys):
+    """REVIEW (2026-12-06): ``omnishm cleanup --runtime-dir FILE`` exited 1 ("Not a directory") as soon as any
+    dead generation existed: ``cache_is_live`` caught only a missing lock file. A runtime dir that is a file
+    holds no lock, and the segments are swept still (the owner lock still guards a live committer's)."""
+    from omnishm import cli
+
+    bad = tmp_path / "a-file"
+    bad.write_text("x")
+    cache = unique_cache_name("notdir")
+    shm.Segment.create(shm.segment_name(cache, "g0", "ctl"), 64).close()
+    try:
+        assert cli.main(["cleanup", "--runtime-dir", str(bad), "--name", cache]) == 0, capsys.readouterr()
+        assert shm.list_segments(cache) == []
+    finally:
+        for name in shm.list_segments(cache):
+            shm.unlink_segment(name)
