@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,16 @@ import pytest
 from conftest import unique_cache_name
 from omnishm import liveness, orphans, paths, shm
 from omnishm.committer import meta, start
+
+
+def _dead_generation(cache: str, gen: str, recorded) -> list[str]:
+    """The segments a committer of ``cache`` SIGKILLed while serving ``gen`` leaves (its owner segment naming the
+    runtime dir ``recorded``): sorted names, the owner's included."""
+    names = [shm.segment_name(cache, gen, w) for w in ("ctl", "pool.k0")]
+    for name in names:
+        shm.Segment.create(name, 64).close()
+    liveness.GenerationOwner.acquire(cache, gen, runtime_dir=recorded).release(unlink=False)
+    return sorted(names + [shm.segment_name(cache, gen, liveness.OWNER)])
 
 
 # MUTATION (2026-12-06), O5 survived the suite: a committer's own start-up sweep (assume_dead) removes its name's
@@ -54,10 +65,7 @@ def test_assume_dead_sweeps_other_generations_with_clients_attached(tmp_path):
 def test_sweep_leaves_a_generation_whose_owner_was_remade_and_is_held_between_open_and_lock(tmp_path, monkeypatch):
     rt = paths.ensure_runtime_dir(tmp_path / "rt")
     cache = unique_cache_name("remade")
-    names = [shm.segment_name(cache, "g0", w) for w in ("ctl", "pool.k0")]
-    for n in names:
-        shm.Segment.create(n, 64).close()
-    liveness.GenerationOwner.acquire(cache, "g0", runtime_dir=rt).release(unlink=False)
+    made = _dead_generation(cache, "g0", rt)
     owner_name = shm.segment_name(cache, "g0", liveness.OWNER)
     held = []
     real = orphans.flock_within
@@ -73,12 +81,12 @@ def test_sweep_leaves_a_generation_whose_owner_was_remade_and_is_held_between_op
     try:
         removed = orphans.sweep(rt, cache, force=True)
         assert removed == [], removed
-        assert sorted(shm.list_segments(cache)) == sorted(names + [owner_name])
+        assert sorted(shm.list_segments(cache)) == made
     finally:
         monkeypatch.undo()
         if held and held[0] is not None:
             held[0].release(unlink=False)
-        for n in names + [owner_name]:
+        for n in made:
             shm.unlink_segment(n)
 
 
@@ -87,16 +95,13 @@ def test_sweep_leaves_a_generation_whose_owner_was_remade_and_is_held_between_op
 def test_a_client_attaching_while_the_sweep_takes_the_owner_lock_keeps_the_generation(tmp_path, monkeypatch):
     rt = paths.ensure_runtime_dir(tmp_path / "rt")
     cache = unique_cache_name("lateclient")
-    names = [shm.segment_name(cache, "g0", w) for w in ("ctl", "pool.k0")]
-    for n in names:
-        shm.Segment.create(n, 64).close()
-    liveness.GenerationOwner.acquire(cache, "g0", runtime_dir=rt).release(unlink=False)
+    _dead_generation(cache, "g0", rt)
     fds = []
     real = orphans.flock_within
 
     def flock_within(fd, patience):
         if not fds:
-            cfd = posix_ipc.SharedMemory(names[0], 0).fd
+            cfd = posix_ipc.SharedMemory(shm.segment_name(cache, "g0", "ctl"), 0).fd
             fcntl.flock(cfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             fds.append(cfd)
         return real(fd, patience)
@@ -247,14 +252,6 @@ def test_identity_of_a_process_whose_name_holds_a_paren():
 # MUTATION (2026-12-06), S10 survived the suite: a committer's start-up sweep of other names leaves the dead
 # generations of another runtime dir where a committer still serves (another session's), and those whose owner names
 # no dir.
-def _dead_generation(cache, gen, recorded):
-    names = [shm.segment_name(cache, gen, w) for w in ("ctl", "pool.k0")]
-    for name in names:
-        shm.Segment.create(name, 64).close()
-    liveness.GenerationOwner.acquire(cache, gen, runtime_dir=recorded).release(unlink=False)
-    return sorted(names + [shm.segment_name(cache, gen, liveness.OWNER)])
-
-
 def test_start_up_sweep_leaves_a_served_foreign_dirs_dead_cache(tmp_path):
     rt = paths.ensure_runtime_dir(tmp_path / "rt")
     other = paths.ensure_runtime_dir(tmp_path / "other")
@@ -320,3 +317,18 @@ def test_cleanup_given_a_file_as_its_runtime_dir_still_sweeps_dead_segments(tmp_
     finally:
         for name in shm.list_segments(cache):
             shm.unlink_segment(name)
+
+
+# MUTATION (2026-12-06), S3 survived the suite: a committer's start no longer sweeping other names' dead caches
+# left a SIGKILLed committer's segments and files for good when its name never started again.
+def test_a_committer_of_another_name_sweeps_a_killed_caches_leftovers(committer_factory):
+    from conftest import RUNTIME_DIR, _cache_of_file
+
+    dead = committer_factory()
+    dead.client().close()
+    assert shm.list_segments(dead.name), "a committer has segments"
+    dead.proc.send_signal(signal.SIGKILL)
+    dead.proc.wait()
+    other = committer_factory()
+    assert shm.list_segments(dead.name) == [], other.log()
+    assert [f for f in os.listdir(RUNTIME_DIR) if _cache_of_file(f) == dead.name] == []
