@@ -45,7 +45,7 @@ from omnishm.client.result_pool import ResultPool
 from omnishm.client.segments import KeyViews, StagingPages, row_width
 from omnishm.client.serial import SerialThread
 from omnishm.client.session import SessionSide
-from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle, hits_digest
+from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.config import manager_connection
@@ -368,16 +368,13 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             self._abandon_step(ctx)
             raise
         try:
-            if ctx.hits:
-                ctx.hits_digest = hits_digest(ctx.hits, self.config.block_size)
             self._flush(to_flush)
             if self._prefetcher is not None and ctx.hits:
-                ctx.prefetch_done = threading.Event()
                 ctx.prefetch_taken = threading.Lock()
                 ctx.prefetch_lock = threading.Lock()
                 self._prefetcher.put(ctx)
             if self.is_writer:
-                self._record_plan(step_id, ctx.hits, ctx.hits_digest)  # first: a published step's plan is there
+                self._record_plan(step_id, ctx.hits)  # first: a published step's plan is there
                 # Tagged with this writer's epoch: a reader takes no other writer's publication for its own.
                 self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
                 slot_bytes = (struct.pack(f"<{n}q", *slot_list) if slot_list is not None

@@ -21,7 +21,7 @@ import torch
 from omnishm import protocol as P
 from omnishm.client.rowcopy import gather_rows
 from omnishm.client.segments import KeyViews, dtype_name
-from omnishm.client.steps import HitSpan, StepCtx
+from omnishm.client.steps import HitSpan, StepCtx, hits_digest
 from omnishm.interface import (HIDDEN_KEY, OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError, ReqId,
                                StageCacheOutputs, StepId, TensorName)
 from omnishm.versions import cv_epoch, cv_step, make_cv
@@ -373,7 +373,7 @@ class ReadSide:
         ring = self._hits_ring
         marker, digest, again = ring[at], ring[at + 1], ring[at]
         want = make_cv(self._follows, ctx.step_id, 0)
-        if marker == again == want and digest == ctx.hits_digest:
+        if marker == again == want and digest == hits_digest(ctx.hits, self.config.block_size):
             return
         if marker == again == want:
             why = "the writer planned other hits (other requests, blocks or hit lengths)"
@@ -509,9 +509,6 @@ class ReadSide:
                     done.set()
         except Exception:  # materialize reads again and raises with full context
             pass
-        finally:
-            assert ctx.prefetch_done is not None
-            ctx.prefetch_done.set()
 
     def _prefetch_request(self, ctx: StepCtx, req: ReqId, span: HitSpan, deadline: float) -> None:
         """Reader, prefetch thread: make ``req``'s result for every key, its hit rows in place."""

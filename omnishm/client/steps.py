@@ -48,8 +48,6 @@ class StepCtx:
     row_shapes: dict[TensorName, tuple[int, ...]] = field(default_factory=dict)
     hits: dict[ReqId, HitSpan] = field(default_factory=dict)
     """Hit requests; a step with hits is in the manager's ``_pinned`` until consumed."""
-    hits_digest: int = 0
-    """``hits_digest(hits)`` of a step with hits: the writer records it, a reader checks it (``P.CTL_HITS_RING``)."""
     rescue: dict[TensorName, dict[int, torch.Tensor]] = field(default_factory=dict)
     sources: dict[TensorName, RowSource] = field(default_factory=dict)
     """Writer: the step source of each immediate key (also in the manager's ``_step_sources``)."""
@@ -62,11 +60,10 @@ class StepCtx:
     prefetched: dict[tuple[ReqId, TensorName], torch.Tensor] = field(default_factory=dict)
     abandoned: bool = False
     """``_abandon_step`` ran (it runs at most once)."""
-    prefetch_done: threading.Event | None = None
     prefetch_taken: threading.Lock | None = None
     """Reader: taken once, by whoever comes to the step first: the prefetch thread (it reads the hit rows)
     or ``_take_ctx`` (the step was consumed while the prefetch thread was still busy with earlier steps:
-    it skips the step, and ``prefetch_done`` is dropped, since nothing will set it)."""
+    it skips the step, and ``prefetch_lock`` is dropped: nothing of the step will be prefetched)."""
     prefetch_claims: dict[ReqId, threading.Event | None] = field(default_factory=dict)
     """Reader, under ``prefetch_lock``: who reads each hit request's rows, claimed by whoever comes to it first.
     The prefetch thread's claim is an Event it sets once the request is done (its rows in ``prefetched``, or
@@ -74,13 +71,14 @@ class StepCtx:
     for the prefetch of the requests it asked for only, never for another request's rows in transit (review,
     2026-12-06: ``materialize(["x"])`` waited out b's held rows, 2.8 s)."""
     prefetch_lock: threading.Lock | None = None
+    """Reader: set while the prefetch thread may still read the step (None: it never will)."""
 
 
 def hits_digest(hits: Mapping[ReqId, HitSpan], block_size: int) -> int:
     """A step's hit plan as one int64: each hit request's id, hit length and blocks, in request-id order (so that
     ranks whose batches list the same requests in another order agree). A hit's slots are whole blocks
-    (``new_step_starts``), so its first slot of each block names them all: 2048 slots of a 32k-token hit hash
-    in about 20 us, all 32768 took 290. Equal on every rank given the same scheduler output; 64 bits of
+    (``new_step_starts``), so its first slot of each block names them all: the 2048 of a 32k-token hit hash
+    in about 24 us, all 32768 slots took 290. Equal on every rank given the same scheduler output; 64 bits of
     blake2b, so two plans that differ agree by chance once in 2**64."""
     h = hashlib.blake2b(digest_size=8)
     for req in sorted(hits):
@@ -232,15 +230,14 @@ class StepLifecycle:
                 self._record_plan(step_id, taken)
                 self._ctl_mv[P.CTL_PUBLISHED_STEP] = make_cv(self._epoch, step_id, 0)
 
-    def _record_plan(self, step_id: StepId, hits: Mapping[ReqId, HitSpan], digest: int | None = None) -> None:
+    def _record_plan(self, step_id: StepId, hits: Mapping[ReqId, HitSpan]) -> None:
         """Writer, engine thread, before it publishes ``step_id``: record the step's hit plan for its readers'
-        check (``P.CTL_HITS_RING``); nothing for a step without hits. ``digest``: ``hits_digest(hits)``
-        already made."""
+        check (``P.CTL_HITS_RING``); nothing for a step without hits."""
         if not hits:
             return
         at = 2 * (step_id % P.CTL_HITS_RING)
         self._hits_ring[at] = -1  # a reader that loads the entry meanwhile sees it is being written
-        self._hits_ring[at + 1] = hits_digest(hits, self.config.block_size) if digest is None else digest
+        self._hits_ring[at + 1] = hits_digest(hits, self.config.block_size)
         self._hits_ring[at] = make_cv(self._epoch, step_id, 0)
 
     def _wait_step_events(self, ctx: StepCtx) -> None:
@@ -256,7 +253,7 @@ class StepLifecycle:
         """Reader: the requests of ``req_ids`` whose result the prefetch made for every key (hit rows in place,
         room for the step's rows after them), waiting for it as ``_take_prefetched`` does. Materialize fills
         and returns those: the hit is copied once, not into the prefetch's buffer and again into the result."""
-        if ctx.prefetch_done is None or not any(r in ctx.hits for r in req_ids):
+        if ctx.prefetch_lock is None or not any(r in ctx.hits for r in req_ids):
             return set()  # never wait for other requests' hits (review: a call without hits waited them out)
         ready = set()
         for r in req_ids:
@@ -282,7 +279,7 @@ class StepLifecycle:
         in place), waiting for it until ``deadline`` (monotonic) once it has started this step; None when it
         has none (it failed, is still waiting, or has not started this step, being busy with earlier ones:
         materialize then reads itself, never waiting on those)."""
-        if ctx.prefetch_done is None:
+        if ctx.prefetch_lock is None:
             if ctx.prefetch_taken is not None:  # a prefetch the consumed step got ahead of (``_take_ctx``)
                 self.counters["prefetch_dropped"] += 1
             return None
@@ -319,7 +316,7 @@ class StepLifecycle:
             if len(self._consumed) > 4096:
                 self._consumed = {s for s in self._consumed if s > step_id - 2048}
         if ctx.prefetch_taken is not None and ctx.prefetch_taken.acquire(blocking=False):
-            ctx.prefetch_done = None  # its prefetch never started and now never will: nothing to wait for
+            ctx.prefetch_lock = None  # its prefetch never started and now never will: nothing to wait for
         return ctx
 
     def _release_ctx(self, ctx: StepCtx) -> None:
