@@ -259,11 +259,13 @@ def interrupt_once(monkeypatch, owner: object, name: str, *, after_real: bool = 
     return fired
 
 
-def sigterm_during_goodbye(monkeypatch, link, handler) -> object:
-    """A SIGTERM, handled by ``handler`` (an engine's own: it shuts the cache down, then raises
-    ``SystemExit``), comes while ``link``'s goodbye is on its way; returns the previous SIGTERM handler,
-    for the caller to put back."""
+def shutdown_cut_by_sigterm(monkeypatch, link, shutdown) -> None:
+    """Call ``shutdown`` (a runner's or a worker's) while a SIGTERM comes as ``link``'s goodbye is on its way,
+    handled as an engine's handler does: it calls ``shutdown`` itself, then raises ``SystemExit``. Asserts the
+    ``SystemExit`` reaches the caller, and puts the previous SIGTERM handler back."""
     import signal
+
+    import pytest
 
     real = link.request
 
@@ -272,5 +274,14 @@ def sigterm_during_goodbye(monkeypatch, link, handler) -> object:
         signal.raise_signal(signal.SIGTERM)
         return real(*args, **kw)
 
+    def handler(*_):
+        shutdown()
+        raise SystemExit(143)
+
     monkeypatch.setattr(link, "request", goodbye)
-    return signal.signal(signal.SIGTERM, handler)
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(SystemExit):
+            shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, old)

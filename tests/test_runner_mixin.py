@@ -412,24 +412,12 @@ def test_a_shutdown_a_sigterm_handler_made_inside_the_runners_own_is_finished_by
     """REVIEW (2026-12-06, of the reentrant shutdown lock): as in test_vllm_hooks.py, an engine's SIGTERM
     handler shut the runner's cache down during the runner's own shutdown, then raised ``SystemExit``; the
     runner let its manager go on the handler's early return, and the cut-short shutdown was never finished."""
-    import signal
-
-    from helpers import sigterm_during_goodbye
+    from helpers import shutdown_cut_by_sigterm
 
     threads = _links()
     r = _runner_after_one_step(committer_factory())
     m = r.prefix_cache_manager
-
-    def handler(*_):
-        r.prefix_cache_shutdown()
-        raise SystemExit(143)
-
-    old = sigterm_during_goodbye(monkeypatch, m._link, handler)
-    try:
-        with pytest.raises(SystemExit):
-            r.prefix_cache_shutdown()
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    shutdown_cut_by_sigterm(monkeypatch, m._link, r.prefix_cache_shutdown)
     assert r.prefix_cache_manager is m and not m.shut_down
     r.prefix_cache_shutdown()
     assert r.prefix_cache_manager is None and m.shut_down and _links() == threads

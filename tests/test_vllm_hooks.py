@@ -380,24 +380,12 @@ def test_a_shutdown_a_sigterm_handler_made_inside_the_workers_own_keeps_the_hook
     down, then raises ``SystemExit``, came during the worker's own shutdown. The handler's shutdown returns at
     once (its own thread is mid-shutdown), and the worker let the hooks go on that return; the outer shutdown,
     cut short by the ``SystemExit``, could then never be finished. The hooks stay until it ran to its end."""
-    import signal
-
-    from helpers import sigterm_during_goodbye
+    from helpers import shutdown_cut_by_sigterm
 
     before = _links()
     worker = _worker_after_one_step(committer, monkeypatch)
     m = worker._omnishm_hooks_or_none().manager
-
-    def handler(*_):
-        worker.omnishm_shutdown()
-        raise SystemExit(143)
-
-    old = sigterm_during_goodbye(monkeypatch, m._link, handler)
-    try:
-        with pytest.raises(SystemExit):
-            worker.omnishm_shutdown()
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    shutdown_cut_by_sigterm(monkeypatch, m._link, worker.omnishm_shutdown)
     assert worker._omnishm_hooks_or_none() is not None and not m.shut_down
     worker.omnishm_shutdown()
     assert m.shut_down and worker._omnishm_hooks_or_none() is None and _links() == before
