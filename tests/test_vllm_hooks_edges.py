@@ -191,7 +191,7 @@ def test_decode_results_keeps_hit_tokens():
 
 def test_held_rows_over_the_bound_drop_raw_rows_before_results():
     """MUTATION (2026-12-06): evicting finished results before raw rows over the bound survived."""
-    from omnishm.integrations.vllm import HeldResults
+    from omnishm.integrations.held_results import HeldResults
 
     t = rows(1, range(4))
     one = t.numel() * t.element_size()
