@@ -39,6 +39,17 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path):
     assert r["metrics_host"] == "127.0.0.1" and r["name"] == "default"
 
 
+def test_an_empty_environment_variable_counts_as_unset(tmp_path):
+    """README, Configuration: ``OMNISHM_X=`` (as a shell script's ``export OMNISHM_X=$MAYBE`` leaves it) is
+    not a value to check, and lets the file's value (or the default) through."""
+    path = write(tmp_path, "heartbeat_s = 0.5\n")
+    env = {"OMNISHM_HEARTBEAT_S": "", "OMNISHM_LOG_LEVEL": "", "OMNISHM_CONFIG": str(path)}
+    r = knobs.resolve("committer", env=env)
+    assert r["heartbeat_s"] == 0.5 and r.sources["heartbeat_s"] == f"file {path}"
+    assert r.sources["log_level"] == "default"
+    assert knobs.resolve("committer", env={"OMNISHM_CONFIG": ""}).sources["heartbeat_s"] == "default"
+
+
 def test_committer_parser_applies_precedence_and_no_flag_beats_env(tmp_path, monkeypatch):
     path = write(tmp_path, 'exit_when_idle = true\nname = "from-file"\nmetrics_port = 9100\n')
     monkeypatch.setenv("OMNISHM_METRICS_PORT", "9200")
