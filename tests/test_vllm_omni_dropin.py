@@ -279,6 +279,27 @@ def test_a_hidden_buffer_longer_than_the_padded_step_is_cut_to_the_steps_rows(co
         theirs.shutdown()
 
 
+def test_leftover_snapshots_are_contiguous_detached_copies_as_vllm_omnis_are():
+    """Review (2026-12-06): vllm-omni's ``_snapshot_leftover_mm_cpu`` makes every leftover tensor contiguous;
+    the drop-in cloned them with their strides, so a per-request tensor made by a transpose came out of
+    materialize non-contiguous, and a consumer's ``.view(-1)`` that works on vllm-omni's result raised.
+    (Materialize hands the snapshots to vllm-omni's ``to_payload_element``, which needs vllm: the vLLM
+    tier runs that part.)"""
+    from omnishm.integrations.vllm_omni import _snapshot
+
+    per_req = torch.randn(4, 2).t()
+    grad = torch.randn(3, 2, requires_grad=True).t()
+    values = {"per_req": per_req, "nested": {"lst": [torch.randn(3, 2).t()], "tup": (grad, "codes")}, "n": None}
+    out, event = _snapshot(values)
+    assert event is None
+    got = [out["per_req"], out["nested"]["lst"][0], out["nested"]["tup"][0]]
+    for want, t in zip([per_req, values["nested"]["lst"][0], grad], got):
+        assert t.is_contiguous() and not t.requires_grad and torch.equal(t, want.detach())
+        assert t.untyped_storage().data_ptr() != want.untyped_storage().data_ptr()  # a copy, not a view
+        t.view(-1)
+    assert out["nested"]["tup"][1] == "codes" and out["n"] is None
+
+
 def test_hidden_opt_out_gives_none_as_vllm_omni_does(committer_factory):
     policy = VO.ModelCachePolicy(needs_full_hidden_states=False)
     ours, theirs, view = managers(committer_factory(), 8, 32, policy)

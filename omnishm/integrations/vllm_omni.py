@@ -345,6 +345,8 @@ def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     """CPU copies of the leftover values, and a CUDA event after them (None when nothing was on CUDA).
 
     Device tensors go to pinned memory without blocking the engine thread; materialize waits the event.
+    Every copy is contiguous, as vllm-omni's ``_snapshot_leftover_mm_cpu`` makes them: a per-request tensor
+    made by a transpose comes back one a consumer can ``view`` (review, 2026-12-06).
     """
     cuda = False
 
@@ -353,7 +355,9 @@ def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         if t.is_cuda:
             cuda = True
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-        return t.clone() if t.device.type == "cpu" else t.detach().to("cpu")
+        if t.device.type == "cpu":
+            return t.detach().clone(memory_format=torch.contiguous_format)
+        return t.detach().to("cpu", memory_format=torch.contiguous_format)
 
     out = _map_tensors(copy, values)
     event = None
