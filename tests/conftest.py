@@ -65,7 +65,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def _cache_of_file(name: str) -> str:
-    return name.rsplit(".", 1)[0]
+    """The cache a runtime-dir file belongs to: its name up to the first dot (cache names have none), so
+    ``NAME.sock``, ``NAME.lock``, ``NAME.sock.lock`` and ``NAME.autostart.log`` are all NAME's (review,
+    2026-12-06: splitting at the last dot missed the last two)."""
+    return name.split(".", 1)[0]
 
 
 @pytest.fixture(autouse=True)

@@ -422,6 +422,66 @@ def test_a_loser_stopped_while_starting_leaves_the_running_committers_log(tmp_pa
     assert not log_path.exists() and sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
 
 
+@pytest.mark.parametrize("how", ["refused at the lock", "stopped while starting"])
+def test_a_launched_committer_removes_the_log_of_an_autostarted_one_that_lost_to_it(tmp_path, how):
+    """A client found the lock free and autostarted a committer, but one launched beside it
+    (scripts/launch_committer.sh: no autostart log of its own) took the lock first. The loser ends (refused,
+    exit 2, or stopped by its client while starting, exit 0) and its log stays, since only a lock holder may
+    remove it. The launched committer's clean stop removes it: nothing else of this name ever would have
+    (review, 2026-12-06: the runtime dir was left with ``NAME.autostart.log``)."""
+    from conftest import unique_cache_name
+
+    name = unique_cache_name("launchedwins")
+    runtime = tmp_path / "rt"
+    paths.ensure_runtime_dir(runtime)
+    log_path = runtime / f"{name}.autostart.log"
+    launched_log = tmp_path / "launched.log"
+    with open(launched_log, "wb") as out:
+        launched = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
+                                     str(runtime)], stdout=out, stderr=subprocess.STDOUT)
+    loser = None
+    try:
+        _serving(runtime, name, launched)
+        loser = _another_autostart(name, runtime)
+        if how == "refused at the lock":
+            assert loser.wait(60) == 2
+            assert "refusing to start a second one" in log_path.read_text()
+        else:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not catches_signal(loser.pid, signal.SIGTERM):
+                assert loser.poll() is None and time.monotonic() < deadline
+            loser.send_signal(signal.SIGTERM)
+            assert loser.wait(30) == 0
+            assert "before it started" in log_path.read_text()
+        assert launched.poll() is None and log_path.exists()
+        launched.send_signal(signal.SIGTERM)
+        assert launched.wait(30) == 0, launched_log.read_text()
+    finally:
+        _stop(launched, *([loser] if loser is not None else []))
+    assert sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
+
+
+def test_a_client_that_started_no_committer_is_not_sent_to_an_autostart_log(committer_factory):
+    """Autostart on, and a committer holds the cache lock but does not answer (stopped here): the client starts
+    none, and its timeout must not say "why the committer it started did not answer is in NAME.autostart.log"
+    (no such file; review, 2026-12-06). It names the lock's holder and how to look at it."""
+    from conftest import RUNTIME_DIR
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheCommitterError, OmniPrefixCacheManager
+
+    h = committer_factory()
+    os.kill(h.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(OmniPrefixCacheCommitterError) as err:
+            OmniPrefixCacheManager(small_config(), cache=h.name, autostart=True, runtime_dir=RUNTIME_DIR,
+                                   connect_timeout_s=2.0)
+    finally:
+        os.kill(h.proc.pid, signal.SIGCONT)
+    msg = str(err.value)
+    assert "the committer it started" not in msg and not (RUNTIME_DIR / f"{h.name}.autostart.log").exists()
+    assert f"pid {h.proc.pid} holds the cache's committer lock" in msg and "omnishm ping" in msg, msg
+
+
 def test_a_committer_whose_log_was_removed_while_it_started_writes_a_new_one(tmp_path):
     """The committer before it stopped cleanly and removed the shared log while the next one was starting with
     that file as its output: once the next one holds the cache lock, it writes to a log at the path again."""

@@ -100,9 +100,18 @@ class LinkAttach:
                         f"{refused}")
                 if self._autostart_error:
                     hint = f"autostart is on, and the committer could not be launched: {self._autostart_error}"
-                elif self._autostart and self.endpoint.startswith("ipc://"):
+                elif self._autostart and self.endpoint.startswith("ipc://") and self._autostarted:
                     hint = (f"autostart is on: why the committer it started did not answer is in "
                             f"{self.runtime_dir}/{self.cache}.autostart.log")
+                elif self._autostart and self.endpoint.startswith("ipc://"):
+                    # It started none: a committer held the cache lock all along (launched, or another
+                    # rank's), so the autostart log is not where its story is (review, 2026-12-06).
+                    held = liveness.CacheLock.holder(liveness.lock_path(Path(self.runtime_dir), self.cache))
+                    who = f"pid {held[1]}" if held is not None else "a process"
+                    hint = (f"autostart is on, but {who} holds the cache's committer lock, so none was started: "
+                            f"a committer that does not answer (frozen, stopped, starved of CPU or stuck); "
+                            f"`omnishm ping --name {self.cache} --runtime-dir {self.runtime_dir}` checks it, and "
+                            f"`kill -USR1 PID` writes its threads' stacks to its log")
                 else:
                     own = self.endpoint == paths.ipc_endpoint(self.runtime_dir, self.cache)
                     hint = (f"start one with `omnishm committer --name {self.cache}"

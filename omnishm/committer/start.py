@@ -6,7 +6,8 @@ adopts the segments of a cache whose clients are still attached
 (``committer/meta.py``) instead of sweeping them, so those clients resume; any
 other leftovers of a previous committer are swept. On a clean stop it unlinks
 every segment it made and removes its autostart log (``client/committer_process.py``),
-unless it logged a warning (``_Warned``).
+unless it logged a warning (``_Warned``); a launched committer removes the log of an autostarted one
+that lost the lock to it.
 SIGUSR1 writes every thread's Python stack to its log and it goes on serving
 (``_enable_stack_dumps``).
 """
@@ -348,11 +349,15 @@ def _reopen_autostart_log(runtime_dir: Path, name: str) -> None:
 
 
 def _drop_autostart_log(runtime_dir: Path, name: str, code: int, warned: bool = False) -> None:
-    """An embedded committer's log is kept when it did not stop cleanly or logged a warning (it says why).
+    """At a clean stop, the name's autostart log goes. An embedded committer's own log is kept when it did
+    not stop cleanly or logged a warning (it says why). A launched committer (no autostart log of its own)
+    removes one all the same at a clean stop (code 0): it is the log of a committer a client autostarted
+    that lost the lock to this one, and no later stop of this name would remove it (review, 2026-12-06).
     The caller holds the cache lock: no other committer of the name is running, and the next one reopens
     the log once it holds the lock (``_reopen_autostart_log``)."""
-    path = _autostart_log(runtime_dir, name)
-    if code != 0 or warned or path is None:
+    own = _autostart_log(runtime_dir, name)
+    path = own if own is not None else Path(runtime_dir) / f"{name}.autostart.log"
+    if code != 0 or (warned and own is not None):
         return
     try:
         path.unlink()
