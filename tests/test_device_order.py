@@ -76,8 +76,10 @@ class FakeOps:
             dst.copy_(src.reshape(dst.shape))
         return self._event(f"d2h{len(self.events)}")
 
-    def read_rows(self, t, index=None):
-        self.log.append(("read", threading.current_thread().name))
+    def read_rows(self, t, index=None, after=DONE):
+        """As ``CudaOps.read_rows``: waits ``after`` (the rows' own step's freeze event), nothing else."""
+        self.log.append(("read", threading.current_thread().name, getattr(after, "name", "done")))
+        after.synchronize()
         return t.index_select(0, index) if index is not None else t.clone()
 
     def leftover(self, value):
@@ -220,7 +222,7 @@ def test_hits_on_in_flight_deferred_rows_read_through_the_read_path(committer):
                 e.complete()
         out = m.materialize(sid, ["b"])
         assert torch.equal(out.mm_outputs["b"]["feat"][:4], rows(501, range(4), 3))
-        assert ("read", "MainThread") in ops.log  # in-flight deferred rows came through the read path
+        assert ("read", "MainThread", "freeze") in ops.log  # in-flight deferred rows came through the read path
         ops.auto = True
         for e in list(ops.events):
             e.complete()
@@ -268,7 +270,8 @@ class MixedOps:
     def to_host(self, pairs, after):
         raise AssertionError("a reader never stages")
 
-    def read_rows(self, t, index=None):
+    def read_rows(self, t, index=None, after=DONE):
+        after.synchronize()  # as CudaOps: the rows' own freeze event (a device clone lands when it is waited)
         return t.index_select(0, index) if index is not None else t.clone()
 
     def leftover(self, value):
@@ -427,7 +430,9 @@ def test_a_device_freeze_is_contiguous_so_the_steps_rows_are_views_of_it(committ
     reads wait that event only, and could read the rows before they were written. The freeze is contiguous
     now, and the step's rows are views of it."""
     permuted = torch.arange(24, dtype=torch.float32).reshape(4, 2, 3).permute(0, 2, 1)
-    frozen = CudaOps.freeze(None, permuted)  # the real method: it uses nothing CUDA-only
+    ops = object.__new__(CudaOps)  # the real method: it uses nothing CUDA-only (no streams made)
+    ops.device = torch.device("cuda", 0)
+    frozen = ops.freeze(permuted)
     assert frozen.is_contiguous() and torch.equal(frozen, permuted)
     ops = FakeOps()
     ops.auto = True
@@ -518,3 +523,62 @@ def test_shutdown_unregisters_the_staging_only_once_the_copies_ran(committer, dr
     drains = [i for i, e in enumerate(ops.log) if e[0] == "drain"]
     assert len(drains) == 1 and m._link._closed
     assert unregistered == ([drains[0] + 1] if drained is True else []) and m._registrations == []
+
+
+def test_a_saves_copy_on_write_reads_in_flight_deferred_rows_after_their_own_freeze_only(committer):
+    """Review (2026-12-06): a save whose new claims take slots an unconsumed step planned as a hit, on rows of
+    a deferred write still on the device, reads those rows on the engine thread (copy-on-write). The read
+    made the read stream wait the whole copy stream, which by then holds this step's own copy, queued behind
+    this step's forward: the engine thread waited its own forward on the GPU. It waits the rows' freeze event
+    now, the only thing they need."""
+    ops = FakeOps()
+    with OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, device_ops=ops) as m:
+        m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+        ops.auto = True
+        m.new_step_starts([started("a", [0, 1])])
+        h, mm, layout, n, _ = build([Part("a", 1, [0, 1], 0, 8)], BS)
+        m.discard_step(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout))
+        a_freeze = [e.name for e in ops.events if e.name == "freeze"]
+        ops.auto = False
+        # Step 1: b hits a's first block, whose deferred rows are still on the device (a's write is closed and
+        # flushed; its flush stays in flight). Step 1 stays unconsumed.
+        m.new_step_starts([started("b", [0, 2], hit=4)])
+        h, mm, layout, n, _ = build([Part("b", 1, [0, 2], 4, 2)], BS)
+        before = len(ops.events)
+        sid1 = m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+        for e in ops.events[before:]:
+            if e.thread == "MainThread":
+                e.complete()
+        # Step 2: block 0 goes to c (a and b finished): copy-on-write keeps step 1's planned hit rows, read from
+        # a's device clone while step 2's own copy is pending.
+        m.new_step_starts([finished("a"), finished("b"), started("c", [0])])
+        h, mm, layout, n, _ = build([Part("c", 7, [0], 0, 4)], BS)
+        before_log = len(ops.log)
+        sid2 = m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+        reads = [x for x in ops.log[before_log:] if x[0] == "read" and x[1] == "MainThread"]
+        assert reads, "no engine-thread read of in-flight rows (the scenario did not happen)"
+        assert a_freeze and {x[2] for x in reads} == {"freeze"}, reads  # a's step's freeze, never a copy's event
+        ops.auto = True
+        for e in list(ops.events):
+            e.complete()
+        out = m.materialize(sid1, ["b"])
+        assert torch.equal(out.mm_outputs["b"]["feat"][:4], rows(501, range(4), 3))  # the kept rows are a's
+        m.discard_step(sid2)
+        m.wait_idle()
+
+
+def test_cuda_ops_refuse_rows_on_another_device_than_theirs():
+    """Review (2026-12-06): a copy runs on the current stream of its source's device, so rows on a second GPU
+    would be copied outside the copy stream and the freeze event, both on the manager's device, and read
+    before they landed. ``CudaOps`` refuses them (``ValueError``; a save refused so takes its step id as
+    every refused save does). Stand-ins for the tensors: this machine has no GPU."""
+    from types import SimpleNamespace
+
+    ops = object.__new__(CudaOps)  # no streams: only the device check runs
+    ops.device = torch.device("cuda", 0)
+    ops._check_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0)))
+    ops._check_device(torch.zeros(2))  # host rows: copied at once, nothing to fence
+    with pytest.raises(ValueError, match=r"rows on cuda:1, but this manager's copies run on cuda:0"):
+        ops.freeze(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
+    with pytest.raises(ValueError, match="one CUDA device per manager"):
+        ops.leftover(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))

@@ -84,7 +84,13 @@ class DeviceOps(Protocol):
 
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Event) -> Event: ...
 
-    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor: ...
+    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None, after: Event = DONE) -> torch.Tensor:
+        """``rows`` (or ``rows[index]``) as host rows, waited for on the calling thread. ``after``: the event
+        after which ``rows`` hold their values (the freeze event of the step that made the device clone).
+        Only that is waited, never the copy stream as a whole: by then it holds later steps' copies, each
+        behind its own step's forward, and the engine thread reads in-flight rows at a save's copy-on-write
+        (review, 2026-12-06)."""
+        ...
 
     def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]: ...
 
@@ -111,7 +117,7 @@ class CpuOps:
             dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
         return DONE
 
-    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None, after: Event = DONE) -> torch.Tensor:
         return rows.index_select(0, index) if index is not None else rows.clone()
 
     def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]:
@@ -131,7 +137,16 @@ class CudaOps:
         self.copy_stream = torch.cuda.Stream(device=device)
         self.read_stream = torch.cuda.Stream(device=device)
 
+    def _check_device(self, t: torch.Tensor) -> None:
+        """``ValueError`` for a CUDA tensor on another device than this manager's: a copy runs on the current
+        stream of its source's device, so neither the copy stream nor the freeze event (both on
+        ``self.device``) would fence it, and its rows could be read before they landed (review, 2026-12-06)."""
+        if t.is_cuda and t.device != self.device:
+            raise ValueError(f"rows on {t.device}, but this manager's copies run on {self.device} (the device of "
+                             f"its first device rows): one CUDA device per manager, as a vLLM worker has one")
+
     def freeze(self, rows: torch.Tensor) -> torch.Tensor:
+        self._check_device(rows)
         # A plain clone keeps the strides of a dense tensor (a permuted head output, say), and the manager's
         # reshape of it to (n, width) was then a second clone, made after the freeze event (review).
         return rows.clone(memory_format=torch.contiguous_format)
@@ -156,11 +171,14 @@ class CudaOps:
             done.record(self.copy_stream)
         return done
 
-    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None, after: Event = DONE) -> torch.Tensor:
         if not rows.is_cuda:
             return rows.index_select(0, index) if index is not None else rows.clone()
         with torch.cuda.stream(self.read_stream):
-            self.read_stream.wait_stream(self.copy_stream)
+            if isinstance(after, torch.cuda.Event):
+                self.read_stream.wait_event(after)
+            else:
+                after.synchronize()
             src = rows.index_select(0, index.to(rows.device)) if index is not None else rows
             out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
             out.copy_(src, non_blocking=True)
@@ -180,6 +198,7 @@ class CudaOps:
     def leftover(self, value: torch.Tensor) -> tuple[torch.Tensor, Event]:
         if not value.is_cuda:
             return value.clone(), DONE
+        self._check_device(value)
         out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         out.copy_(value, non_blocking=True)
         event = torch.cuda.Event()
@@ -393,7 +412,10 @@ class HostRegistration:
         row_bytes = view[0].numel() * view.element_size() if view.dim() > 1 else view.element_size()
         chunk = max(REGISTER_CHUNK_BYTES // row_bytes, 1) * row_bytes
         base, total = view.data_ptr(), view.numel() * view.element_size()
-        flags = 0x08 if read_only else 0  # cudaHostRegisterReadOnly for read-only maps
+        # cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the current device's
+        # (a thread whose current device is not the rows' would pin it for the wrong one; review, 2026-12-06);
+        # cudaHostRegisterReadOnly for read-only maps.
+        flags = 0x01 | (0x08 if read_only else 0)
         for off in range(0, total, chunk):
             size = min(chunk, total - off)
             rc = cudart.cudaHostRegister(base + off, size, flags)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from omnishm import protocol as P
+from omnishm.client.device import DONE
 from omnishm.client.rowcopy import gather_rows
 from omnishm.client.segments import KeyViews, dtype_name
 from omnishm.client.steps import HitSpan, StepCtx, hits_digest
@@ -91,7 +92,7 @@ class ReadSide:
                         elif pre is not None and dst is not pre:
                             dst[:h].copy_(pre[:h])
                         own = step_rows[start:start + count]
-                        dst[h:].copy_(own if not own.is_cuda else self._ops.read_rows(own))
+                        dst[h:].copy_(own if not own.is_cuda else self._read_device_rows(own, None, ctx.freeze_event))
                         merged[key] = dst.view((h + count, *ctx.row_shapes[key]))
                 served[0] += h
                 served[1] += (h + count) * nkeys
@@ -156,21 +157,22 @@ class ReadSide:
             buf = self.result_pool.empty((total, *shape), rows.dtype)
             flat = buf if len(shape) == 1 else buf.view(total, rows.shape[1])
             if whole:
-                self._copy_step_rows(flat, rows if total == len(rows) else rows[:total])
+                self._copy_step_rows(flat, rows if total == len(rows) else rows[:total], ctx.freeze_event)
             else:
                 for start, at, count in runs:
-                    self._copy_step_rows(flat[at:at + count], rows[start:start + count])
+                    self._copy_step_rows(flat[at:at + count], rows[start:start + count], ctx.freeze_event)
             arena[key] = dict(zip(plain + hit_reqs, buf.split_with_sizes(sizes + hit_sizes)))
         return arena
 
-    def _read_device_rows(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``rows[index]`` on the host, read from a live row source (a device tensor through the copy ops)."""
+    def _read_device_rows(self, rows: torch.Tensor, index: torch.Tensor | None, ready: Any) -> torch.Tensor:
+        """``rows[index]`` (all of ``rows``: None) on the host, read from a live row source or a step's rows (a
+        device tensor through the copy ops, once ``ready``, its step's freeze event, happened; None: now)."""
         if self._ops is None:
-            return rows.index_select(0, index)
-        return self._ops.read_rows(rows, index)
+            return rows.index_select(0, index) if index is not None else rows.clone()
+        return self._ops.read_rows(rows, index, DONE if ready is None else ready)
 
-    def _copy_step_rows(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
-        dst.copy_(rows if not rows.is_cuda else self._ops.read_rows(rows))
+    def _copy_step_rows(self, dst: torch.Tensor, rows: torch.Tensor, ready: Any) -> None:
+        dst.copy_(rows if not rows.is_cuda else self._read_device_rows(rows, None, ready))
 
     @staticmethod
     def _check_out_buffers(ctx: StepCtx, req_ids: list[ReqId],

@@ -335,7 +335,7 @@ class WriterSide:
                     task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
                                              freeze=ctx.freeze_event))
                     self._open_by_cv[(key, cv)] = task
-                    self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows)
+                    self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows, ready=ctx.freeze_event)
                     self._pending_bytes += rows.numel() * rows.element_size()
         while self._pending_bytes > self.config.gpu_staging_bytes and self._deferred_order:
             oldest = next(iter(self._deferred_order.values()))

@@ -43,7 +43,8 @@ class RowSource:
 
     ``slots[i]`` is the slot of ``rows[i]`` (a list for a small step: made into a tensor only when
     read). Readers copy, then check ``alive`` again: a source that died during the copy may have had
-    its page reused.
+    its page reused. ``ready``: the event after which device ``rows`` hold their values (their step's
+    freeze event; None: host rows, or rows ready as they are).
     """
 
     cv: int
@@ -51,12 +52,13 @@ class RowSource:
     rows: torch.Tensor
     alive: bool = True
     done: Future | None = None
+    ready: Any = None
 
-    def take(self, want: torch.Tensor, read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    def take(self, want: torch.Tensor, read: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
              ) -> torch.Tensor | None:
         """Host rows for ``want`` slots (a subset of ``slots``), or None if any is missing.
 
-        ``read(rows, index)`` gathers on the host, or through the read stream
+        ``read(rows, index, ready)`` gathers on the host, or through the read stream
         when the rows are still on the device clone.
         """
         if len(self.slots) == 0:
@@ -70,7 +72,7 @@ class RowSource:
         if not bool((sorted_slots[pos] == want).all()):
             return None
         idx = order[pos]
-        return read(self.rows, idx)
+        return read(self.rows, idx, self.ready)
 
 
 @dataclass
