@@ -505,6 +505,35 @@ def test_materialize_fills_preallocated_outputs(mgr):
     m.discard_step(sid)
 
 
+@pytest.mark.parametrize("bad", ["non-contiguous", "float64"])
+def test_materialize_refuses_an_out_buffer_of_another_layout_or_dtype_before_consuming_the_step(mgr, bad):
+    """MUTATION (2026-12-06): dropping the contiguity check, or the dtype check, of ``out=`` survived the suite.
+    Either buffer is refused with ``ValueError`` and the step stays unconsumed."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    sid = save(m, [Part("a", 1, [0], 0, 4)], BS)
+    buf = torch.zeros(MM_WIDTH, 4).t() if bad == "non-contiguous" else torch.zeros(4, MM_WIDTH, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"materialize out"):
+        m.materialize(sid, ["a"], out={"a": {"feat": buf}})
+    assert torch.equal(m.materialize(sid, ["a"]).hidden_states["a"], rows(1, range(4)))
+    m.new_step_starts([finished("a")])
+
+
+def test_mm_outputs_hold_no_hidden_key_and_each_request_gets_its_own_leftover_copy(mgr):
+    """MUTATION (2026-12-06): ``HIDDEN_KEY`` left in each request's ``mm_outputs``, and one leftover tensor
+    shared by every request of the step (not cloned per request), both survived the suite."""
+    m = mgr()
+    m.new_step_starts([started("a", [0]), started("b", [1])])
+    meta = torch.tensor([1.0, 2.0, 3.0])
+    sid = save(m, [Part("a", 1, [0], 0, 4), Part("b", 2, [1], 0, 4)], BS, extra_mm={"meta": meta})
+    out = m.materialize(sid, ["a", "b"])
+    assert set(out.mm_outputs["a"]) == set(out.mm_outputs["b"]) == {"feat", "meta"}
+    out.mm_outputs["a"]["meta"].add_(100)
+    assert torch.equal(out.mm_outputs["b"]["meta"], meta)  # b's copy, and the caller's tensor, unchanged
+    assert torch.equal(meta, torch.tensor([1.0, 2.0, 3.0]))
+    m.new_step_starts([finished("a"), finished("b")])
+
+
 def test_materialize_fills_preallocated_outputs_of_a_request_with_no_rows_this_step(mgr):
     # A write of 0 tokens is a valid layout entry; its buffers are (0, width). Viewing one as (0, -1)
     # raised a torch error after the step id was consumed, and every request's results were lost.

@@ -763,6 +763,35 @@ def test_a_readers_prefetched_hit_is_its_result_not_copied_again(committer, ids)
         w.shutdown()
 
 
+def test_a_readers_prefetched_hit_rows_fill_its_out_buffers(committer):
+    """MUTATION (2026-12-06): a reader whose prefetch had read a request's hit, asked for it with ``out=``, must
+    copy the prefetched hit rows into the caller's buffers; skipping that copy survived the suite, and left
+    the buffers' old contents as the hit's rows."""
+    cfg = small_config()
+    w = OmniPrefixCacheManager(cfg, cache=committer.name, role="writer", autostart=False)
+    r = OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False)
+    handle = r._prefetcher._handle
+    prefetched = threading.Event()
+
+    def recording(ctx):
+        handle(ctx)
+        prefetched.set()
+
+    r._prefetcher._handle = recording
+    try:
+        sid = hit_beside_plain(w, r)
+        assert prefetched.wait(30)
+        out = {"d": {HIDDEN_KEY: torch.full((6, 8), -7.0), "feat": torch.full((6, 3), -7.0)}}
+        res = r.materialize(sid, ["d"], out=out)
+        assert torch.equal(out["d"][HIDDEN_KEY], expect(1, 4, 4, 4, 2))
+        assert torch.equal(out["d"]["feat"], expect(1, 4, 4, 4, 2, mm=True))
+        assert res.hidden_states["d"].data_ptr() == out["d"][HIDDEN_KEY].data_ptr()
+        assert r.counters["prefetch_used"] >= 1
+    finally:
+        r.shutdown()
+        w.shutdown()
+
+
 def _writer_and_reader(committer):
     return (OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False),
             OmniPrefixCacheManager(cfg(), cache=committer.name, role="reader", autostart=False))
