@@ -221,3 +221,33 @@ def test_an_older_quiet_step_never_takes_an_acknowledgement_back(committer):
         assert _acked_word(writer.welcome.control) == make_cv(writer.epoch, 11, 0)
     finally:
         writer.goodbye()
+
+
+def test_a_later_epochs_ack_marker_acknowledges_no_step_of_this_writer(committer_factory):
+    """MUTATION (2026-12-06): ``CTL_ACKED_STEP`` holding a marker of a later writer epoch (a successor's, after
+    this writer was reaped while frozen) says nothing about this writer's steps; ``_acked_word`` without its
+    epoch check survived the suite. With the committer stopped, this writer's step is not applied, and the
+    word is set as a successor would leave it: ``wait_idle`` must time out, not take the step as landed."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    m = OmniPrefixCacheManager(small_config(commit_timeout_s=5.0), cache=handle.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle()
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            m.new_step_starts([started("b", [1])])
+            m.discard_step(save(m, [Part("b", 2, [1], 0, 4)], BS))
+            old = m._ctl_mv[P.CTL_ACKED_STEP]
+            m._ctl_mv[P.CTL_ACKED_STEP] = make_cv(m._epoch + 1, 0, 0)
+            try:
+                with pytest.raises(TimeoutError):
+                    m.wait_idle(timeout_s=0.5)
+            finally:
+                m._ctl_mv[P.CTL_ACKED_STEP] = old  # markers only grow: the committer would never lower it
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        m.wait_idle()
+        assert torch.equal(m._keys[HIDDEN_KEY].pool[4:8], rows(2, range(4)))
+    finally:
+        m.shutdown()

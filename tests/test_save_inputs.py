@@ -19,7 +19,7 @@ import torch
 
 from manager_helpers import (BS, MM_WIDTH, Part, build, expect, finished, one_applied_step, quick_config, rows, save,
                              small_config, started)
-from omnishm.client import (ModelCachePolicy, OmniPrefixCacheCommitterError, OmniPrefixCacheManager,
+from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheCommitterError, OmniPrefixCacheManager,
                             OmniPrefixCacheUnmatchError)
 from omnishm.client import steps as steps_mod
 from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
@@ -742,3 +742,24 @@ def test_an_out_buffer_that_requires_grad_is_written_under_no_grad_and_refused_w
         assert torch.equal(buf.detach(), rows(501, range(4), MM_WIDTH))
     m.new_step_starts([finished("a")])
     hit_round(m)
+
+
+def test_a_save_refused_for_a_slot_past_the_pool_leaves_the_writer_healthy(mgr):
+    """MUTATION (2026-12-06): a save refused for a slot id past the pool (a runner bug) makes absent the slots
+    it can name and skips the one that is no slot; the refusal is that save's alone. With the bound off by
+    one (``slots <= num_slots``), clearing index ``num_slots`` raised and turned the whole cache sticky-fatal."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    h, mm, _, _, _ = build([Part("b", 2, [1], 0, 2)], BS)
+    bad = PrefixCacheWriteLayout((PrefixCacheWrite("b", 0, 2),),
+                                 torch.tensor([4, m.config.num_slots], dtype=torch.int64))
+    m.new_step_starts([started("b", [1])])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="outside"):
+        m.save_outputs(h, mm, num_tokens_unpadded=2, num_tokens_padded=2, write_layout=bad)
+    assert m._fatal is None, m._fatal
+    m.new_step_starts([started("c", [2])])
+    m.discard_step(save(m, [Part("c", 3, [2], 0, 4)], BS))
+    m.wait_idle()
+    assert torch.equal(m._keys[HIDDEN_KEY].pool[8:12], rows(3, range(4)))

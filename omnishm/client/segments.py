@@ -115,9 +115,6 @@ class StagingPages:
         """First row of the flush region that follows the step pages."""
         return self.depth * self.capacity
 
-    def rows(self, page: int) -> slice:
-        return slice(page * self.capacity, (page + 1) * self.capacity)
-
     def claim(self, step_id: StepId, timeout_s: float, holds: tuple[str, ...] = ("ctx", "write")) -> int:
         deadline = 0.0
         with self._lock:
