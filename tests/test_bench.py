@@ -141,3 +141,28 @@ def test_the_memcpy_child_ends_with_its_figure_and_says_when_it_died():
     with pytest.raises(RuntimeError, match="the non-temporal memcpy child exited"):
         ref.time(64)
     ref.close()  # no second error
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["normal", "quick"])
+def test_the_quick_geometries_take_the_paths_the_normal_run_times(quick, monkeypatch):
+    """Review (2026-12-06): CI's quick run must keep the code behind the headline figures from rotting, so its
+    sizes must reach the same paths: figure 1's blocks long enough for one copy per run (not the scatter),
+    figure 2's result from the recycled result pool, figure 3's hit one ``memmove`` per run. The quick sizes
+    were below each threshold."""
+    import omnishm.bench as bench
+    from omnishm.bench import manager_figures as mf, write_figures as wf
+    from omnishm.client.result_pool import MIN_POOLED_BYTES
+    from omnishm.client.rowcopy import RUN_COPY_MIN_BYTES
+    from omnishm.committer.apply import RUN_BYTES
+
+    got: dict = {}
+    monkeypatch.setattr(wf, "figure_write", lambda c, s, rng: got.setdefault("1", s) and [])
+    monkeypatch.setattr(mf, "figure_read", lambda c, s: got.setdefault("2", s) and [])
+    monkeypatch.setattr(mf, "figure_engine", lambda c, s, d: got.setdefault("3", s) and [])
+    _, errors = bench.run(quick, {"1", "2", "3"}, 0)
+    assert not errors, errors
+    bf16 = 2
+    min_run = max(2, -(-RUN_BYTES // (got["1"].width * bf16)))  # KeyState.min_run (committer/pool.py)
+    assert wf.BS >= min_run, f"figure 1: blocks of {wf.BS} rows, runs of {min_run} rows: the scatter path"
+    assert got["2"].hit_tokens * got["2"].width * bf16 >= MIN_POOLED_BYTES, "figure 2: the hit is not pooled"
+    assert got["3"].hit_tokens * got["3"].width * bf16 >= RUN_COPY_MIN_BYTES, "figure 3: the hit is index_select"

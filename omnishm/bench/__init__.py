@@ -74,9 +74,9 @@ def run(quick: bool, only: set[str], seed: int, device: str = "cpu",
     rng = np.random.default_rng(seed)
     if quick:
         plan = {
-            "1": lambda c: wf.figure_write(c, wf.WriteSize(1024, 1024, 3, (1, 64, 256), 3), rng),
-            "2": lambda c: mf.figure_read(c, mf.ReadSize(2048, 512, 1024, 3)),
-            "3": lambda c: mf.figure_engine(c, mf.EngineSize(512, 256, 8, 512, 4, 3), device),
+            "1": lambda c: wf.figure_write(c, wf.WriteSize(1024, 2048, 3, (1, 64, 256), 3), rng),
+            "2": lambda c: mf.figure_read(c, mf.ReadSize(2048, 8192, 1024, 3)),
+            "3": lambda c: mf.figure_engine(c, mf.EngineSize(512, 256, 8, 2048, 4, 3), device),
             "4": lambda c: wf.figure_control(c, wf.ControlSize(2000, 2, 200), rng, 1024),
             "5": lambda c: memory.figure_memory(c, memory.MemorySize(64, 1024, (1, 2), repeats=2)),
             "6": lambda c: overhead.figure_overhead(c, overhead.OverheadSize(8, 256, 128, 3), device),
