@@ -17,6 +17,7 @@ import torch
 
 import omnishm.client.steps as steps_module
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError, PrefixCacheConfig
+from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
 from omnishm.sim import SimEngine
 
 STEPS = 250
@@ -90,3 +91,65 @@ def test_random_workload_every_row_exact(committer, monkeypatch, seed, deferred,
     assert stats["rows"] > 10_000
     assert stats["hit_tokens"] > 1_000
     assert eng.alloc.reuses > 50
+
+
+def _in_another_batch_order(st, rng, pad):
+    """The step's outputs with its requests in a shuffled batch order (vLLM's persistent batch fills gaps, and
+    some backends put decodes first: the batch order is not the scheduling order the sim uses), and ``pad``
+    NaN rows of padding after them; returns (hidden, mm, layout)."""
+    ws = list(st.layout.writes)
+    order = list(range(len(ws)))
+    rng.shuffle(order)
+    rows, mm, slots, new_ws, start = [], {k: [] for k in st.mm}, [], [], 0
+    for i in order:
+        w = ws[i]
+        sl = slice(w.token_start, w.token_start + w.num_tokens)
+        rows.append(st.hidden[sl])
+        slots.append(st.layout.slots[sl])
+        for k in st.mm:
+            mm[k].append(st.mm[k][sl])
+        new_ws.append(PrefixCacheWrite(w.req_id, start, w.num_tokens))
+        start += w.num_tokens
+    hidden = torch.cat(rows) if rows else st.hidden
+    mmo = {k: torch.cat(v) for k, v in mm.items()} if rows else st.mm
+    if pad:
+        hidden = torch.cat([hidden, torch.full((pad, hidden.shape[1]), float("nan"))])
+        mmo = {k: torch.cat([v, torch.full((pad, v.shape[1]), float("nan"))]) for k, v in mmo.items()}
+    layout = PrefixCacheWriteLayout(tuple(new_ws), torch.cat(slots) if slots else st.layout.slots)
+    return hidden, mmo, layout
+
+
+@pytest.mark.parametrize("seed,pad", [(1, 0), (2, 7)])
+def test_every_row_exact_in_another_batch_order_with_padding(committer, seed, pad):
+    """Review of the simulator as the oracle (2026-12-06): it always lays a step out in scheduling order and never
+    pads. The same workload, with preemption and aborts, in shuffled batch orders and with NaN padding rows:
+    every request's rows are its own, hits included."""
+    rng = random.Random(seed)
+    bs, blocks, cap = 16, 40, 96
+    cfg = PrefixCacheConfig(num_blocks=blocks, block_size=bs, staging_capacity_tokens=cap + 8, staging_depth=4,
+                            staging_claim_timeout_s=5.0, commit_timeout_s=10.0)
+    eng = SimEngine(num_blocks=blocks, block_size=bs, max_batched_tokens=cap, width=16, mm_width=4, seed=seed,
+                    abort_rate=0.1, preempt_rate=0.05)
+    rows = hits = 0
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as m:
+        pending = []
+        for _ in range(150):
+            eng.top_up(3)
+            st = eng.schedule()
+            m.new_step_starts(st.step)
+            hidden, mm, layout = _in_another_batch_order(st, rng, pad)
+            sid = m.save_outputs(hidden, mm, num_tokens_unpadded=layout.num_tokens,
+                                 num_tokens_padded=layout.num_tokens + pad, write_layout=layout)
+            pending.append((sid, st))
+            eng.advance(st)
+            while len(pending) > 2:
+                sid0, st0 = pending.pop(0)
+                out = m.materialize(sid0, st0.layout.req_ids)
+                for r in st0.layout.req_ids:
+                    assert torch.equal(out.hidden_states[r], eng.expected(st0, r)), (sid0, r)
+                    assert torch.equal(out.mm_outputs[r]["mm_feat"], eng.expected(st0, r, salt=0x5A5A, width=4))
+                    rows += out.hidden_states[r].shape[0]
+                    hits += out.num_hit_tokens[r]
+        for sid0, st0 in pending:
+            m.materialize(sid0, st0.layout.req_ids)
+    assert hits > 500 and eng.preemptions > 0, (hits, eng.preemptions)
