@@ -6,11 +6,13 @@ Real committer processes, real ZeroMQ."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
@@ -207,11 +209,11 @@ def test_settle_of_a_request_no_longer_pending_says_so(committer_factory):
         link.close()
 
 
-def test_a_send_with_nothing_else_pending_still_wakes_for_a_late_reply_it_took_the_edge_of(committer_factory):
-    """m5: only a quiet send skips the ``EVENTS`` check. A plain request sent while the reply to one that
-    timed out (no longer pending) waits unread may take that reply's ``ZMQ_FD`` edge; its own reply then comes
-    in behind it without one. The pristine submit reads ``EVENTS`` and wakes the I/O thread; the mutant
-    (the check skipped whenever nothing else is pending) left the request to wait out the poll tick (10 s)."""
+@contextlib.contextmanager
+def _late_reply_unread(committer_factory) -> Iterator[tuple[CommitterLink, threading.Event]]:
+    """A link whose I/O thread is parked after its ``EVENTS`` check, before its poll (until the yielded gate is
+    set), with the late reply to a request that timed out waiting unread in its socket: the next send may take
+    that reply's ``ZMQ_FD`` edge. The poll tick is 10 s, so only a wake answers sooner."""
     from omnishm.interface import OmniPrefixCacheCommitterError
 
     handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # tick 10 s
@@ -239,15 +241,24 @@ def test_a_send_with_nothing_else_pending_still_wakes_for_a_late_reply_it_took_t
             os.kill(handle.proc.pid, signal.SIGCONT)
         assert select.select([link._sock_fd], [], [], 5)[0], "the late reply did not signal"
         time.sleep(0.003)  # premise only: libzmq handles commands in a send at most about once a millisecond
+        yield link, gate
+    finally:
+        gate.set()
+        link._readable = real_readable
+        link.close()
+
+
+def test_a_send_with_nothing_else_pending_still_wakes_for_a_late_reply_it_took_the_edge_of(committer_factory):
+    """m5: only a quiet send skips the ``EVENTS`` check. A plain request sent while the reply to one that
+    timed out (no longer pending) waits unread may take that reply's ``ZMQ_FD`` edge; its own reply then comes
+    in behind it without one. The pristine submit reads ``EVENTS`` and wakes the I/O thread; the mutant
+    (the check skipped whenever nothing else is pending) left the request to wait out the poll tick (10 s)."""
+    with _late_reply_unread(committer_factory) as (link, gate):
         assert not link._pending
         fut = link.submit(lambda rid: P.StatusRequest(rid=rid))
         assert not select.select([link._sock_fd], [], [], 0)[0], "the send left the edge (test premise)"
         gate.set()
         assert isinstance(fut.result(timeout=3), P.StatusReply)  # the tick is 10 s: only a wake is sooner
-    finally:
-        gate.set()
-        link._readable = real_readable
-        link.close()
 
 
 def test_settling_a_request_wakes_a_caller_waiting_for_in_flight_room(committer_factory):
@@ -491,42 +502,12 @@ def test_wake_if_replied_wakes_the_io_thread_for_a_reply_a_quiet_send_took_the_e
     reply waiting unread (here the late reply to a request that timed out); the quiet step's own reply (its
     rejection) then comes in without an edge. ``wake_if_replied``, which the writer's join calls, wakes the I/O
     thread then; the mutant did not, and the reply waited out the I/O thread's poll tick (10 s)."""
-    from omnishm.interface import OmniPrefixCacheCommitterError
-
-    handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # tick 10 s
-    link = CommitterLink(cache=handle.name, role=P.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
-    real_readable = link._readable
-    parked, gate = threading.Event(), threading.Event()
-
-    def readable() -> bool:  # I/O thread: after its EVENTS check, before its poll
-        ready = real_readable()
-        if not ready and not parked.is_set():
-            parked.set()
-            gate.wait(10)
-        return ready
-
-    try:
-        _idle(link)
-        os.kill(handle.proc.pid, signal.SIGSTOP)
-        try:
-            link._readable = readable
-            link._wake()
-            assert parked.wait(5), "the I/O thread did not come round"
-            with pytest.raises(OmniPrefixCacheCommitterError, match="did not answer"):
-                link.request(lambda rid: P.StatusRequest(rid=rid), timeout_s=0.1)
-        finally:
-            os.kill(handle.proc.pid, signal.SIGCONT)
-        assert select.select([link._sock_fd], [], [], 5)[0], "the late reply did not signal"
-        time.sleep(0.003)  # premise only: libzmq handles commands in a send at most about once a millisecond
+    with _late_reply_unread(committer_factory) as (link, gate):
         quiet = link.submit(lambda rid: P.StatusRequest(rid=rid), ack_marker=1)  # answered, like a rejection
         assert not select.select([link._sock_fd], [], [], 0)[0], "the quiet send left the edge (test premise)"
         gate.set()
         link.wake_if_replied()
         assert isinstance(quiet.result(timeout=3), P.StatusReply)  # the tick is 10 s: only a wake is sooner
-    finally:
-        gate.set()
-        link._readable = real_readable
-        link.close()
 
 
 def test_a_closing_link_sends_no_heartbeat_once_its_goodbye_went(committer_factory):
