@@ -12,8 +12,9 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 
@@ -91,11 +92,13 @@ def test_a_request_never_overtakes_one_queued_in_the_outbox(committer_factory):
         link.close()
 
 
-def test_a_quiet_send_with_one_other_request_pending_does_not_swallow_its_replys_edge(committer_factory):
-    """m4: a quiet send (``ack_marker``) skips the ``EVENTS`` check only when nothing else is pending. With one
-    other request pending whose reply came in (its ``ZMQ_FD`` edge not yet taken), the send may take that
-    edge; the pristine submit reads ``EVENTS`` and wakes the I/O thread. The mutant (``> 2``) skipped it with
-    exactly one other pending, and that reply waited out the I/O thread's poll tick (10 s here)."""
+@contextlib.contextmanager
+def _reply_unread(committer_factory, while_stopped: Callable[[CommitterLink], Any]
+                  ) -> Iterator[tuple[CommitterLink, threading.Event, Any]]:
+    """A link whose I/O thread is parked after its ``EVENTS`` check, before its poll (until the yielded gate is
+    set), and a reply waiting unread in its socket: ``while_stopped(link)`` ran while the committer was stopped
+    (its result is yielded), and the committer's answer came in once it ran again. The next send may take
+    that reply's ``ZMQ_FD`` edge. The poll tick is 10 s, so only a wake answers sooner."""
     handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # tick 10 s
     link = CommitterLink(cache=handle.name, role=P.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
     real_readable = link._readable
@@ -115,21 +118,39 @@ def test_a_quiet_send_with_one_other_request_pending_does_not_swallow_its_replys
             link._readable = readable
             link._wake()
             assert parked.wait(5), "the I/O thread did not come round"
-            status = link.submit(lambda rid: P.StatusRequest(rid=rid))
+            got = while_stopped(link)
         finally:
             os.kill(handle.proc.pid, signal.SIGCONT)
         assert select.select([link._sock_fd], [], [], 5)[0], "the reply did not signal"
         time.sleep(0.003)  # premise only: libzmq handles commands in a send at most about once a millisecond
+        yield link, gate, got
+    finally:
+        gate.set()
+        link._readable = real_readable
+        link.close()
+
+
+def _times_out(link: CommitterLink) -> None:
+    """A request that times out while the committer is stopped: its reply comes in late, to nobody."""
+    from omnishm.interface import OmniPrefixCacheCommitterError
+
+    with pytest.raises(OmniPrefixCacheCommitterError, match="did not answer"):
+        link.request(lambda rid: P.StatusRequest(rid=rid), timeout_s=0.1)
+
+
+def test_a_quiet_send_with_one_other_request_pending_does_not_swallow_its_replys_edge(committer_factory):
+    """m4: a quiet send (``ack_marker``) skips the ``EVENTS`` check only when nothing else is pending. With one
+    other request pending whose reply came in (its ``ZMQ_FD`` edge not yet taken), the send may take that
+    edge; the pristine submit reads ``EVENTS`` and wakes the I/O thread. The mutant (``> 2``) skipped it with
+    exactly one other pending, and that reply waited out the I/O thread's poll tick (10 s here)."""
+    with _reply_unread(committer_factory, lambda link: link.submit(lambda rid: P.StatusRequest(rid=rid))) \
+            as (link, gate, status):
         assert len(link._pending) == 1
         quiet = link.submit(lambda rid: P.StatusRequest(rid=rid), ack_marker=1)  # the one other pending: status
         assert not select.select([link._sock_fd], [], [], 0)[0], "the quiet send left the edge (test premise)"
         gate.set()
         status.result(timeout=3)  # the I/O thread's tick is 10 s: only a wake gets it sooner
         quiet.result(timeout=3)
-    finally:
-        gate.set()
-        link._readable = real_readable
-        link.close()
 
 
 class _FullOnce:
@@ -209,51 +230,12 @@ def test_settle_of_a_request_no_longer_pending_says_so(committer_factory):
         link.close()
 
 
-@contextlib.contextmanager
-def _late_reply_unread(committer_factory) -> Iterator[tuple[CommitterLink, threading.Event]]:
-    """A link whose I/O thread is parked after its ``EVENTS`` check, before its poll (until the yielded gate is
-    set), with the late reply to a request that timed out waiting unread in its socket: the next send may take
-    that reply's ``ZMQ_FD`` edge. The poll tick is 10 s, so only a wake answers sooner."""
-    from omnishm.interface import OmniPrefixCacheCommitterError
-
-    handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # tick 10 s
-    link = CommitterLink(cache=handle.name, role=P.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
-    real_readable = link._readable
-    parked, gate = threading.Event(), threading.Event()
-
-    def readable() -> bool:  # I/O thread: after its EVENTS check, before its poll
-        ready = real_readable()
-        if not ready and not parked.is_set():
-            parked.set()
-            gate.wait(10)
-        return ready
-
-    try:
-        _idle(link)
-        os.kill(handle.proc.pid, signal.SIGSTOP)
-        try:
-            link._readable = readable
-            link._wake()
-            assert parked.wait(5), "the I/O thread did not come round"
-            with pytest.raises(OmniPrefixCacheCommitterError, match="did not answer"):
-                link.request(lambda rid: P.StatusRequest(rid=rid), timeout_s=0.1)
-        finally:
-            os.kill(handle.proc.pid, signal.SIGCONT)
-        assert select.select([link._sock_fd], [], [], 5)[0], "the late reply did not signal"
-        time.sleep(0.003)  # premise only: libzmq handles commands in a send at most about once a millisecond
-        yield link, gate
-    finally:
-        gate.set()
-        link._readable = real_readable
-        link.close()
-
-
 def test_a_send_with_nothing_else_pending_still_wakes_for_a_late_reply_it_took_the_edge_of(committer_factory):
     """m5: only a quiet send skips the ``EVENTS`` check. A plain request sent while the reply to one that
     timed out (no longer pending) waits unread may take that reply's ``ZMQ_FD`` edge; its own reply then comes
     in behind it without one. The pristine submit reads ``EVENTS`` and wakes the I/O thread; the mutant
     (the check skipped whenever nothing else is pending) left the request to wait out the poll tick (10 s)."""
-    with _late_reply_unread(committer_factory) as (link, gate):
+    with _reply_unread(committer_factory, _times_out) as (link, gate, _):
         assert not link._pending
         fut = link.submit(lambda rid: P.StatusRequest(rid=rid))
         assert not select.select([link._sock_fd], [], [], 0)[0], "the send left the edge (test premise)"
@@ -502,7 +484,7 @@ def test_wake_if_replied_wakes_the_io_thread_for_a_reply_a_quiet_send_took_the_e
     reply waiting unread (here the late reply to a request that timed out); the quiet step's own reply (its
     rejection) then comes in without an edge. ``wake_if_replied``, which the writer's join calls, wakes the I/O
     thread then; the mutant did not, and the reply waited out the I/O thread's poll tick (10 s)."""
-    with _late_reply_unread(committer_factory) as (link, gate):
+    with _reply_unread(committer_factory, _times_out) as (link, gate, _):
         quiet = link.submit(lambda rid: P.StatusRequest(rid=rid), ack_marker=1)  # answered, like a rejection
         assert not select.select([link._sock_fd], [], [], 0)[0], "the quiet send left the edge (test premise)"
         gate.set()
