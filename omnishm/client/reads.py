@@ -92,7 +92,7 @@ class ReadSide:
                         elif pre is not None and dst is not pre:
                             dst[:h].copy_(pre[:h])
                         own = step_rows[start:start + count]
-                        dst[h:].copy_(own if not own.is_cuda else self._read_device_rows(own, None, ctx.freeze_event))
+                        self._copy_step_rows(dst[h:], own, ctx.freeze_event)
                         merged[key] = dst.view((h + count, *ctx.row_shapes[key]))
                 served[0] += h
                 served[1] += (h + count) * nkeys
