@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -285,3 +288,32 @@ def shutdown_cut_by_sigterm(monkeypatch, link, shutdown) -> None:
             shutdown()
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def io_thread_parked(link, *, before_events_check: bool = False) -> Iterator[threading.Event]:
+    """The link's I/O thread held in its loop (until the yielded gate is set, at the latest on exit): after
+    its ``EVENTS`` check and before its poll, or with ``before_events_check`` before that check. Lets a test
+    put a reply in the socket, or take its ``ZMQ_FD`` edge with a send, at a chosen point of the loop."""
+    real_readable = link._readable
+    parked, gate = threading.Event(), threading.Event()
+
+    def readable() -> bool:
+        if before_events_check and not parked.is_set():
+            parked.set()
+            gate.wait(10)
+            return real_readable()
+        ready = real_readable()
+        if not ready and not before_events_check and not parked.is_set():
+            parked.set()
+            gate.wait(10)
+        return ready
+
+    link._readable = readable
+    try:
+        link._wake()
+        assert parked.wait(5), "the I/O thread did not come round"
+        yield gate
+    finally:
+        gate.set()
+        link._readable = real_readable

@@ -21,6 +21,8 @@ import pytest
 from omnishm import protocol as P
 from omnishm.client.link import CommitterLink
 
+from helpers import io_thread_parked
+
 LAYOUT = P.Layout(num_blocks=8, block_size=4)
 
 
@@ -101,32 +103,21 @@ def _reply_unread(committer_factory, while_stopped: Callable[[CommitterLink], An
     that reply's ``ZMQ_FD`` edge. The poll tick is 10 s, so only a wake answers sooner."""
     handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # tick 10 s
     link = CommitterLink(cache=handle.name, role=P.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
-    real_readable = link._readable
-    parked, gate = threading.Event(), threading.Event()
-
-    def readable() -> bool:  # I/O thread: after its EVENTS check, before its poll
-        ready = real_readable()
-        if not ready and not parked.is_set():
-            parked.set()
-            gate.wait(10)
-        return ready
-
     try:
         _idle(link)
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
-            link._readable = readable
-            link._wake()
-            assert parked.wait(5), "the I/O thread did not come round"
-            got = while_stopped(link)
+            with io_thread_parked(link) as gate:
+                try:
+                    got = while_stopped(link)
+                finally:
+                    os.kill(handle.proc.pid, signal.SIGCONT)
+                assert select.select([link._sock_fd], [], [], 5)[0], "the reply did not signal"
+                time.sleep(0.003)  # premise only: libzmq handles commands in a send at most about once a ms
+                yield link, gate, got
         finally:
-            os.kill(handle.proc.pid, signal.SIGCONT)
-        assert select.select([link._sock_fd], [], [], 5)[0], "the reply did not signal"
-        time.sleep(0.003)  # premise only: libzmq handles commands in a send at most about once a millisecond
-        yield link, gate, got
+            os.kill(handle.proc.pid, signal.SIGCONT)  # also when the I/O thread never came round
     finally:
-        gate.set()
-        link._readable = real_readable
         link.close()
 
 
@@ -282,31 +273,21 @@ def test_a_reply_the_io_threads_own_events_check_took_the_edge_of_is_drained_at_
     with the reply queued."""
     handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # tick 10 s
     link = CommitterLink(cache=handle.name, role=P.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
-    real_readable = link._readable
-    parked, gate = threading.Event(), threading.Event()
-
-    def readable() -> bool:  # I/O thread: before its EVENTS check
-        if not parked.is_set():
-            parked.set()
-            gate.wait(10)
-        return real_readable()
-
     try:
         _idle(link)
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
-            link._readable = readable
-            link._wake()
-            assert parked.wait(5), "the I/O thread did not come round"
-            fut = link.submit(lambda rid: P.StatusRequest(rid=rid))  # its own EVENTS check: nothing yet
+            with io_thread_parked(link, before_events_check=True) as gate:
+                try:
+                    fut = link.submit(lambda rid: P.StatusRequest(rid=rid))  # its own EVENTS check: nothing yet
+                finally:
+                    os.kill(handle.proc.pid, signal.SIGCONT)
+                assert select.select([link._sock_fd], [], [], 5)[0], "the reply did not signal"
+                gate.set()  # the I/O thread's EVENTS check takes the edge
+                assert isinstance(fut.result(timeout=3), P.StatusReply)
         finally:
             os.kill(handle.proc.pid, signal.SIGCONT)
-        assert select.select([link._sock_fd], [], [], 5)[0], "the reply did not signal"
-        gate.set()  # the I/O thread's EVENTS check takes the edge
-        assert isinstance(fut.result(timeout=3), P.StatusReply)
     finally:
-        gate.set()
-        link._readable = real_readable
         link.close()
 
 

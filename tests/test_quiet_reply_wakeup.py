@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import threading
 import time
 
 import pytest
@@ -25,6 +24,7 @@ import pytest
 from omnishm import protocol as P
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 
+from helpers import io_thread_parked
 from manager_helpers import Part, extended, one_applied_step, save, small_config
 
 BS = 4
@@ -34,15 +34,7 @@ def test_a_rejected_quiet_step_is_seen_at_once_when_a_quiet_send_took_the_edge(c
     handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # the I/O thread's tick: 10 s
     m = OmniPrefixCacheManager(small_config(), cache=handle.name, endpoint=handle.endpoint, autostart=False)
     link = m._link
-    real_readable, real_submit = link._readable, link.submit
-    parked, gate = threading.Event(), threading.Event()
-
-    def readable() -> bool:  # I/O thread: after its EVENTS check, before its poll
-        ready = real_readable()
-        if not ready and not parked.is_set():
-            parked.set()
-            gate.wait(10)
-        return ready
+    real_submit = link.submit
 
     def submit(make, **kw):  # the step's descriptor names a slot outside the pool: rejected, answered
         def bad(rid: int):
@@ -55,32 +47,33 @@ def test_a_rejected_quiet_step_is_seen_at_once_when_a_quiet_send_took_the_edge(c
         one_applied_step(m)
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
-            link._readable = readable
-            link._wake()
-            assert parked.wait(5), "the I/O thread did not come round"
-            # A request whose reply the I/O thread takes (a flush piece, a heartbeat); answered once the
-            # committer runs again, and the reply signals ZMQ_FD.
-            status = link.submit(lambda rid: P.StatusRequest(rid=rid))
+            with io_thread_parked(link) as gate:  # after its EVENTS check, before its poll
+                try:
+                    # A request whose reply the I/O thread takes (a flush piece, a heartbeat); answered once the
+                    # committer runs again, and the reply signals ZMQ_FD.
+                    status = link.submit(lambda rid: P.StatusRequest(rid=rid))
+                finally:
+                    os.kill(handle.proc.pid, signal.SIGCONT)
+                assert select.select([link._sock_fd], [], [], 5)[0], "the reply did not signal"
+                time.sleep(0.003)  # libzmq handles commands in a send at most about once a millisecond
+                link.submit = submit
+                m.new_step_starts([extended("a", 4, (1,))])
+                sid = save(m, [Part("a", 1, [0, 1], 4, 2)], BS)  # its quiet send takes the reply's edge
+                link.submit = real_submit
+                assert not select.select([link._sock_fd], [], [], 0)[0], "the quiet send left the edge (premise)"
+                time.sleep(0.05)  # the committer rejects the step; its reply comes in behind the first one
+                assert not status.done()
+                gate.set()  # the I/O thread goes on to its poll
+                t0 = time.monotonic()
+                with pytest.raises(OmniPrefixCacheUnmatchError, match="out of range"):
+                    m.discard_step(sid)
+                    m.new_step_starts([extended("a", 6)])
+                    save(m, [Part("a", 1, [0, 1], 6, 1)], BS)  # joins the rejected step
+                waited = time.monotonic() - t0
+                assert waited < 3, \
+                    f"the rejection was seen after {waited * 1000:.0f} ms (the I/O thread's poll tick: 10 s)"
         finally:
             os.kill(handle.proc.pid, signal.SIGCONT)
-        assert select.select([link._sock_fd], [], [], 5)[0], "the reply did not signal"
-        time.sleep(0.003)  # libzmq handles commands in a send at most about once a millisecond
-        link.submit = submit
-        m.new_step_starts([extended("a", 4, (1,))])
-        sid = save(m, [Part("a", 1, [0, 1], 4, 2)], BS)  # its quiet send takes the reply's edge
-        link.submit = real_submit
-        assert not select.select([link._sock_fd], [], [], 0)[0], "the quiet send left the edge (test premise)"
-        time.sleep(0.05)  # the committer rejects the step; its reply comes in behind the first one
-        assert not status.done()
-        gate.set()  # the I/O thread goes on to its poll
-        t0 = time.monotonic()
-        with pytest.raises(OmniPrefixCacheUnmatchError, match="out of range"):
-            m.discard_step(sid)
-            m.new_step_starts([extended("a", 6)])
-            save(m, [Part("a", 1, [0, 1], 6, 1)], BS)  # joins the rejected step
-        waited = time.monotonic() - t0
-        assert waited < 3, f"the rejection was seen after {waited * 1000:.0f} ms (the I/O thread's poll tick: 10 s)"
     finally:
-        gate.set()
-        link._readable, link.submit = real_readable, real_submit
+        link.submit = real_submit
         m.shutdown()
