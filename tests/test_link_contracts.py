@@ -618,7 +618,10 @@ def test_a_resumes_welcome_counts_as_the_answer_to_the_latest_heartbeat(committe
         link._on_resume_reply = resumed
         handle.stop(signal.SIGKILL)
         committer_factory(*fast, name=handle.name)
-        _until(lambda: link.stats["reconnects"] == 1, 15.0, "the resume")
+        # Waits for ``seen``, not the ``reconnects`` count: the I/O thread counts the resume inside
+        # ``_on_resume_reply`` and appends to ``seen`` only after it returned.
+        _until(lambda: seen, 15.0, "the resume's Welcome")
+        assert link.stats["reconnects"] == 1
         assert len(seen) == 1 and seen[0][1] >= 2 and seen[0][0] == seen[0][1], seen
     finally:
         link._on_resume_reply = real_resumed
