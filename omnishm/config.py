@@ -37,7 +37,8 @@ CONFIG_ENV = "OMNISHM_CONFIG"
 ENV_PREFIX = "OMNISHM_"
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# fullmatch, never match with "$": "$" also matches before a final newline (a name "abc\n" was taken).
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -86,7 +87,7 @@ def check_endpoint(endpoint: str) -> str:
 
 
 def _check_name(value: str) -> str:
-    if not _NAME_RE.match(value):
+    if not _NAME_RE.fullmatch(value):
         raise ValueError("use 1-64 letters, digits, '_' or '-'")
     return value
 

@@ -41,14 +41,14 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "omnishm"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: "$" also matches before a final newline
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11
 PAGE = mmap.PAGESIZE
 
 
 def is_cache_name(cache: object) -> bool:
     """Whether ``cache`` is a valid cache name (``check_cache_name``)."""
-    return isinstance(cache, str) and _NAME_RE.match(cache) is not None
+    return isinstance(cache, str) and _NAME_RE.fullmatch(cache) is not None
 
 
 def check_cache_name(cache: str) -> str:

@@ -92,6 +92,23 @@ def test_a_hello_refused_as_a_duplicate_leaves_the_cache_as_it_was(committer_fac
             raw.close()
 
 
+def test_a_client_id_is_1_to_64_name_characters_and_nothing_after_them(committer_factory):
+    """A Hello's ``client_id`` is 1-64 letters, digits, '_' or '-' (it is logged, shown by ``omnishm status`` and
+    kept in the session table). One ending in a newline is refused like any other bad id: a pattern ending in
+    ``$`` used with ``match`` took ``"abc\\n"`` (``$`` matches before a final newline; mutation review, stop 47).
+    64 characters are welcomed, 65 refused, and the committer serves on."""
+    handle = committer_factory(*SLOW)
+    raw = RawClient(handle.endpoint, handle.name)
+    try:
+        for bad in ("abc\n", "k" * 64 + "\n", "k" * 65, ""):
+            reply = _hello(raw, protocol.ROLE_READER, bad, LAYOUT)
+            assert isinstance(reply, protocol.Refused) and "must be 1-64 letters" in reply.reason, (bad, reply)
+        assert isinstance(_hello(raw, protocol.ROLE_READER, "k" * 64, LAYOUT), protocol.Welcome)
+        assert [c["client_id"] for c in raw.status()["clients"]] == ["k" * 64]
+    finally:
+        raw.close()
+
+
 def test_key_names_are_bounded_so_the_metadata_always_fits(committer_factory):
     """A key name past MAX_KEY_NAME, or more than MAX_KEYS names, is refused with the reason."""
     handle = committer_factory(*SLOW)

@@ -107,6 +107,12 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     ({}, {}, "staging_depth = [\n", "not valid TOML"),
     ({}, {"OMNISHM_LOG_LEVEL": "chatty"}, "", "use one of DEBUG, INFO"),
     ({}, {"OMNISHM_NAME": "has space"}, "", "use 1-64 letters"),
+    # Mutation review (stop 47): "$" with match also matched before a final newline, so "abc\n" was a name.
+    ({}, {"OMNISHM_NAME": "abc\n"}, "", "use 1-64 letters"),
+    ({}, {"OMNISHM_NAME": "n" * 65}, "", "use 1-64 letters"),
+    ({}, {"OMNISHM_METRICS_PORT": "65536"}, "", "bad metrics_port = '65536' (from env OMNISHM_METRICS_PORT): "
+                                                "must be <= 65535"),
+    ({}, {"OMNISHM_COMMIT_TIMEOUT_S": "1000000.5"}, "", "must be <= 1e+06"),
     ({"heartbeat_s": "5", "heartbeat_timeout_s": "1"}, {}, "", "idle clients would be reaped"),
     # REVIEW (2026-12-05, stop 42): a timeout of one period passed, and reaped every idle client (its beats come a
     # little more than a period apart), a writer's staging with it, and the writer's resume was refused.
@@ -120,6 +126,31 @@ def test_bad_values_raise_clear_errors(tmp_path, flags, env, file_text, message)
     with pytest.raises(ConfigError) as exc:
         knobs.resolve("both", flags, env=env)
     assert message in str(exc.value)
+
+
+def test_the_bounds_themselves_are_taken():
+    """An inclusive bound is a value a user may give: a 64-character name, port 65535, the longest timeout (the
+    values one past them are refused above; mutation review, stop 47)."""
+    assert knobs.resolve("both", env={"OMNISHM_NAME": "n" * 64})["name"] == "n" * 64
+    assert knobs.resolve("committer", env={"OMNISHM_METRICS_PORT": "65535"})["metrics_port"] == 65535
+    assert knobs.resolve("client", env={"OMNISHM_COMMIT_TIMEOUT_S": "1e6"})["commit_timeout_s"] == 1e6
+
+
+def test_the_config_flag_names_the_file_over_omnishm_config(tmp_path, monkeypatch):
+    """README, Configuration: the TOML file is ``--config FILE``, else ``$OMNISHM_CONFIG``. A ``--config`` is the
+    file read even when ``OMNISHM_CONFIG`` names another (or one that does not exist), and each value's source
+    names it (mutation review, stop 47: the environment's file winning survived)."""
+    from omnishm.committer.config import build_parser
+
+    env_file, flag_file = tmp_path / "env.toml", tmp_path / "flag.toml"
+    env_file.write_text('name = "from-env-file"\nmetrics_port = 9101\n')
+    flag_file.write_text('name = "from-flag-file"\n')
+    r = knobs.resolve("committer", env={"OMNISHM_CONFIG": str(env_file)}, config_file=flag_file)
+    assert r["name"] == "from-flag-file" and r.sources["name"] == f"file {flag_file}"
+    assert r["metrics_port"] == 0 and r.sources["metrics_port"] == "default"
+    monkeypatch.setenv("OMNISHM_CONFIG", str(tmp_path / "missing.toml"))
+    args = build_parser().parse_args(["--config", str(flag_file)])
+    assert args.name == "from-flag-file" and args.sources["name"] == f"file {flag_file}"
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):

@@ -294,6 +294,22 @@ def test_the_newest_slot_wins_and_a_torn_newest_write_leaves_the_previous():
     assert meta.read(mm) == (2, {"version": meta.META_VERSION, "seq": 2})
 
 
+def test_metadata_too_large_for_a_slot_is_refused_and_the_previous_state_stays_readable():
+    """``meta.write`` of a document larger than a slot raises ``MetaError`` and writes nothing. Its slot (0, for
+    sequence 2) lies before slot 1, which holds the previous state: a body run past its slot would tear that one too,
+    and a restarted committer found neither slot valid and could not adopt a live cache (mutation review, stop 47:
+    the size check taken out survived)."""
+    mm = _mm()
+    doc = {"version": meta.META_VERSION, "keys": ["a"]}
+    meta.write(mm, doc, 1)
+    before = bytes(mm)
+    big = {"version": meta.META_VERSION, "keys": ["k" * 100] * (meta.SLOT_BYTES // 100)}
+    with pytest.raises(meta.MetaError, match="does not fit"):
+        meta.write(mm, big, 2)
+    assert bytes(mm) == before
+    assert meta.read(mm) == (1, doc)
+
+
 def test_another_version_is_refused():
     mm = _mm()
     meta.write(mm, {"version": 1}, 1)

@@ -222,7 +222,9 @@ def test_a_sweep_leaves_the_files_of_a_committer_that_started_while_it_waited_fo
 
 def test_cache_name_checked():
     assert shm.check_cache_name("thinker_0-a") == "thinker_0-a"
-    for bad in ("", "a.b", "a/b", "x" * 65, "sp ace"):
+    assert shm.check_cache_name("x" * 64) == "x" * 64
+    # "abc\n": a pattern ending in "$" used with match took it ("$" matches before a final newline).
+    for bad in ("", "a.b", "a/b", "x" * 65, "sp ace", "abc\n", "x" * 64 + "\n"):
         with pytest.raises(ValueError):
             shm.check_cache_name(bad)
 

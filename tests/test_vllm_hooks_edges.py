@@ -7,6 +7,7 @@ the fakes of ``test_vllm_hooks`` stand in for its objects; the committer is real
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from manager_helpers import rows
@@ -200,6 +201,39 @@ def test_held_rows_over_the_bound_drop_raw_rows_before_results():
     held.hold("raw", "A", t.clone())
     held.hold("done", "B", (t.clone(), 0))
     assert sorted(held.take("done")) == ["A", "B"] and held.take("raw") == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
+def test_held_rows_cross_the_rpc_wire_with_their_dtype_and_shape(dtype):
+    """``omnishm_take_results`` ships each prompt's rows [P, H] as plain types (``encode_tensor``) and the caller
+    decodes them (``decode_results``): the rows come back with the dtype, shape and values the runner produced (bf16
+    stays bf16), and a sliced or transposed view is sent as its logical rows. MUTATION (stop 47): a decode that took
+    every payload for float32 survived (the other tests used float32 rows only)."""
+    from omnishm.integrations.held_results import decode_results, encode_tensor
+
+    base = (torch.arange(5 * 12) - 7).reshape(5, 12).to(dtype)
+    for t in (base, base[:, :3], base.t()):
+        wire = encode_tensor(t)
+        assert wire["dtype"] == str(dtype).removeprefix("torch.") and wire["shape"] == list(t.shape)
+        out, hit = decode_results({"R": {"hidden": wire, "hit_tokens": 4}})["R"]
+        assert out.dtype == dtype and out.shape == t.shape and torch.equal(out, t) and hit == 4
+    empty = decode_results({"E": {"hidden": encode_tensor(base[:0]), "hit_tokens": 0}})["E"][0]
+    assert empty.dtype == dtype and empty.shape == (0, 12)
+
+
+def test_holding_a_request_again_replaces_its_rows_and_their_count():
+    """A request held again (its prompt completed again after a preemption) replaces its old rows: ``held_bytes``
+    counts the new rows only, so rows no longer held never fill the bound and drop another request's. MUTATION
+    (stop 47): not subtracting the replaced rows' bytes survived."""
+    from omnishm.integrations.held_results import HeldResults
+
+    one = torch.ones(2, 8)
+    held = HeldResults(2 * one.numel() * 4)
+    for _ in range(5):
+        held.hold("done", "A", (one.clone(), 0))
+    held.hold("done", "B", (one.clone(), 1))
+    assert held.stats() == {"held_bytes": 2 * one.numel() * 4, "results_dropped": 0}
+    assert sorted(held.take("done")) == ["A", "B"]
 
 
 def test_a_lone_engine_with_dp_index_0_keeps_its_name_and_endpoint():

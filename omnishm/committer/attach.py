@@ -25,7 +25,7 @@ from omnishm.versions import MAX_EPOCH
 
 logger = logging.getLogger("omnishm.committer")
 
-_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: "$" also matches before a final newline
 REHELLO = "re-hello"
 """Why a session ends when its socket says Hello as another client; its log lines are rate-limited together."""
 
@@ -87,7 +87,7 @@ class Attach:
         if msg.role not in protocol.ROLES:
             return self.refuse(msg, f"unknown role {_short(msg.role)} (use one of {', '.join(protocol.ROLES)})",
                                "role")
-        if not _CLIENT_ID_RE.match(msg.client_id):
+        if not _CLIENT_ID_RE.fullmatch(msg.client_id):
             return self.refuse(msg, f"client_id {_short(msg.client_id)} must be 1-64 letters, digits, '_' or '-'",
                                "client_id")
         if msg.uid != os.geteuid():
