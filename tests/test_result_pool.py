@@ -125,3 +125,68 @@ def test_a_pool_that_takes_every_size_hands_out_empty_results_too():
         t = pool.empty(shape, torch.float32)
         assert t.shape == shape and t.dtype == torch.float32
     assert pool.empty((2, 8), torch.float32).shape == (2, 8)
+
+
+def test_a_free_block_of_exactly_the_requested_size_is_reused():
+    """A block whose size is exactly the request's is the best possible fit: the pool must hand it out again
+    (``reused``), not fault in a new one. MUTATION (stop 47): the fit's lower bound made strict (``nbytes < block``)
+    left every same-size result, the common case of a steady batch, paying fresh page faults each step."""
+    pool = ResultPool(64 << 20, min_bytes=0)
+    t = pool.empty((GRAIN,), torch.uint8)
+    del t
+    gc.collect()
+    assert pool.free_bytes == GRAIN
+    again = pool.empty((GRAIN // 4,), torch.float32)  # GRAIN bytes exactly
+    assert pool.stats["reused"] == 1 and pool.stats["faulted"] == 1 and pool.free_bytes == 0
+    assert again.numel() == GRAIN // 4
+
+
+def test_the_smallest_free_block_that_fits_is_taken():
+    """Best fit: of two free blocks that both fit a request, the smaller is handed out and the larger stays free
+    for a larger result. MUTATION (stop 47): the comparison flipped (worst fit) took the larger block."""
+    pool = ResultPool(256 << 20, min_bytes=0)
+    big = pool.empty((10 * GRAIN,), torch.uint8)
+    small = pool.empty((8 * GRAIN,), torch.uint8)
+    del big  # returned first: a first-fit or worst-fit scan meets it first
+    del small
+    gc.collect()
+    assert pool.free_bytes == 18 * GRAIN
+    got = pool.empty((8 * GRAIN,), torch.uint8)
+    assert pool.stats["reused"] == 1 and pool.free_bytes == 10 * GRAIN
+    del got
+
+
+def test_a_block_exactly_the_cap_is_kept_and_the_oldest_is_evicted_first():
+    """``max_free_bytes`` is the most free memory kept: a block of exactly the cap is kept (dropped only when
+    larger), and when a returned block pushes the free total over the cap the OLDEST free block goes first.
+    MUTATIONS (stop 47): ``>=`` for ``>`` dropped a block of exactly the cap; ``pop()`` for ``pop(0)`` evicted the newest."""
+    cap = 4 * GRAIN
+    pool = ResultPool(cap, min_bytes=0)
+    whole = pool.empty((cap,), torch.uint8)
+    del whole
+    gc.collect()
+    assert pool.free_bytes == cap and pool.stats["dropped"] == 0
+    pool2 = ResultPool(cap, min_bytes=0)
+    a = pool2.empty((GRAIN,), torch.uint8)
+    b = pool2.empty((2 * GRAIN,), torch.uint8)
+    c = pool2.empty((2 * GRAIN,), torch.uint8)
+    del a, b, c  # filed a, b, c: c pushes the total over the cap, so a (the oldest) goes
+    gc.collect()
+    assert pool2.free_bytes == cap and pool2.stats["dropped"] == 1
+    assert sorted(blk.nbytes for blk in pool2._free) == [2 * GRAIN, 2 * GRAIN]
+
+
+def test_a_free_block_far_larger_than_the_request_is_not_spent_on_it():
+    """A request takes a free block with at most 25% (plus one grain) to spare: a small result must not pin a
+    large free block (held for as long as the caller keeps the result, while the next large result faults a new
+    one in). MUTATION (stop 47): the fit's upper bound dropped handed a 20 MiB block to a 2 MiB result."""
+    pool = ResultPool(64 << 20, min_bytes=0)
+    big = pool.empty((10 * GRAIN,), torch.uint8)
+    del big
+    gc.collect()
+    small = pool.empty((GRAIN,), torch.uint8)
+    assert pool.stats["reused"] == 0 and pool.stats["faulted"] == 2 and pool.free_bytes == 10 * GRAIN
+    del small
+    edge = pool.empty((8 * GRAIN,), torch.uint8)  # 8 + 2 + 1 = 11 grains allowed: the 10-grain block fits
+    assert pool.stats["reused"] == 1
+    del edge

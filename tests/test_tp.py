@@ -879,3 +879,33 @@ def test_two_hit_plans_never_share_a_digest_through_an_id_that_holds_other_field
     assert hits_digest({"a": span([0]), "b": span([1])}, BS) != hits_digest({crafted: span([1])}, BS)
     assert hits_digest({"a": span([0]), "b": span([1])}, BS) == hits_digest({"b": span([1]), "a": span([0])}, BS)
     assert hits_digest({"a": span([0, 1])}, BS) != hits_digest({"a": span([1, 0])}, BS)
+
+
+def test_hit_plans_that_differ_in_a_later_block_or_in_hit_length_have_other_digests():
+    """The readers' plan check (``_check_same_plan``) compares ``hits_digest`` of the writer's plan with its own:
+    every block of every hit, and each hit's length, must go into it, else a reader whose plan differs from its
+    writer's only past the first block (or in length) passes the check and serves rows of the writer's blocks
+    for its own. MUTATIONS (stop 47): only the first slot hashed (``slots[:1]``); the hit length left out."""
+    from omnishm.client.steps import HitSpan, hits_digest
+
+    def span(blocks, n=None):
+        slots = (torch.tensor(blocks)[:, None] * BS + torch.arange(BS)).reshape(-1)
+        return HitSpan(slots=slots[:n] if n is not None else slots, cvs={})
+
+    assert hits_digest({"a": span([0, 1])}, BS) != hits_digest({"a": span([0, 2])}, BS)
+    assert hits_digest({"a": span([0, 1, 2])}, BS) != hits_digest({"a": span([0, 1, 3])}, BS)
+    assert hits_digest({"a": span([5, 1])}, BS) != hits_digest({"a": span([5, 1], n=BS + 1)}, BS)
+    assert hits_digest({"a": span([5, 1])}, BS) == hits_digest({"a": span([5, 1])}, BS)
+
+
+def test_a_readers_shutdown_stops_its_prefetch_thread(committer):
+    """``shutdown`` stops every helper thread the manager started: after a reader's shutdown returns, its
+    ``omnishm-prefetch`` thread is gone (no thread, and no late prefetch touching a closed link or unmapped
+    keys, outlives the manager; a process that makes a manager per engine would gather one thread per
+    engine). MUTATION (stop 47): ``_stop_threads`` skipping the prefetcher left the thread running for good."""
+    before = {t for t in threading.enumerate() if t.name == "omnishm-prefetch"}
+    r = OmniPrefixCacheManager(small_config(), cache=committer.name, role="reader", autostart=False)
+    mine = [t for t in threading.enumerate() if t.name == "omnishm-prefetch" and t not in before]
+    assert len(mine) == 1 and mine[0].is_alive()
+    r.shutdown()
+    assert not mine[0].is_alive(), "the reader's prefetch thread outlived its shutdown"
