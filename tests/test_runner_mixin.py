@@ -661,6 +661,18 @@ def test_an_unsupported_stage_is_refused_at_kv_cache_init_not_at_its_first_reque
     assert hybrid.kv_init_calls == 2 and hybrid.prefix_cache_manager is None
 
 
+def test_a_runner_without_vllms_v1_input_batch_is_refused_at_kv_cache_init():
+    """The mixin reads the runner's persistent ``input_batch`` at every save (vLLM's V1 runner family). A runner
+    without one (vLLM's V2 runner, the only one in vLLM 0.34) is refused at KV-cache init, at the engine's
+    start, with the V1 runner named (``check_v1_runner``), not by an AttributeError at the first request
+    (review, stop 47)."""
+    runner = _InitRunner("no-such-cache")
+    del runner.input_batch
+    with pytest.raises(RuntimeError, match="_InitRunner has no 'input_batch'; the vLLM integration needs the V1"):
+        runner.initialize_kv_cache(runner.kv_cache_config)
+    assert runner.kv_init_calls == 1 and runner.prefix_cache_manager is None
+
+
 def test_a_padded_zero_token_save_after_the_manager_exists_gives_no_step_id(runner):
     """MUTATION (2026-12-06): the mixin's save no longer checking for 0 tokens survived: a padded dummy run (0
     tokens, 4 padded rows) once the manager existed took a step id nobody consumes."""

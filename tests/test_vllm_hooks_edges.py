@@ -236,6 +236,54 @@ def test_holding_a_request_again_replaces_its_rows_and_their_count():
     assert sorted(held.take("done")) == ["A", "B"]
 
 
+def _fake_vllm(monkeypatch, version: str, *, v1_runner: bool) -> None:
+    """A stand-in ``vllm`` package of ``version``, with or without ``vllm.v1.worker.gpu_model_runner``."""
+    import sys
+    import types
+
+    for name in ("vllm", "vllm.v1", "vllm.v1.worker"):
+        mod = types.ModuleType(name)
+        mod.__path__ = []  # a package with nothing on disk: find_spec of a child not in sys.modules is None
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules["vllm"].__version__ = version
+    if v1_runner:
+        import importlib.machinery
+
+        runner = types.ModuleType("vllm.v1.worker.gpu_model_runner")
+        runner.__spec__ = importlib.machinery.ModuleSpec(runner.__name__, None)
+        monkeypatch.setitem(sys.modules, runner.__name__, runner)
+    else:
+        monkeypatch.delitem(sys.modules, "vllm.v1.worker.gpu_model_runner", raising=False)
+
+
+class _V2Runner:
+    """What vLLM's V2 ``GPUModelRunner`` has of the V1 family's attributes: no ``_update_states`` and no
+    persistent ``input_batch`` (vLLM 0.34: the only runner; 0.32/0.33: the GPU default)."""
+
+    execute_model_state = None
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        return None
+
+
+def test_a_v2_runner_is_refused_with_the_remedy_the_installed_vllm_allows(monkeypatch):
+    """The hooks need vLLM's V1 model runner. On vLLM 0.32/0.33 (V1 beside V2) the refusal says to select V1
+    with ``VLLM_USE_V2_MODEL_RUNNER=0``; on 0.34, which removed V1 and rejects that variable, it says the
+    version is not supported and which are. REVIEW (stop 47): on 0.34 the only advice given was the variable
+    vLLM refuses, so a user had no working setting and no word that the version was the cause."""
+    from omnishm.integrations.vllm import OmniPrefixCacheRunnerHooks
+
+    _fake_vllm(monkeypatch, "0.33.0", v1_runner=True)
+    with pytest.raises(RuntimeError, match=r"_V2Runner has no '_update_states', 'input_batch'; .* "
+                                           r"\(set VLLM_USE_V2_MODEL_RUNNER=0\)"):
+        OmniPrefixCacheRunnerHooks(_V2Runner())
+    _fake_vllm(monkeypatch, "0.34.0", v1_runner=False)
+    with pytest.raises(RuntimeError) as exc:
+        OmniPrefixCacheRunnerHooks(_V2Runner())
+    assert "vLLM 0.34.0 has no V1 model runner (vLLM 0.34 removed it)" in str(exc.value)
+    assert "use vLLM 0.32 or 0.33" in str(exc.value)
+
+
 def test_a_lone_engine_with_dp_index_0_keeps_its_name_and_endpoint():
     """MUTATION (2026-12-06): ``index >= 0`` for ``> 0`` survived: a lone engine with data-parallel index 0 got a
     replica name and a ConfigError."""

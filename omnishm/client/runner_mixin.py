@@ -83,6 +83,38 @@ def _vllm_ranks() -> tuple[int, bool] | None:
         return None
 
 
+V1_RUNNER_ATTRS = ("execute_model", "_update_states", "execute_model_state", "input_batch")
+"""What the hooks and the mixin read of vLLM's V1 ``GPUModelRunner`` family (the runner's persistent
+``input_batch`` and its ``_update_states``); vLLM's V2 runner has neither."""
+
+
+def check_v1_runner(runner: Any, attrs: Iterable[str] = V1_RUNNER_ATTRS) -> None:
+    """Raise ``RuntimeError`` when ``runner`` lacks one of ``attrs`` of vLLM's V1 model-runner family, with the
+    remedy this vLLM allows. vLLM 0.32 and 0.33 keep the V1 runner beside the V2 one they pick on GPU builds
+    (``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1); vLLM 0.34 removed it, and refuses that variable, so on 0.34
+    the message says the version is not supported rather than naming a setting that vLLM rejects (review,
+    stop 47). vllm is imported here, never at module scope."""
+    missing = [attr for attr in attrs if not hasattr(runner, attr)]
+    if not missing:
+        return
+    name = type(runner).__name__
+    try:
+        import importlib.util
+
+        import vllm
+        has_v1 = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+        version = getattr(vllm, "__version__", "?")
+    except ImportError:  # not in a vLLM process (a stand-in runner): the setting is the remedy
+        has_v1, version = True, "?"
+    if not has_v1:
+        raise RuntimeError(f"omnishm: vLLM {version} has no V1 model runner (vLLM 0.34 removed it), and model "
+                           f"runner {name} has no {', '.join(map(repr, missing))}; omnishm's vLLM integration "
+                           "needs the V1 runner: use vLLM 0.32 or 0.33 (tested on 0.32) with "
+                           "VLLM_USE_V2_MODEL_RUNNER=0 on a GPU build")
+    raise RuntimeError(f"omnishm: model runner {name} has no {', '.join(map(repr, missing))}; the vLLM "
+                       "integration needs the V1 GPUModelRunner family (set VLLM_USE_V2_MODEL_RUNNER=0)")
+
+
 def vllm_runner_role() -> str:
     """``"writer"`` iff this process is TP rank 0 of the last PP stage, else ``"reader"``; ``"writer"``
     when vLLM's parallel state cannot be read (``_vllm_ranks``)."""
@@ -260,10 +292,12 @@ class PrefixCacheRunnerMixin:
         multi-group KV cache, KV transfer consumer, speculative decoding, ...) at KV-cache init, where its
         ``PrefixCacheConfigError`` fails the engine's start, not at the first request. Not for a GPU
         runner's profiling call (``is_profiling=True``: a minimal config). The manager is still built on
-        the first real step. A bad ``prefix_cache_config_overrides`` raises ValueError/TypeError here too. The
-        mixin must come before the runner class in the bases."""
+        the first real step. A bad ``prefix_cache_config_overrides`` raises ValueError/TypeError here too, and
+        a runner outside vLLM's V1 family RuntimeError (``check_v1_runner``). The mixin must come before
+        the runner class in the bases."""
         out = super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
         if not kwargs.get("is_profiling", False):
+            check_v1_runner(self, ("input_batch",))  # at engine start, not an AttributeError at the first save
             self._prefix_cache_stage_config()
         return out
 

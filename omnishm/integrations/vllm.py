@@ -5,9 +5,10 @@ Enable it with one argument::
     LLM(model, enable_prefix_caching=True,
         worker_extension_cls="omnishm.integrations.vllm.OmniPrefixCacheWorkerExtension")
 
-The hooks need vLLM's V1 model runner. vLLM 0.32 picks its V2 runner by default wherever Triton is
-installed (a GPU build), so set ``VLLM_USE_V2_MODEL_RUNNER=0`` there; the hooks refuse a V2 runner at
-install with that hint. The CPU build runs the V1 runner.
+The hooks need vLLM's V1 model runner. vLLM 0.32 and 0.33 pick their V2 runner by default wherever Triton
+is installed (a GPU build), so set ``VLLM_USE_V2_MODEL_RUNNER=0`` there; the hooks refuse a V2 runner at
+install with that hint. The CPU build runs the V1 runner. vLLM 0.34 removed the V1 runner: the hooks
+refuse it saying so (``runner_mixin.check_v1_runner``).
 
 vLLM mixes ``OmniPrefixCacheWorkerExtension`` into its worker class. When the
 worker assigns ``self.model_runner`` (in ``init_device``) the extension wraps
@@ -66,7 +67,7 @@ import torch
 from omnishm.client.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 from omnishm.client.group_view import get_prefix_cache_group_view, stage_prefix_cache_config
 from omnishm.client.manager import OmniPrefixCacheManager
-from omnishm.client.runner_mixin import replica_cache_name, vllm_last_pp_stage, vllm_runner_role
+from omnishm.client.runner_mixin import check_v1_runner, replica_cache_name, vllm_last_pp_stage, vllm_runner_role
 from omnishm.integrations.held_results import HeldResults, decode_results, decode_tensor, encode_tensor
 from omnishm.interface import ModelCachePolicy, PrefixCacheConfig, ReqId
 
@@ -131,11 +132,7 @@ class OmniPrefixCacheRunnerHooks:
 
     def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool | None = None,
                  held_bytes: int | None = None, held: "HeldResults | None" = None) -> None:
-        for attr in ("execute_model", "_update_states", "execute_model_state", "input_batch"):
-            if not hasattr(runner, attr):
-                raise RuntimeError(f"omnishm: model runner {type(runner).__name__} has no {attr!r}; the vLLM "
-                                   "integration needs the V1 GPUModelRunner family (set "
-                                   "VLLM_USE_V2_MODEL_RUNNER=0)")
+        check_v1_runner(runner)
         self.runner = runner
         from omnishm.config import client_settings
 
