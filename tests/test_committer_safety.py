@@ -31,7 +31,7 @@ from omnishm import liveness, orphans, paths, protocol, shm
 from omnishm.committer import meta
 from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, MAX_STAGING_ROWS, CachePool
 
-from helpers import RawClient, Writer, unpack
+from helpers import RawClient, Writer, pack, unpack
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 FAST = ("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "5.0")
@@ -708,6 +708,47 @@ def test_a_key_whose_commit_table_cannot_be_made_leaves_no_segment(monkeypatch):
     finally:
         pool.close()
     assert shm.list_segments(pool.name) == []
+
+
+def test_an_unknown_key_of_megabytes_is_named_cut_in_the_step_reply(committer_factory):
+    """REVIEW (stop 47): a bad StepWrite gets a clear error naming what is wrong; a client-supplied name in it is
+    cut, as the OpenKey path cuts it (``protocol.shown``): a 1 MiB key name of control characters (4 characters each in a repr) must not make
+    the committer build and send a 4 MiB reason (a 60 MiB name: a reply over the client's ZMQ_MAXMSGSIZE,
+    which drops the connection instead of delivering the error)."""
+    handle = committer_factory()
+    writer = Writer(handle.endpoint, handle.name, protocol.Layout(num_blocks=4, block_size=4, keys={}), 8)
+    writer.open_key("k", "float32", 4)
+    try:
+        for keys in (["\x00" * (1 << 20)], ["k", "\x01" * (1 << 20), "\x01" * (1 << 20)]):
+            msg = protocol.StepWrite(rid=writer.raw.next_rid(), step=1, keys=keys, key_idx=b"", tids=b"", cvs=b"",
+                                     src_rows=b"", counts=b"", slots=b"")
+            reply = writer.raw.call(msg)
+            assert isinstance(reply, protocol.StepDone) and reply.reason, reply
+            assert len(reply.reason) < 1000, (len(reply.reason), reply.reason[:120])
+    finally:
+        writer.goodbye()
+
+
+def test_a_step_of_no_entries_that_sends_slots_is_refused_by_name(committer_factory):
+    """``validate_step``: a StepWrite with no entries but a slot buffer is refused with a StepDone naming
+    the mismatch ("1 slots but no entries"), nothing applied, and the writer's next good step still applies:
+    bad input gets a clear error reply, not an internal error, and the committer loses nothing else. MUTATION
+    (stop 47): without that check the reply was ``Error(code="internal")`` with numpy's ValueError."""
+    handle = committer_factory()
+    writer = Writer(handle.endpoint, handle.name, protocol.Layout(num_blocks=4, block_size=4, keys={}), 8)
+    view = writer.open_key("k", "float32", 4)
+    try:
+        bad = protocol.StepWrite(rid=writer.raw.next_rid(), step=1, keys=["k"], key_idx=b"", tids=b"", cvs=b"",
+                                 src_rows=b"", counts=b"", slots=pack([3]))
+        reply = writer.raw.call(bad)
+        assert isinstance(reply, protocol.StepDone), reply
+        assert "1 slots but no entries" in reply.reason and reply.done_tids == b"", reply
+        cv = writer.new_cv(2)
+        good = writer.step_write(2, [("k", 7, cv, 0, [3])])
+        assert isinstance(good, protocol.StepDone) and not good.reason and good.rows_written == 1, good
+        assert int(view.commit[3]) == cv
+    finally:
+        writer.goodbye()
 
 
 def test_a_readers_open_key_of_an_unknown_huge_name_is_answered_with_the_name_cut(committer_factory):

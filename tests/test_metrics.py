@@ -294,6 +294,26 @@ def test_client_counters_are_checked_before_they_are_kept(committer):
         raw.close()
 
 
+def test_a_negative_or_non_finite_counter_is_dropped_even_when_the_report_is_small(committer):
+    """``Committer._take_counters`` keeps only finite values >= 0: a heartbeat of a few counters (far below
+    ``MAX_COUNTERS``, so the count limit drops nothing) that carries a negative value and a NaN keeps neither,
+    keeps the good counter, and counts the report in ``rejected['bad_counters']``. MUTATION (stop 47): the test above sends its negative
+    among more than MAX_COUNTERS names, where the count limit dropped it whatever its value."""
+    raw = committer.client()
+    try:
+        assert isinstance(raw.hello(protocol.ROLE_READER, protocol.Layout(16, 4)), protocol.Welcome)
+        before = raw.status()["rejected"].get("bad_counters", 0)
+        ack = raw.call(protocol.Heartbeat(rid=raw.next_rid(),
+                                          counters={"neg": -5.0, "nan": float("nan"), "steps_saved": 3.0}))
+        assert isinstance(ack, protocol.HeartbeatAck), ack
+        st = raw.status()
+        me = [c for c in st["clients"] if c["client_id"] == raw.client_id][0]
+        assert me["counters"] == {"steps_saved": 3.0}, me["counters"]
+        assert st["rejected"].get("bad_counters", 0) == before + 1, st["rejected"]
+    finally:
+        raw.close()
+
+
 def test_staging_pages_in_use_drops_when_the_steps_are_consumed(committer_factory):
     # The gauge was set at each save only, so it kept the last save's pages after they were consumed.
     port = free_port()

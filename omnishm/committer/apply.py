@@ -101,14 +101,14 @@ class StepApply:
             # nobody, review 2026-12-06), and commit one slot again under a version already committed.
             seen: set[str] = set()
             twice = next(k for k in msg.keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-            raise StepRejected(f"step {step}: key {twice!r} is listed twice (each key once per step)")
+            raise StepRejected(f"step {step}: key {protocol.shown(twice, 70)} is listed twice (each key once per step)")
         states: list[KeyState] = []
         for key in msg.keys:
             state = self.keys.get(key)
             if state is None:
-                raise StepRejected(f"step {step}: unknown key {key!r} (open it with OpenKey first)")
+                raise StepRejected(f"step {step}: unknown key {protocol.shown(key, 70)} (open it with OpenKey first)")
             if client_id not in state.staging:
-                raise StepRejected(f"step {step}: key {key!r} has no staging segment for this writer")
+                raise StepRejected(f"step {step}: key {protocol.shown(key, 70)} has no staging segment for this writer")
             states.append(state)
         if n == 0:
             if len(slots):

@@ -18,6 +18,7 @@ import time
 import msgspec
 
 from omnishm import protocol
+from omnishm.protocol import shown
 from omnishm.committer.pool import MAX_STAGING_ROWS, PoolError
 from omnishm.committer.sessions import Session
 from omnishm.liveness import proc_identity
@@ -28,12 +29,6 @@ logger = logging.getLogger("omnishm.committer")
 _CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: "$" also matches before a final newline
 REHELLO = "re-hello"
 """Why a session ends when its socket says Hello as another client; its log lines are rate-limited together."""
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """repr of a client-supplied value, cut to ``limit`` characters (bad input can be megabytes)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
 
 
 def process_gone(session: Session) -> bool:
@@ -57,7 +52,7 @@ class Attach:
     def refuse(self, msg: protocol.Hello, reason: str, counter: str, retry_after_s: float = 0.0) -> protocol.Refused:
         self.rejected[f"hello_{counter}"] += 1
         self.ratelog(logging.WARNING, f"hello_{counter}", "committer %s: refused %s client %s (pid %s): %s",
-                     self.name, _short(msg.role, 20), _short(msg.client_id, 70), msg.pid, reason)
+                     self.name, shown(msg.role, 20), shown(msg.client_id, 70), msg.pid, reason)
         return protocol.Refused(rid=msg.rid, reason=reason, retry_after_s=retry_after_s)
 
     def _reaped_soon(self, sessions: list[Session]) -> float:
@@ -83,12 +78,12 @@ class Attach:
             return self.refuse(msg, f"protocol version mismatch: client speaks {msg.protocol}, committer of cache "
                                     f"{self.name} speaks {protocol.PROTOCOL_VERSION}", "protocol")
         if msg.cache != self.name:
-            return self.refuse(msg, f"this committer serves cache {self.name!r}, not {_short(msg.cache)}", "cache")
+            return self.refuse(msg, f"this committer serves cache {self.name!r}, not {shown(msg.cache)}", "cache")
         if msg.role not in protocol.ROLES:
-            return self.refuse(msg, f"unknown role {_short(msg.role)} (use one of {', '.join(protocol.ROLES)})",
+            return self.refuse(msg, f"unknown role {shown(msg.role)} (use one of {', '.join(protocol.ROLES)})",
                                "role")
         if not _CLIENT_ID_RE.fullmatch(msg.client_id):
-            return self.refuse(msg, f"client_id {_short(msg.client_id)} must be 1-64 letters, digits, '_' or '-'",
+            return self.refuse(msg, f"client_id {shown(msg.client_id)} must be 1-64 letters, digits, '_' or '-'",
                                "client_id")
         if msg.uid != os.geteuid():
             return self.refuse(msg, f"client uid {msg.uid} differs from committer uid {os.geteuid()}; "
@@ -249,7 +244,7 @@ class Attach:
         if msg.resume_generation != self.generation:
             return self.refuse(msg, f"cannot resume: this committer of cache {self.name} holds generation "
                                     f"{self.generation}, the client was attached to generation "
-                                    f"{_short(msg.resume_generation, 20)}; the restarted committer did not adopt it "
+                                    f"{shown(msg.resume_generation, 20)}; the restarted committer did not adopt it "
                                     f"(its clients had all gone, or its metadata was unusable: see the committer "
                                     f"log), so every unacknowledged write is lost", "resume_generation")
         if msg.layout is not None:
@@ -260,7 +255,7 @@ class Attach:
         session = self.sessions.by_client(msg.client_id)
         if session is not None and session.role != msg.role:
             return self.refuse(msg, f"cannot resume: client {msg.client_id} was a {session.role}, not a "
-                                    f"{_short(msg.role, 20)}", "resume_role")
+                                    f"{shown(msg.role, 20)}", "resume_role")
         if session is not None and not process_gone(session) and session.started is not None \
                 and (msg.pid, confirmed_start(msg)) != (session.pid, session.started):
             # Another live process's session: a client id is printed by `omnishm status` and logged, and one
@@ -282,7 +277,7 @@ class Attach:
             # The client may lack a name it never got (the committer died before the KeyOpened reply).
             if not set(msg.resume_staging) <= set(have):
                 return self.refuse(msg, f"cannot resume writer {msg.client_id}: staging "
-                                        f"{_short(sorted(msg.resume_staging), 200)} != {sorted(have)}",
+                                        f"{shown(sorted(msg.resume_staging), 200)} != {sorted(have)}",
                                    "resume_staging")
         previous = self.sessions.get(identity)
         if previous is not None and previous is not session:

@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 
 from omnishm import protocol
-from omnishm.committer.attach import REHELLO, Attach, _short
+from omnishm.committer.attach import REHELLO, Attach
 from omnishm.committer.config import EXIT_OK, CommitterConfig
 from omnishm.committer.early_stop import install, restore, stop_signals
 from omnishm.committer.metrics import CLIENT_COUNTERS, CLIENT_GAUGES, MAX_COUNTER_NAME, Observability
@@ -440,7 +440,7 @@ class Committer(Attach):
             if state is None:
                 self.rejected["unknown_key"] += 1
                 return protocol.Error(rid=msg.rid, code="unknown_key",  # the name cut: bad input can be megabytes
-                                      message=f"cache {self.name} has no key {_short(msg.key, 70)} "
+                                      message=f"cache {self.name} has no key {protocol.shown(msg.key, 70)} "
                                               f"(the writer opens keys)")
             # A reader's rows must be the writer's rows as they are: same dtype, width and row shape.
             why = self.pool.spec_mismatch(msg.key, state.spec, msg.spec(), "reader asked for")
