@@ -26,17 +26,32 @@ def test_external_req_id_strips_only_an_8_char_suffix():
     assert external_req_id("req-1234567") == "req-1234567"
 
 
+def test_a_request_resumed_as_new_after_its_prompt_completed_is_not_held_twice(hooks):
+    """vLLM's V2 runner resumes a preempted request by re-sending it as new (the adapter's RESUMED). Its prompt
+    rows, completed and held before the preemption, are not completed and held a second time: V1, which resumes
+    it as a cached request, holds them once (review, stop 47: a V2 engine held one request twice)."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert torch.equal(h.take_results()["A"][0], rows(1, range(8)))
+    step(runner, so(cached=[("A", 8, [2])], counts={"A": 1}))
+    step(runner, so(preempted=["A"], counts={}))
+    step(runner, so(new=[("A", 8, 0, [3, 4, 5])], counts={"A": 9}))
+    assert h.take_results() == {} and h.stats()["requests"] == 1
+
+
 def test_a_request_re_added_as_new_that_recomputes_prompt_and_outputs_holds_only_its_prompt_rows(hooks):
     """MUTATION (2026-12-06): one row too many in the held prompt (``prompt_len - start + 1``) survived: an output
     token's row became part of the prompt. A request that decoded 2 tokens, was preempted and is re-added as new
-    (V2-style resume) recomputes its 8 prompt tokens and its 2 output tokens in one step: the held prompt rows are
-    exactly the 8 prompt rows, never an output-token row."""
+    recomputes its 8 prompt tokens and its 2 output tokens in one step; when its earlier prompt rows are no
+    longer tracked (here taken out by hand), the held prompt rows are exactly the 8 prompt rows, never an
+    output-token row."""
     h, runner = hooks
     step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
     assert torch.equal(h.take_results()["A"][0], rows(1, range(8)))
     step(runner, so(cached=[("A", 8, [2])], counts={"A": 1}))
     step(runner, so(cached=[("A", 9, None)], counts={"A": 1}))
     step(runner, so(preempted=["A"], counts={}))
+    del h._prompts["A"]
     step(runner, so(finished=[], new=[("A", 8, 0, [3, 4, 5])], counts={"A": 10}))
     res = h.take_results()
     assert "A" in res

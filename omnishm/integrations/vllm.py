@@ -57,6 +57,7 @@ Import invariant: vllm is imported only inside functions.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import weakref
@@ -68,6 +69,7 @@ from omnishm.client.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAda
 from omnishm.client.group_view import get_prefix_cache_group_view, stage_prefix_cache_config
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import check_v1_runner, replica_cache_name, vllm_last_pp_stage, vllm_runner_role
+from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView, is_v2_runner
 from omnishm.integrations.held_results import HeldResults, decode_results, decode_tensor, encode_tensor
 from omnishm.interface import ModelCachePolicy, PrefixCacheConfig, ReqId
 
@@ -132,7 +134,12 @@ class OmniPrefixCacheRunnerHooks:
 
     def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool | None = None,
                  held_bytes: int | None = None, held: "HeldResults | None" = None) -> None:
-        check_v1_runner(runner)
+        self._mirror: BlockIdMirror | None = None
+        """vLLM's V2 runner (``is_v2_runner``): each request's block ids, from the scheduler outputs; None on V1."""
+        if is_v2_runner(runner):
+            self._mirror = BlockIdMirror()
+        else:
+            check_v1_runner(runner)
         self.runner = runner
         from omnishm.config import client_settings
 
@@ -186,8 +193,8 @@ class OmniPrefixCacheRunnerHooks:
         self._orig_execute = runner.execute_model  # bound method of the class
         hooks = weakref.proxy(self)
 
-        def execute_model(scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-            return hooks.execute_model(scheduler_output, intermediate_tensors)
+        def execute_model(scheduler_output: Any, intermediate_tensors: Any = None, **kwargs: Any) -> Any:
+            return hooks.execute_model(scheduler_output, intermediate_tensors, **kwargs)
 
         execute_model.__omnishm_hooks__ = True  # type: ignore[attr-defined]
         runner.execute_model = execute_model
@@ -264,9 +271,18 @@ class OmniPrefixCacheRunnerHooks:
                     cfg.block_size, cfg.staging_capacity_tokens)
         return manager
 
-    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-        orig = self._orig_execute
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None, **kwargs: Any) -> Any:
+        """The runner's ``execute_model`` with the cache's step around it. ``kwargs``: the V2 runner's own
+        (``dummy_run=True`` from its ``_dummy_run``: a warm-up or profile forward, passed straight through)."""
         so = scheduler_output
+        if kwargs:
+            orig = functools.partial(self._orig_execute, **kwargs)
+            if kwargs.get("dummy_run"):
+                return orig(so, intermediate_tensors)
+        else:
+            orig = self._orig_execute
+        if self._mirror is not None:
+            self._mirror.update(so)  # every real step, as the runner updates its own block table
         n = int(so.total_num_scheduled_tokens)
         idle = n == 0 and not so.finished_req_ids and not getattr(so, "aborted_req_ids", None)
         if self.disabled or (idle and self.manager is None):
@@ -282,12 +298,19 @@ class OmniPrefixCacheRunnerHooks:
         manager.new_step_starts(step)  # before _update_states (inside orig) drops finished requests
         self.counters["steps"] += 1
         computed: dict[ReqId, int] = {}
+        resumed: set[ReqId] = set()
         for ev in step.events:
             if ev.kind in (_K.FINISHED, _K.ABORTED):
                 self._drop(ev.req_id)
             elif ev.kind in _SCHEDULED_KINDS:
                 computed[ev.req_id] = ev.num_computed_tokens
+                if ev.kind is _K.RESUMED:
+                    resumed.add(ev.req_id)
         for new in so.scheduled_new_reqs:
+            if new.req_id in resumed and new.req_id in self._prompts:
+                # The V2 runner's resume: re-sent as new. Its prompt rows so far stay (V1 resumes it as a
+                # cached request): a prompt completed before the preemption must not complete twice.
+                continue
             if new.prompt_token_ids is not None:
                 plen = len(new.prompt_token_ids)
             else:
@@ -303,9 +326,12 @@ class OmniPrefixCacheRunnerHooks:
         if state is None:  # pooling / non-last PP rank returned early: no hidden states to save
             return out
         hidden = state.hidden_states
-        view = get_prefix_cache_group_view(self.runner.input_batch, self._block_size)
-        if view is None:
-            raise RuntimeError("omnishm: the runner's input batch has no block table")
+        if self._mirror is not None:
+            view: Any = V2StepGroupView(state.input_batch, self._mirror, self._block_size)
+        else:
+            view = get_prefix_cache_group_view(self.runner.input_batch, self._block_size)
+            if view is None:
+                raise RuntimeError("omnishm: the runner's input batch has no block table")
         layout = self._adapter.build_write_layout(view, so.num_scheduled_tokens)
         step_id = manager.save_outputs(hidden, None, num_tokens_unpadded=n,
                                        num_tokens_padded=int(hidden.shape[0]), write_layout=layout)

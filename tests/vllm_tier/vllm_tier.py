@@ -12,7 +12,9 @@ import time
 import uuid
 from pathlib import Path
 
-SESSION_PREFIX = f"v{uuid.uuid4().hex[:6]}"
+# A child process of a tier test (test_engine_v2.py) names its caches with its parent's prefix, so the session's
+# leak checks see them too.
+SESSION_PREFIX = os.environ.get("OMNISHM_TIER_SESSION_PREFIX") or f"v{uuid.uuid4().hex[:6]}"
 _counter = itertools.count()
 CLEAN_TIMEOUT_S = 30.0
 
