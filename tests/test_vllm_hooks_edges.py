@@ -271,9 +271,9 @@ def _fake_vllm(monkeypatch, version: str, *, v1_runner: bool) -> None:
         monkeypatch.delitem(sys.modules, "vllm.v1.worker.gpu_model_runner", raising=False)
 
 
-class _V2Runner:
-    """What vLLM's V2 ``GPUModelRunner`` has of the V1 family's attributes: no ``_update_states`` and no
-    persistent ``input_batch`` (vLLM 0.34: the only runner; 0.32/0.33: the GPU default)."""
+class _OtherRunner:
+    """A runner of neither of vLLM's families: ``execute_model_state`` and ``execute_model``, but neither V1's
+    ``input_batch`` / ``_update_states`` nor V2's ``req_states`` / ``add_requests``."""
 
     execute_model_state = None
 
@@ -281,22 +281,22 @@ class _V2Runner:
         return None
 
 
-def test_a_v2_runner_is_refused_with_the_remedy_the_installed_vllm_allows(monkeypatch):
-    """The hooks need vLLM's V1 model runner. On vLLM 0.32/0.33 (V1 beside V2) the refusal says to select V1
-    with ``VLLM_USE_V2_MODEL_RUNNER=0``; on 0.34, which removed V1 and rejects that variable, it says the
-    version is not supported and which are. REVIEW (stop 47): on 0.34 the only advice given was the variable
-    vLLM refuses, so a user had no working setting and no word that the version was the cause."""
+def test_a_runner_of_neither_family_is_refused_with_the_remedy_the_installed_vllm_allows(monkeypatch):
+    """The hooks run on vLLM's V1 and V2 model runners and refuse any other. Where the installed vLLM has the V1
+    runner (0.32/0.33) the refusal says to select it with ``VLLM_USE_V2_MODEL_RUNNER=0``; on 0.34, which removed
+    V1 and rejects that variable, it says so and names what works. REVIEW (stop 47): on 0.34 the only advice
+    was the variable vLLM refuses."""
     from omnishm.integrations.vllm import OmniPrefixCacheRunnerHooks
 
     _fake_vllm(monkeypatch, "0.33.0", v1_runner=True)
-    with pytest.raises(RuntimeError, match=r"_V2Runner has no '_update_states', 'input_batch'; .* "
+    with pytest.raises(RuntimeError, match=r"_OtherRunner has no '_update_states', 'input_batch'; .* "
                                            r"\(set VLLM_USE_V2_MODEL_RUNNER=0\)"):
-        OmniPrefixCacheRunnerHooks(_V2Runner())
+        OmniPrefixCacheRunnerHooks(_OtherRunner())
     _fake_vllm(monkeypatch, "0.34.0", v1_runner=False)
     with pytest.raises(RuntimeError) as exc:
-        OmniPrefixCacheRunnerHooks(_V2Runner())
+        OmniPrefixCacheRunnerHooks(_OtherRunner())
     assert "vLLM 0.34.0 has no V1 model runner (vLLM 0.34 removed it)" in str(exc.value)
-    assert "use vLLM 0.32 or 0.33" in str(exc.value)
+    assert "omnishm's worker extension (omnishm.integrations.vllm), which runs on V2" in str(exc.value)
 
 
 def test_a_lone_engine_with_dp_index_0_keeps_its_name_and_endpoint():

@@ -89,11 +89,16 @@ def step(runner, s) -> None:
 
 def test_v2_rows_follow_its_batch_order_and_hits_read_the_mirrored_blocks(v2):
     """A (prefill, 8 tokens) and B (decode) in one step come back in V2's order (B first); each request's
-    prompt rows are its own, and C's hit on A's blocks reads A's rows. A dummy run passes straight through."""
+    prompt rows are its own, and C's hit on A's blocks reads A's rows. A dummy run passes straight through, before
+    the first real step and after it."""
     h, runner = v2
     runner.execute_model(so(), dummy_run=True)  # V2's _dummy_run (warm-up, profiling)
     assert runner.dummy_runs == 1 and h.stats()["steps"] == 0
     step(runner, so(new=[("B", 4, 0, [7])], counts={"B": 4}))
+    # A dummy batch once serving (vLLM's execute_dummy_batch, as a data-parallel rank with no work runs): its
+    # made-up request is no request of the cache's, and the mirror and the manager never see it.
+    runner.execute_model(so(new=[("dummy", 4, 0, [9])], counts={"dummy": 4}), dummy_run=True)
+    assert runner.dummy_runs == 2 and h.stats()["steps"] == 1 and len(h._mirror) == 1
     step(runner, so(new=[("A", 10, 0, [0, 1, 2])], cached=[("B", 4, [8])], counts={"A": 10, "B": 1}))
     res = h.take_results()
     assert torch.equal(res["A"][0], rows(1, range(10))) and torch.equal(res["B"][0], rows(1, range(4)))

@@ -92,8 +92,9 @@ def check_v1_runner(runner: Any, attrs: Iterable[str] = V1_RUNNER_ATTRS) -> None
     """Raise ``RuntimeError`` when ``runner`` lacks one of ``attrs`` of vLLM's V1 model-runner family, with the
     remedy this vLLM allows. vLLM 0.32 and 0.33 keep the V1 runner beside the V2 one they pick on GPU builds
     (``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1); vLLM 0.34 removed it, and refuses that variable, so on 0.34
-    the message says the version is not supported rather than naming a setting that vLLM rejects (review,
-    stop 47). vllm is imported here, never at module scope."""
+    the message names what works rather than a setting that vLLM rejects (review, stop 47). The worker
+    extension's hooks check a V2 runner apart (``client/v2_view.is_v2_runner``) and call this for the rest.
+    vllm is imported here, never at module scope."""
     missing = [attr for attr in attrs if not hasattr(runner, attr)]
     if not missing:
         return
@@ -108,9 +109,9 @@ def check_v1_runner(runner: Any, attrs: Iterable[str] = V1_RUNNER_ATTRS) -> None
         has_v1, version = True, "?"
     if not has_v1:
         raise RuntimeError(f"omnishm: vLLM {version} has no V1 model runner (vLLM 0.34 removed it), and model "
-                           f"runner {name} has no {', '.join(map(repr, missing))}; omnishm's vLLM integration "
-                           "needs the V1 runner: use vLLM 0.32 or 0.33 (tested on 0.32) with "
-                           "VLLM_USE_V2_MODEL_RUNNER=0 on a GPU build")
+                           f"runner {name} has no {', '.join(map(repr, missing))}; PrefixCacheRunnerMixin needs "
+                           "the V1 runner: use vLLM 0.32 or 0.33 with VLLM_USE_V2_MODEL_RUNNER=0 on a GPU build, "
+                           "or omnishm's worker extension (omnishm.integrations.vllm), which runs on V2")
     raise RuntimeError(f"omnishm: model runner {name} has no {', '.join(map(repr, missing))}; the vLLM "
                        "integration needs the V1 GPUModelRunner family (set VLLM_USE_V2_MODEL_RUNNER=0)")
 

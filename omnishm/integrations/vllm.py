@@ -5,10 +5,10 @@ Enable it with one argument::
     LLM(model, enable_prefix_caching=True,
         worker_extension_cls="omnishm.integrations.vllm.OmniPrefixCacheWorkerExtension")
 
-The hooks need vLLM's V1 model runner. vLLM 0.32 and 0.33 pick their V2 runner by default wherever Triton
-is installed (a GPU build), so set ``VLLM_USE_V2_MODEL_RUNNER=0`` there; the hooks refuse a V2 runner at
-install with that hint. The CPU build runs the V1 runner. vLLM 0.34 removed the V1 runner: the hooks
-refuse it saying so (``runner_mixin.check_v1_runner``).
+The hooks run on vLLM's V1 model runner (its persistent ``input_batch``; the CPU build's runner) and on its V2
+runner (vLLM 0.34's only one, the default of 0.32/0.33 GPU builds), whose block table is on the device: there
+each request's block ids come from the scheduler outputs (``client/v2_view.py``) and the batch order from the
+step's own ``InputBatch``. A runner of neither family is refused at install (``runner_mixin.check_v1_runner``).
 
 vLLM mixes ``OmniPrefixCacheWorkerExtension`` into its worker class. When the
 worker assigns ``self.model_runner`` (in ``init_device``) the extension wraps
