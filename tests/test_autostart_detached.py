@@ -209,3 +209,67 @@ def test_a_subreaper_client_reaps_the_committer_it_autostarted(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "the exited committer was left a zombie"
+
+
+def test_an_autostarted_committers_pid_taken_by_another_process_is_not_alive_and_gets_no_signal():
+    """An autostarted committer is known by pid AND start time (``proc_identity``), as it is no child of
+    its client: once it exited, its pid may belong to another process, which must count as gone, and
+    ``terminate`` must send that process no SIGTERM. A check of the pid alone ("some process runs under
+    it") called the stranger alive (the client then never autostarted a replacement) and ``terminate``
+    killed it. A committer whose start time could not be read (``ident`` None) is never alive either.
+    MUTATIONS (stop 47): ``alive`` checking the pid only, ``terminate`` skipping ``alive``."""
+    from omnishm.client.committer_process import AutostartedCommitter
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        ident = proc_identity(stranger.pid)
+        assert ident is not None
+        gone = AutostartedCommitter("c", stranger.pid, str(int(ident) + 1))  # the exited committer's start time
+        assert not gone.alive()
+        gone.terminate()
+        assert not AutostartedCommitter("c", stranger.pid, None).alive()
+        AutostartedCommitter("c", stranger.pid, None).terminate()
+        assert AutostartedCommitter("c", stranger.pid, ident).alive()  # the same process: alive
+        stranger.stdin.close()  # the stranger exits by itself only if no SIGTERM reached it
+        assert stranger.wait(timeout=30) == 0, "terminate signalled a process that only reused the pid"
+    finally:
+        if stranger.poll() is None:
+            stranger.send_signal(signal.SIGKILL)
+            stranger.wait()
+
+
+def test_an_autostarted_committer_knows_its_starter_by_pid_and_start_time_and_keeps_a_private_log(tmp_path):
+    """An autostarted committer is told its starter by pid AND start time (``--spawned-by PID:START``), so a
+    starter that died and whose pid was reused does not keep it up; and its autostart log (which holds the
+    committer's own output, the reason of a failed start among it) is private to the user (0600) whatever
+    the client's umask, also in a shared sticky runtime dir; and it runs in a session of its own. MUTATIONS
+    (stop 47): passing the pid alone, creating the log under the umask (0644), or launching it in the
+    client's session went unnoticed by the suite."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+
+    name = unique_cache_name("autoid")
+    runtime = tmp_path / "rt"
+    old = os.umask(0o022)
+    try:
+        m = OmniPrefixCacheManager(small_config(), cache=name, autostart=True, runtime_dir=runtime,
+                                   connect_timeout_s=60.0)
+    finally:
+        os.umask(old)
+    try:
+        pid = m._link.welcome.committer_pid
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        spawned_by = argv[argv.index(b"--spawned-by") + 1].decode()
+        assert spawned_by == f"{os.getpid()}:{proc_identity(os.getpid())}"
+        log = runtime / f"{name}.autostart.log"
+        assert (os.stat(log).st_mode & 0o777) == 0o600, oct(os.stat(log).st_mode)
+        # Detached: in a session and process group of its own, so a signal to the client's group (Ctrl-C at a
+        # terminal, a supervisor's killpg) does not stop the committer other clients still use.
+        assert os.getsid(pid) != os.getsid(0) and os.getpgid(pid) != os.getpgrp()
+    finally:
+        m.shutdown()
+    deadline = time.monotonic() + 30
+    while liveness.cache_is_live(runtime, name) and time.monotonic() < deadline:  # not our child: poll its lock
+        time.sleep(0.05)
+    assert not liveness.cache_is_live(runtime, name)

@@ -51,3 +51,6 @@ class SerialThread(Generic[T]):
             if item is _STOP:
                 return
             self._handle(item)
+            # Not kept until the next item comes: a landed write's row clones (device memory on CUDA, no
+            # longer counted against gpu_staging_bytes) stayed held on an idle engine (review, stop 47).
+            del item

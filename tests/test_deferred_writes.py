@@ -1,0 +1,98 @@
+"""Deferred (JOIN_ON_FINISH) writes: the ``gpu_staging_bytes`` budget at its bound, every tensor's write of an
+ended request landing, and a landed write's rows freed (a mutation review of the budget and task closing, stop
+47). Against a real committer (the ``mgr`` fixture)."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import torch
+
+from manager_helpers import Part, aborted, extended, finished, rows, save, started
+from omnishm.client import ModelCachePolicy
+
+
+def _until_freed(ref: weakref.ref, what: str, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until nothing holds the object of ``ref``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        if ref() is None:
+            return
+        assert time.monotonic() < deadline, f"{what} is still held after it landed"
+        time.sleep(0.005)
+
+
+BS = 4
+ROW_BYTES = 3 * 4  # the "feat" rows of manager_helpers: 3 float32
+
+
+def test_deferred_rows_that_exactly_fill_the_budget_stay_pending(mgr):
+    """``gpu_staging_bytes`` is the bytes of deferred (JOIN_ON_FINISH) rows a writer may hold before the
+    oldest write is forced out (README): holding exactly the budget is within it, so no write is flushed
+    and no rows land before their request ends; one row more forces out the oldest write, and only it.
+    MUTATION (stop 47): with the budget compared with ``>=`` instead of ``>``, a write was forced out (its
+    rows landed early, one ``budget_flushes`` counted) while the writer held no more than it was allowed to."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=8 * ROW_BYTES)
+    m.new_step_starts([started("a", [0, 1]), started("b", [4, 5])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4), Part("b", 2, [4, 5], 0, 4)], BS))  # 8 rows: the budget
+    m.wait_idle()
+    feat = m._keys["feat"]
+    a_slots, b_slots = torch.arange(0, 4), torch.arange(16, 20)
+    assert m.counters["budget_flushes"] == 0
+    assert not bool((feat.commit[a_slots] == feat.claim[a_slots]).any())  # both still with the client
+    assert not bool((feat.commit[b_slots] == feat.claim[b_slots]).any())
+    m.new_step_starts([extended("a", 4), extended("b", 4)])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 1)], BS))  # 9 rows: one over, a (the oldest) goes out
+    m.wait_idle()
+    assert m.counters["budget_flushes"] == 1
+    assert torch.equal(feat.commit[torch.arange(0, 5)], feat.claim[torch.arange(0, 5)])
+    assert not bool((feat.commit[b_slots] == feat.claim[b_slots]).any())
+
+
+def test_a_landed_deferred_write_is_not_held_by_the_manager(mgr):
+    """A deferred write keeps its rows (device clones on CUDA, counted against ``gpu_staging_bytes``) only
+    until they landed: once its request ended (or the budget or a hit closed it) and the flusher's outcome
+    came back, the manager keeps no reference to the write, so its row clones are freed. MUTATIONS (stop 47): a
+    closed write left in the open-by-claim-version index, or in the closing table after it landed, held its
+    clones for the life of the process. REVIEW (stop 47): the flusher thread held the last write it ran until
+    the next one came."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=6 * ROW_BYTES)
+    m.new_step_starts([started("a", [0, 1]), started("b", [4, 5])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4), Part("b", 2, [4, 5], 0, 4)], BS))  # b over: a goes out
+    task_b = weakref.ref(m._open[("b", "feat")])  # a's write is closed already (the budget)
+    m.new_step_starts([aborted("b"), extended("a", 4)])  # b's write closes on its end
+    m.wait_idle()
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 4, 1)], BS))  # a's next rows: a new write
+    feat = m._keys["feat"]
+    assert torch.equal(feat.commit[torch.arange(16, 20)], feat.claim[torch.arange(16, 20)])
+    task_a = weakref.ref(m._open[("a", "feat")])
+    m.new_step_starts([finished("a")])
+    m.wait_idle()
+    # a's write is the flusher's last: its thread drops it just after the outcome wait_idle waited for.
+    _until_freed(task_a, "the write of a (the flusher's last)")
+    assert task_b() is None, "the write of b is still held after it landed"
+
+
+def test_an_ended_request_lands_the_deferred_writes_of_every_tensor(mgr):
+    """A request's deferred (JOIN_ON_FINISH) rows are one open write per tensor name; when the request
+    finishes every one of them closes and lands, not the first only. MUTATION (stop 47): with only one write
+    of the request closed at its end, the other tensor's rows stayed with the client for good (their slots claimed and
+    never committed: every later hit on them refused, and the rows lost)."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat", "feat2"})))
+    m.new_step_starts([started("a", [0, 1])])
+    feat2 = torch.arange(6 * 3, dtype=torch.float32).reshape(6, 3) + 7000
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 6)], BS, extra_mm={"feat2": feat2}))
+    m.wait_idle()
+    slots = torch.arange(0, 6)
+    for key in ("feat", "feat2"):
+        kv = m._keys[key]
+        assert not bool((kv.commit[slots] == kv.claim[slots]).any()), key  # still open: with the client
+    m.new_step_starts([finished("a")])
+    m.wait_idle()
+    for key, want in (("feat", rows(501, range(6), 3)), ("feat2", feat2)):
+        kv = m._keys[key]
+        assert torch.equal(kv.commit[slots], kv.claim[slots]), f"{key}: not landed when a finished"
+        assert torch.equal(kv.pool[slots], want), key
