@@ -101,10 +101,6 @@ class WriteTask:
     def nbytes(self) -> int:
         return sum(c.rows.numel() * c.rows.element_size() for c in self.chunks)
 
-    @property
-    def num_rows(self) -> int:
-        return sum(len(c.slots) for c in self.chunks)
-
 
 def pack(values: list[int] | np.ndarray) -> bytes:
     return np.asarray(values, dtype="<i8").tobytes()
