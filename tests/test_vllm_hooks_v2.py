@@ -29,7 +29,7 @@ class FakeV2Runner:
         v1 = FakeV1Runner()  # the same configs
         self.vllm_config, self.cache_config, self.kv_cache_config = v1.vllm_config, v1.cache_config, v1.kv_cache_config
         self.is_pooling_model = False
-        self.req_states = SimpleNamespace()
+        self.req_states = SimpleNamespace(req_id_to_index={})
         self.execute_model_state = None
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
@@ -43,6 +43,18 @@ class FakeV2Runner:
         for n in s.scheduled_new_reqs:
             self.blocks[n.req_id] = list(n.block_ids[0])
             self.computed[n.req_id] = n.num_computed_tokens
+        self.req_states.req_id_to_index = {r: i for i, r in enumerate(self.blocks)}
+
+    @property
+    def block_tables(self):
+        """V2's device block table (group 0) and its per-row block counts, as the runner holds them now."""
+        rows_ = list(self.req_states.req_id_to_index.items())
+        table = torch.zeros((max(len(rows_), 1), NUM_BLOCKS), dtype=torch.int32)
+        counts = np.zeros((1, max(len(rows_), 1)), dtype=np.int32)
+        for rid, i in rows_:
+            table[i, :len(self.blocks[rid])] = torch.tensor(self.blocks[rid], dtype=torch.int32)
+            counts[0, i] = len(self.blocks[rid])
+        return SimpleNamespace(block_tables=[SimpleNamespace(gpu=table)], num_blocks=SimpleNamespace(np=counts))
 
     def execute_model(self, s, intermediate_tensors=None, dummy_run: bool = False, **kw):
         if dummy_run:
@@ -156,3 +168,40 @@ def test_the_v2_view_gives_each_tokens_slot_and_refuses_what_it_cannot_place():
     with pytest.raises(OmniPrefixCacheUnmatchError, match="position 8 .* past the request's 2 blocks"):
         V2StepGroupView(_batch(["A"], [7], [2]), m, BS).step_slots_cpu([7])
     assert NUM_BLOCKS * BS > 9 * BS + 3
+
+
+def test_hooks_installed_while_a_request_runs_take_its_blocks_from_the_runner(committer, monkeypatch):
+    """``omnishm_install`` after ``omnishm_shutdown`` while A decodes: the new hooks' mirror takes the block ids
+    of the requests the runner holds (``BlockIdMirror.seed``), so A's next step is placed, not refused with an
+    ``OmniPrefixCacheUnmatchError`` raised into vLLM's ``execute_model`` (review, stop 47; V1 ran clean: its
+    view reads the runner's own CPU table). A's rows of that step land in the new cache."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    runner = FakeV2Runner()
+    first = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    first.install()
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    first.uninstall()
+    again = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    again.install()
+    try:
+        assert again._mirror.blocks("A") == [0, 1]
+        step(runner, so(cached=[("A", 8, [2])], counts={"A": 1}))
+        assert again._mirror.blocks("A") == [0, 1, 2] and again.stats()["saves"] == 1
+    finally:
+        again.uninstall()
+
+
+def test_a_warm_up_inside_passing_through_is_never_seen(v2):
+    """vLLM's V2 warm-up (``warmup_kernels``, from the worker's ``compile_or_warm_up_model``, which the worker
+    extension wraps in ``passing_through``) runs made-up requests on made-up blocks through ``execute_model``:
+    nothing of them is tracked, saved or held, and a live request's rows and hits stay exact after it."""
+    h, runner = v2
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    with h.passing_through():
+        step(runner, so(new=[("_warmup_0_", 8, 0, [1, 2])], counts={"_warmup_0_": 8}))
+        step(runner, so(finished=["_warmup_0_"], counts={}))
+    assert h.stats()["steps"] == 1 and len(h._mirror) == 1
+    assert list(h.take_results()) == ["A"] and h.take_raw().keys() <= {"A"}
+    step(runner, so(new=[("B", 10, 8, [0, 1, 3])], counts={"B": 2}))
+    b, hit = h.take_results()["B"]
+    assert hit == 8 and torch.equal(b, rows(1, range(10)))

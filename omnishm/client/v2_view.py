@@ -70,6 +70,22 @@ class BlockIdMirror:
             else:
                 self._blocks.setdefault(rid, []).extend(ids)
 
+    def seed(self, runner: Any) -> int:
+        """Take the block ids of the requests the runner holds now (hooks installed while requests run:
+        ``omnishm_install`` after ``omnishm_shutdown``); returns how many. Reads the runner's own tables once,
+        between steps (``req_states.req_id_to_index``, group 0 of ``block_tables`` and its ``num_blocks``): a
+        one-off device-to-host copy in an admin call, never on a step. A runner without them (before its KV
+        cache exists) holds no request."""
+        index = getattr(getattr(runner, "req_states", None), "req_id_to_index", None)
+        tables = getattr(runner, "block_tables", None)
+        if not index or tables is None:
+            return 0
+        table = tables.block_tables[0].gpu
+        counts = tables.num_blocks.np[0]
+        for rid, idx in index.items():
+            self._blocks[rid] = [int(b) for b in table[idx, :int(counts[idx])].tolist()]
+        return len(index)
+
     def blocks(self, rid: ReqId) -> list[int]:
         """The request's block ids; ``OmniPrefixCacheUnmatchError`` when the mirror has none for it."""
         try:

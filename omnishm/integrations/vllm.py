@@ -57,11 +57,12 @@ Import invariant: vllm is imported only inside functions.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -134,6 +135,8 @@ class OmniPrefixCacheRunnerHooks:
 
     def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool | None = None,
                  held_bytes: int | None = None, held: "HeldResults | None" = None) -> None:
+        self._passing_through = 0
+        """Nonzero inside ``passing_through`` (the worker's warm-up)."""
         self._mirror: BlockIdMirror | None = None
         """vLLM's V2 runner (``is_v2_runner``): each request's block ids, from the scheduler outputs; None on V1."""
         if is_v2_runner(runner):
@@ -188,6 +191,8 @@ class OmniPrefixCacheRunnerHooks:
         if self._orig_execute is not None:
             return
         runner = self.runner
+        if self._mirror is not None and not len(self._mirror):
+            self._mirror.seed(runner)  # requests already running (installed again after a shutdown)
         if getattr(runner, "kv_cache_config", None) is not None:
             self._stage_config()  # raises for an unsupported stage before anything is wrapped
         self._orig_execute = runner.execute_model  # bound method of the class
@@ -275,6 +280,8 @@ class OmniPrefixCacheRunnerHooks:
         """The runner's ``execute_model`` with the cache's step around it. ``kwargs``: the V2 runner's own
         (``dummy_run=True`` from its ``_dummy_run``: a warm-up or profile forward, passed straight through)."""
         so = scheduler_output
+        if self._passing_through:
+            return self._orig_execute(so, intermediate_tensors, **kwargs)
         if kwargs:
             orig = functools.partial(self._orig_execute, **kwargs)
             if kwargs.get("dummy_run"):
@@ -353,6 +360,20 @@ class OmniPrefixCacheRunnerHooks:
                         self.held.hold("raw", w.req_id, raw.tensor())
                         self.counters["raw_requests"] += 1
         return out
+
+    @contextlib.contextmanager
+    def passing_through(self) -> Iterator[None]:
+        """Every ``execute_model`` inside passes straight to the runner: nothing tracked, saved or held. For
+        the worker's ``compile_or_warm_up_model``: on vLLM's V2 runner its kernel warm-up (``warmup_kernels``:
+        at engine start, and during serving in elastic EP's ``warm_and_capture``) runs made-up requests on
+        made-up block ids through the worker's ``execute_model``. Seen by the hooks, they were held as
+        results, and their rows overwrote the pool rows of live cached blocks that later hits read (review,
+        stop 47: 12 wrong rows of a 96-token hit). Engine thread."""
+        self._passing_through += 1
+        try:
+            yield
+        finally:
+            self._passing_through -= 1
 
     def _accumulate(self, merged: Any, computed: dict[ReqId, int]) -> None:
         step_hits = sum(1 for h in merged.num_hit_tokens.values() if h)
@@ -496,8 +517,26 @@ class OmniPrefixCacheWorkerExtension:
         hooks = OmniPrefixCacheRunnerHooks(runner, cache=cache, held=self._omnishm_held())
         hooks.install()  # the gate may refuse (KV cache initialised already): then nothing is kept (review)
         self.__dict__["_omnishm_hooks"] = hooks
+        self._omnishm_wrap_warm_up()
         atexit.register(_shutdown_quietly, weakref.ref(hooks))
         return True
+
+    def _omnishm_wrap_warm_up(self) -> None:
+        """Wrap the worker's ``compile_or_warm_up_model`` on the instance (once): the hooks pass through while
+        it runs (``OmniPrefixCacheRunnerHooks.passing_through``). vLLM calls it by name on the worker
+        (``collective_rpc``), so the instance attribute is the one called."""
+        orig = getattr(self, "compile_or_warm_up_model", None)
+        if orig is None or getattr(orig, "__omnishm_hooks__", False):
+            return
+        worker = weakref.proxy(self)
+
+        def compile_or_warm_up_model(*args: Any, **kwargs: Any) -> Any:
+            hooks = worker._omnishm_hooks_or_none()
+            with hooks.passing_through() if hooks is not None else contextlib.nullcontext():
+                return orig(*args, **kwargs)
+
+        compile_or_warm_up_model.__omnishm_hooks__ = True  # type: ignore[attr-defined]
+        self.__dict__["compile_or_warm_up_model"] = compile_or_warm_up_model
 
     def omnishm_shutdown(self) -> dict[str, Any]:
         """Flush and detach the manager, remove the hooks; returns the final stats ({} if none). Results
