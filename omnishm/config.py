@@ -22,7 +22,6 @@ import argparse
 import difflib
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -32,13 +31,12 @@ from urllib.parse import urlsplit
 from omnishm import cpus  # standard library only
 from omnishm.committer import stores  # standard library only
 from omnishm.interface import MAX_TIMEOUT_S, PrefixCacheConfig
+from omnishm.shm import is_cache_name  # the one rule of a cache name
 
 CONFIG_ENV = "OMNISHM_CONFIG"
 ENV_PREFIX = "OMNISHM_"
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# fullmatch, never match with "$": "$" also matches before a final newline (a name "abc\n" was taken).
-_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -87,7 +85,7 @@ def check_endpoint(endpoint: str) -> str:
 
 
 def _check_name(value: str) -> str:
-    if not _NAME_RE.fullmatch(value):
+    if not is_cache_name(value):
         raise ValueError("use 1-64 letters, digits, '_' or '-'")
     return value
 

@@ -280,14 +280,9 @@ class OmniPrefixCacheRunnerHooks:
         """The runner's ``execute_model`` with the cache's step around it. ``kwargs``: the V2 runner's own
         (``dummy_run=True`` from its ``_dummy_run``: a warm-up or profile forward, passed straight through)."""
         so = scheduler_output
-        if self._passing_through:
+        if self._passing_through or kwargs.get("dummy_run"):
             return self._orig_execute(so, intermediate_tensors, **kwargs)
-        if kwargs:
-            orig = functools.partial(self._orig_execute, **kwargs)
-            if kwargs.get("dummy_run"):
-                return orig(so, intermediate_tensors)
-        else:
-            orig = self._orig_execute
+        orig = functools.partial(self._orig_execute, **kwargs) if kwargs else self._orig_execute
         if self._mirror is not None:
             self._mirror.update(so)  # every real step, as the runner updates its own block table
         n = int(so.total_num_scheduled_tokens)
