@@ -50,6 +50,20 @@ __all__ = [
 _DISABLE_HINT = "or disable the omni prefix cache for this stage"
 
 
+def extend_slots(out: array, blocks: Sequence[int] | Any, pos: int, end: int, block_size: int) -> None:
+    """Append to ``out`` the slots of positions ``pos..end`` of a request whose block ids are ``blocks``:
+    ``slot = blocks[p // block_size] * block_size + p % block_size``, one ``range`` per block run (plain Python:
+    right after the forward, each torch or numpy call on small arrays costs tens of microseconds of cold code).
+    The caller has checked that ``end - 1`` falls inside ``blocks``."""
+    bs = block_size
+    while pos < end:
+        b = pos // bs
+        stop = min(end, (b + 1) * bs)
+        base = (int(blocks[b]) - b) * bs  # slot = block id * bs + (pos - b * bs)
+        out.extend(range(base + pos, base + stop))
+        pos = stop
+
+
 class PrefixCacheConfigError(ValueError):
     """A stage configuration the omni prefix cache cannot serve correctly.
 
@@ -189,13 +203,7 @@ class FullAttentionGroupView:
                 raise unmatch(
                     f"position {first} (block {first // bs}) is outside the block-table row of batch row {row} "
                     f"({limit} blocks, block_size {bs})", req_id=rid)
-            blocks = tab[row]
-            while pos < end:
-                b = pos // bs
-                stop = min(end, (b + 1) * bs)
-                base = (int(blocks[b]) - b) * bs  # slot = block id * bs + (pos - b * bs)
-                out.extend(range(base + pos, base + stop))
-                pos = stop
+            extend_slots(out, tab[row], pos, end, bs)
         return torch.frombuffer(out, dtype=torch.int64)
 
 

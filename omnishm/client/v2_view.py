@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from omnishm.client.group_view import extend_slots
 from omnishm.interface import ReqId, unmatch
 
 __all__ = ["BlockIdMirror", "V2StepGroupView", "is_v2_runner"]
@@ -138,10 +139,5 @@ class V2StepGroupView:
                 first = max(pos, len(blocks) * bs)
                 raise unmatch(f"position {first} (block {first // bs}) is past the request's {len(blocks)} "
                               f"blocks (block_size {bs})", req_id=rid)
-            while pos < end:
-                b = pos // bs
-                stop = min(end, (b + 1) * bs)
-                base = (blocks[b] - b) * bs  # slot = block id * bs + (pos - b * bs)
-                out.extend(range(base + pos, base + stop))
-                pos = stop
+            extend_slots(out, blocks, pos, end, bs)
         return torch.frombuffer(out, dtype=torch.int64) if out else torch.empty(0, dtype=torch.int64)
