@@ -25,49 +25,8 @@ import triton.backends  # noqa: E402
 
 triton.backends.backends.setdefault("cpu", types.SimpleNamespace(compiler=None, driver=None))
 
-from vllm_harness import BLOCK, Harness, close_llm, make_llm, rand_tokens  # noqa: E402
-
-
-def hits(h: Harness) -> dict:
-    """Full, partial and batched hits; a hit on a block computed on top of a hit."""
-    rng = random.Random(1)
-    donor = rand_tokens(rng, 100)
-    h.generate([donor], max_tokens=2)
-    a = donor[:96] + rand_tokens(rng, 40)
-    b = donor + rand_tokens(rng, 40)
-    c = donor[:70] + rand_tokens(rng, 30)
-    e = rand_tokens(rng, 50)
-    ids = [o.request_id for o in h.generate([a, b, c, e], max_tokens=4)]
-    (of,) = h.generate([b[:128] + rand_tokens(rng, 10)], max_tokens=1)
-    return h.check(expect_hit=[*ids[:3], of.request_id],
-                   expect_cached={ids[0]: 96, ids[1]: 96, ids[2]: 64, ids[3]: 0, of.request_id: 128})
-
-
-def aborts(h: Harness) -> dict:
-    """A request aborted while decoding and one before it was scheduled; hits on the aborted one's blocks."""
-    rng = random.Random(2)
-    x = rand_tokens(rng, 200)
-    h.add("x", x, max_tokens=50)
-    h.step()
-    h.add("w", rand_tokens(rng, 64), max_tokens=5)
-    h.llm.llm_engine.abort_request(["x", "w"])
-    h.drain()
-    outs = h.generate([x[:192] + rand_tokens(rng, 20), x[:40] + rand_tokens(rng, 5)], max_tokens=1)
-    return h.check(expect_hit=[o.request_id for o in outs], expect_missing=["w"],
-                   expect_cached={outs[0].request_id: 192, outs[1].request_id: BLOCK})
-
-
-def preemption(h: Harness) -> dict:
-    """Six long decodes sharing a prefix outgrow the 24 blocks: V2 re-sends a preempted request as new."""
-    rng = random.Random(7)
-    base = rand_tokens(rng, 64)
-    prompts = [base + rand_tokens(rng, 40 + 5 * i) for i in range(6)]
-    outs = h.generate(prompts, max_tokens=120)
-    stats = h.rpc("omnishm_stats")
-    computed_once = sum(len(p) for p in prompts) - 5 * 64 + 6 * 119
-    assert stats["rows_saved"] > computed_once, f"nothing was preempted: {stats}"
-    assert stats["requests"] == len(prompts), stats  # each prompt held once, resumed or not
-    return h.check(expect_hit=[o.request_id for o in outs[1:]])
+import scenarios  # noqa: E402
+from vllm_harness import Harness, close_llm, make_llm, rand_tokens  # noqa: E402
 
 
 def warm_up_while_serving(h: Harness) -> dict:
@@ -116,7 +75,8 @@ def main(model_dir: str, cache: str) -> None:
         out: dict = {"runner": f"{type(runner).__module__}.{type(runner).__name__}"}
         # The first scenario runs on the hooks the extension installed, which saw the engine's start-up
         # warm-up: ``begin`` checks they counted no step of it (and nothing is held from it).
-        for i, scenario in enumerate((hits, aborts, preemption, warm_up_while_serving)):
+        for i, scenario in enumerate((scenarios.prefix_hits_full_partial_and_batched, scenarios.aborts_and_early_finish,
+                                      scenarios.preempted_requests_resume_and_hit_again, warm_up_while_serving)):
             h.begin(scenario.__name__[:8], keep_current=i == 0)
             if i == 0:
                 assert h.rpc("omnishm_take_results") == {} and h.rpc("omnishm_take_raw_prompt_hidden") == {}
