@@ -95,10 +95,10 @@ def test_a_request_never_overtakes_one_queued_in_the_outbox(committer_factory):
 
 
 @contextlib.contextmanager
-def _reply_unread(committer_factory, while_stopped: Callable[[CommitterLink], Any]
-                  ) -> Iterator[tuple[CommitterLink, threading.Event, Any]]:
-    """A link whose I/O thread is parked after its ``EVENTS`` check, before its poll (until the yielded gate is
-    set), and a reply waiting unread in its socket: ``while_stopped(link)`` ran while the committer was stopped
+def _reply_unread(committer_factory, while_stopped: Callable[[CommitterLink], Any], *,
+                  before_events_check: bool = False) -> Iterator[tuple[CommitterLink, threading.Event, Any]]:
+    """A link whose I/O thread is parked after its ``EVENTS`` check, before its poll (``before_events_check``:
+    before that check; until the yielded gate is set), and a reply waiting unread in its socket: ``while_stopped(link)`` ran while the committer was stopped
     (its result is yielded), and the committer's answer came in once it ran again. The next send may take
     that reply's ``ZMQ_FD`` edge. The poll tick is 10 s, so only a wake answers sooner."""
     handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # tick 10 s
@@ -107,7 +107,7 @@ def _reply_unread(committer_factory, while_stopped: Callable[[CommitterLink], An
         _idle(link)
         os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
-            with io_thread_parked(link) as gate:
+            with io_thread_parked(link, before_events_check=before_events_check) as gate:
                 try:
                     got = while_stopped(link)
                 finally:
@@ -271,24 +271,12 @@ def test_a_reply_the_io_threads_own_events_check_took_the_edge_of_is_drained_at_
     """m18: the I/O thread reads ``EVENTS`` before it polls (``_readable``); that read takes a new reply's
     ``ZMQ_FD`` edge, so the poll that follows must not wait (tick 0). The mutant polled a whole tick (10 s)
     with the reply queued."""
-    handle = committer_factory("--heartbeat-s", "40", "--heartbeat-timeout-s", "120")  # tick 10 s
-    link = CommitterLink(cache=handle.name, role=P.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
-    try:
-        _idle(link)
-        os.kill(handle.proc.pid, signal.SIGSTOP)
-        try:
-            with io_thread_parked(link, before_events_check=True) as gate:
-                try:
-                    fut = link.submit(lambda rid: P.StatusRequest(rid=rid))  # its own EVENTS check: nothing yet
-                finally:
-                    os.kill(handle.proc.pid, signal.SIGCONT)
-                assert select.select([link._sock_fd], [], [], 5)[0], "the reply did not signal"
-                gate.set()  # the I/O thread's EVENTS check takes the edge
-                assert isinstance(fut.result(timeout=3), P.StatusReply)
-        finally:
-            os.kill(handle.proc.pid, signal.SIGCONT)
-    finally:
-        link.close()
+    def submit(link: CommitterLink) -> Any:
+        return link.submit(lambda rid: P.StatusRequest(rid=rid))  # its own EVENTS check: nothing yet
+
+    with _reply_unread(committer_factory, submit, before_events_check=True) as (_link, gate, fut):
+        gate.set()  # the I/O thread's EVENTS check takes the edge
+        assert isinstance(fut.result(timeout=3), P.StatusReply)
 
 
 def test_silence_counts_only_while_a_request_the_committer_answers_is_outstanding(committer_factory):
