@@ -205,3 +205,23 @@ def test_a_warm_up_inside_passing_through_is_never_seen(v2):
     step(runner, so(new=[("B", 10, 8, [0, 1, 3])], counts={"B": 2}))
     b, hit = h.take_results()["B"]
     assert hit == 8 and torch.equal(b, rows(1, range(10)))
+
+
+def test_a_kv_cache_grown_past_the_pool_is_refused_by_name_before_the_step_runs(v2):
+    """The pool is sized once, from ``kv_cache_config.num_blocks`` at the first real step. vLLM 0.34's
+    extensible KV cache settles its size before serving (``extend_kv_cache`` in the engine core's start); should
+    a runner's KV cache grow later anyway, the hooks refuse the step with a ``PrefixCacheConfigError`` naming both
+    counts and the remedy, before the runner runs it, instead of a "slots outside the pool" error from
+    ``save_outputs`` after the forward. A cache that shrank is no danger and runs on."""
+    from omnishm.client.group_view import PrefixCacheConfigError
+    from test_vllm_hooks import NUM_BLOCKS
+    h, runner = v2
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    runner.kv_cache_config.num_blocks = NUM_BLOCKS - 2
+    step(runner, so(new=[("B", 10, 8, [0, 1, 3])], counts={"B": 2}))
+    assert h.take_results()["B"][1] == 8
+    runner.kv_cache_config.num_blocks = NUM_BLOCKS + 4
+    with pytest.raises(PrefixCacheConfigError, match=f"grew to {NUM_BLOCKS + 4} blocks .* sized for {NUM_BLOCKS} "
+                       r".*--no-enable-extensible-kv-cache"):
+        step(runner, so(new=[("C", 8, 0, [NUM_BLOCKS, NUM_BLOCKS + 1])], counts={"C": 8}))
+    assert "C" not in runner.computed and h.stats()["steps"] == 2

@@ -67,7 +67,7 @@ from typing import Any, Iterator
 import torch
 
 from omnishm.client.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
-from omnishm.client.group_view import get_prefix_cache_group_view, stage_prefix_cache_config
+from omnishm.client.group_view import PrefixCacheConfigError, get_prefix_cache_group_view, stage_prefix_cache_config
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import check_v1_runner, replica_cache_name, vllm_last_pp_stage, vllm_runner_role
 from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView, is_v2_runner
@@ -162,6 +162,7 @@ class OmniPrefixCacheRunnerHooks:
         self.disabled = False
         self._adapter = PrefixCacheSchedulerAdapter()
         self._block_size = 0
+        self._num_blocks = 0
         self._orig_execute: Any = None
         self._orig_init_kv: Any = None
         self._prompts: dict[ReqId, _PromptRows] = {}
@@ -260,6 +261,7 @@ class OmniPrefixCacheRunnerHooks:
             self.disabled = True
             return None
         self._block_size = cfg.block_size
+        self._num_blocks = cfg.num_blocks
         # Endpoint, autostart, runtime dir and connect timeout come from OMNISHM_* / the TOML file, by the
         # manager's rule (a cache name given to install() without an endpoint: that cache's own socket).
         cache = replica_cache_name(self._cache_given, parallel_config=vc.parallel_config)
@@ -292,6 +294,8 @@ class OmniPrefixCacheRunnerHooks:
         manager = self._ensure_manager()
         if manager is None:
             return orig(so, intermediate_tensors)
+        if self.runner.kv_cache_config.num_blocks > self._num_blocks:
+            self._refuse_grown_kv_cache()
         # Every step once the manager exists, idle ones too: a step that schedules nothing may still report
         # preempted_req_ids, which the adapter needs to tell a later re-add (a resume) from a replacement.
         step = self._adapter.translate_scheduler_output(so)
@@ -355,6 +359,20 @@ class OmniPrefixCacheRunnerHooks:
                         self.held.hold("raw", w.req_id, raw.tensor())
                         self.counters["raw_requests"] += 1
         return out
+
+    def _refuse_grown_kv_cache(self) -> None:
+        """Raise ``PrefixCacheConfigError``: the runner's KV cache has more blocks than the pool was sized for.
+
+        The pool is sized once, from ``kv_cache_config.num_blocks`` at the first real step; a slot past it
+        would otherwise be refused later by ``save_outputs`` as "slots outside the pool", which names no
+        cause. vLLM 0.34's extensible KV cache settles its size (``extend_kv_cache``) before the engine
+        serves, so this is not expected; the check keeps a later vLLM that grows it while serving loud and
+        clear. Engine thread; raised before the step reaches the runner."""
+        grown = int(self.runner.kv_cache_config.num_blocks)
+        raise PrefixCacheConfigError(
+            f"omnishm: cache {self.cache}: the runner's KV cache grew to {grown} blocks after the cache's pool "
+            f"was sized for {self._num_blocks} (at its first step); the pool cannot mirror the new blocks. "
+            f"Start the engine with a fixed KV cache (--no-enable-extensible-kv-cache on vLLM 0.34)")
 
     @contextlib.contextmanager
     def passing_through(self) -> Iterator[None]:
