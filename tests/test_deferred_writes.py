@@ -5,13 +5,16 @@ ended request landing, and a landed write's rows freed (a mutation review of the
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import torch
 
-from manager_helpers import Part, aborted, extended, finished, rows, save, started
-from omnishm.client import ModelCachePolicy
+from manager_helpers import Part, aborted, extended, finished, quick_config, rows, save, started
+from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager
 
 
 def _until_freed(ref: weakref.ref, what: str, timeout_s: float = 10.0) -> None:
@@ -96,3 +99,33 @@ def test_an_ended_request_lands_the_deferred_writes_of_every_tensor(mgr):
         kv = m._keys[key]
         assert torch.equal(kv.commit[slots], kv.claim[slots]), f"{key}: not landed when a finished"
         assert torch.equal(kv.pool[slots], want), key
+
+
+def test_a_process_that_ends_without_shutdown_lands_its_open_writes_and_frees_the_writer_seat(committer):
+    """A script that ends without calling ``shutdown`` is shut down at exit (``client/session.py``,
+    ``_shutdown_at_exit``): its open deferred writes land, and it says goodbye, so the cache has no writer at
+    once instead of after the heartbeat timeout. Before (stop 48: a process that ended so), the request's
+    deferred rows were lost (slots claimed, never committed: every hit on them refused), and the committer
+    refused a new writer for the 10 s of its default heartbeat timeout, saying the old one's process is gone.
+    A real second process, ended by returning from its script."""
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "from manager_helpers import Part, quick_config, save, started\n"
+              "from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager\n"
+              f"m = OmniPrefixCacheManager(quick_config(), cache={committer.name!r}, autostart=False)\n"
+              "m.register_policy(ModelCachePolicy(deferred_keys=frozenset({'feat'})))\n"
+              "m.new_step_starts([started('a', [0, 1])])\n"
+              "m.discard_step(save(m, [Part('a', 1, [0, 1], 0, 6)], 4))\n"
+              "m.wait_idle()\n")  # request a is still running: its deferred write is open
+    before = committer.status()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    status = committer.status()
+    assert [c["role"] for c in status["clients"] if c["role"] != "admin"] == [], status["clients"]
+    assert status["clients_reaped"] == before["clients_reaped"]
+    reader = OmniPrefixCacheManager(quick_config(), cache=committer.name, role="reader", autostart=False)
+    try:
+        feat, slots = reader._keys["feat"], torch.arange(0, 6)
+        assert torch.equal(feat.commit[slots], feat.claim[slots]), "the open write did not land at exit"
+        assert torch.equal(feat.pool[slots], rows(501, range(6), 3))
+    finally:
+        reader.shutdown()

@@ -9,7 +9,10 @@ signal handler's exception cut short.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import time
+import weakref
 
 import torch
 
@@ -22,6 +25,25 @@ from omnishm.interface import OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omnishm.shm import Segment
 
 logger = logging.getLogger("omnishm.client.manager")  # one logger for the whole manager, as before the split
+
+_ATTACHED: "weakref.WeakSet[SessionSide]" = weakref.WeakSet()
+"""Managers of this process that attached; ``_shutdown_at_exit`` shuts down those still open at exit."""
+
+
+def _shutdown_at_exit() -> None:
+    """atexit: ``shutdown`` every manager its owner left open, so a script that ends without calling it still
+    lands its open deferred writes and says goodbye. Without it the writes were lost, and the committer kept
+    the writer's seat until its heartbeat timeout (10 s by default: a writer started again at once was
+    refused until then). A forked child's copy returns at once (``shutdown``); a shut-down manager too.
+    The vLLM hooks shut theirs down in their own exit handler, which runs before this one."""
+    for manager in list(_ATTACHED):
+        try:
+            manager.shutdown()
+        except Exception as exc:  # exiting anyway; the committer reaps a silent session
+            logger.warning("cache %s: shutdown at exit failed: %s", manager.cache, exc)
+
+
+atexit.register(_shutdown_at_exit)
 
 
 class SessionSide:
@@ -67,6 +89,7 @@ class SessionSide:
             for seg in welcome.keys:
                 self._keys[seg.key] = KeyViews.map(seg, config.num_slots, readonly=True)
         self._link.gauges = self._staging_gauges  # once the pages exist: the I/O thread calls it at its next beat
+        _ATTACHED.add(self)
 
     def _detach(self) -> None:
         """``shutdown``'s work, under its lock; each step may run again after an interrupted first pass."""
@@ -82,9 +105,11 @@ class SessionSide:
                     for t in tasks:
                         self._close_task_locked(t)
                 self._flush(list(tasks))  # _flush empties the list it is given
+                # One bound for them all: a stuck committer must not hold an exit for a timeout per write.
+                deadline = time.monotonic() + self.config.commit_timeout_s
                 for t in tasks:
                     try:
-                        t.done.result(timeout=self.config.commit_timeout_s)
+                        t.done.result(timeout=max(0.0, deadline - time.monotonic()))
                     except Exception as exc:  # logged: shutdown must finish detaching
                         why = str(exc) or f"{type(exc).__name__}: no answer in {self.config.commit_timeout_s:.1f}s"
                         logger.warning("cache %s: deferred write %d unflushed at shutdown: %s", self.cache, t.tid, why)
