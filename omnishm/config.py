@@ -421,10 +421,12 @@ class ClientSettings:
     prefix_cache: dict[str, Any]
     vllm: dict[str, Any] = field(default_factory=dict)
     """The vLLM integrations' own knobs (``VLLM_KNOBS``): the extension's and the vllm-omni plugin's."""
+    config_file: str | os.PathLike | None = None
+    """The file given to ``client_settings`` (None: ``$OMNISHM_CONFIG``), passed on to an autostarted committer."""
 
     def manager_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``OmniPrefixCacheManager`` besides the config and role."""
-        return {arg: getattr(self, knob) for arg, knob in _CONNECTION.items()}
+        return {**{arg: getattr(self, knob) for arg, knob in _CONNECTION.items()}, "config_file": self.config_file}
 
 
 _CONNECTION = {"cache": "name", "endpoint": "endpoint", "autostart": "autostart", "runtime_dir": "runtime_dir",
@@ -432,7 +434,7 @@ _CONNECTION = {"cache": "name", "endpoint": "endpoint", "autostart": "autostart"
 """``OmniPrefixCacheManager``'s connection arguments and the knobs they default to."""
 
 
-def manager_connection(**given: Any) -> dict[str, Any]:
+def manager_connection(*, config_file: str | os.PathLike | None = None, **given: Any) -> dict[str, Any]:
     """``OmniPrefixCacheManager``'s connection arguments (``_CONNECTION``), each one not given (None) from
     ``OMNISHM_*``, the config file or the default; only those knobs are read (a bad unrelated one does not
     stop a manager). ``endpoint`` comes from there only when ``cache`` does too: an explicit cache name
@@ -446,7 +448,7 @@ def manager_connection(**given: Any) -> dict[str, Any]:
     missing = [k for k, v in given.items() if v is None and (k != "endpoint" or given.get("cache") is None)]
     if not missing:
         return dict(given)
-    values = resolve("client", names=tuple(_CONNECTION[k] for k in missing)).values
+    values = resolve("client", config_file=config_file, names=tuple(_CONNECTION[k] for k in missing)).values
     return {**given, **{k: values[_CONNECTION[k]] for k in missing}}
 
 
@@ -460,7 +462,8 @@ def client_settings(*, env: Mapping[str, str] | None = None, config_file: str | 
     v = r.values
     return ClientSettings(name=v["name"], runtime_dir=v["runtime_dir"], endpoint=v["endpoint"],
                           autostart=v["autostart"], connect_timeout_s=v["connect_timeout_s"],
-                          prefix_cache={k: v[k] for k in PREFIX_CACHE_KNOBS}, vllm={k: v[k] for k in VLLM_KNOBS})
+                          prefix_cache={k: v[k] for k in PREFIX_CACHE_KNOBS}, vllm={k: v[k] for k in VLLM_KNOBS},
+                          config_file=config_file)
 
 
 def load_prefix_cache_config(num_blocks: int, block_size: int, *, derived: Mapping[str, Any] | None = None,

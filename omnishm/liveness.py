@@ -296,7 +296,11 @@ def proc_parent(pid: int) -> int:
 
 def cache_is_live(runtime_dir: Path, cache: str) -> bool:
     """True when some process holds the cache's committer lock."""
-    path = lock_path(runtime_dir, cache)
+    return lock_held(lock_path(runtime_dir, cache))
+
+
+def lock_held(path: Path) -> bool:
+    """True when some process holds lock file ``path`` (a cache's lock, or a socket's: ``socket_lock_path``)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except (FileNotFoundError, NotADirectoryError):  # no lock there; a runtime dir that is a file holds none

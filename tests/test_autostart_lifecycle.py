@@ -609,3 +609,53 @@ def test_a_client_makes_its_runtime_dir_however_its_endpoint_spells_it(tmp_path,
                                 connect_timeout_s=60.0) as m:
         assert m._link.welcome.committer_pid > 0
     assert_idle_committer_exits(check, name)
+
+
+def test_a_client_of_another_runtime_dir_autostarts_nothing_where_a_committer_serves_its_endpoint(
+        tmp_path, committer_factory):
+    """A client whose runtime dir is not its committer's, pointed at that committer's socket: the socket's lock
+    is held, so the client starts no committer (one would be refused that socket) and makes nothing in its own
+    runtime dir. REVIEW (stop 48): it checked only its own dir's cache lock, so each client launched a committer
+    that the Welcome's ``_stop_autostart_losers`` killed before it set its handlers, and the client's dir kept
+    an empty ``NAME.autostart.log`` for good."""
+    from manager_helpers import Part, save, small_config, started
+    from omnishm.client import OmniPrefixCacheManager
+
+    h = committer_factory()
+    other = tmp_path / "other-rt"
+    for _ in range(2):  # a restarted client too
+        m = OmniPrefixCacheManager(small_config(), cache=h.name, endpoint=h.endpoint, autostart=True,
+                                   runtime_dir=other, connect_timeout_s=30.0)
+        try:
+            assert m._link._autostarted == []
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], 4))
+            m.wait_idle()
+        finally:
+            m.shutdown()
+    assert not other.exists()
+
+
+def test_an_autostarted_committer_takes_the_config_file_its_client_read(tmp_path, monkeypatch):
+    """``client_settings(config_file=F)`` (or a manager given ``config_file=F``): a committer the client
+    autostarts reads F too (``--config F``), so F's committer knobs (heartbeats, metrics, log level, stores)
+    hold. REVIEW (stop 48): it read only the environment and ``$OMNISHM_CONFIG``, and ran with the default
+    heartbeats (1 s / 10 s) where F said 0.5 s / 37 s, without a word."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.config import client_settings
+
+    monkeypatch.delenv("OMNISHM_CONFIG", raising=False)
+    name = unique_cache_name("cfg")
+    f = tmp_path / "omnishm.toml"
+    f.write_text(f'name = "{name}"\nautostart = true\nruntime_dir = "{tmp_path / "rt"}"\n'
+                 'heartbeat_s = 0.5\nheartbeat_timeout_s = 37\n')
+    settings = client_settings(config_file=f)
+    m = OmniPrefixCacheManager(small_config(), **settings.manager_kwargs())
+    try:
+        welcome = m._link.welcome
+        assert (welcome.heartbeat_s, welcome.heartbeat_timeout_s) == (0.5, 37.0)
+    finally:
+        m.shutdown()
+    assert_idle_committer_exits(settings.runtime_dir, name)

@@ -309,3 +309,43 @@ def test_a_first_hello_held_by_a_killed_committer_is_sent_again(committer_factor
         thread.join(30)
     assert isinstance(out.get("welcome"), protocol.Welcome), out
 
+
+
+# SIGTERM arrives, and its handler runs, just before the committer handles a resume Hello.
+_TERM_BEFORE_RESUME = """
+    import os, signal, sys, time
+    from omnishm.committer.attach import Attach
+    orig = Attach.on_hello
+    def on_hello(self, identity, msg):
+        if msg.resume and not self.stopping:
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while not self.stopping and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return orig(self, identity, msg)
+    Attach.on_hello = on_hello
+"""
+
+
+def test_a_stopping_committer_refuses_a_resume_and_the_client_is_told_why(committer_factory):
+    """A committer that is stopping refuses a resume Hello, saying so: its stop unlinks the generation with its
+    clients attached, so the resume could never hold, and no later committer can resume it either. The writer's
+    link dies at once with the reason. REVIEW (stop 48): the resume was welcomed (the stopping check came after
+    it), the stop unlinked the cache 20 ms later, and the client waited its whole ``reconnect_timeout_s`` to
+    fail with "no committer resumed", never told the committer was stopping."""
+    first = committer_factory(*FAST)
+    m = OmniPrefixCacheManager(small_config(reconnect_timeout_s=30.0, commit_timeout_s=10.0), cache=first.name,
+                               endpoint=first.endpoint, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle(timeout_s=10)
+        first.stop(signal.SIGKILL)
+        second = committer_factory(*FAST, name=first.name, python_args=_patched_committer(_TERM_BEFORE_RESUME),
+                                   wait=False)
+        assert second.proc.wait(20) == 0, second.log()
+        _wait(lambda: m._link.dead is not None, 15, "the link to go dead")  # well inside reconnect_timeout_s
+        assert "cannot resume" in m._link.dead and "is stopping" in m._link.dead, m._link.dead
+        assert m._link.stats["reconnects"] == 0
+    finally:
+        m.shutdown()

@@ -165,6 +165,9 @@ class LinkAttach:
         try:
             if liveness.cache_is_live(self.runtime_dir, self.cache):
                 return  # another rank's won the lock (the one this link started lost it and ended)
+            sock = paths.ipc_path(self.endpoint)
+            if sock is not None and liveness.lock_held(liveness.socket_lock_path(sock)):
+                return  # a committer serves the endpoint (from another runtime dir): one started here is refused
             paths.ensure_runtime_dir(self.runtime_dir)
         except OSError as exc:
             if not io_thread:
@@ -181,7 +184,8 @@ class LinkAttach:
         self._last_autostart = now
         try:
             self._autostarted.append(start_committer(self.cache, self.runtime_dir, endpoint=self.endpoint,
-                                                     policy=self._spawn_policy))
+                                                     policy=self._spawn_policy,
+                                                     config_file=self._config_file))
         except OSError as exc:
             self._autostart_failed(now, exc)
 

@@ -57,7 +57,8 @@ class AutostartedCommitter:
 
 
 def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = None,
-                    exit_when_idle: bool = True, policy: int | None = None) -> AutostartedCommitter:
+                    exit_when_idle: bool = True, policy: int | None = None,
+                    config_file: str | os.PathLike | None = None) -> AutostartedCommitter:
     """Start an embedded committer for ``cache``, detached from this process's tree (``--exit-when-idle``:
     it exits once its clients left or were reaped).
 
@@ -82,6 +83,8 @@ def start_committer(cache: str, runtime_dir: Path, *, endpoint: str | None = Non
     cpus.helpers_batched()  # the reaper thread below starts as a helper: a bad knob must fail before the spawn
     cmd = [sys.executable, "-m", "omnishm.committer", "--name", cache, "--runtime-dir", str(runtime_dir),
            "--endpoint", endpoint if endpoint is not None else ipc_endpoint(Path(runtime_dir), cache)]
+    if config_file is not None:  # the file the client read its knobs from, not only $OMNISHM_CONFIG
+        cmd += ["--config", str(config_file)]
     if exit_when_idle:
         # This process by pid and start time: the committer is never its child, and tells whether it
         # still runs by both (a pid alone may be reused).

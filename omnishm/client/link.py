@@ -139,7 +139,8 @@ class CommitterLink(LinkIO, LinkAttach):
     def __init__(self, *, cache: str, role: str, endpoint: str | None = None, layout: P.Layout | None = None,
                  staging_rows: int = 0, autostart: bool = False, connect_timeout_s: float = 30.0,
                  request_timeout_s: float = 30.0, runtime_dir: Path | None = None,
-                 reconnect_timeout_s: float | None = None, heartbeat_timeout_s: float | None = None):
+                 reconnect_timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
+                 config_file: str | os.PathLike | None = None):
         shm.check_cache_name(cache)
         self.cache = cache
         self.role = role
@@ -179,6 +180,7 @@ class CommitterLink(LinkIO, LinkAttach):
         self._layout = layout
         self._staging_rows = staging_rows
         self._autostart = autostart
+        self._config_file = config_file
         self._spawn_policy = cpus.thread_policy()
         """The policy of the thread that builds the link: a committer it autostarts gets it, also one the
         I/O thread (a helper's policy) starts on a resume."""

@@ -86,12 +86,12 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
     def __init__(self, config: PrefixCacheConfig, *, cache: str | None = None, role: str = "writer",
                  endpoint: str | None = None, autostart: bool | None = None, eager: bool | None = None,
                  runtime_dir: str | Path | None = None, connect_timeout_s: float | None = None,
-                 device_ops: DeviceOps | None = None):
+                 device_ops: DeviceOps | None = None, config_file: str | Path | None = None):
         if role not in (P.ROLE_WRITER, P.ROLE_READER):
             raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
         warn_if_weakly_ordered(logger)
         conn = manager_connection(cache=cache, endpoint=endpoint, autostart=autostart, runtime_dir=runtime_dir,
-                                  connect_timeout_s=connect_timeout_s)
+                                  connect_timeout_s=connect_timeout_s, config_file=config_file)
         cache, endpoint, autostart = conn["cache"], conn["endpoint"], conn["autostart"]
         runtime_dir, connect_timeout_s = conn["runtime_dir"], conn["connect_timeout_s"]
         self.config = config
@@ -153,7 +153,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             request_timeout_s=config.commit_timeout_s, runtime_dir=Path(runtime_dir) if runtime_dir else None,
             reconnect_timeout_s=config.reconnect_timeout_s,
             layout=P.Layout(num_blocks=config.num_blocks, block_size=config.block_size),
-            staging_rows=staging_rows)
+            staging_rows=staging_rows, config_file=config_file)
         self._pages: StagingPages | None = None
         self._flusher: Flusher | None = None
         self._prefetcher: SerialThread[StepCtx] | None = None

@@ -93,6 +93,12 @@ class Attach:
             # (and its resume accepted) with rows no staging can ever have.
             return self.refuse(msg, f"staging_rows must be in 0..{MAX_STAGING_ROWS}, got {msg.staging_rows}",
                                "staging")
+        if msg.resume and self.stopping:
+            # A Welcome now would be followed at once by the stop, which unlinks the generation with its
+            # clients attached: the resume could never hold. Refused for good, with the reason.
+            return self.refuse(msg, f"cannot resume: committer {self.name} is stopping "
+                                    f"({self.stop_reason or 'signal'}) and unlinks generation {self.generation} "
+                                    f"with it, so every unacknowledged write is lost", "stopping")
         if msg.resume:
             return self.on_resume(identity, msg)  # a resumed writer keeps the staging it has
         if self.stopping:
