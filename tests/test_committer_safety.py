@@ -808,3 +808,62 @@ def test_a_message_of_three_frames_is_a_decode_error_and_the_queue_depth_is_true
         assert isinstance(c.goodbye(), protocol.Bye)
     finally:
         c.close()
+
+
+
+def test_a_step_done_naming_failed_tids_without_a_reason_is_a_failure():
+    """``StepDone.failure`` is the one test the client's writer and flusher make of a reply
+    (``writer._check_reply``, ``writes``'s flush, ``_on_task_done``): a reply that names failed tids is a
+    failed write even when it carries no reason, so the client never takes rows the committer did not
+    apply for landed ones. MUTATION (stop 48): ``failure()`` returning "" for failed tids without a reason
+    survived the suite, because today's committer always sends a reason with its failed tids."""
+    failed = protocol.StepDone(rid=1, step=3, done_tids=b"", failed_tids=pack([7]))
+    assert failed.failure() == "tids failed"
+    assert protocol.StepDone(rid=1, step=3, done_tids=pack([7])).failure() == ""
+    # It survives the wire as well: the client judges the decoded reply.
+    decoded = protocol.reply_decoder.decode(protocol.encode(failed))
+    assert decoded.failure()
+
+
+def test_a_hello_layout_key_of_width_0_is_refused_and_the_cache_stays_usable(committer_factory):
+    """A key's rows are ``width`` elements, at least 1: a Hello whose layout declares a key of width 0 (no row
+    shape, so the row-shape check has nothing to refuse) is refused by name (``bad_width``), and declares
+    nothing: the next writer's good layout is welcomed and opens the key. MUTATION (stop 48): ``_check_spec``
+    taking width 0 survived the suite; the width-0 spec was then declared and every later ``OpenKey`` of that
+    key was refused (a row shape of 0 or a width mismatch) for the life of the cache."""
+    handle = committer_factory()
+    bad, good = handle.client(), handle.client()
+    try:
+        layout = protocol.Layout(8, 4, {"k": protocol.KeySpec("float32", 0)})
+        reply = bad.hello(protocol.ROLE_WRITER, layout, staging_rows=8)
+        assert isinstance(reply, protocol.Refused), reply
+        assert "width" in reply.reason, reply.reason
+        welcome = good.hello(protocol.ROLE_WRITER, protocol.Layout(8, 4, {"k": protocol.KeySpec("float32", 4)}),
+                             staging_rows=8)
+        assert isinstance(welcome, protocol.Welcome), welcome
+        opened = good.call(protocol.OpenKey(rid=good.next_rid(), key="k", dtype="float32", width=4))
+        assert isinstance(opened, protocol.KeyOpened), opened
+        assert opened.segments.width == 4
+        assert handle.status()["rejected"].get("hello_bad_width", 0) == 1
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_a_hello_with_negative_staging_rows_is_refused_whatever_its_role(committer_factory):
+    """``Hello.staging_rows`` must be in ``0..MAX_STAGING_ROWS`` for every role (bad input gets a clear
+    error): a reader's Hello of -1 staging rows is refused naming the field, and the same client is welcomed
+    once it sends 0. MUTATION (stop 48): dropping the lower bound of that check survived the suite (a
+    writer's -1 is still refused by the writer's own ``>= 1`` rule, a reader's was welcomed)."""
+    handle = committer_factory()
+    writer, reader = handle.client(), handle.client()
+    try:
+        layout = protocol.Layout(8, 4)
+        assert isinstance(writer.hello(protocol.ROLE_WRITER, layout, staging_rows=8), protocol.Welcome)
+        reply = reader.hello(protocol.ROLE_READER, layout, staging_rows=-1)
+        assert isinstance(reply, protocol.Refused), reply
+        assert "staging_rows" in reply.reason and "-1" in reply.reason, reply.reason
+        assert isinstance(reader.hello(protocol.ROLE_READER, layout, staging_rows=0), protocol.Welcome)
+    finally:
+        writer.close()
+        reader.close()
