@@ -18,7 +18,7 @@ import torch
 from manager_helpers import rows
 from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView, is_v2_runner
 from omnishm.interface import OmniPrefixCacheUnmatchError
-from omnishm.integrations.vllm import OmniPrefixCacheRunnerHooks
+from omnishm.integrations.vllm import EXTENSION_CLS, OmniPrefixCacheRunnerHooks, OmniPrefixCacheWorkerExtension
 from test_vllm_hooks import BS, NUM_BLOCKS, FakeV1Runner, so
 
 
@@ -212,7 +212,8 @@ def test_a_kv_cache_grown_past_the_pool_is_refused_by_name_before_the_step_runs(
     extensible KV cache settles its size before serving (``extend_kv_cache`` in the engine core's start); should
     a runner's KV cache grow later anyway, the hooks refuse the step with a ``PrefixCacheConfigError`` naming both
     counts and the remedy, before the runner runs it, instead of a "slots outside the pool" error from
-    ``save_outputs`` after the forward. A cache that shrank is no danger and runs on."""
+    ``save_outputs`` after the forward. A cache that shrank is no danger and runs on. MUTATION (stop 48): the
+    check one block off (``> num_blocks + 1``) survived a test that grew the cache by four."""
     from omnishm.client.group_view import PrefixCacheConfigError
     from test_vllm_hooks import NUM_BLOCKS
     h, runner = v2
@@ -220,8 +221,173 @@ def test_a_kv_cache_grown_past_the_pool_is_refused_by_name_before_the_step_runs(
     runner.kv_cache_config.num_blocks = NUM_BLOCKS - 2
     step(runner, so(new=[("B", 10, 8, [0, 1, 3])], counts={"B": 2}))
     assert h.take_results()["B"][1] == 8
-    runner.kv_cache_config.num_blocks = NUM_BLOCKS + 4
-    with pytest.raises(PrefixCacheConfigError, match=f"grew to {NUM_BLOCKS + 4} blocks .* sized for {NUM_BLOCKS} "
+    runner.kv_cache_config.num_blocks = NUM_BLOCKS + 1  # one block more is already one the pool cannot mirror
+    with pytest.raises(PrefixCacheConfigError, match=f"grew to {NUM_BLOCKS + 1} blocks .* sized for {NUM_BLOCKS} "
                        r".*--no-enable-extensible-kv-cache"):
-        step(runner, so(new=[("C", 8, 0, [NUM_BLOCKS, NUM_BLOCKS + 1])], counts={"C": 8}))
+        step(runner, so(new=[("C", 4, 0, [NUM_BLOCKS])], counts={"C": 4}))
     assert "C" not in runner.computed and h.stats()["steps"] == 2
+
+
+
+# ---------------------------------------------------------------- mutation review of the hooks (stop 48)
+# Each test below kills a mutant of omnishm/integrations/vllm.py or omnishm/client/v2_view.py that survived the
+# rest of the suite (34 mutants, 21 killed before).
+
+
+class _WarmWorker(OmniPrefixCacheWorkerExtension):
+    """vLLM's worker as the extension reads it, with a ``compile_or_warm_up_model`` that, as V2's
+    ``warmup_kernels`` does, runs a made-up request on made-up blocks through the runner's ``execute_model``."""
+
+    def __init__(self) -> None:
+        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=EXTENSION_CLS))
+        self.warm_ups = 0
+
+    def compile_or_warm_up_model(self) -> str:
+        self.warm_ups += 1
+        step(self.model_runner, so(new=[("_warmup_", 8, 0, [2, 3])], counts={"_warmup_": 8}))
+        step(self.model_runner, so(finished=["_warmup_"], counts={}))
+        return "warmed"
+
+
+@pytest.fixture
+def worker(committer, monkeypatch):
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    monkeypatch.setenv("OMNISHM_NAME", committer.name)
+    w = _WarmWorker()
+    w.model_runner = FakeV2Runner()  # installs the hooks and wraps compile_or_warm_up_model
+    yield w
+    w.omnishm_shutdown()
+
+
+def _assert_warm_up_unseen(worker: _WarmWorker) -> list:
+    hooks = worker._omnishm_hooks_or_none()
+    steps = hooks.stats()["steps"]
+    assert worker.compile_or_warm_up_model() == "warmed"
+    assert hooks.stats()["steps"] == steps, "the warm-up's made-up steps were tracked by the hooks"
+    assert "_warmup_" not in hooks._mirror._blocks
+    taken = sorted(worker.omnishm_take_prompt_hidden())
+    assert "_warmup_" not in taken
+    return taken
+
+
+def test_the_worker_warm_up_passes_through_the_hooks(worker):
+    """The worker extension wraps ``compile_or_warm_up_model`` in ``passing_through``: a warm-up's made-up
+    requests are not tracked, mirrored, saved or held (review, stop 47: they overwrote live pool rows and were
+    held as results), and a real step after it is saved and exact. MUTATION: the wrapper not entering
+    ``passing_through`` survived (no CPU test ran the worker's wrapper)."""
+    runner = worker.model_runner
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert _assert_warm_up_unseen(worker) == ["A"] and worker.warm_ups == 1
+    step(runner, so(new=[("B", 10, 8, [0, 1, 3])], counts={"B": 2}))
+    got = worker.omnishm_take_results()
+    assert sorted(got) == ["B"] and got["B"]["hit_tokens"] == 8
+
+
+def test_a_warm_up_after_a_reinstall_passes_through_the_new_hooks(worker):
+    """The wrapper is put on once, but finds the hooks installed when it runs: after ``omnishm_shutdown`` and
+    ``omnishm_install`` (fresh hooks), a warm-up during serving (elastic EP's ``warm_and_capture``) passes
+    through the new hooks, not the retired ones. MUTATION: a wrapper bound to the hooks of its making."""
+    runner = worker.model_runner
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    worker.omnishm_shutdown()
+    assert worker.omnishm_install()
+    _assert_warm_up_unseen(worker)
+    step(runner, so(cached=[("A", 8, [4])], counts={"A": 1}))
+    assert worker._omnishm_hooks_or_none().stats()["saves"] == 1
+
+
+def test_passing_through_ends_when_its_body_raises(v2):
+    """``passing_through`` is left on the way out of an exception too (a warm-up that fails and is caught): the
+    next real steps are tracked and saved, not passed through unseen for the rest of the engine's life.
+    MUTATION: the count taken back outside a ``finally``."""
+    h, runner = v2
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        with h.passing_through():
+            raise RuntimeError("warm-up failed")
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert h.stats()["saves"] == 1
+    a, hit = h.take_results()["A"]
+    assert hit == 0 and torch.equal(a, rows(1, range(8)))
+
+
+class _KwRunner(FakeV2Runner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kwargs: list[dict] = []
+
+    def execute_model(self, s, intermediate_tensors=None, dummy_run: bool = False, **kw):
+        self.kwargs.append(dict(kw, dummy_run=dummy_run))
+        return super().execute_model(s, intermediate_tensors, dummy_run=dummy_run, **kw)
+
+
+def test_a_real_steps_keyword_arguments_reach_the_runner(committer, monkeypatch):
+    """The wrapper passes the runner's own keyword arguments of a real step through unchanged (the V2 runner's
+    ``execute_model`` takes more than the scheduler output), and still saves the step. MUTATION: a real
+    step's keyword arguments dropped."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    runner = _KwRunner()
+    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    h.install()
+    try:
+        runner.execute_model(so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}), None, skip_attn_for_dummy_run=True)
+        assert runner.kwargs == [{"skip_attn_for_dummy_run": True, "dummy_run": False}]
+        assert h.stats()["saves"] == 1
+    finally:
+        h.uninstall()
+
+
+def test_a_live_id_sent_again_as_new_takes_only_its_new_blocks(v2):
+    """vLLM's REPLACED on the V2 runner: a live request id re-sent as new (streaming input) gets the new
+    request's block list, which replaces the old one in the runner's table (``add_requests``); the mirror
+    replaces it too. Its rows land in the new blocks, so a later request hitting those blocks reads them exactly.
+    MUTATION: the new block ids appended to the old ones (rows placed by blocks the request gave up)."""
+    h, runner = v2
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    step(runner, so(new=[("A", 8, 0, [4, 5])], counts={"A": 8}))  # same live id, new blocks
+    step(runner, so(new=[("C", 10, 8, [4, 5, 6])], counts={"C": 2}))
+    c, hit = h.take_results()["C"]
+    assert hit == 8 and torch.equal(c, rows(1, range(10)))
+
+
+def test_an_id_finished_and_sent_as_new_in_one_step_keeps_its_new_blocks(v2):
+    """Within one scheduler output a finish precedes a re-add of the same id (the adapter's order, and the V2
+    runner's: ``finish_requests`` before ``add_requests``): the mirror drops the old ids first and keeps the new
+    request's, so its rows are placed and held. MUTATION: new requests applied before the finishes."""
+    h, runner = v2
+    step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+    assert torch.equal(h.take_results()["A"][0], rows(1, range(8)))
+    step(runner, so(new=[("A", 4, 0, [6])], finished=["A"], counts={"A": 4}))
+    assert torch.equal(h.take_results()["A"][0], rows(1, range(4))) and h.stats()["requests"] == 2
+
+
+def test_the_mirror_appends_after_a_cached_request_without_new_blocks():
+    """A cached request with no new blocks (``new_block_ids`` entry None) keeps its ids, and the requests after
+    it in ``scheduled_cached_reqs`` still get their new blocks appended. MUTATION: the loop left at such a
+    request (``break`` for ``continue``): the later requests' next positions had no block."""
+    m = BlockIdMirror()
+    m.update(so(new=[("A", 8, 0, [1, 2]), ("B", 4, 0, [3])], counts={"A": 8, "B": 4}))
+    m.update(so(cached=[("B", 4, None), ("A", 8, [4])], counts={"A": 1, "B": 1}))
+    assert m.blocks("A") == [1, 2, 4] and m.blocks("B") == [3]
+
+
+def _mirror_ab() -> BlockIdMirror:
+    m = BlockIdMirror()
+    m.update(so(new=[("A", 8, 0, [5, 2]), ("B", 8, 0, [9])], counts={"A": 6, "B": 1}))
+    return m
+
+
+def test_the_v2_view_refuses_rows_that_start_before_the_previous_requests_end():
+    """Row offsets (``query_start_loc_np``) must be exactly the running sum of the counts in batch order: rows
+    that start inside the previous request's are refused, as rows that start past them are (either way rows
+    would go to another request). MUTATION: only a start past the running sum refused."""
+    batch = _batch(["B", "A"], [1, 6], [3, 2], starts=[0, 0, 7])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="batch rows start at 0, not 1"):
+        V2StepGroupView(batch, _mirror_ab(), 4).step_slots_cpu([1, 6])
+
+
+def test_the_v2_view_reads_only_the_batchs_own_counts():
+    """The batch's ``num_scheduled_tokens`` is compared over its requests only: an array longer than the
+    batch (padding entries) is no count mismatch, and the slots are exact. MUTATION: the whole array compared."""
+    batch = _batch(["B", "A"], [1, 6], [3, 2], starts=[0, 1, 7, 7])
+    batch.num_scheduled_tokens = np.array([1, 6, 0], dtype=np.int32)
+    assert V2StepGroupView(batch, _mirror_ab(), 4).step_slots_cpu([1, 6]).tolist() == [39, 22, 23, 8, 9, 10, 11]
