@@ -112,6 +112,7 @@ def hooks(committer, monkeypatch):
     runner = FakeV1Runner()
     h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name, capture_raw=True)
     h.install()
+    assert h.stats()["runner"] == "v1"
     yield h, runner
     h.uninstall()
 

@@ -90,6 +90,7 @@ def v2(committer, monkeypatch):
     assert is_v2_runner(runner) and not is_v2_runner(FakeV1Runner())
     h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name, capture_raw=True)
     h.install()
+    assert h.stats()["runner"] == "v2"  # what omnishm_stats tells a user about the runner family
     yield h, runner
     h.uninstall()
 

@@ -443,6 +443,7 @@ class OmniPrefixCacheRunnerHooks:
         out: dict[str, Any] = {**self.counters, **self.held.stats()}
         out["cache"] = self.cache
         out["pid"] = os.getpid()
+        out["runner"] = "v2" if self._mirror is not None else "v1"  # the model runner family the hooks follow
         if self.manager is not None:
             out["manager"] = dict(self.manager.counters)
             out["num_slots"] = self.manager.config.num_slots

@@ -44,3 +44,20 @@ def test_v2_runner_hits_aborts_and_preemption_keep_every_row_exact(tiny_model_di
     for scenario in ("prefix_hits_full_partial_and_batched", "aborts_and_early_finish",
                      "preempted_requests_resume_and_hit_again", "warm_up_while_serving"):
         assert out[scenario]["mismatches"] == 0 and out[scenario]["requests"] > 0, out
+
+
+def test_v2_runner_tp2_writer_and_reader_rows_exact(tiny_model_dir):
+    """Two TP ranks on the V2 runner (test_engine_tp.py's engine and scenarios): rank 0 the writer and rank 1 a
+    reader of one committer, each mirroring its block ids from the same scheduler outputs; hits, an abort, a
+    chunked prefill and reused blocks, every row of both ranks exact."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), str(HERE.parents[1])]),
+               OMNISHM_TIER_SESSION_PREFIX=SESSION_PREFIX)
+    proc = subprocess.run([sys.executable, str(HERE / "v2_engine_run.py"), str(tiny_model_dir),
+                           unique_cache_name("v2tp"), "2"], env=env, capture_output=True, text=True, timeout=400)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    out = json.loads(lines[-1])
+    print(proc.stdout[-2000:])
+    assert out["ok"], out
+    for scenario in ("one_committer_prefix_hits", "abort_chunked_and_reused_blocks"):
+        assert out[scenario]["mismatches"] == 0 and out[scenario]["requests"] > 0, out

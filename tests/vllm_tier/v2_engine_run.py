@@ -6,8 +6,10 @@ registers a stand-in ``cpu`` backend and runs the runner's Triton kernels in Tri
 (``TRITON_INTERPRET=1``). Both must happen before vllm is imported (vLLM decides ``HAS_TRITON`` then, and
 Triton picks the interpreter when a kernel is defined), hence a process of its own.
 
-Usage: ``python v2_engine_run.py MODEL_DIR CACHE``; prints one JSON line (``{"ok": true, ...}``) and exits 0
-when every scenario's rows equal the no-hit ground truth, bit for bit; raises otherwise.
+Usage: ``python v2_engine_run.py MODEL_DIR CACHE [TP]``; prints one JSON line (``{"ok": true, ...}``) and exits 0
+when every scenario's rows equal the no-hit ground truth, bit for bit; raises otherwise. ``TP`` 2: the engine of
+test_engine_tp.py (two worker processes, rank 0 the writer and rank 1 a reader) and its scenarios
+(``tp_scenarios``), on the V2 runner.
 """
 
 from __future__ import annotations
@@ -65,6 +67,36 @@ def warm_up_as_vllm_does() -> None:
     CPUWorker.compile_or_warm_up_model = compile_or_warm_up_model
 
 
+def main_tp(model_dir: str, cache: str) -> None:
+    """Two TP ranks on the V2 runner. Their worker processes are spawned, so the warm-up ``warm_up_as_vllm_does``
+    adds here does not reach them (the single-process run checks it). Under TP, vLLM's vocabulary-parallel
+    embedding runs a ``torch.compile``d helper even with ``enforce_eager``; Inductor asks Triton for its active
+    driver, which the stand-in backend lacks, so torch.compile is turned off for this run (inherited by the
+    workers). The hooks' part is unchanged: each rank mirrors its block ids from the same scheduler outputs."""
+    import tp_scenarios
+
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    os.environ.setdefault(tp_scenarios.BIND_ENV, tp_scenarios.omp_bind_per_rank())
+    llm = make_llm(model_dir, multiprocess=True, cache=cache, num_gpu_blocks_override=tp_scenarios.NUM_BLOCKS,
+                   tensor_parallel_size=tp_scenarios.TP)
+    try:
+        h = tp_scenarios.TPHarness(llm)
+        runners = [s["runner"] for s in llm.collective_rpc("omnishm_stats")]
+        assert runners == ["v2"] * tp_scenarios.TP, runners  # each rank's hooks follow a V2 runner
+        out: dict = {"runners": runners}
+        for i, scenario in enumerate((tp_scenarios.one_committer_prefix_hits,
+                                      tp_scenarios.abort_chunked_and_reused_blocks)):
+            h.begin(scenario.__name__[:8], keep_current=i == 0)
+            try:
+                out[scenario.__name__] = scenario(h)
+            finally:
+                h.end()
+        out["ok"] = True
+        print(json.dumps(out, default=str), flush=True)
+    finally:
+        close_llm(llm)
+
+
 def main(model_dir: str, cache: str) -> None:
     warm_up_as_vllm_does()
     llm = make_llm(model_dir, multiprocess=False, cache=cache, num_gpu_blocks_override=24)
@@ -91,4 +123,7 @@ def main(model_dir: str, cache: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) > 3 and sys.argv[3] == "2":
+        main_tp(sys.argv[1], sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2])
