@@ -482,6 +482,23 @@ def test_a_client_that_started_no_committer_is_not_sent_to_an_autostart_log(comm
     assert f"pid {h.proc.pid} holds the cache's committer lock" in msg and "omnishm ping" in msg, msg
 
 
+def test_a_client_at_another_endpoint_than_its_live_committers_is_told_where_it_serves(committer_factory):
+    """Autostart on, the cache's committer alive at its own socket, and the client asking at another endpoint
+    in the same runtime dir (a stale ``OMNISHM_ENDPOINT``): the client starts none (the cache lock is held) and
+    its timeout says where that committer serves, not that it is frozen. REVIEW (stop 48): it blamed a committer
+    "that does not answer (frozen, stopped, starved of CPU or stuck)", which answered at once at its socket."""
+    from conftest import RUNTIME_DIR
+    from manager_helpers import small_config
+    from omnishm.client import OmniPrefixCacheCommitterError, OmniPrefixCacheManager
+
+    h = committer_factory()
+    with pytest.raises(OmniPrefixCacheCommitterError) as err:
+        OmniPrefixCacheManager(small_config(), cache=h.name, endpoint=f"ipc://{RUNTIME_DIR}/elsewhere-{h.name}.sock",
+                               autostart=True, runtime_dir=RUNTIME_DIR, connect_timeout_s=1.0)
+    msg = str(err.value)
+    assert f"that committer serves {h.endpoint}, not this client's endpoint" in msg and "frozen" not in msg, msg
+    assert not (RUNTIME_DIR / f"{h.name}.autostart.log").exists()
+
 def test_a_committer_whose_log_was_removed_while_it_started_writes_a_new_one(tmp_path):
     """The committer before it stopped cleanly and removed the shared log while the next one was starting with
     that file as its output: once the next one holds the cache lock, it writes to a log at the path again."""

@@ -108,10 +108,19 @@ class LinkAttach:
                     # rank's), so the autostart log is not where its story is (review, 2026-12-06).
                     held = liveness.CacheLock.holder(liveness.lock_path(Path(self.runtime_dir), self.cache))
                     who = f"pid {held[1]}" if held is not None else "a process"
-                    hint = (f"autostart is on, but {who} holds the cache's committer lock, so none was started: "
-                            f"a committer that does not answer (frozen, stopped, starved of CPU or stuck); "
-                            f"`omnishm ping --name {self.cache} --runtime-dir {self.runtime_dir}` checks it, and "
-                            f"`kill -USR1 PID` writes its threads' stacks to its log")
+                    own = paths.ipc_endpoint(self.runtime_dir, self.cache)
+                    own_sock = paths.socket_path(Path(self.runtime_dir), self.cache)
+                    if self.endpoint != own and liveness.lock_held(liveness.socket_lock_path(own_sock)):
+                        # Not frozen: it serves the cache's own socket, and this client asked elsewhere
+                        # (an OMNISHM_ENDPOINT or endpoint= of another cache or an old start; review, stop 48).
+                        hint = (f"autostart is on, but {who} holds the cache's committer lock, so none was started; "
+                                f"that committer serves {own}, not this client's endpoint: give the client that "
+                                f"endpoint (endpoint=, OMNISHM_ENDPOINT), or none")
+                    else:
+                        hint = (f"autostart is on, but {who} holds the cache's committer lock, so none was started: "
+                                f"a committer that does not answer (frozen, stopped, starved of CPU or stuck); "
+                                f"`omnishm ping --name {self.cache} --runtime-dir {self.runtime_dir}` checks it, and "
+                                f"`kill -USR1 PID` writes its threads' stacks to its log")
                 else:
                     own = self.endpoint == paths.ipc_endpoint(self.runtime_dir, self.cache)
                     hint = (f"start one with `omnishm committer --name {self.cache}"
