@@ -114,8 +114,13 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         sock.send(protocol.encode(msg))
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not sock.poll(int(remaining * 1000), zmq.POLLIN):
-            own = runtime_dir is not None and endpoint == paths.ipc_endpoint(runtime_dir, name)
-            held = liveness.CacheLock.holder(liveness.lock_path(runtime_dir, name)) if own else None
+            # The lock holder is the one asked when the endpoint is its cache's own socket, or a committer holds
+            # the endpoint's socket lock (one started with --endpoint; docs audit, stop 48: it was told "no
+            # committer" there, with no pid).
+            sock_path = paths.ipc_path(endpoint)
+            asked = runtime_dir is not None and (endpoint == paths.ipc_endpoint(runtime_dir, name) or (
+                sock_path is not None and liveness.lock_held(liveness.socket_lock_path(sock_path))))
+            held = liveness.CacheLock.holder(liveness.lock_path(runtime_dir, name)) if asked else None
             if held is not None and liveness.cache_is_live(runtime_dir, name):  # alive, but stopped or swamped
                 raise CommitterUnavailable(
                     f"the committer of cache {name!r} (pid {held[1]}) holds its lock but did not answer on {endpoint} "

@@ -180,6 +180,31 @@ def test_ping_of_a_stopped_committer_names_its_pid_and_how_to_see_where_it_stand
     assert run(capsys, "ping", "--name", handle.name, "--timeout-s", "10")[0] == 0
 
 
+def test_ping_of_a_stopped_committer_started_with_an_endpoint_names_its_pid_too(committer_factory, capsys):
+    """A frozen committer started with ``--endpoint`` (the endpoint's socket lock held by it), pinged at that
+    endpoint: the same answer as on the cache's own socket, its pid and how to see where it stands. DOCS AUDIT
+    (stop 48): it said "no committer for cache ... answered", which README's error table does not list for it."""
+    import signal
+
+    from helpers import wait_stopped
+
+    name = unique_cache_name("epstop")
+    endpoint = f"ipc://{RUNTIME_DIR}/other-{name}.sock"
+    handle = committer_factory("--endpoint", endpoint, name=name, wait=False)
+    deadline = time.monotonic() + 60
+    while "started" not in handle.log():
+        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+        time.sleep(0.1)
+    assert run(capsys, "ping", "--name", name, "--endpoint", endpoint, "--timeout-s", "10")[0] == 0  # it serves
+    os.kill(handle.proc.pid, signal.SIGSTOP)
+    try:
+        wait_stopped(handle.proc.pid)
+        code, _out, err = run(capsys, "ping", "--name", name, "--endpoint", endpoint, "--timeout-s", "0.5")
+    finally:
+        os.kill(handle.proc.pid, signal.SIGCONT)
+    assert code == 1, err
+    assert f"(pid {handle.proc.pid}) holds its lock but did not answer" in err and "kill -USR1" in err, err
+
 def test_ping_reaches_a_live_committer_whose_ipc_socket_lives_outside_the_runtime_dir(committer_factory, capsys,
                                                                                        tmp_path):
     """The crashed-socket check applies only to the cache's own socket in the runtime dir, where its lock
