@@ -65,7 +65,7 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
                                       only_dir=None if foreign_dirs else runtime_dir)
     if runtime_dir.is_dir():
         caches = [cache] if cache is not None else sorted(
-            p.name[:-len(".lock")] for p in runtime_dir.glob("*.lock") if _committer_lock(p))
+            p.name[:-len(".lock")] for p in runtime_dir.glob("*.lock") if CacheLock.holder(p) is not None)
         for name in caches:
             if assume_dead and name == cache:
                 continue
@@ -86,17 +86,6 @@ def sweep(runtime_dir: Path | str | None = None, cache: str | None = None, *,
     if removed:
         logger.info("swept %d orphaned omnishm object(s): %s", len(removed), ", ".join(removed))
     return removed
-
-
-def _committer_lock(path: Path) -> bool:
-    """Whether lock file ``path`` is a committer's: it names its holder (``CacheLock.holder``), or it is the
-    empty ``<cache>.lock`` of a committer killed between creating it and writing it (``CacheLock.at``)."""
-    if CacheLock.holder(path) is not None:
-        return True
-    try:
-        return is_cache_name(path.name[:-len(".lock")]) and path.lstat().st_size == 0
-    except OSError:
-        return False
 
 
 def _remove_generation(cache: str, generation: str, *, keep_attached: bool, only_dir: Path | None) -> list[str]:

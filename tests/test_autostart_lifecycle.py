@@ -676,3 +676,40 @@ def test_an_autostarted_committer_takes_the_config_file_its_client_read(tmp_path
     finally:
         m.shutdown()
     assert_idle_committer_exits(settings.runtime_dir, name)
+
+
+def test_a_relative_config_file_still_names_the_file_for_a_committer_a_resume_starts_after_a_chdir(
+        tmp_path, monkeypatch):
+    """A ``config_file`` given as a relative path is made absolute when it is taken: the committer that a
+    resume autostarts later (its committer SIGKILLed) reads the same file after the process changed directory,
+    adopts the cache, and the resume holds. REVIEW (stop 48): the path was passed on as given, so that committer
+    read it against the new directory, could not, exited twice, and the resume failed (the cache lost)."""
+    from conftest import unique_cache_name
+    from manager_helpers import small_config
+    from omnishm import orphans
+    from omnishm.client import OmniPrefixCacheManager
+    from omnishm.config import client_settings
+
+    monkeypatch.delenv("OMNISHM_CONFIG", raising=False)
+    name = unique_cache_name("relcfg")
+    rt = paths.default_runtime_dir()  # conftest's OMNISHM_RUNTIME_DIR (wins over the file)
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    (work / "omnishm.toml").write_text(f'name = "{name}"\nautostart = true\nruntime_dir = "{rt}"\n')
+    monkeypatch.chdir(work)
+    settings = client_settings(config_file="omnishm.toml")  # as a user types it
+    m = OmniPrefixCacheManager(small_config(reconnect_timeout_s=20.0), **settings.manager_kwargs())
+    try:
+        first = m._link.welcome.committer_pid
+        os.chdir(elsewhere)  # monkeypatch gives the test's directory back
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 25
+        while m._link.dead is None and m._link.welcome.committer_pid == first:
+            assert time.monotonic() < deadline, "no resume"
+            time.sleep(0.05)
+        assert m._link.dead is None, m._link.dead
+    finally:
+        m.shutdown()
+        assert_idle_committer_exits(rt, name)
+        orphans.sweep(rt, name)

@@ -348,26 +348,3 @@ def test_a_committer_of_another_name_sweeps_a_killed_caches_leftovers(committer_
     other = committer_factory()
     assert shm.list_segments(dead.name) == [], other.log()
     assert [f for f in os.listdir(RUNTIME_DIR) if _cache_of_file(f) == dead.name] == []
-
-
-def test_a_sweep_of_a_whole_runtime_dir_removes_an_unheld_empty_cache_lock_and_keeps_a_held_one(tmp_path,
-                                                                                                monkeypatch):
-    """A committer SIGKILLed between creating ``NAME.lock`` and writing its holder leaves an empty lock file:
-    ``omnishm cleanup`` without ``--name`` (and a committer's start-up sweep of other names) removes it once
-    nobody holds it, and keeps one a committer holds while it starts (its holder not written yet). REVIEW
-    (stop 48): only a lock that named its holder counted as a committer's, so the empty one stayed for good
-    unless that name was cleaned or started again."""
-    monkeypatch.setattr(orphans, "list_segments", lambda cache=None: [])  # other sessions' segments: not ours
-    rt = tmp_path / "rt"
-    rt.mkdir(mode=0o700)
-    dead, starting = (unique_cache_name(t) for t in ("dead", "starting"))
-    (rt / f"{dead}.lock").touch(mode=0o600)
-    fd = os.open(rt / f"{starting}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        removed = orphans.sweep(rt)
-        assert removed == [str(rt / f"{dead}.lock")], removed
-        assert sorted(os.listdir(rt)) == [f"{starting}.lock"]
-    finally:
-        os.close(fd)
-        os.unlink(rt / f"{starting}.lock")
