@@ -190,11 +190,7 @@ def test_ping_of_a_stopped_committer_started_with_an_endpoint_names_its_pid_too(
 
     name = unique_cache_name("epstop")
     endpoint = f"ipc://{RUNTIME_DIR}/other-{name}.sock"
-    handle = committer_factory("--endpoint", endpoint, name=name, wait=False)
-    deadline = time.monotonic() + 60
-    while "started" not in handle.log():
-        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
-        time.sleep(0.1)
+    handle = _started_at(committer_factory, endpoint, name)
     assert run(capsys, "ping", "--name", name, "--endpoint", endpoint, "--timeout-s", "10")[0] == 0  # it serves
     os.kill(handle.proc.pid, signal.SIGSTOP)
     try:
@@ -205,6 +201,18 @@ def test_ping_of_a_stopped_committer_started_with_an_endpoint_names_its_pid_too(
     assert code == 1, err
     assert f"(pid {handle.proc.pid}) holds its lock but did not answer" in err and "kill -USR1" in err, err
 
+
+def _started_at(committer_factory, endpoint: str, name: str):
+    """A committer of ``name`` started with ``--endpoint endpoint``, once its log says it started (the fixture's
+    own readiness check asks the cache's own socket)."""
+    handle = committer_factory("--endpoint", endpoint, name=name, wait=False)
+    deadline = time.monotonic() + 60
+    while "started" not in handle.log():
+        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+        time.sleep(0.1)
+    return handle
+
+
 def test_ping_reaches_a_live_committer_whose_ipc_socket_lives_outside_the_runtime_dir(committer_factory, capsys,
                                                                                        tmp_path):
     """The crashed-socket check applies only to the cache's own socket in the runtime dir, where its lock
@@ -213,11 +221,7 @@ def test_ping_reaches_a_live_committer_whose_ipc_socket_lives_outside_the_runtim
     other = tmp_path / "socks"
     other.mkdir(mode=0o700)
     endpoint = f"ipc://{other}/{name}.sock"
-    handle = committer_factory("--endpoint", endpoint, name=name, wait=False)
-    deadline = time.monotonic() + 60
-    while "started" not in handle.log():
-        assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
-        time.sleep(0.1)
+    handle = _started_at(committer_factory, endpoint, name)
     code, out, err = run(capsys, "ping", "--name", name, "--endpoint", endpoint, "--timeout-s", "10")
     assert code == 0, err
     # Without its --endpoint, ping looked at the cache's own socket and said no committer ran (review).
