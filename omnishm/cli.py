@@ -117,9 +117,8 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
             # The lock holder is the one asked when the endpoint is its cache's own socket, or a committer holds
             # the endpoint's socket lock (one started with --endpoint; docs audit, stop 48: it was told "no
             # committer" there, with no pid).
-            sock_path = paths.ipc_path(endpoint)
-            asked = runtime_dir is not None and (endpoint == paths.ipc_endpoint(runtime_dir, name) or (
-                sock_path is not None and liveness.lock_held(liveness.socket_lock_path(sock_path))))
+            asked = runtime_dir is not None and (endpoint == paths.ipc_endpoint(runtime_dir, name)
+                                                 or liveness.endpoint_served(endpoint))
             held = liveness.CacheLock.holder(liveness.lock_path(runtime_dir, name)) if asked else None
             if held is not None and liveness.cache_is_live(runtime_dir, name):  # alive, but stopped or swamped
                 raise CommitterUnavailable(

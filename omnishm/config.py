@@ -422,8 +422,8 @@ class ClientSettings:
     vllm: dict[str, Any] = field(default_factory=dict)
     """The vLLM integrations' own knobs (``VLLM_KNOBS``): the extension's and the vllm-omni plugin's."""
     config_file: str | os.PathLike | None = None
-    """The file given to ``client_settings``, made absolute (None: ``$OMNISHM_CONFIG``), passed on to an autostarted
-    committer: one a resume starts after the process changed directory still reads it (review, stop 48)."""
+    """The file given to ``client_settings`` (None: ``$OMNISHM_CONFIG``), passed on to an autostarted committer
+    (``OmniPrefixCacheManager`` makes it absolute)."""
 
     def manager_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``OmniPrefixCacheManager`` besides the config and role."""
@@ -464,7 +464,7 @@ def client_settings(*, env: Mapping[str, str] | None = None, config_file: str | 
     return ClientSettings(name=v["name"], runtime_dir=v["runtime_dir"], endpoint=v["endpoint"],
                           autostart=v["autostart"], connect_timeout_s=v["connect_timeout_s"],
                           prefix_cache={k: v[k] for k in PREFIX_CACHE_KNOBS}, vllm={k: v[k] for k in VLLM_KNOBS},
-                          config_file=os.path.abspath(config_file) if config_file is not None else None)
+                          config_file=config_file)
 
 
 def load_prefix_cache_config(num_blocks: int, block_size: int, *, derived: Mapping[str, Any] | None = None,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import posix_ipc
 
+from omnishm.paths import ipc_path
 from omnishm.shm import SHM_DIR, segment_name, unlink_segment
 
 
@@ -297,6 +298,13 @@ def proc_parent(pid: int) -> int:
 def cache_is_live(runtime_dir: Path, cache: str) -> bool:
     """True when some process holds the cache's committer lock."""
     return lock_held(lock_path(runtime_dir, cache))
+
+
+def endpoint_served(endpoint: str) -> bool:
+    """True when a committer holds the socket lock of ``endpoint`` (``socket_lock_path``): it serves that ipc
+    socket, whatever its runtime dir or cache. False for any other transport."""
+    sock = ipc_path(endpoint)
+    return sock is not None and lock_held(socket_lock_path(sock))
 
 
 def lock_held(path: Path) -> bool:

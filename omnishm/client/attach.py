@@ -109,8 +109,7 @@ class LinkAttach:
                     held = liveness.CacheLock.holder(liveness.lock_path(Path(self.runtime_dir), self.cache))
                     who = f"pid {held[1]}" if held is not None else "a process"
                     own = paths.ipc_endpoint(self.runtime_dir, self.cache)
-                    own_sock = paths.socket_path(Path(self.runtime_dir), self.cache)
-                    if self.endpoint != own and liveness.lock_held(liveness.socket_lock_path(own_sock)):
+                    if self.endpoint != own and liveness.endpoint_served(own):
                         # Not frozen: it serves the cache's own socket, and this client asked elsewhere
                         # (an OMNISHM_ENDPOINT or endpoint= of another cache or an old start; review, stop 48).
                         hint = (f"autostart is on, but {who} holds the cache's committer lock, so none was started; "
@@ -174,8 +173,7 @@ class LinkAttach:
         try:
             if liveness.cache_is_live(self.runtime_dir, self.cache):
                 return  # another rank's won the lock (the one this link started lost it and ended)
-            sock = paths.ipc_path(self.endpoint)
-            if sock is not None and liveness.lock_held(liveness.socket_lock_path(sock)):
+            if liveness.endpoint_served(self.endpoint):
                 return  # a committer serves the endpoint (from another runtime dir): one started here is refused
             paths.ensure_runtime_dir(self.runtime_dir)
         except OSError as exc:

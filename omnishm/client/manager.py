@@ -90,7 +90,9 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         if role not in (P.ROLE_WRITER, P.ROLE_READER):
             raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
         warn_if_weakly_ordered(logger)
-        if config_file is not None:  # read again by a committer autostarted later, maybe from another cwd
+        if config_file is not None:
+            # Read again by a committer autostarted later, maybe after a chdir: one a resume started could not
+            # read a relative path, and the resume failed (review, stop 48).
             config_file = os.path.abspath(config_file)
         conn = manager_connection(cache=cache, endpoint=endpoint, autostart=autostart, runtime_dir=runtime_dir,
                                   connect_timeout_s=connect_timeout_s, config_file=config_file)

@@ -34,8 +34,9 @@ def _shutdown_at_exit() -> None:
     """atexit: ``shutdown`` every manager its owner left open, so a script that ends without calling it still
     lands its open deferred writes and says goodbye. Without it the writes were lost, and the committer kept
     the writer's seat until its heartbeat timeout (10 s by default: a writer started again at once was
-    refused until then). A forked child's copy returns at once (``shutdown``); a shut-down manager too.
-    The vLLM hooks shut theirs down in their own exit handler, which runs before this one."""
+    refused until then). A forked child's copy returns at once (``shutdown``); a shut-down manager too. The
+    vLLM worker extension's hooks rely on it for an engine torn down without ``omnishm_shutdown`` (they had an
+    exit handler of their own, registered once per install)."""
     for manager in list(_ATTACHED):
         try:
             manager.shutdown()

@@ -115,7 +115,7 @@ class V2StepGroupView:
         ``batch_req_ids`` entry. Raises ``OmniPrefixCacheUnmatchError`` when the counts or the row offsets
         disagree with the batch's, or a position falls past the request's block ids."""
         ib = self.input_batch
-        ids = list(ib.req_ids)
+        ids = self.batch_req_ids
         counts = [int(n) for n in num_scheduled_tokens]
         theirs = [int(n) for n in ib.num_scheduled_tokens[:len(ids)]]
         if counts != theirs:

@@ -56,7 +56,6 @@ Import invariant: vllm is imported only inside functions.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import logging
@@ -532,7 +531,6 @@ class OmniPrefixCacheWorkerExtension:
         hooks.install()  # the gate may refuse (KV cache initialised already): then nothing is kept (review)
         self.__dict__["_omnishm_hooks"] = hooks
         self._omnishm_wrap_warm_up()
-        atexit.register(_shutdown_quietly, weakref.ref(hooks))
         return True
 
     def _omnishm_wrap_warm_up(self) -> None:
@@ -587,14 +585,3 @@ class OmniPrefixCacheWorkerExtension:
             return hooks.stats()
         held = self.__dict__.get("_omnishm_held_results")
         return {} if held is None else held.stats()
-
-
-def _shutdown_quietly(ref: "weakref.ref[OmniPrefixCacheRunnerHooks]") -> None:
-    """atexit fallback for an engine torn down without ``omnishm_shutdown``."""
-    hooks = ref()
-    if hooks is None:
-        return
-    try:
-        hooks.uninstall()
-    except Exception as exc:  # exiting anyway; the committer's idle exit cleans up
-        logger.warning("omnishm: shutdown at exit failed: %s", exc)
