@@ -24,6 +24,7 @@ import pytest
 
 from omnishm import liveness, paths, shm
 from omnishm.liveness import proc_identity
+from test_autostart_lifecycle import assert_idle_committer_exits
 
 _RANK = """
 import sys, time
@@ -269,7 +270,4 @@ def test_an_autostarted_committer_knows_its_starter_by_pid_and_start_time_and_ke
         assert os.getsid(pid) != os.getsid(0) and os.getpgid(pid) != os.getpgrp()
     finally:
         m.shutdown()
-    deadline = time.monotonic() + 30
-    while liveness.cache_is_live(runtime, name) and time.monotonic() < deadline:  # not our child: poll its lock
-        time.sleep(0.05)
-    assert not liveness.cache_is_live(runtime, name)
+    assert_idle_committer_exits(runtime, name)  # not our child: its lock says when it is gone
