@@ -22,6 +22,7 @@ from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheRequestEvent as E
 from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWrite, PrefixCacheWriteLayout
 from omnishm.client.result_pool import ResultPool
+from omnishm.interface import HIDDEN_KEY
 
 BS = 16
 
@@ -74,6 +75,23 @@ class ReadSize:
     reps: int
 
 
+def _check_and_spoil(got: torch.Tensor, hit: torch.Tensor, tail: torch.Tensor, what: str) -> None:
+    """Raise unless ``got`` is ``hit`` then ``tail``, bit for bit; then spoil one element of each of its rows.
+
+    Every call, outside the clock. The result memory is recycled (the result pool, the ``out=`` buffer),
+    so a copy skipped into it would still find the previous call's identical rows there: flipping bits
+    of each row's first element makes such a row differ at the next check. It dirties one cache line per
+    row (1/128 of the bytes at 8 KiB rows), which the copies of whole hits between two uses of the same
+    memory evict."""
+    h = len(hit)
+    rows = got.view(torch.int16)
+    ok = (len(got) == h + len(tail) and torch.equal(rows[:h], hit.view(torch.int16))
+          and torch.equal(rows[h:], tail.view(torch.int16)))
+    if not ok:
+        raise RuntimeError(f"figure 2, {what}: the materialized hit differs from the rows written")
+    rows[:, 0] ^= 0x5A5A
+
+
 def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
     """Figure 2: materialize of a long hit vs memcpy of its bytes; plus the copy strategies it could use."""
     h, width = size.hit_tokens, size.width
@@ -106,12 +124,10 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
                 out = m.materialize(sid, [req], out={req: {"__hidden_states__": merged_buf}} if mode == "out" else None)
                 dt = time.perf_counter() - t0
                 m.new_step_starts([E(K.FINISHED, req)])
-                got = out.hidden_states[req]
-                if i < 3:  # warm-up (the pool faults its block in once), and the rows are exact, bit for bit
-                    if not torch.equal(got[:h].view(torch.int16), rows_truth.view(torch.int16)):
-                        raise RuntimeError(f"figure 2: materialized hit ({mode}) differs from the rows written")
+                _check_and_spoil(out.hidden_states[req], rows_truth, tail, f"call {i} ({mode})")
+                if i < 3:  # warm-up: the pool faults its block in once
                     continue
-                del out, got
+                del out
                 if mode != "pool":
                     (t_out if mode == "out" else t_fresh).append(dt)
                     continue
@@ -210,6 +226,7 @@ class _EngineArm:
         self.save_s = 0.0
         self.last: Any = None
         self.prev: list[str] = []
+        self.parts: list[tuple[str, int, int]] = []  # the last step's (request, first position, rows)
         self.i = 0
 
     def blocks(self, n: int) -> list[int]:
@@ -244,6 +261,7 @@ class _EngineArm:
             parts.append((d, db, 0, 1))
         self.m.new_step_starts(PrefixCacheStep(tuple(events), {p[0]: p[3] for p in parts}))
         self.prev = [p[0] for p in parts]
+        self.parts = [(req, first, count) for req, _, first, count in parts]
         layout = _layout(parts)  # the runner's write layout: built before the clock starts
         t0 = time.perf_counter()
         sid = _save(self.m, parts, self.hidden, self.mm, layout)
@@ -252,6 +270,24 @@ class _EngineArm:
         t2 = time.perf_counter()
         self.save_s = t1 - t0
         return t2 - t0
+
+    def expected_rows(self) -> dict[tuple[str, str], torch.Tensor]:
+        """What the last step's ``materialize`` must serve, ``served_rows``' way, built from the rows written:
+        each request's rows of this step, after the prefix's rows for the hit. The arms are compared with
+        each other too, but they share the client and the committer's code, so only this check sees a
+        bug they have in common (and the vllm-omni arm, the other witness, runs only where it is installed)."""
+        s = self.size
+        k = -(-s.hit_tokens // len(self.hidden)) if s.hit_tokens else 0
+        want: dict[tuple[str, str], torch.Tensor] = {}
+        start = 0
+        for req, first, count in self.parts:
+            for key, rows in ((HIDDEN_KEY, self.hidden), *self.mm.items()):
+                mine = rows[start:start + count]
+                if first:  # the hit: the prefix's rows, written by ``prepare``
+                    mine = torch.cat((rows.repeat(k, 1)[:first], mine))
+                want[(req, key)] = mine
+            start += count
+        return want
 
     def close(self) -> None:
         try:
@@ -291,8 +327,9 @@ def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> li
                 if i >= 2:
                     times[k].append(dt)
                     saves[k].append(arm.save_s)
-            # Every step, outside the timed calls: every arm served the same rows.
+            # Every step, outside the timed calls: omnishm served the rows written, and every arm the same.
             want = served_rows(arms[0].last, arms[0].prev)
+            same_rows(arms[0].expected_rows(), want, f"figure 3, step {i}", "omnishm", "the rows written")
             for arm, who in zip(arms[1:3], ("the in-process design", "the eager in-process design")):
                 same_rows(want, served_rows(arm.last, arms[0].prev), f"figure 3, step {i}", who)
             if omni is not None:

@@ -63,13 +63,14 @@ def served_rows(result: Any, req_ids: list[str], *, key_first: bool = False) -> 
     return rows
 
 
-def same_rows(want: dict[tuple[str, str], Any], got: dict[tuple[str, str], Any], what: str, who: str) -> None:
-    """Raise RuntimeError unless ``got`` (``who``'s rows) holds exactly ``want``'s tensors, bit for bit.
+def same_rows(want: dict[tuple[str, str], Any], got: dict[tuple[str, str], Any], what: str, who: str,
+              against: str = "omnishm's") -> None:
+    """Raise RuntimeError unless ``got`` (``who``'s rows) holds exactly ``want``'s (``against``) tensors, bit for bit.
 
     Values may also be ``row_digest`` results: they compare as values."""
     if set(want) != set(got):
         diff = sorted(set(want) ^ set(got))[:4]
-        raise RuntimeError(f"{what}: {who} served other (request, tensor) pairs than omnishm: {diff}")
+        raise RuntimeError(f"{what}: {who} served other (request, tensor) pairs than {against}: {diff}")
     for name, a in want.items():
         b = got[name]
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -78,7 +79,7 @@ def same_rows(want: dict[tuple[str, str], Any], got: dict[tuple[str, str], Any],
         else:
             same, seen = a == b, f"{a} against {b}"
         if not same:
-            raise RuntimeError(f"{what}: {who}'s {name[1]} for {name[0]} differ from omnishm's ({seen})")
+            raise RuntimeError(f"{what}: {who}'s {name[1]} for {name[0]} differ from {against} ({seen})")
 
 
 def same_results(ours: Any, theirs: Any, req_ids: list[str], what: str) -> None:

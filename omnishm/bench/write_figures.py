@@ -56,6 +56,22 @@ def _apply_and_time(writer: RawWriter, msg: P.StepWrite) -> tuple[float, float, 
     return after - before, rt, reply
 
 
+def _check_landed(kv: dict, slots: np.ndarray, first_row: int, what: str) -> None:
+    """Raise unless ``pool[slots[i]]`` equals staging row ``first_row + i`` for every i, bit for bit.
+
+    Run after each timed step, outside its clock: a committer that moved the right number of bytes
+    into the wrong rows (or skipped some) would otherwise be timed as a faster committer. The staged
+    rows stay the same from step to step, but each step picks new random slots, so a slot that kept
+    an older step's row holds another staging row than the one this step names."""
+    got = kv["pool"][torch.as_tensor(slots, dtype=torch.int64)].view(torch.int16)
+    want = kv["staging"][first_row:first_row + len(slots)].view(torch.int16)
+    bad = (got != want).any(dim=1).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise RuntimeError(f"figure 1, {what}: {len(bad)} of {len(slots)} pool rows differ from their staged rows "
+                           f"(first: slot {int(slots[i])}, staging row {first_row + i})")
+
+
 def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) -> list[Row]:
     """Figure 1: committer applying realistic steps vs a single-thread memcpy of the same bytes."""
     n, width = size.step_tokens, size.width
@@ -69,7 +85,7 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
             kv["staging"].copy_(torch.randn(n, width).to(torch.bfloat16))
             step = 0
 
-            def large_step() -> P.StepWrite:
+            def large_step() -> tuple[P.StepWrite, np.ndarray]:
                 nonlocal step
                 step += 1
                 # 4 prefill requests of n/4 tokens, each in randomly placed blocks (runs of BS rows).
@@ -80,12 +96,16 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                 cvs = np.array([make_cv(w.epoch, step, i + 1) for i in range(reqs)], dtype=np.int64)
                 _claim(w, "hidden", slots, np.repeat(cvs, per))
                 return step_write(w.next_rid(), step, ["hidden"], [0] * reqs, range(1, reqs + 1), cvs,
-                                  np.arange(reqs) * per, [per] * reqs, slots)
+                                  np.arange(reqs) * per, [per] * reqs, slots), slots
 
-            _apply_and_time(w, large_step())  # warm-up
+            msg, slots = large_step()  # warm-up
+            _apply_and_time(w, msg)
+            _check_landed(kv, slots, 0, "warm-up step")
             apply_t, rt_t, ref_t = [], [], []
             for _ in range(size.reps):
-                a, r, _ = _apply_and_time(w, large_step())
+                msg, slots = large_step()
+                a, r, _ = _apply_and_time(w, msg)
+                _check_landed(kv, slots, 0, f"step {step}")  # every row of the step, staged in order from row 0
                 apply_t.append(a)
                 rt_t.append(r)
                 ref_t.append(ref.time(n))
@@ -111,6 +131,7 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                     msg = step_write(w.next_rid(), step, ["hidden"], [0] * k, range(1, k + 1), cvs,
                                      first + np.arange(k), [1] * k, slots)
                     a, _, _ = _apply_and_time(w, msg)
+                    _check_landed(kv, slots, first, f"decode step {step}")
                     apply_t.append(a)
                     ref_t.append(ref.time(k))
                 nbytes = k * width * 2
@@ -119,10 +140,6 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                                 ref_name, rf, v.median / rf.median, "-", None,
                                 note=f"{Stats.of(apply_t).median * 1e6:.0f} us per step inside apply",
                                 extra=ref_extra))
-            if size.decode_sizes:  # the last decode step's first row landed bit for bit
-                got = kv["pool"][int(slots[0])]
-                if not torch.equal(got.view(torch.int16), kv["staging"][msg_src(msg)].view(torch.int16)):
-                    raise RuntimeError("figure 1: pool row differs from its staged row")
         finally:
             w.close()
     return rows
@@ -138,10 +155,6 @@ def _percentile_stats(blocks: list[np.ndarray], q: float) -> Stats:
     # 2026-12-06). The spread is widened to hold it.
     return Stats(value, min(value, float(per_block.min())), max(value, float(per_block.max())),
                  float(np.percentile(per_block, 25)), float(np.percentile(per_block, 75)), len(blocks))
-
-
-def msg_src(msg: P.StepWrite) -> int:
-    return int(np.frombuffer(msg.src_rows, dtype="<i8")[0])
 
 
 # ---------------------------------------------------------------- figure 4
