@@ -274,6 +274,21 @@ def test_a_shutdown_while_a_save_gets_its_page_claims_and_sends_nothing(mgr):
     assert int(m._keys[HIDDEN_KEY].claim[1]) == before  # nothing claimed after the goodbye
 
 
+def test_a_discard_after_shutdown_raises_and_touches_nothing(mgr):
+    """Once ``shutdown`` began no call takes effect (mutation review, 2026-12-06): ``discard_step`` of a
+    step id issued before the shutdown raises ``RuntimeError`` (shut down), as ``materialize`` of it does,
+    instead of releasing a staging page of a detached manager, and the id stays listed unconsumed."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    sid = save(m, [Part("a", 1, [0], 0, 4)], BS)
+    m.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        m.materialize(sid, ["a"])
+    with pytest.raises(RuntimeError, match="shut down"):
+        m.discard_step(sid)
+    assert sid in m.unconsumed_step_ids()
+
+
 def test_step_larger_than_staging_page_raises(mgr):
     m = mgr()
     m.new_step_starts([started("a", list(range(10)))])

@@ -683,3 +683,46 @@ def test_a_padded_zero_token_save_after_the_manager_exists_gives_no_step_id(runn
     assert r.prefix_cache_save(torch.zeros((4, WIDTH)), None, 0, 4, sched()) is None
     _, sid = r.execute_model(sched(cached=[("a", 5, [])], counts={"a": 1}))
     r.prefix_cache_discard(sid)
+
+
+def test_a_materialized_step_id_forgets_its_save_time_ids_and_the_table_stays_bounded(runner):
+    """``prefix_cache_save_time_req_ids`` raises KeyError for an unknown or consumed id, and the mixin holds
+    "the save-time request ids of each unconsumed step id" (mutation review, 2026-12-06): once a step id is
+    materialized its save-time ids are gone, as after a discard, so a long-running engine that materializes
+    every step keeps no entry per step."""
+    r = runner()
+    r.tags["a"] = 1
+    _, sid = r.execute_model(sched(new=[("a", 0, [0, 1, 2])], counts={"a": 2}))
+    assert r.prefix_cache_save_time_req_ids(sid) == ("a",)
+    assert torch.equal(r.prefix_cache_materialize(sid).hidden_states["a"], rows(1, range(2)))
+    with pytest.raises(KeyError):
+        r.prefix_cache_save_time_req_ids(sid)
+    computed = 2
+    for _ in range(6):
+        _, sid = r.execute_model(sched(cached=[("a", computed, [])], counts={"a": 1}))
+        assert torch.equal(r.prefix_cache_materialize(sid, ["a"]).hidden_states["a"], rows(1, [computed]))
+        computed += 1
+    assert len(r._prefix_cache_step_req_ids) == 0
+
+
+def test_a_build_cut_short_after_the_manager_attached_leaves_no_session_and_the_next_step_builds_it(runner,
+                                                                                                      monkeypatch):
+    """``_prefix_cache_init_once`` leaks no session (mutation review, 2026-12-06): a signal handler's exception
+    (Ctrl-C) raised after the manager attached but before the runner kept it (in ``register_policy``) shuts that
+    manager down: no link or flusher thread of it stays behind heartbeating the writer's seat, and the next real
+    step builds a manager that takes the writer's seat and serves rows."""
+    from omnishm.client.manager import OmniPrefixCacheManager
+
+    threads = _links()
+    r = runner()
+    r.tags["a"] = 1
+    fired = interrupt_once(monkeypatch, OmniPrefixCacheManager, "register_policy")
+    with pytest.raises(KeyboardInterrupt):
+        r.execute_model(sched(new=[("a", 0, [0, 1])], counts={"a": 2}))
+    assert fired and r.prefix_cache_manager is None
+    assert _links() == threads
+    r2 = runner()
+    r2.tags["b"] = 2
+    _, sid = r2.execute_model(sched(new=[("b", 0, [2])], counts={"b": 3}))
+    assert r2.prefix_cache_manager.is_writer
+    assert torch.equal(r2.prefix_cache_materialize(sid).hidden_states["b"], rows(2, range(3)))

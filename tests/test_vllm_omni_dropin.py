@@ -4,8 +4,8 @@ The drop-in (``VllmOmniPrefixCacheManager``, over a real committer process) and 
 ``OmniPrefixCacheManager`` (eager, its mode without CUDA) get the same vLLM V1 scheduler outputs, the
 same group view and the same outputs; every ``materialize`` must return the same structure and the
 same tensors. vllm-omni is installed without its dependencies by ``scripts/install.sh``; its values
-that need vllm at materialize (leftover mm) are covered by the vLLM tier
-(``tests/vllm_tier/test_vllm_omni_runner.py``).
+that need vllm at materialize (leftover mm) are covered by ``test_vllm_omni_dropin_paths.py`` (with a
+stand-in for vllm's logger) and by the vLLM tier (``tests/vllm_tier/test_vllm_omni_runner.py``).
 """
 
 from __future__ import annotations

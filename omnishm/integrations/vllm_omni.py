@@ -17,7 +17,10 @@ What changes against vllm-omni's manager (docs/CLIENT.md, section 2):
   it and the other ranks read it;
 - where vllm-omni would serve zeros or a shorter prefix (mm rows never written, fewer block ids than
   the hit), this raises ``OmniPrefixCacheUnmatchError``;
-- ``aborted_req_ids`` also close a request's writes.
+- ``aborted_req_ids`` also close a request's writes;
+- a request scheduled 0 tokens in a step gets no rows from that step's ``materialize``: its hit's rows
+  come with those of the first step that computes its tokens (vllm-omni serves them at the 0-token step).
+  Each row is served once either way.
 
 Kept as vllm-omni does it: a resumed (preempted) request is not a hit, only ``scheduled_new_reqs``
 carry hits; ``mm_outputs`` is tensor name -> request -> value; ``hidden_states`` is None when the

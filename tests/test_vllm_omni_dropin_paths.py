@@ -1,0 +1,249 @@
+"""The vllm-omni drop-in's paths that its main tests (test_vllm_omni_dropin.py) left out, against vllm-omni.
+
+Mutation review (2026-12-06, stop 49): vllm-omni's real group view over a vLLM-shaped input batch (the drop-in's
+own slots, its production path), an ``mm_outputs`` key named ``HIDDEN_KEY``, leftover per-token values at
+materialize, a request scheduled 0 tokens with a hit, ``install()``'s wrap of the runner's build, and the staging
+timeout's class. Each compares ``VllmOmniPrefixCacheManager`` (over a real committer process) with vllm-omni
+0.30.0's own ``OmniPrefixCacheManager`` fed the same scheduler outputs, views and outputs, where both answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+import types
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from omnishm.bench.vllm_omni_arm import BatchView, CachedRequests, NewRequest, SchedulerOutput
+from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, load_prefix_cache
+from conftest import unique_cache_name
+from test_vllm_omni_dropin import _both, _step, managers, same
+
+VO, _ = load_prefix_cache(standin=True)
+
+
+class _Tables:
+    """vLLM's MultiGroupBlockTable as both views read it: ``block_tables[0]`` (omnishm) and ``[0]`` (vllm-omni)."""
+
+    def __init__(self, table: Any):
+        self.block_tables = [table]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.block_tables[i]
+
+
+def _vllm_batch(max_reqs: int = 4, max_blocks: int = 4) -> SimpleNamespace:
+    """The fields of vLLM 0.32's ``InputBatch`` that both group views read."""
+    cpu = torch.zeros(max_reqs, max_blocks, dtype=torch.int32)
+    table = SimpleNamespace(block_size=16, block_table=SimpleNamespace(cpu=cpu),
+                            num_blocks_per_row=np.zeros(max_reqs, dtype=np.int32))
+    return SimpleNamespace(req_ids=[], req_id_to_index={}, num_computed_tokens_cpu=np.zeros(max_reqs, dtype=np.int32),
+                           block_table=_Tables(table))
+
+
+def _set_rows(batch: SimpleNamespace, rows: list[tuple[str, int, list[int]]]) -> None:
+    """rows: (request, num_computed_tokens, block ids), in batch order."""
+    table = batch.block_table.block_tables[0]
+    batch.req_ids = [r for r, _, _ in rows]
+    batch.req_id_to_index = {r: i for i, (r, _, _) in enumerate(rows)}
+    for i, (_, computed, blocks) in enumerate(rows):
+        batch.num_computed_tokens_cpu[i] = computed
+        table.block_table.cpu[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        table.num_blocks_per_row[i] = len(blocks)
+
+
+def test_slots_from_vllms_block_table_match_vllm_omnis_view_and_hits_serve_the_rows_written(committer_factory):
+    """Contract: with vllm-omni's real ``FullAttentionGroupView`` over a vLLM-shaped input batch (how vllm-omni's
+    runner builds the drop-in), the drop-in computes the step's slots with its own view over that batch
+    (``_own_view``), each request's count paired with its own block-table row. Rows must land at the slots
+    vllm-omni's view names: a later hit of another request on those blocks gets exactly the rows first saved, as
+    vllm-omni's own manager returns them. Without vLLM, the tests elsewhere run the drop-in on a stand-in view
+    that has no ``_input_batch``, so this production path ran only in the vLLM tier."""
+    cfg = VO.PrefixCacheConfig(num_blocks=16, block_size=16, staging_capacity_tokens=64, staging_depth=2,
+                               staging_claim_timeout_s=10.0)
+    batch = _vllm_batch()
+    view = VO.FullAttentionGroupView(batch, 16)
+    theirs = VO.OmniPrefixCacheManager(cfg, view, eager=True)
+    ours = VllmOmniPrefixCacheManager(cfg, view, cache=committer_factory().name, autostart=False, role="writer")
+    try:
+        assert ours._ours is not None  # the drop-in's own view is the one under test
+        # Step 1: "a" prefills 20 tokens (blocks 5, 6), "b" 4 tokens (block 9); b first in the batch.
+        _set_rows(batch, [("b", 0, [9]), ("a", 0, [5, 6])])
+        so = SchedulerOutput([NewRequest("b", 0, ([9],)), NewRequest("a", 0, ([5, 6],))], CachedRequests([], set(), [], []),
+                             {"b": 4, "a": 20}, 24, set())
+        h = torch.randn(24, 8)
+        mm = {"feat": torch.randn(24, 4)}
+        ours.new_step_starts(so)
+        theirs.new_step_starts(so)
+        sids = (ours.save_outputs(h, mm, num_tokens_unpadded=24, num_tokens_padded=24),
+                theirs.save_outputs(h, mm, num_tokens_unpadded=24, num_tokens_padded=24))
+        same(ours.materialize(sids[0], ["b", "a"]), theirs.materialize(sids[1], ["b", "a"]), "step 1")
+        # Step 2: "a" and "b" finish; "c" hits a's first block (16 tokens) and computes 3 more in block 7.
+        _set_rows(batch, [("c", 16, [5, 7])])
+        so = SchedulerOutput([NewRequest("c", 16, ([5, 7],))], CachedRequests([], set(), [], []), {"c": 3}, 3, {"a", "b"})
+        h2, mm2 = torch.randn(3, 8), {"feat": torch.randn(3, 4)}
+        ours.new_step_starts(so)
+        theirs.new_step_starts(so)
+        sids = (ours.save_outputs(h2, mm2, num_tokens_unpadded=3, num_tokens_padded=3),
+                theirs.save_outputs(h2, mm2, num_tokens_unpadded=3, num_tokens_padded=3))
+        got, want = ours.materialize(sids[0], ["c"]), theirs.materialize(sids[1], ["c"])
+        same(got, want, "hit on a's block")
+        assert torch.equal(got.hidden_states["c"], torch.cat([h[4:20], h2]))
+        assert torch.equal(got.mm_outputs["feat"]["c"], torch.cat([mm["feat"][4:20], mm2["feat"]]))
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_an_mm_output_named_hidden_key_is_ignored_as_vllm_omni_ignores_it(committer_factory):
+    """Contract (module docstring: "an ``mm_outputs`` key named ``HIDDEN_KEY`` is ignored"): a model output that
+    happens to carry the hidden-states key among its mm outputs neither replaces the hidden states that are cached
+    and served, nor appears as an mm output; the drop-in returns what vllm-omni returns, also for a later hit."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        h = torch.randn(20, 8)
+        mm = {VO.HIDDEN_KEY: torch.randn(20, 8), "feat": torch.randn(20, 4)}
+        so = _step(view, [("a", 0, [0, 1], 20)], new=(("a", 0, [0, 1]),))
+        sids = _both(ours, theirs, view, so, h, dict(mm), 20, 20)
+        got, want = ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"])
+        same(got, want, "HIDDEN_KEY in mm_outputs")
+        assert torch.equal(got.hidden_states["a"], h) and set(got.mm_outputs) == {"feat"}
+        so = _step(view, [("b", 16, [0, 3], 2)], new=(("b", 16, [0, 3]),), finished=("a",))
+        h2 = torch.randn(2, 8)
+        sids = _both(ours, theirs, view, so, h2, {VO.HIDDEN_KEY: torch.randn(2, 8), "feat": torch.randn(2, 4)}, 2, 2)
+        got, want = ours.materialize(sids[0], ["b"]), theirs.materialize(sids[1], ["b"])
+        same(got, want, "hit")
+        assert torch.equal(got.hidden_states["b"], torch.cat([h[:16], h2]))
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+@pytest.fixture
+def vllm_logger_standin(monkeypatch):
+    """vllm-omni's ``to_payload_element`` (which both managers' materialize call for leftover mm) needs only
+    ``vllm.logger.init_logger`` of vllm: where vLLM is not installed, a stand-in for that one function, removed
+    again afterwards, lets the real vllm-omni function run."""
+    if importlib.util.find_spec("vllm") is not None:  # the real one is here: nothing to stand in for
+        yield
+        return
+    vllm = types.ModuleType("vllm")
+    logger_mod = types.ModuleType("vllm.logger")
+    logger_mod.init_logger = logging.getLogger
+    vllm.logger = logger_mod
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.logger", logger_mod)
+    loaded = {"vllm_omni.utils", "vllm_omni.utils.mm_outputs"} & set(sys.modules)
+    yield
+    for name in {"vllm_omni.utils", "vllm_omni.utils.mm_outputs"} - loaded:
+        sys.modules.pop(name, None)
+
+
+def test_leftover_per_token_values_are_cut_to_each_requests_rows_as_vllm_omni_cuts_them(committer_factory,
+                                                                                        vllm_logger_standin):
+    """Contract (module docstring: values that are not per-token rows of at least 2 dimensions are leftover, cut
+    per request by vllm-omni's own ``to_payload_element``): a 1-D per-token output of the step (one value per
+    scheduled token, e.g. codes) comes back from materialize as each request's own slice of it, a 0-token request
+    getting an empty one, and lists pass through whole; the drop-in returns exactly what vllm-omni returns."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        so = _step(view, [("a", 0, [0, 1], 20), ("z", 0, [4], 0), ("b", 0, [2], 4)],
+                   new=(("a", 0, [0, 1]), ("z", 0, [4]), ("b", 0, [2])))
+        codes = torch.arange(24)
+        mm = {"feat": torch.randn(24, 6), "codes": codes, "lengths": [20, 0, 4]}
+        sids = _both(ours, theirs, view, so, torch.randn(24, 8), mm, 24, 24)
+        got, want = ours.materialize(sids[0], ["b", "a", "z"]), theirs.materialize(sids[1], ["b", "a", "z"])
+        same(got.mm_outputs, want.mm_outputs, "leftover")
+        assert torch.equal(got.mm_outputs["codes"]["a"], codes[:20])
+        assert torch.equal(got.mm_outputs["codes"]["b"], codes[20:24])
+        assert got.mm_outputs["codes"]["z"].numel() == 0
+        assert got.mm_outputs["lengths"]["b"] == [20, 0, 4]
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_a_hit_of_a_request_scheduled_zero_tokens_is_served_not_lost(committer_factory):
+    """Contract: a request in the batch with 0 scheduled tokens takes no write and no rows of the step (module
+    docstring, ``spans``), and its prefix hit is not lost: over its first step (0 tokens) and the step that
+    computes its tokens, materialize serves the hit's cached rows once, followed by the computed rows. (vllm-omni
+    serves the hit rows at the 0-token step; the drop-in at the first computed step; both serve them once.)"""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        h = torch.randn(16, 8)
+        sids = _both(ours, theirs, view, _step(view, [("a", 0, [0], 16)], new=(("a", 0, [0]),)), h, {}, 16, 16)
+        same(ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"]), "a")
+        # "z" starts with a 16-token hit on a's block but is scheduled 0 tokens this step; "b" computes 4.
+        so = _step(view, [("b", 0, [2], 4), ("z", 16, [0, 1], 0)], new=(("b", 0, [2]), ("z", 16, [0, 1])),
+                   finished=("a",))
+        sids = _both(ours, theirs, view, so, torch.randn(4, 8), {}, 4, 4)
+        got, want = ours.materialize(sids[0], ["b", "z"]), theirs.materialize(sids[1], ["b", "z"])
+        same(got.hidden_states["b"], want.hidden_states["b"], "b")
+        served = [got.hidden_states["z"]]
+        h3 = torch.randn(2, 8)
+        sids = _both(ours, theirs, view, _step(view, [("z", 16, [0, 1], 2)]), h3, {}, 2, 2)
+        theirs.discard_step(sids[1])
+        served.append(ours.materialize(sids[0], ["z"]).hidden_states["z"])
+        assert torch.equal(torch.cat(served), torch.cat([h, h3])), [tuple(t.shape) for t in served]
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_install_lets_the_manager_vllm_omnis_runner_builds_name_its_dp_replicas_cache(committer_factory, monkeypatch):
+    """Contract (``install``: rebinds vllm-omni's manager name and wraps its runner's ``_ensure_omni_prefix_cache``
+    so the drop-in it builds sees the runner): after ``install()`` alone, the manager a dense model's DP replica 1
+    builds, with vllm-omni's two arguments only, attaches to that replica's own cache ``<name>-dp1`` (the runner's
+    ``ParallelConfig``), not to the plain name that replica 0 writes."""
+    from omnishm.integrations.vllm_omni import install
+
+    mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
+    monkeypatch.setattr(mixin, "OmniPrefixCacheManager", mixin.OmniPrefixCacheManager)  # restored afterwards
+
+    def ensure(self) -> None:  # vllm-omni 0.30.0's, past its vLLM-only parts (PP group, group-spec check)
+        self.omni_prefix_cache = mixin.OmniPrefixCacheManager(self._omni_prefix_cache_cfg, BatchView(16))
+
+    monkeypatch.setattr(mixin.PrefixCacheRunnerMixin, "_ensure_omni_prefix_cache", ensure)
+    base = unique_cache_name("dp")
+    committer_factory(name=f"{base}-dp1")
+    monkeypatch.setenv("OMNISHM_NAME", base)
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    assert install() is True
+    runner = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=1),
+                             _omni_prefix_cache_cfg=VO.PrefixCacheConfig(num_blocks=8, block_size=16,
+                                                                         staging_capacity_tokens=32, staging_depth=2))
+    mixin.PrefixCacheRunnerMixin._ensure_omni_prefix_cache(runner)
+    try:
+        assert isinstance(runner.omni_prefix_cache, VllmOmniPrefixCacheManager)
+        assert runner.omni_prefix_cache.manager.cache == f"{base}-dp1"
+    finally:
+        runner.omni_prefix_cache.shutdown()
+
+
+def test_a_staging_timeout_raises_vllm_omnis_staging_timeout_class(committer_factory):
+    """Contract (``_errors``: omnishm's cache errors come out as vllm-omni's classes): when no staging page frees
+    within ``staging_claim_timeout_s`` (every page held by a step not yet consumed), ``save_outputs`` raises
+    vllm-omni's ``OmniPrefixCacheStagingTimeoutError``, the class vllm-omni's own manager raises there, not only its
+    base ``OmniPrefixCacheUnmatchError``; once the held step is consumed, saves go on."""
+    cfg = VO.PrefixCacheConfig(num_blocks=8, block_size=16, staging_capacity_tokens=32, staging_depth=1,
+                               staging_claim_timeout_s=0.2)
+    view = BatchView(16)
+    ours = VllmOmniPrefixCacheManager(cfg, view, cache=committer_factory().name, autostart=False, role="writer")
+    try:
+        ours.new_step_starts(_step(view, [("a", 0, [0], 4)], new=(("a", 0, [0]),)))
+        held = ours.save_outputs(torch.randn(4, 8), {}, num_tokens_unpadded=4, num_tokens_padded=4)
+        ours.new_step_starts(_step(view, [("a", 4, [0], 1)]))
+        with pytest.raises(VO.OmniPrefixCacheStagingTimeoutError):
+            ours.save_outputs(torch.randn(1, 8), {}, num_tokens_unpadded=1, num_tokens_padded=1)
+        ours.discard_step(held)
+        ours.new_step_starts(_step(view, [("a", 5, [0], 1)]))
+        ours.discard_step(ours.save_outputs(torch.randn(1, 8), {}, num_tokens_unpadded=1, num_tokens_padded=1))
+    finally:
+        ours.shutdown()
