@@ -12,10 +12,13 @@ process for long (pids are reused), so a process is named by its pid and its sta
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
+import signal
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,11 @@ import posix_ipc
 from omnishm.paths import ipc_path
 from omnishm.shm import SHM_DIR, segment_name, unlink_segment
 
+
+_PR_SET_PDEATHSIG = 1
+_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform.startswith("linux") else None
+"""libc's ``prctl``, looked up once here: ``die_with_parent`` may run between a fork and an exec, where a
+lookup (``dlopen``) could wait on a lock another thread of the parent held at the fork."""
 
 OWNER = "owner"
 """The segment a committer holds an exclusive ``flock`` on for as long as it serves its generation."""
@@ -325,3 +333,15 @@ def lock_held(path: Path) -> bool:
 def clients_attached(ctl_name: str) -> bool:
     """True when some client holds its shared lock on the control segment ``ctl_name``."""
     return segment_locked(ctl_name)
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send this process ``sig`` when its parent dies, even by SIGKILL (Linux: the parent
+    death signal, kept across ``exec``; elsewhere nothing is set). False when parent ``parent`` is gone
+    already (this process was orphaned before the call): the caller must stop then.
+
+    The signal comes when the *thread* that forked this process ends, so fork from a thread that lives as
+    long as the parent does (the main thread). Safe as a ``subprocess`` ``preexec_fn``: no lookup, no lock."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    return os.getppid() == parent

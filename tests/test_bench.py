@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,6 +112,52 @@ def test_a_measured_committer_that_died_or_failed_is_reported_not_swept():
             inproc.stop()
     finally:
         assert cleanup.close() == []
+
+
+def test_a_bench_killed_mid_figure_takes_its_committer_and_segments_with_it(tmp_path):
+    """Review (2026-12-06): a bench SIGKILLed during a figure left its committer subprocess serving, and
+    holding its pool (about 0.5 GB for figure 2's normal run) in /dev/shm, for good: nothing stopped it,
+    and ``omnishm cleanup`` leaves a live committer's segments alone. The kernel now sends it SIGTERM when
+    the bench dies, and it stops as it does on any SIGTERM, unlinking its segments."""
+    import os
+    import signal
+    import time
+
+    from omnishm import liveness
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys\n"
+        "from omnishm.bench.common import Cleanup, ProcessCommitter\n"
+        "com = ProcessCommitter(Cleanup(), 'killed')\n"
+        "print(com.pid, com.name, com.runtime_dir, flush=True)\n"
+        "sys.stdin.read()\n")], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pid, ident, line = 0, None, []
+    try:
+        line = child.stdout.readline().split()
+        assert len(line) == 3, f"the child said {line!r}; exit {child.wait(30)}"
+        pid, name, runtime_dir = int(line[0]), line[1], line[2]
+        ident = liveness.proc_identity(pid)
+        assert ident and shm.list_segments(name)
+        child.kill()
+        child.wait(30)
+        deadline = time.monotonic() + 30
+        while liveness.proc_identity(pid) == ident and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert liveness.proc_identity(pid) != ident, "the committer outlived the bench that started it"
+        pid = 0
+        assert shm.list_segments(name) == []
+        assert [f.name for f in Path(runtime_dir).iterdir()] == [f"{name}.log"]  # its socket and lock gone
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        if pid and liveness.proc_identity(pid) == ident:  # the bug: stop it, sweep what it holds
+            os.kill(pid, signal.SIGTERM)
+        if len(line) == 3:
+            deadline = time.monotonic() + 30
+            while shm.list_segments(line[1]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            shutil.rmtree(line[2], ignore_errors=True)
 
 
 def test_bench_refuses_a_selection_of_no_figure():

@@ -8,6 +8,7 @@ segments, socket and lock file are removed even when the figure fails.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -121,8 +122,16 @@ class Cleanup:
         return removed
 
 
+def _stop_with_bench(bench: int) -> None:
+    """A committer's ``preexec_fn``: it gets SIGTERM (stops, unlinks its segments) when the bench dies, even by
+    SIGKILL. A bench killed mid-figure left its committer serving, and holding its pool, for good (review,
+    2026-12-06). A bench gone before this call: exit before the exec."""
+    if not liveness.die_with_parent(bench):
+        os._exit(1)
+
+
 class ProcessCommitter:
-    """A real committer subprocess (``python -m omnishm.committer --prefault``)."""
+    """A real committer subprocess (``python -m omnishm.committer --prefault``) that stops with the bench."""
 
     def __init__(self, cleanup: Cleanup, tag: str):
         self.cleanup = cleanup
@@ -134,7 +143,8 @@ class ProcessCommitter:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "omnishm.committer", "--name", self.name, "--runtime-dir",
                  str(self.runtime_dir), "--prefault", "--heartbeat-timeout-s", "120", "--log-level", "WARNING"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=functools.partial(_stop_with_bench, os.getpid()))
         cleanup.procs.append(self.proc)
         self._wait_ready()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
@@ -14,8 +13,8 @@ import time
 from typing import Any, Callable
 
 from omnishm.demo.rank import RankOptions, RankResult, run_rank
+from omnishm.liveness import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10.0
 ABORT_WAIT_S = 2.0
 """How long ``RankGroup.wait`` waits for the lockstep meeting's abort (see ``_abort_meeting``)."""
@@ -54,12 +53,7 @@ class InterruptOnce:
 def _die_with_parent(parent: int) -> None:
     """The kernel sends this rank SIGTERM when the demo dies, even by SIGKILL (Linux only), so no rank
     outlives it holding the cache; a parent already gone means stopping now."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
+    if not die_with_parent(parent):
         raise KeyboardInterrupt("the demo is gone")
 
 
