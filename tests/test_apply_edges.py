@@ -118,3 +118,28 @@ def test_a_layout_with_a_dimension_of_zero_or_less_is_refused(pool, num_blocks, 
         pool.set_layout(protocol.Layout(num_blocks=num_blocks, block_size=block_size))
     assert err.value.code == "bad_layout"
     assert pool.layout is None
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_a_one_entry_step_with_a_negative_staging_row_is_refused_on_the_fast_path(pool, count):
+    """Mutation review (2026-12-06): a StepWrite naming a staging row below 0 is refused whole (``failed_tids`` names its tid,
+    ``reason`` names the offending staging rows) and leaves the pool's rows and commit words untouched,
+    whichever path takes it; ``apply_step`` never raises. A manager-shaped one-entry step (one key,
+    key_idx 0, counts summing to the slots sent) passes every other fast-path check with ``src_rows=[-1]``
+    (r1 - r0 == total, r1 <= rows), so only the fast path's ``0 <= r0`` bound stands between it and a
+    slice ``staging[-1:count-1]`` (the last staging row, or an empty slice that fails to broadcast)."""
+    pool.set_layout(protocol.Layout(num_blocks=2, block_size=4))
+    state = pool.open_key("h", protocol.KeySpec("float32", 4, (4,)))
+    staging = pool.ensure_staging(CLIENT, state, 8)
+    torch.from_numpy(staging.data).copy_(torch.arange(staging.data.size, dtype=torch.uint8).view(staging.data.shape))
+    before = state.data.copy()
+    slots = list(range(count))
+    cv = make_cv(EPOCH, 1, 1)
+    state.claim[slots] = cv
+    done = pool.apply_step(CLIENT, protocol.StepWrite(
+        rid=1, step=1, keys=["h"], key_idx=pack([0]), tids=pack([7]), cvs=pack([cv]), src_rows=pack([-1]),
+        counts=pack([count]), slots=pack(slots)), EPOCH)
+    assert (done.done_tids, done.failed_tids, done.rows_written) == (b"", pack([7]), 0), done
+    assert "staging rows -1" in done.reason, done.reason
+    assert np.array_equal(state.data, before)
+    assert not state.commit[slots].any()

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import posix_ipc
 import pytest
@@ -348,3 +349,78 @@ def test_a_committer_of_another_name_sweeps_a_killed_caches_leftovers(committer_
     other = committer_factory()
     assert shm.list_segments(dead.name) == [], other.log()
     assert [f for f in os.listdir(RUNTIME_DIR) if _cache_of_file(f) == dead.name] == []
+
+
+def test_an_adopting_committer_records_its_own_runtime_dir_not_the_tail_of_the_previous_one(tmp_path):
+    """Mutation review (2026-12-06): the owner segment names exactly the runtime dir of the committer holding it now. A committer
+    that adopts a generation (opening the owner segment its dead predecessor left) from a runtime dir whose
+    path is shorter must not leave the tail of the longer old path behind: ``recorded_runtime_dir`` is what
+    the start-up sweep (``foreign_dirs=False``) uses to decide whose dead generation it may remove."""
+    long_rt = paths.ensure_runtime_dir(tmp_path / ("a-much-longer-runtime-directory-name" * 2))
+    short_rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("adopt")
+    liveness.GenerationOwner.acquire(cache, "g0", runtime_dir=long_rt).release(unlink=False)  # predecessor died
+    owner = liveness.GenerationOwner.acquire(cache, "g0", runtime_dir=short_rt)
+    assert owner is not None
+    try:
+        fd = posix_ipc.SharedMemory(shm.segment_name(cache, "g0", liveness.OWNER), 0).fd
+        try:
+            assert liveness.recorded_runtime_dir(fd) == Path(short_rt).absolute()
+        finally:
+            os.close(fd)
+    finally:
+        owner.release(unlink=True)
+    assert shm.list_segments(cache) == []
+
+
+def test_a_committer_takes_the_cache_lock_a_slow_sweeper_was_removing(tmp_path, monkeypatch):
+    """Mutation review (2026-12-06): a lock file held locked by a sweeper that is removing a dead committer's files (``sweep`` takes
+    the lock, unlinks the file, then drops it) does not make a starting committer report "a live committer
+    holds it": when the held file stops being at that path right after the committer's wait ran out,
+    ``CacheLock.acquire`` takes the new file instead of returning None. The sweeper's hold is made to outlast
+    the committer's patience by finishing it from inside the committer's failed ``flock_within``, no sleep."""
+    import fcntl
+
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("swept")
+    path = liveness.lock_path(rt, cache)
+    sweeper = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(sweeper, fcntl.LOCK_EX)  # the sweeper holds the dead committer's lock while removing it
+    real = liveness.flock_within
+    finished = []
+
+    def patience_runs_out(fd, patience_s):
+        got = real(fd, 0 if not finished else patience_s)
+        if not got and not finished:  # the sweeper now removes the file and lets go
+            path.unlink()
+            os.close(sweeper)
+            finished.append(True)
+        return got
+
+    monkeypatch.setattr(liveness, "flock_within", patience_runs_out)
+    lock = liveness.CacheLock.acquire(rt, cache, "gen1")
+    try:
+        assert finished and lock is not None
+        assert liveness.cache_is_live(rt, cache)
+        assert liveness.CacheLock.holder(path) == ("gen1", os.getpid())
+    finally:
+        if lock is not None:
+            lock.release()
+        if not finished:
+            os.close(sweeper)
+    assert not path.exists()
+
+
+def test_a_sweep_of_a_shared_runtime_dir_passes_over_another_programs_lock_file(tmp_path):
+    """Mutation review (2026-12-06): a runtime dir may be shared with other programs, whose ``*.lock`` files are not a committer's:
+    ``CacheLock.holder`` reads such a file (two words, the second not a pid) as no holder (None), and the
+    orphan sweep of that dir (a committer's start-up sweep, ``omnishm cleanup``) passes over it and leaves it,
+    instead of failing on it."""
+    from omnishm import orphans
+
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    foreign = rt / "someprogram.lock"
+    foreign.write_text("locked by-someprogram\n")
+    assert liveness.CacheLock.holder(foreign) is None
+    assert orphans.sweep(rt) == []
+    assert foreign.read_text() == "locked by-someprogram\n"

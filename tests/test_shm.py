@@ -6,6 +6,7 @@ import errno
 import os
 import stat
 import types
+import uuid
 from pathlib import Path
 
 import pytest
@@ -283,3 +284,61 @@ def test_a_sweep_removes_a_socket_lock_left_without_its_socket_at_a_caches_socke
     lock.write_text("deadbeef 999999\n")  # what a committer writes in its lock files
     assert liveness.CacheLock.holder(lock) == ("deadbeef", 999999)
     assert orphans.sweep(runtime) == [str(lock)] and not lock.exists()
+
+
+OTHER_UID = 65534
+
+
+
+@pytest.fixture
+def foreign_segment():
+    """A segment of ours chowned to another uid (root only: as root the kernel's 0600 mode does not stop
+    ``shm_open``, so omnishm's own uid checks are the only guard)."""
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    cache = f"tforeign{uuid.uuid4().hex[:6]}"
+    seg = shm.Segment.create(shm.segment_name(cache, "gen1", "ctl"), 4096)
+    os.chown(shm.SHM_DIR / seg.name.lstrip("/"), OTHER_UID, OTHER_UID)
+    try:
+        yield cache, seg
+    finally:
+        seg.close()
+        shm.unlink_segment(seg.name)
+        assert not (shm.SHM_DIR / seg.name.lstrip("/")).exists()
+
+
+def test_attach_refuses_a_segment_of_another_user_even_where_open_succeeds(foreign_segment):
+    """Mutation review (2026-12-06): ``Segment.attach`` maps only segments of this process's own uid: one of another user
+    (another user's cache of the same name) raises PermissionError naming its owner, and is never mapped,
+    even where ``shm_open`` itself succeeds (root, or a 0666 segment)."""
+    _cache, seg = foreign_segment
+    with pytest.raises(PermissionError, match=f"owned by uid {OTHER_UID}"):
+        shm.Segment.attach(seg.name)
+    with pytest.raises(PermissionError, match=f"owned by uid {OTHER_UID}"):
+        shm.Segment.attach(seg.name, readonly=True)
+
+
+def test_list_segments_never_lists_another_users_segment(foreign_segment):
+    """Mutation review (2026-12-06): ``list_segments`` (what sweep, adoption and cleanup walk) lists only this user's segments:
+    another user's cache of the same name is none of ours to adopt, sweep or clean up."""
+    cache, seg = foreign_segment
+    assert shm.list_segments(cache) == []
+    assert seg.name not in shm.list_segments()
+
+
+def test_another_programs_segment_shaped_like_ours_is_not_one_of_ours():
+    """Mutation review (2026-12-06): only ``/omnishm.<cache>.<generation>.<what>`` names are omnishm's. Another program's segment of
+    the same dotted shape in /dev/shm (``/other.<cache>.<gen>.ctl``), of our own uid, is not parsed as a
+    segment and not listed, so the orphan sweep and ``omnishm cleanup`` (which unlink what ``list_segments``
+    names) never remove it. Runs as any user."""
+    import posix_ipc
+
+    cache = f"tshape{uuid.uuid4().hex[:6]}"
+    name = f"/other.{cache}.gen1.ctl"
+    posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=64).close_fd()
+    try:
+        assert shm.parse_segment_name(name) is None
+        assert shm.list_segments(cache) == []
+        assert name not in shm.list_segments()
+    finally:
+        posix_ipc.unlink_shared_memory(name)
