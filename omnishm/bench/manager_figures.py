@@ -279,9 +279,11 @@ class _EngineArm:
         s = self.size
         k = -(-s.hit_tokens // len(self.hidden)) if s.hit_tokens else 0
         want: dict[tuple[str, str], torch.Tensor] = {}
+        # On the host: a ``--device cuda`` run's outputs live on the device, its results are compared here.
+        written = [(HIDDEN_KEY, self.hidden.cpu())] + [(key, v.cpu()) for key, v in self.mm.items()]
         start = 0
         for req, first, count in self.parts:
-            for key, rows in ((HIDDEN_KEY, self.hidden), *self.mm.items()):
+            for key, rows in written:
                 mine = rows[start:start + count]
                 if first:  # the hit: the prefix's rows, written by ``prepare``
                     mine = torch.cat((rows.repeat(k, 1)[:first], mine))
@@ -329,7 +331,8 @@ def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> li
                     saves[k].append(arm.save_s)
             # Every step, outside the timed calls: omnishm served the rows written, and every arm the same.
             want = served_rows(arms[0].last, arms[0].prev)
-            same_rows(arms[0].expected_rows(), want, f"figure 3, step {i}", "omnishm", "the rows written")
+            same_rows(arms[0].expected_rows(), {name: v.cpu() for name, v in want.items()}, f"figure 3, step {i}",
+                      "omnishm", "the rows written")
             for arm, who in zip(arms[1:3], ("the in-process design", "the eager in-process design")):
                 same_rows(want, served_rows(arm.last, arms[0].prev), f"figure 3, step {i}", who)
             if omni is not None:
