@@ -38,14 +38,16 @@ OWNER = "owner"
 """The segment a committer holds an exclusive ``flock`` on for as long as it serves its generation."""
 
 
-def flock_within(fd: int, patience_s: float) -> bool:
-    """``LOCK_EX`` on ``fd``, retried for ``patience_s``: the probes (``cache_is_live``: a client's autostart
-    check, ``omnishm ping``; ``generation_owned``) hold their lock for microseconds, and a committer that
-    takes the cache lock or an owner segment must wait them out, not take them for a live holder."""
+def flock_within(fd: int, patience_s: float, *, shared: bool = False) -> bool:
+    """``LOCK_EX`` (``LOCK_SH`` when ``shared``) on ``fd``, retried for ``patience_s``: the probes
+    (``cache_is_live``: a client's autostart check, ``omnishm ping``; ``generation_owned``,
+    ``clients_attached``) hold their lock for microseconds, and a committer that takes the cache lock or an
+    owner segment, or a client its liveness lock, must wait them out, not take them for a live holder."""
     deadline = time.monotonic() + patience_s
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             if time.monotonic() >= deadline:

@@ -349,3 +349,47 @@ def test_a_stopping_committer_refuses_a_resume_and_the_client_is_told_why(commit
         assert m._link.stats["reconnects"] == 0
     finally:
         m.shutdown()
+
+
+def test_a_client_attaches_past_a_probe_stopped_while_it_held_the_control_segment(committer_factory, caplog):
+    """Review (2026-12-06): a new client took its liveness lock (a shared flock on the control segment) with a
+    blocking flock, after the Welcome and outside ``connect_timeout_s``. A starting committer's adoption check
+    or the orphan sweep holds the lock exclusively for a probe of microseconds; one stopped mid-probe held the
+    constructor, on the engine thread that builds the manager, for as long as it stayed stopped. Now the
+    client waits ``LIVENESS_LOCK_PATIENCE_S`` for it, then attaches without the lock and says so."""
+    from omnishm.client.attach import LIVENESS_LOCK_PATIENCE_S
+
+    h = committer_factory()
+    OmniPrefixCacheManager(small_config(), cache=h.name, autostart=False).shutdown()  # the control segment is made
+    ctl = [s for s in shm.list_segments(h.name) if s.endswith(".ctl")]
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, posix_ipc, sys
+        seg = posix_ipc.SharedMemory({ctl[0]!r}, 0)
+        fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a probe, stopped while it holds the lock
+        print("held", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    box: dict = {}
+    attach = threading.Thread(target=lambda: box.setdefault(
+        "writer", OmniPrefixCacheManager(small_config(), cache=h.name, autostart=False)))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        attach.start()
+        attach.join(LIVENESS_LOCK_PATIENCE_S + 30)
+        assert not attach.is_alive(), "the constructor waited for the stopped probe"
+        assert holder.poll() is None  # it still holds the lock: the constructor did not wait it out
+        assert time.monotonic() - t0 >= LIVENESS_LOCK_PATIENCE_S  # it gave the probe its patience
+        assert "attached without the liveness lock" in caplog.text
+        m = box["writer"]
+        assert m._link._live_fd < 0
+        m.new_step_starts([started("a", [0])])
+        sid = save(m, [Part("a", 1, [0], 0, 4)], BS)
+        assert torch.equal(m.materialize(sid, ["a"]).hidden_states["a"], rows(1, range(4)))
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+        if attach.ident is not None:
+            attach.join(60)
+        if "writer" in box:
+            box["writer"].shutdown()

@@ -34,7 +34,6 @@ it (``omnishm.committer.meta``).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import time
@@ -49,7 +48,7 @@ from omnishm import protocol as P
 from omnishm import liveness, orphans, paths
 from omnishm.client.committer_process import start_committer
 from omnishm.interface import OmniPrefixCacheCommitterError
-from omnishm.liveness import proc_identity
+from omnishm.liveness import flock_within, proc_identity
 from omnishm.versions import cv_step
 
 if TYPE_CHECKING:
@@ -68,6 +67,9 @@ AUTOSTART_TRIES = 2
 last one ended) before it stops starting more: such a start was refused (a bad ``OMNISHM_*`` value, a
 metrics port taken), and its successor would be too. The first Hello then fails at once with the end of
 the autostart log, instead of starting one every 5 s until ``connect_timeout_s``."""
+LIVENESS_LOCK_PATIENCE_S = 2.0
+"""How long a new client waits for its shared liveness lock on the control segment (``_hold_liveness_lock``)
+while another process holds it exclusively: a probe holds it for microseconds, so only a stopped one lasts."""
 HELLO_RETRY_S = 2.0
 """How long the first ``Hello`` waits for its answer before it is sent again (``_hello``); a retried ``Hello``
 of the same client is answered like the first."""
@@ -251,7 +253,15 @@ class LinkAttach:
             logger.warning("cache %s: cannot hold the liveness lock on %s (%s): a committer restart will not "
                            "adopt the cache for this client", self.cache, welcome.control, exc)
             return
-        fcntl.flock(seg.fd, fcntl.LOCK_SH)  # a starting committer holds LOCK_EX only for a probe
+        # A starting committer's adoption check and the orphan sweep hold LOCK_EX for a probe of microseconds;
+        # a blocking flock waited out a holder that was stopped mid-probe, on the engine thread that builds the
+        # manager, past connect_timeout_s, forever for a frozen one (review, 2026-12-06).
+        if not flock_within(seg.fd, LIVENESS_LOCK_PATIENCE_S, shared=True):
+            os.close(seg.fd)
+            logger.warning("cache %s: another process held %s for %.0f s: attached without the liveness lock, so a "
+                           "committer restart will not adopt the cache for this client", self.cache,
+                           welcome.control, LIVENESS_LOCK_PATIENCE_S)
+            return
         self._live_fd = seg.fd
 
     def _release_liveness_lock(self) -> None:
