@@ -338,3 +338,37 @@ def test_releasing_a_hold_a_staging_page_does_not_have_changes_nothing():
     pages.release(page, "ctx")
     pages.release(page, "write")
     assert pages.in_use() == 0
+
+
+def test_shutdown_waits_its_deferred_writes_and_the_last_steps_write_under_one_commit_timeout_s(committer_factory):
+    """Review (2026-12-06): against a frozen committer, ``shutdown`` waited ``commit_timeout_s`` for the open
+    deferred writes and then a fresh ``commit_timeout_s`` for the last step's write (sent before them, so it
+    lands first whenever they do): 2 x C + the goodbye's 5 s where README promised C, then 5 s. The last
+    step's join now gets what is left of the one bound: nothing, once the deferred writes used it up."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    m = OmniPrefixCacheManager(small_config(commit_timeout_s=1.0), cache=handle.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    joins: list[float] = []
+    try:
+        one_applied_step(m)
+        m.new_step_starts([started("b", [1])])
+        m.discard_step(save(m, [Part("b", 2, [1], 0, 4)], BS))
+        m.wait_idle()
+        await_write = m._await_step_write
+
+        def recorded(fut, timeout_s):
+            joins.append(timeout_s)
+            return await_write(fut, timeout_s)
+
+        m._await_step_write = recorded
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            m.new_step_starts([started("c", [2])])
+            m.discard_step(save(m, [Part("c", 3, [2], 0, 4)], BS))  # sent, not acknowledged; b's, c's "feat" open
+            joins.clear()
+            m.shutdown()
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+    finally:
+        m.shutdown()
+    assert len(joins) == 1 and joins[0] < 0.5, f"the last step's write was given {joins} s after the deferred ones"

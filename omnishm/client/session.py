@@ -106,7 +106,8 @@ class SessionSide:
                     for t in tasks:
                         self._close_task_locked(t)
                 self._flush(list(tasks))  # _flush empties the list it is given
-                # One bound for them all: a stuck committer must not hold an exit for a timeout per write.
+                # One bound for them all and the last step's write: a stuck committer must not hold an exit for a
+                # timeout per write (the last step's write went before them, so it lands first).
                 deadline = time.monotonic() + self.config.commit_timeout_s
                 for t in tasks:
                     try:
@@ -115,7 +116,7 @@ class SessionSide:
                         why = str(exc) or f"{type(exc).__name__}: no answer in {self.config.commit_timeout_s:.1f}s"
                         logger.warning("cache %s: deferred write %d unflushed at shutdown: %s", self.cache, t.tid, why)
                 try:
-                    self._join_previous_write()
+                    self._join_previous_write(deadline)
                 except OmniPrefixCacheUnmatchError as exc:
                     logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
         finally:

@@ -207,12 +207,16 @@ class WriterSide:
                 kv.claim_np[slots_np] = 0
         return cvs
 
-    def _join_previous_write(self) -> None:
+    def _join_previous_write(self, deadline: float | None = None) -> None:
+        """Wait for the previous step's write (``commit_timeout_s``, or until ``deadline``, monotonic: shutdown's
+        one bound for everything it waits for); raises ``OmniPrefixCacheUnmatchError`` and turns the cache
+        sticky-fatal when it is not acknowledged in time, was lost or failed."""
         fut = self._prev_write
         if fut is None:
             return
+        timeout_s = self.config.commit_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            reply = self._await_step_write(fut, self.config.commit_timeout_s)
+            reply = self._await_step_write(fut, timeout_s)
         except TimeoutError as exc:
             raise self._set_fatal(f"previous step's writes not acknowledged within "
                                   f"{self.config.commit_timeout_s:.1f}s", step_id=fut.step) from exc
