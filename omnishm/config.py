@@ -54,6 +54,11 @@ def check_endpoint(endpoint: str) -> str:
     Raises ValueError naming the endpoint and the rule otherwise (the pool is
     readable by anyone who can talk to the committer, so never a routable address).
     """
+    if not endpoint.isprintable():
+        # A newline (a YAML block value), tab or other control character: urlsplit drops some before parsing, so a
+        # tcp endpoint passed this check and the client's connect raised a bare ZMQError (mutation review,
+        # 2026-12-06); in an ipc path it names a file nobody meant.
+        raise ValueError(f"endpoint {endpoint!r} has a control character (a newline, tab, ...)")
     if endpoint.startswith("ipc://"):
         if len(endpoint) <= len("ipc://"):
             raise ValueError(f"endpoint {endpoint!r} has no socket path")
@@ -341,6 +346,13 @@ def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
     path = config_file if config_file is not None else (env.get(CONFIG_ENV) or None)
     file_values = load_file(path) if path else {}
     selected = KNOBS if scope == "both" else knobs(scope)
+    # A knob of the other side was dropped without a word, a bad value too: client_settings(heartbeat_s="fast")
+    # returned normally and changed nothing (mutation review, 2026-12-06).
+    elsewhere = sorted(set(flags) - {k.name for k in selected}) if names is None else []
+    if elsewhere:
+        raise ConfigError(f"{', '.join(elsewhere)}: not read by a {scope} (a {BY_NAME[elsewhere[0]].scope} knob); "
+                          f"set it where the {BY_NAME[elsewhere[0]].scope} reads its knobs: its flag, OMNISHM_* or "
+                          f"the config file")
     if names is not None:
         selected = [k for k in selected if k.name in names]
     values: dict[str, Any] = {}

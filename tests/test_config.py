@@ -101,6 +101,12 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     ({"endpoint": "tcp://me@127.0.0.1:5598"}, {}, "", "use tcp://HOST:PORT, with no user, path or query"),
     ({"endpoint": "tcp://127.0.0.1:5597?a=b"}, {}, "", "use tcp://HOST:PORT, with no user, path or query"),
     ({"endpoint": "tcp://127.0.0.1:0"}, {}, "", "port 0 binds a port no client knows"),
+    # Mutation review (2026-12-06): urlsplit drops a newline, tab or carriage return before it parses, so these
+    # passed, and a client's connect raised a bare ZMQError (a YAML block value leaves the newline).
+    ({}, {"OMNISHM_ENDPOINT": "tcp://127.0.0.1:5555\n"}, "", "has a control character"),
+    ({"endpoint": "tcp://127.0.0.1:5\t555"}, {}, "", "has a control character"),
+    ({"endpoint": "tcp://127.0.0.1:5555\r"}, {}, "", "has a control character"),
+    ({"endpoint": "ipc:///tmp/x.sock\n"}, {}, "", "has a control character"),
     ({}, {}, "staging_depth = 0\n", "bad staging_depth = 0 (from file"),
     ({}, {}, 'prefault = "maybe"\n', "expected a boolean"),
     ({}, {}, "staging_dpeth = 3\n", "unknown key 'staging_dpeth' (did you mean 'staging_depth'?)"),
@@ -298,3 +304,14 @@ def test_an_admin_request_to_an_endpoint_zeromq_refuses_is_unavailable_not_a_tra
 
     with pytest.raises(CommitterUnavailable, match="cannot connect to tcp://127.0.0.1:5599/x"):
         admin_request("x", "tcp://127.0.0.1:5599/x", None, timeout_s=1.0)
+
+
+def test_a_knob_of_the_other_side_given_to_client_settings_is_refused_not_dropped():
+    """Mutation review (2026-12-06): ``client_settings(**overrides)`` took a committer knob, a bad value too, and
+    dropped it without a word (``client_settings(heartbeat_s="fast")`` returned normally): the caller believed
+    it set something. A knob a client never reads is refused, naming where it is read."""
+    with pytest.raises(ConfigError, match=r"heartbeat_s: not read by a client \(a committer knob\)"):
+        knobs.client_settings(env={}, heartbeat_s="fast")
+    with pytest.raises(ConfigError, match="metrics_port: not read by a client"):
+        knobs.client_settings(env={}, metrics_port=9100)
+    assert knobs.client_settings(env={}, name="fine").name == "fine"  # a client knob, as before
