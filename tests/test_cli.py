@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 from conftest import RUNTIME_DIR, unique_cache_name
 from manager_helpers import Part, save, started
 
-from omnishm import cli
+from omnishm import cli, paths, shm
 from omnishm.client import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheConfig
 
 BS = 4
@@ -382,3 +383,67 @@ def test_ping_says_what_answered_is_not_an_omnishm_committer(capsys, tmp_path):
     finally:
         thread.join()
         other.close()
+
+
+# Mutation review (2026-12-06): every subcommand reads --config FILE; cleanup --force.
+
+
+def test_ping_and_status_find_the_committer_their_config_file_names(committer_factory, capsys, tmp_path,
+                                                                     monkeypatch):
+    """README, Configuration: ``ping`` and ``status`` resolve their target (name, runtime dir, endpoint) from
+    flags > ``OMNISHM_*`` > the ``--config`` TOML file > defaults. A running committer named only in the file
+    (no ``--name``, no ``OMNISHM_NAME``, no ``OMNISHM_RUNTIME_DIR``) is the one asked: both exit 0 and name
+    its pid. An ignored ``--config`` asked the ``default`` cache in the default runtime dir and exited 1."""
+    handle = committer_factory()
+    cfg = tmp_path / "omnishm.toml"
+    cfg.write_text(f'name = "{handle.name}"\nruntime_dir = "{RUNTIME_DIR}"\n')
+    monkeypatch.delenv("OMNISHM_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("OMNISHM_NAME", raising=False)
+    monkeypatch.delenv("OMNISHM_CONFIG", raising=False)
+    code, out, err = run(capsys, "ping", "--config", str(cfg), "--timeout-s", "10")
+    assert code == 0 and f"cache {handle.name}: committer pid {handle.proc.pid}" in out, err
+    code, out, err = run(capsys, "status", "--config", str(cfg), "--timeout-s", "10")
+    assert code == 0 and f"cache {handle.name}" in out and f"pid {handle.proc.pid}" in out, err
+
+
+def test_cleanup_sweeps_the_runtime_dir_its_config_file_names(committer_factory, capsys, tmp_path, monkeypatch):
+    """README, Configuration / ``omnishm cleanup``: its runtime dir comes from ``--runtime-dir`` >
+    ``OMNISHM_RUNTIME_DIR`` > the ``--config`` file > default. A SIGKILLed committer's socket and lock file in
+    the runtime dir that only the config file names are removed, with its segments; an ignored ``--config``
+    swept the default runtime dir and left that socket behind."""
+    handle = committer_factory()
+    assert handle.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert paths.socket_path(handle.runtime_dir, handle.name).exists()
+    cfg = tmp_path / "omnishm.toml"
+    cfg.write_text(f'runtime_dir = "{RUNTIME_DIR}"\n')
+    monkeypatch.delenv("OMNISHM_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("OMNISHM_CONFIG", raising=False)
+    code, out, err = run(capsys, "cleanup", "--config", str(cfg), "--name", handle.name)
+    assert code == 0, err
+    assert not paths.socket_path(handle.runtime_dir, handle.name).exists(), out
+    assert shm.list_segments(handle.name) == []
+
+
+def test_cleanup_force_removes_a_dead_committers_generation_that_a_client_still_maps(committer_factory, capsys):
+    """``omnishm cleanup --name N`` keeps the segments of a dead committer's generation while a client still
+    holds them (its resume needs them: the next start adopts them); ``--force`` removes them all the same
+    (README / ``omnishm cleanup --help``: "also remove segments that clients of a dead committer still map").
+    Without ``--force`` honoured, an operator who decided the clients are lost could not free that memory."""
+    from helpers import Writer
+    from test_committer_safety import LAYOUT, SLOW, _hold_attached
+
+    handle = committer_factory(*SLOW)
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    writer.open_key("k", "float32", 4)
+    fd = _hold_attached(writer.welcome.control)
+    try:
+        assert handle.stop(signal.SIGKILL) == -signal.SIGKILL
+        code, out, err = run(capsys, "cleanup", "--name", handle.name)
+        assert code == 0 and shm.list_segments(handle.name) != [], out + err  # kept for the client's resume
+        code, out, err = run(capsys, "cleanup", "--name", handle.name, "--force")
+        assert code == 0, err
+        assert shm.list_segments(handle.name) == [], out
+        assert not paths.socket_path(handle.runtime_dir, handle.name).exists()
+    finally:
+        os.close(fd)
+        writer.raw.close()

@@ -315,3 +315,14 @@ def test_a_knob_of_the_other_side_given_to_client_settings_is_refused_not_droppe
     with pytest.raises(ConfigError, match="metrics_port: not read by a client"):
         knobs.client_settings(env={}, metrics_port=9100)
     assert knobs.client_settings(env={}, name="fine").name == "fine"  # a client knob, as before
+
+
+def test_a_misspelt_override_is_refused_naming_it():
+    """Mutation review (2026-12-06): ``client_settings(**overrides)`` and ``resolve(flags=...)`` raise ``ConfigError`` naming an override that
+    is no knob (README, Configuration: every value is checked; bad input gets a clear error): a typo such as
+    ``staging_dpeth=8`` silently left the depth at its default before anyone noticed."""
+    with pytest.raises(knobs.ConfigError, match="unknown knob.*staging_dpeth"):
+        knobs.client_settings(env={}, staging_dpeth=8)
+    with pytest.raises(knobs.ConfigError, match="unknown knob.*heartbeat_sec"):
+        knobs.resolve("committer", {"heartbeat_sec": "1"}, env={})
+    assert knobs.client_settings(env={}, staging_depth=8).prefix_cache["staging_depth"] == 8

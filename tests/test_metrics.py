@@ -491,3 +491,38 @@ def test_the_throughput_window_health_bound_and_queue_depth_of_the_metrics():
     obs.batch_done(3, now, now)
     families = {f.name: f for f in _SnapshotCollector(obs).collect()}
     assert families["omnishm_queue_depth"].samples[0].value == 3
+
+
+# Mutation review (2026-12-06).
+
+
+def test_the_committers_own_resident_and_shared_bytes_are_each_in_their_own_metric(committer_factory):
+    """``omnishm_process_resident_bytes{role="committer"}`` is the committer's resident set and
+    ``omnishm_process_shared_bytes{role="committer"}`` its shared part (/proc statm), each in its own family:
+    the shared part is at most the resident set, and the resident figure is the one /proc shows for the
+    committer's pid (within a factor of two: the process moves between the two reads)."""
+    port = free_port()
+    handle = committer_factory("--metrics-port", str(port))
+    m = scrape(port)
+    resident = value(m, "omnishm_process_resident_bytes", role="committer")
+    shared = value(m, "omnishm_process_shared_bytes", role="committer")
+    with open(f"/proc/{handle.proc.pid}/statm") as f:
+        statm = [int(x) * os.sysconf("SC_PAGE_SIZE") for x in f.read().split()]
+    assert resident is not None and shared is not None
+    assert 0 < shared < resident, (resident, shared, statm)
+    assert statm[1] / 2 <= resident <= statm[1] * 2, (resident, statm)
+
+
+def test_more_scrapes_than_the_connection_bound_one_after_another_are_all_served(committer_factory):
+    """``HTTP_MAX_CONNECTIONS`` bounds the connections open *at once*, not how many a committer serves in its
+    life: a finished scrape gives its slot back. Sequential ``/health`` and ``/metrics`` requests, three
+    times the bound, each get their answer (a Prometheus server scrapes every few seconds for days)."""
+    from omnishm.committer.metrics import HTTP_MAX_CONNECTIONS
+    from test_metrics import get
+
+    port = free_port()
+    handle = committer_factory("--metrics-port", str(port))
+    for i in range(3 * HTTP_MAX_CONNECTIONS):
+        code, text = get(f"http://127.0.0.1:{port}/health")
+        assert code == 200 and handle.name in text, (i, code, text)
+    assert value(scrape(port), "omnishm_uptime_seconds") > 0  # /metrics too, after all of them

@@ -1,0 +1,139 @@
+"""Committer start-up and stop (``omnishm/committer/start.py``): what it takes over, refuses and leaves behind.
+
+Mutation review (2026-12-06, stop 49): each test pins a rule no other test held.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import types
+
+from conftest import unique_cache_name
+from omnishm import paths, shm
+from test_autostart_lifecycle import _another_autostart, _serving, _stop
+
+
+def test_a_launched_committer_that_logged_a_warning_still_removes_a_losers_autostart_log(tmp_path):
+    """``start._drop_autostart_log``: a committer you launch (no autostart log of its own) removes the name's
+    ``NAME.autostart.log`` at a clean stop (exit 0), the log of an autostarted committer that lost the lock to
+    it, even when the launched one logged a warning: that warning is in the launched committer's own output,
+    not in the loser's file, and no later stop of the name would remove that file (the runtime dir is then left
+    with it). The warning here is the one a bare ``--spawned-by PID`` that is not the parent logs at start."""
+    name = unique_cache_name("launchedwarns")
+    runtime = tmp_path / "rt"
+    paths.ensure_runtime_dir(runtime)
+    log_path = runtime / f"{name}.autostart.log"
+    launched_log = tmp_path / "launched.log"
+    with open(launched_log, "wb") as out:
+        launched = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
+                                     str(runtime), "--spawned-by", "1"], stdout=out, stderr=subprocess.STDOUT)
+    loser = None
+    try:
+        _serving(runtime, name, launched)
+        loser = _another_autostart(name, runtime)
+        assert loser.wait(60) == 2
+        assert "refusing to start a second one" in log_path.read_text()
+        launched.send_signal(signal.SIGTERM)
+        assert launched.wait(30) == 0, launched_log.read_text()
+        assert "WARNING" in launched_log.read_text()  # the launched committer did log a warning
+    finally:
+        _stop(launched, *([loser] if loser is not None else []))
+    assert sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
+
+
+def test_a_committer_leaves_an_autostart_log_that_is_not_its_names_alone(tmp_path):
+    """``start._autostart_log``: a committer's own autostart log is ``RUNTIME_DIR/NAME.autostart.log`` of its
+    own name and runtime dir; an ``OMNISHM_AUTOSTART_LOG`` naming another file (inherited from a shell or a
+    process tree where another cache's committer was autostarted) is not its own. A committer of another name
+    started with it neither writes into that file nor removes it at its clean stop: that log belongs to the
+    other cache (it says why that committer did not come up), and its own output stays where it was sent."""
+    name = unique_cache_name("notmylog")
+    other = unique_cache_name("othercache")
+    runtime = tmp_path / "rt"
+    paths.ensure_runtime_dir(runtime)
+    other_log = runtime / f"{other}.autostart.log"
+    other_log.write_text("the other cache's committer: why it stopped\n")
+    own_out = tmp_path / "launched.log"
+    env = {**os.environ, "OMNISHM_AUTOSTART_LOG": str(other_log)}
+    with open(own_out, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
+                                 str(runtime)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        _serving(runtime, name, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, own_out.read_text()
+    finally:
+        _stop(proc)
+    assert other_log.read_text() == "the other cache's committer: why it stopped\n"
+    assert f"committer {name} stopped" in own_out.read_text()
+    other_log.unlink()
+    assert sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
+
+
+def test_a_committer_refuses_an_explicit_endpoint_whose_socket_another_process_serves(committer_factory, tmp_path):
+    """``start._remove_stale_socket``: before it binds, a committer unlinks a socket file at its ipc endpoint only
+    when nothing listens on it. A live process of another kind serving that path (it holds no omnishm socket
+    lock, so ``_lock_socket`` lets the start through) keeps its socket: the committer refuses to start (exit 2,
+    "served by a live process"), leaves /dev/shm and the runtime dir clean, and the other process's listener
+    still accepts connections at the same file (ZeroMQ's bind would have unlinked it and taken the path)."""
+    import socket as pysocket
+
+    path = tmp_path / "busy.sock"
+    listener = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        listener.listen(4)
+        inode = path.stat().st_ino
+        handle = committer_factory("--endpoint", f"ipc://{path}", name=unique_cache_name("busyep"), wait=False)
+        assert handle.proc.wait(30) == 2, handle.log()
+        assert "is served by a live process" in handle.log()
+        assert path.stat().st_ino == inode
+        probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        finally:
+            probe.close()
+        assert shm.list_segments(handle.name) == []
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+
+
+def test_a_generation_another_committer_is_adopting_does_not_stop_the_adoption_of_the_next(monkeypatch, caplog):
+    """``start.adopt_live_cache``: of several generations with clients attached, one whose owner lock another
+    committer holds (it is adopting that one, from another runtime dir) is skipped, and the next one whose
+    owner lock this committer gets is adopted: its clients resume instead of being refused while the new
+    committer serves a fresh generation. The other committer's claim is left alone (still held)."""
+    from conftest import RUNTIME_DIR
+
+    from omnishm import liveness
+    from omnishm.committer import pool as pool_mod
+    from omnishm.committer import start
+
+    name = unique_cache_name("twolive")
+    taken, free = "0000aaaa", "0000bbbb"
+    adopted_stub = types.SimpleNamespace(generation=free, keys={}, writers={}, max_epoch=3)
+
+    def adopt(cls, cache, generation, *, prefault=False):
+        assert (cache, generation) == (name, free), generation
+        return adopted_stub
+
+    monkeypatch.setattr(start.meta, "live_generations", lambda cache: [taken, free])
+    monkeypatch.setattr(pool_mod.CachePool, "adopt", classmethod(adopt))
+    other = liveness.GenerationOwner.acquire(name, taken)  # another committer adopting ``taken``
+    owner = None
+    try:
+        with caplog.at_level("INFO", logger="omnishm.committer"):
+            cfg = types.SimpleNamespace(name=name, prefault=False, runtime_dir=RUNTIME_DIR)
+            pool, owner = start.adopt_live_cache(cfg)
+        assert pool is adopted_stub and owner is not None
+        assert liveness.generation_owned(name, free) and liveness.generation_owned(name, taken)
+        assert f"generation {taken} is being adopted by another committer" in caplog.text
+    finally:
+        if owner is not None:
+            owner.release(unlink=True)
+        other.release(unlink=True)
+    assert shm.list_segments(name) == []
