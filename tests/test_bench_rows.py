@@ -17,6 +17,8 @@ from omnishm import protocol as P
 from omnishm.bench import manager_figures as mf
 from omnishm.bench import write_figures as wf
 from omnishm.bench.common import Cleanup, RawWriter
+from omnishm.client import OmniPrefixCacheManager
+from omnishm.interface import StageCacheOutputs
 
 QUICK_WRITE = wf.WriteSize(1024, 2048, 3, (1, 64, 256), 3)  # omnishm.bench.run's quick geometries
 QUICK_READ = mf.ReadSize(2048, 8192, 1024, 3)
@@ -83,8 +85,6 @@ def test_figure_3_refuses_a_wrong_row_that_all_its_omnishm_arms_serve(cleanup, m
     """Figure 3 compares omnishm's served rows with the rows written, not only with its other arms: these
     run the same client and committer code, so a bug in it gives them the same wrong rows. With vllm-omni
     absent (its arm is the only other witness), a hit's row spoiled in every arm fails the figure."""
-    from omnishm.client import OmniPrefixCacheManager
-
     real = OmniPrefixCacheManager.materialize
 
     def materialize(self, *args, **kwargs):
@@ -99,3 +99,89 @@ def test_figure_3_refuses_a_wrong_row_that_all_its_omnishm_arms_serve(cleanup, m
     with pytest.raises(RuntimeError, match=r"figure 3, step 0: omnishm's __hidden_states__ for h1 differ from "
                                            r"the rows written"):
         mf.figure_engine(cleanup, QUICK_ENGINE)
+
+
+def _clone(x):
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def test_figure_2_refuses_the_previous_calls_tail(cleanup, monkeypatch):
+    """Review (2026-12-06): every call saved the same tail rows into the same block, so a materialize that
+    served the previous call's tail (a stale staging page, a read that does not wait for its step) passed;
+    the spoil covers reused result memory only, not a stale source. Each call's tail now differs."""
+    real = OmniPrefixCacheManager.materialize
+    state = {"prev_tail": None, "stale": 0}
+
+    def materialize(self, step_id, req_ids, **kwargs):
+        result = real(self, step_id, req_ids, **kwargs)
+        for req, rows in result.hidden_states.items():
+            h = result.num_hit_tokens[req]
+            this_tail = rows[h:].clone()
+            if state["prev_tail"] is not None:  # the bug: the tail of the previous call's step
+                rows[h:] = state["prev_tail"]
+                state["stale"] += 1
+            state["prev_tail"] = this_tail
+        return result
+
+    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
+    with pytest.raises(RuntimeError, match="figure 2"):
+        mf.figure_read(cleanup, QUICK_READ)
+    assert state["stale"]
+
+
+def test_figure_3_refuses_the_previous_steps_rows(cleanup, monkeypatch):
+    """Review of the checks above (2026-12-06): every step saved the same rows, so step i's requests served
+    step i-1's rows (a staging page or step id mixed up, a read that does not wait for its step) in every
+    omnishm arm passed. Each step's rows now differ (``_EngineArm._stamp``)."""
+    real = OmniPrefixCacheManager.materialize
+    prev: dict[int, tuple[list[str], StageCacheOutputs]] = {}
+    served_stale = []
+
+    def materialize(self, step_id, req_ids, **kwargs):
+        req_ids = list(req_ids)
+        result = real(self, step_id, req_ids, **kwargs)
+        mine = (req_ids, StageCacheOutputs({r: _clone(v) for r, v in result.hidden_states.items()},
+                                           {r: {k: _clone(v) for k, v in d.items()} for r, d in result.mm_outputs.items()},
+                                           dict(result.num_hit_tokens)))
+        old = prev.get(id(self))
+        prev[id(self)] = mine
+        if old is None or len(old[0]) != len(req_ids) or not req_ids[0].startswith("p"):
+            return result
+        # The bug: step i's requests get step i-1's rows (same roles, same order).
+        ren = dict(zip(old[0], req_ids))
+        served_stale.append(req_ids[0])
+        return StageCacheOutputs({ren[r]: v for r, v in old[1].hidden_states.items()},
+                                 {ren[r]: d for r, d in old[1].mm_outputs.items()},
+                                 {ren[r]: n for r, n in old[1].num_hit_tokens.items()})
+
+    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
+    monkeypatch.setattr(mf, "vllm_omni_version", lambda: None)
+    with pytest.raises(RuntimeError, match="figure 3"):
+        mf.figure_engine(cleanup, QUICK_ENGINE)
+    assert served_stale
+
+
+def test_figure_3_refuses_the_prefills_rows_as_the_hits_prefix(cleanup, monkeypatch):
+    """Review (2026-12-06): the hit's prefix was the step's rows repeated, so a hit served the prefill's rows as
+    its prefix passed. The prefix has rows of its own now."""
+    real = OmniPrefixCacheManager.materialize
+    swapped = []
+
+    def materialize(self, step_id, req_ids, **kwargs):
+        result = real(self, step_id, req_ids, **kwargs)
+        pf = [r for r in result.hidden_states if r.startswith("p")]
+        hit = [r for r in result.hidden_states if r.startswith("h")]
+        if pf and hit:
+            n = result.num_hit_tokens[hit[0]]
+            # The bug: the hit's prefix rows are read from the prefill request's rows of this step.
+            result.hidden_states[hit[0]][:n] = result.hidden_states[pf[0]][:n]
+            for key, v in result.mm_outputs.get(hit[0], {}).items():
+                v[:n] = result.mm_outputs[pf[0]][key][:n]
+            swapped.append(hit[0])
+        return result
+
+    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
+    monkeypatch.setattr(mf, "vllm_omni_version", lambda: None)
+    with pytest.raises(RuntimeError, match="figure 3"):
+        mf.figure_engine(cleanup, QUICK_ENGINE)
+    assert swapped

@@ -119,6 +119,7 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
                 mode = ("pool", "out", "fresh")[i % 3]  # interleaved: each sees the same machine noise
                 m.result_pool = no_pool if mode == "fresh" else pool
                 m.new_step_starts([E(K.STARTED, req, h, tuple(blocks) + (nb,))])
+                tail[:, 0] = float(i % 251 - 125)  # unlike the last call's, in the same slots (review, 2026-12-06)
                 sid = _save(m, [(req, blocks + [nb], h, BS)], tail)
                 t0 = time.perf_counter()
                 out = m.materialize(sid, [req], out={req: {"__hidden_states__": merged_buf}} if mode == "out" else None)
@@ -223,6 +224,10 @@ class _EngineArm:
         gen = torch.Generator().manual_seed(3)  # every arm the same rows: their results are compared
         self.hidden = torch.randn(step_tokens, size.width, generator=gen).to(torch.bfloat16).to(device)
         self.mm = {"mm_feat": torch.randn(step_tokens, 64, generator=gen).to(device)}
+        # The prefix's own rows, unlike any step's: a hit served the prefill's rows as its prefix must not pass.
+        self.prefix = {HIDDEN_KEY: torch.randn(size.hit_tokens, size.width, generator=gen).to(torch.bfloat16).to(device),
+                       "mm_feat": torch.randn(size.hit_tokens, 64, generator=gen).to(device)}
+        self._row = torch.arange(step_tokens, device=device)
         self.save_s = 0.0
         self.last: Any = None
         self.prev: list[str] = []
@@ -236,13 +241,22 @@ class _EngineArm:
 
     def prepare(self) -> None:
         if self.size.hit_tokens:
-            k = -(-self.size.hit_tokens // len(self.hidden))
             _fill(self.m, "prefix", self.prefix_blocks, self.size.hit_tokens, len(self.hidden),
-                  self.hidden.repeat(k, 1), {key: v.repeat(k, 1) for key, v in self.mm.items()})
+                  self.prefix[HIDDEN_KEY], {"mm_feat": self.prefix["mm_feat"]})
+
+    def _stamp(self) -> None:
+        """Make this step's rows unlike the last step's, the same in every arm: column 0 of each row becomes a
+        small integer (exact in bf16) of the step and the row. Otherwise every step saved the same rows, and
+        rows served from an earlier step passed every check (review, 2026-12-06). Outside the clock."""
+        stamp = ((self._row + 7 * self.i) % 251 - 125).to(torch.float32)
+        self.hidden[:, 0] = stamp.to(self.hidden.dtype)
+        for v in self.mm.values():
+            v[:, 0] = stamp.to(v.dtype)
 
     def step(self) -> float:
         """One engine step; returns the seconds spent inside save_outputs + materialize."""
         s, self.i = self.size, self.i + 1
+        self._stamp()
         events = [E(K.FINISHED, r) for r in self.prev]
         parts = []
         pf = f"p{self.i}"
@@ -276,8 +290,6 @@ class _EngineArm:
         each request's rows of this step, after the prefix's rows for the hit. The arms are compared with
         each other too, but they share the client and the committer's code, so only this check sees a
         bug they have in common (and the vllm-omni arm, the other witness, runs only where it is installed)."""
-        s = self.size
-        k = -(-s.hit_tokens // len(self.hidden)) if s.hit_tokens else 0
         want: dict[tuple[str, str], torch.Tensor] = {}
         # On the host: a ``--device cuda`` run's outputs live on the device, its results are compared here.
         written = [(HIDDEN_KEY, self.hidden.cpu())] + [(key, v.cpu()) for key, v in self.mm.items()]
@@ -286,7 +298,7 @@ class _EngineArm:
             for key, rows in written:
                 mine = rows[start:start + count]
                 if first:  # the hit: the prefix's rows, written by ``prepare``
-                    mine = torch.cat((rows.repeat(k, 1)[:first], mine))
+                    mine = torch.cat((self.prefix[key][:first].cpu(), mine))
                 want[(req, key)] = mine
             start += count
         return want
