@@ -422,13 +422,15 @@ def test_a_loser_stopped_while_starting_leaves_the_running_committers_log(tmp_pa
     assert not log_path.exists() and sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
 
 
-@pytest.mark.parametrize("how", ["refused at the lock", "stopped while starting"])
+@pytest.mark.parametrize("how", ["refused at the lock", "stopped while starting", "refused, the launched one warned"])
 def test_a_launched_committer_removes_the_log_of_an_autostarted_one_that_lost_to_it(tmp_path, how):
     """A client found the lock free and autostarted a committer, but one launched beside it
     (scripts/launch_committer.sh: no autostart log of its own) took the lock first. The loser ends (refused,
     exit 2, or stopped by its client while starting, exit 0) and its log stays, since only a lock holder may
     remove it. The launched committer's clean stop removes it: nothing else of this name ever would have
-    (review, 2026-12-06: the runtime dir was left with ``NAME.autostart.log``)."""
+    (review, 2026-12-06: the runtime dir was left with ``NAME.autostart.log``). Also when the launched one
+    logged a warning (a mutation review, 2026-12-06): that warning is in its own output, not in the loser's
+    file (here the one a bare ``--spawned-by PID`` that is not its parent logs)."""
     from conftest import unique_cache_name
 
     name = unique_cache_name("launchedwins")
@@ -437,13 +439,14 @@ def test_a_launched_committer_removes_the_log_of_an_autostarted_one_that_lost_to
     log_path = runtime / f"{name}.autostart.log"
     launched_log = tmp_path / "launched.log"
     with open(launched_log, "wb") as out:
+        warns = ["--spawned-by", "1"] if how == "refused, the launched one warned" else []
         launched = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
-                                     str(runtime)], stdout=out, stderr=subprocess.STDOUT)
+                                     str(runtime), *warns], stdout=out, stderr=subprocess.STDOUT)
     loser = None
     try:
         _serving(runtime, name, launched)
         loser = _another_autostart(name, runtime)
-        if how == "refused at the lock":
+        if how != "stopped while starting":
             assert loser.wait(60) == 2
             assert "refusing to start a second one" in log_path.read_text()
         else:
@@ -456,6 +459,7 @@ def test_a_launched_committer_removes_the_log_of_an_autostarted_one_that_lost_to
         assert launched.poll() is None and log_path.exists()
         launched.send_signal(signal.SIGTERM)
         assert launched.wait(30) == 0, launched_log.read_text()
+        assert ("WARNING" in launched_log.read_text()) == bool(warns)
     finally:
         _stop(launched, *([loser] if loser is not None else []))
     assert sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []

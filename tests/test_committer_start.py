@@ -13,35 +13,7 @@ import types
 
 from conftest import unique_cache_name
 from omnishm import paths, shm
-from test_autostart_lifecycle import _another_autostart, _serving, _stop
-
-
-def test_a_launched_committer_that_logged_a_warning_still_removes_a_losers_autostart_log(tmp_path):
-    """``start._drop_autostart_log``: a committer you launch (no autostart log of its own) removes the name's
-    ``NAME.autostart.log`` at a clean stop (exit 0), the log of an autostarted committer that lost the lock to
-    it, even when the launched one logged a warning: that warning is in the launched committer's own output,
-    not in the loser's file, and no later stop of the name would remove that file (the runtime dir is then left
-    with it). The warning here is the one a bare ``--spawned-by PID`` that is not the parent logs at start."""
-    name = unique_cache_name("launchedwarns")
-    runtime = tmp_path / "rt"
-    paths.ensure_runtime_dir(runtime)
-    log_path = runtime / f"{name}.autostart.log"
-    launched_log = tmp_path / "launched.log"
-    with open(launched_log, "wb") as out:
-        launched = subprocess.Popen([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
-                                     str(runtime), "--spawned-by", "1"], stdout=out, stderr=subprocess.STDOUT)
-    loser = None
-    try:
-        _serving(runtime, name, launched)
-        loser = _another_autostart(name, runtime)
-        assert loser.wait(60) == 2
-        assert "refusing to start a second one" in log_path.read_text()
-        launched.send_signal(signal.SIGTERM)
-        assert launched.wait(30) == 0, launched_log.read_text()
-        assert "WARNING" in launched_log.read_text()  # the launched committer did log a warning
-    finally:
-        _stop(launched, *([loser] if loser is not None else []))
-    assert sorted(os.listdir(runtime)) == [] and shm.list_segments(name) == []
+from test_autostart_lifecycle import _serving, _stop
 
 
 def test_a_committer_leaves_an_autostart_log_that_is_not_its_names_alone(tmp_path):
