@@ -58,6 +58,9 @@ def _idle(link) -> None:
     the Welcome may still use the 250 ms tick of the default 1 s period): only a wake or an edge ends it."""
     if not isinstance(link._poller, _PollWatch):
         link._poller = _PollWatch(link._poller)
+        # The I/O thread may have entered its whole-tick poll on the real poller before the swap (the constructor
+        # ran late on a loaded host: CI, 2026-12-06): it would sit there 10 s unseen. A wake ends that poll.
+        link._wake()
     _until(lambda: link._poller.long_poll.is_set() and not link._pending, 5.0, "an idle link in a long poll")
 
 

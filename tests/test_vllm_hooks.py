@@ -360,7 +360,7 @@ def test_an_install_after_a_shutdown_cut_short_gives_working_hooks(committer, mo
     old = worker._omnishm_hooks_or_none()
     real = type(old.manager)._join_previous_write
 
-    def cut_short(self):
+    def cut_short(self, *args):
         monkeypatch.setattr(type(old.manager), "_join_previous_write", real)
         raise cut("injected")
 
