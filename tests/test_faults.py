@@ -17,7 +17,7 @@ from omnishm.client.link import CommitterLink
 from omnishm.interface import OmniPrefixCacheCommitterError
 from omnishm.versions import make_cv
 
-from conftest import REPO, RUNTIME_DIR, wait_ready
+from conftest import REPO, RUNTIME_DIR, unique_cache_name, wait_ready
 from helpers import RawClient, Writer, bits, map_key, pack, random_rows, unpack
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
@@ -377,3 +377,54 @@ def test_a_manager_whose_construction_fails_after_the_welcome_says_goodbye(commi
            "the failed client's session to end")
     with OmniPrefixCacheManager(small_config(), cache=handle.name, autostart=False) as m:
         assert m.is_writer
+
+
+_FORKING_CLIENT = r'''
+import os, sys
+from omnishm.client import OmniPrefixCacheManager
+sys.path.insert(0, "tests")
+from manager_helpers import Part, save, small_config, started
+m = OmniPrefixCacheManager(small_config(), cache=sys.argv[1], endpoint=sys.argv[2], autostart=False)
+m.new_step_starts([started("a", [0, 1])])
+m.materialize(save(m, [Part("a", 1, [0, 1], 0, 8)], 4), ["a"])
+r, w = os.pipe()
+child = os.fork()
+if child == 0:  # a forked worker (multiprocessing's fork, a DataLoader worker) that does nothing with the cache
+    os.close(w)
+    os.read(r, 1)  # ends once its parent's shutdown is over (EOF), as a worker pool torn down last does
+    os._exit(0)
+os.close(r)
+print("ready", flush=True)
+sys.stdin.readline()  # the committer is SIGKILLed meanwhile
+m.shutdown()  # the last client: sweeps the dead committer's generation
+os.close(w)
+os.waitpid(child, 0)
+'''
+
+
+def test_a_forked_child_of_the_last_client_does_not_keep_a_dead_committers_generation(committer_factory):
+    """Review (2026-12-06): a client's liveness lock is a ``flock`` on the control segment, which belongs to the
+    open file a fork shares. A child forked after the attach (a fork-pool worker) kept it past its parent's
+    shutdown, so the last client's sweep of a SIGKILLed committer's generation took it for a client still
+    attached and left all of it (10 segments here) in /dev/shm, for good once the child exited. A forked
+    child now closes its copies of the lock."""
+    # A committer start elsewhere sweeps a dead generation of a runtime dir where no committer holds a lock.
+    guard = liveness.CacheLock.acquire(RUNTIME_DIR, unique_cache_name("guard"), "guard")
+    handle = committer_factory(*FAST)
+    env = {**os.environ, "OMNISHM_RECONNECT_TIMEOUT_S": "1.0"}
+    p = subprocess.Popen([sys.executable, "-c", _FORKING_CLIENT, handle.name, handle.endpoint], cwd=REPO, env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert len(shm.list_segments(handle.name)) > 6
+        handle.stop(signal.SIGKILL)
+        p.communicate("go\n", timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if guard is not None:
+            guard.release(remove=True)
+    assert p.returncode == 0
+    assert shm.list_segments(handle.name) == [], "the dead committer's generation outlived every client"
+    assert [f for f in os.listdir(RUNTIME_DIR) if f.startswith(handle.name + ".")] == []

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from concurrent.futures import TimeoutError as FutureTimeout  # builtin TimeoutError only from Python 3.11
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,6 +74,29 @@ while another process holds it exclusively: a probe holds it for microseconds, s
 HELLO_RETRY_S = 2.0
 """How long the first ``Hello`` waits for its answer before it is sent again (``_hello``); a retried ``Hello``
 of the same client is answered like the first."""
+
+
+_LIVENESS_LOCK_HOLDERS: weakref.WeakSet[LinkAttach] = weakref.WeakSet()
+"""The links of this process that hold a liveness lock (``_hold_liveness_lock``)."""
+
+
+def _drop_inherited_liveness_locks() -> None:
+    """In a forked child: close its copies of the liveness lock fds. A ``flock`` belongs to the open file, which
+    a fork shares, so a child that outlived its parent's shutdown (a fork-pool worker) kept the lock, and the
+    last client's sweep of a dead committer's generation took that for a client still attached: the
+    generation stayed in /dev/shm (review, 2026-12-06). The parent keeps the lock through its own fd. A
+    forked manager never uses its link, so the child loses nothing."""
+    for link in list(_LIVENESS_LOCK_HOLDERS):
+        fd, link._live_fd = link._live_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _LIVENESS_LOCK_HOLDERS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_liveness_locks)
 
 
 class LinkAttach:
@@ -263,10 +287,12 @@ class LinkAttach:
                            welcome.control, LIVENESS_LOCK_PATIENCE_S)
             return
         self._live_fd = seg.fd
+        _LIVENESS_LOCK_HOLDERS.add(self)
 
     def _release_liveness_lock(self) -> None:
         """Drop the shared flock (closing, after the I/O thread stopped); no-op when none is held."""
         fd, self._live_fd = self._live_fd, -1  # before the close: an interrupted close must not close it twice
+        _LIVENESS_LOCK_HOLDERS.discard(self)
         if fd >= 0:
             os.close(fd)
 
