@@ -129,3 +129,82 @@ def test_a_process_that_ends_without_shutdown_lands_its_open_writes_and_frees_th
         assert torch.equal(feat.pool[slots], rows(501, range(6), 3))
     finally:
         reader.shutdown()
+
+
+def _landed(kv, slots: torch.Tensor) -> torch.Tensor:
+    """Which of ``slots`` hold a committed row: the commit word equals the claim."""
+    return kv.commit[slots] == kv.claim[slots]
+
+
+def test_the_end_of_one_request_closes_only_its_own_deferred_writes(mgr):
+    """A deferred (JOIN_ON_FINISH) write collects one request's rows until that request finishes or
+    aborts (or the budget or a hit forces it out): the end of request a hands a's write to the flusher and
+    its rows land, while request b, still running, keeps its write open, so none of b's rows land and b's
+    next rows join the same write. Mutation review (2026-12-06): ``_close_request_locked`` closing every open write on any
+    request's end flushed b's rows early and split its write."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1]), started("b", [4, 5])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4), Part("b", 2, [4, 5], 0, 4)], BS))
+    task_b = m._open[("b", "feat")]
+    m.new_step_starts([finished("a"), extended("b", 4)])
+    m.wait_idle()
+    feat = m._keys["feat"]
+    assert bool(_landed(feat, torch.arange(0, 4)).all()), "the write of the finished request did not land"
+    assert not bool(_landed(feat, torch.arange(16, 20)).any()), "a running request's deferred rows landed"
+    assert m._open.get(("b", "feat")) is task_b, "a running request's deferred write was closed"
+    m.discard_step(save(m, [Part("b", 2, [4, 5], 4, 1)], BS))
+    assert len(task_b.chunks) == 2
+    m.new_step_starts([finished("b")])
+    m.wait_idle()
+    assert bool(_landed(feat, torch.arange(16, 21)).all())
+
+
+def test_a_deferred_write_larger_than_the_flush_region_lands_whole_and_bit_exact(mgr):
+    """The flusher copies a closed deferred write through the flush region, which holds one staging page
+    (``staging_capacity_tokens`` rows): a write of more rows than that, collected over several steps, goes
+    in pieces of at most the region's rows, each acknowledged before the region is reused, so every row
+    lands under its claim, bit for bit, and the cache stays usable; a piece of exactly the region's rows
+    fits it. MUTATIONS: pieces bounded by ``copy_chunk_bytes`` alone (not the region's rows) copied past
+    the region, and a batch that admitted only pieces smaller than the region (``<``) sent none for a
+    whole-page piece; each failed the write (the cache turned sticky-fatal)."""
+    from manager_helpers import MM_WIDTH, rows
+
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))  # 32-row pages, 4 MiB chunks
+    blocks = list(range(12))  # 48 slots: 0..47
+    m.new_step_starts([started("a", blocks)])
+    for first, count in ((0, 32), (32, 16)):  # a whole page's rows, then half a page
+        m.discard_step(save(m, [Part("a", 1, blocks, first, count)], BS))
+        m.new_step_starts([extended("a", first + count)])
+    m.new_step_starts([finished("a")])
+    m.wait_idle()
+    feat = m._keys["feat"]
+    slots = torch.arange(0, 48)
+    assert bool(_landed(feat, slots).all())
+    assert torch.equal(feat.pool[slots].reshape(48, MM_WIDTH), rows(501, range(48), MM_WIDTH))
+    m.new_step_starts([started("b", [12])])
+    m.discard_step(save(m, [Part("b", 2, [12], 0, 4)], BS))
+    m.wait_idle()
+
+
+def test_a_runner_rewriting_its_slot_tensor_after_a_save_never_moves_the_deferred_rows(mgr):
+    """A runner may reuse (rewrite in place) the slot tensor of its write layout for its next step once
+    ``save_outputs`` returned: the deferred (JOIN_ON_FINISH) write keeps its own copy of the step's slots,
+    so when the request ends its rows land at the slots they were saved at, bit for bit, and the slots
+    the tensor names afterwards get nothing. Mutation review (2026-12-06): a small step's deferred chunks kept slices of the
+    caller's tensor (no copy), and the rows went to whatever slots it named when the write was flushed."""
+    from manager_helpers import MM_WIDTH, build, rows
+
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0])])
+    h, mm, layout, n, pad = build([Part("a", 1, [0], 0, 4)], BS)
+    other = torch.arange(40, 44)
+    m.discard_step(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout))
+    feat = m._keys["feat"]
+    claim_before, commit_before = feat.claim[other].clone(), feat.commit[other].clone()
+    layout.slots.copy_(other)  # the runner's next step reuses its tensor
+    m.new_step_starts([finished("a")])
+    m.wait_idle()
+    feat = m._keys["feat"]
+    assert bool(_landed(feat, torch.arange(0, 4)).all())
+    assert torch.equal(feat.pool[torch.arange(0, 4)].reshape(4, MM_WIDTH), rows(501, range(4), MM_WIDTH))
+    assert torch.equal(feat.claim[other], claim_before) and torch.equal(feat.commit[other], commit_before)

@@ -364,3 +364,25 @@ def test_commit_word_is_stored_after_the_row(monkeypatch, fast, rows, width):
         assert not early, f"commit word stored before the row landed for slots {early}"
     finally:
         pool.close()
+
+
+def test_hidden_states_of_another_row_count_than_the_step_are_refused_and_the_cache_stays_usable(mgr):
+    """``save_outputs`` takes hidden states of ``num_tokens_unpadded`` or ``num_tokens_padded`` rows only:
+    any other row count (one row too many, one too few) is refused with ``OmniPrefixCacheUnmatchError``
+    naming the hidden key before the step's rows are staged, so no row of another token is ever saved under
+    a slot, and the cache stays usable: the next step saves and its rows land. Mutation review (2026-12-06): with only the
+    dimension checked, one row too many was silently cut to the step's rows, and one too few failed the
+    staging copy after the step id was issued, turning the cache sticky-fatal."""
+    from omnishm.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError
+
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    h, mm, layout, n, pad = build([Part("a", 1, [0], 0, 3)], BS)
+    for bad in (torch.cat([h, h[:1]]), h[:2]):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="hidden_states has shape") as info:
+            m.save_outputs(bad, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
+        assert info.value.key == HIDDEN_KEY
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    hidden = m._keys[HIDDEN_KEY]
+    assert bool((hidden.commit[torch.arange(0, 4)] == hidden.claim[torch.arange(0, 4)]).all())
