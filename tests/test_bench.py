@@ -114,7 +114,7 @@ def test_a_measured_committer_that_died_or_failed_is_reported_not_swept():
         assert cleanup.close() == []
 
 
-def test_a_bench_killed_mid_figure_takes_its_committer_and_segments_with_it(tmp_path):
+def test_a_bench_killed_mid_figure_takes_its_committer_and_segments_with_it():
     """Review (2026-12-06): a bench SIGKILLed during a figure left its committer subprocess serving, and
     holding its pool (about 0.5 GB for figure 2's normal run) in /dev/shm, for good: nothing stopped it,
     and ``omnishm cleanup`` leaves a live committer's segments alone. The kernel now sends it SIGTERM when

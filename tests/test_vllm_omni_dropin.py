@@ -50,6 +50,14 @@ def same(a: Any, b: Any, where: str) -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
+def materialized_alike(ours: Any, theirs: Any, sids: tuple, req_ids: list[str], where: str) -> Any:
+    """Materialize ``sids`` (ours, theirs) for ``req_ids`` in both managers; assert the same results (``same``);
+    return the drop-in's."""
+    got = ours.materialize(sids[0], req_ids)
+    same(got, theirs.materialize(sids[1], req_ids), where)
+    return got
+
+
 def managers(committer, num_blocks: int, cap: int, policy: Any = None) -> tuple[Any, Any, BatchView]:
     cfg = VO.PrefixCacheConfig(num_blocks=num_blocks, block_size=16, staging_capacity_tokens=cap, staging_depth=2,
                                staging_claim_timeout_s=10.0)
@@ -195,16 +203,14 @@ def test_padded_steps_zero_token_requests_and_hits_match_vllm_omni(committer_fac
         mm = {"feat": torch.randn(24, 6), "codes": torch.arange(20.0).reshape(20, 1)}  # codes: unpadded
         so = _step(view, [("a", 0, a_blocks, 20), ("z", 0, [4], 0)], new=(("a", 0, a_blocks), ("z", 0, [4])))
         sids = _both(ours, theirs, view, so, h, mm, 20, 24)
-        got, want = ours.materialize(sids[0], ["a", "z"]), theirs.materialize(sids[1], ["a", "z"])
-        same(got, want, "padded step")
+        got = materialized_alike(ours, theirs, sids, ["a", "z"], "padded step")
         assert got.hidden_states["z"].shape == (0, 8) and got.mm_outputs["feat"]["a"].shape == (20, 6)
         # Step 2: "a" finishes; "b" hits a's first block (16 tokens) and computes 4 more.
         so = _step(view, [("b", 16, [0] + b_blocks[1:], 4)], new=(("b", 16, [0, 3]),), finished=("a",))
         h2 = torch.randn(4, 8)
         mm2 = {"feat": torch.randn(4, 6), "codes": torch.arange(4.0).reshape(4, 1)}
         sids = _both(ours, theirs, view, so, h2, mm2, 4, 4)
-        got, want = ours.materialize(sids[0], ["b"]), theirs.materialize(sids[1], ["b"])
-        same(got, want, "hit")
+        got = materialized_alike(ours, theirs, sids, ["b"], "hit")
         assert torch.equal(got.hidden_states["b"], torch.cat([h[:16], h2]))
         # Unknown and consumed step ids raise vllm-omni's own error class.
         with pytest.raises(VO.OmniPrefixCacheUnmatchError):
@@ -226,15 +232,13 @@ def test_a_zero_token_request_first_in_the_batch_shifts_no_rows(committer_factor
         h, mm = torch.randn(20, 8), {"feat": torch.randn(20, 6)}
         so = _step(view, [("z", 0, [4], 0), ("a", 0, [0, 1], 20)], new=(("z", 0, [4]), ("a", 0, [0, 1])))
         sids = _both(ours, theirs, view, so, h, mm, 20, 20)
-        got, want = ours.materialize(sids[0], ["z", "a"]), theirs.materialize(sids[1], ["z", "a"])
-        same(got, want, "zero-token request first")
+        got = materialized_alike(ours, theirs, sids, ["z", "a"], "zero-token request first")
         assert torch.equal(got.hidden_states["a"], h) and got.hidden_states["z"].shape == (0, 8)
         # "b" hits a's first block: the rows landed at a's slots
         so = _step(view, [("b", 16, [0, 3], 4)], new=(("b", 16, [0, 3]),), finished=("a", "z"))
         h2 = torch.randn(4, 8)
         sids = _both(ours, theirs, view, so, h2, {"feat": torch.randn(4, 6)}, 4, 4)
-        got, want = ours.materialize(sids[0], ["b"]), theirs.materialize(sids[1], ["b"])
-        same(got, want, "hit after a zero-token request")
+        got = materialized_alike(ours, theirs, sids, ["b"], "hit after a zero-token request")
         assert torch.equal(got.hidden_states["b"], torch.cat([h[:16], h2]))
     finally:
         ours.shutdown()
@@ -271,8 +275,7 @@ def test_a_hidden_buffer_longer_than_the_padded_step_is_cut_to_the_steps_rows(co
         h = torch.randn(32, 8)
         so = _step(view, [("a", 0, [0, 1], 20)], new=(("a", 0, [0, 1]),))
         sids = _both(ours, theirs, view, so, h, {}, 20, 24)
-        got, want = ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"])
-        same(got, want, "long hidden buffer")
+        got = materialized_alike(ours, theirs, sids, ["a"], "long hidden buffer")
         assert torch.equal(got.hidden_states["a"], h[:20])
     finally:
         ours.shutdown()
@@ -412,7 +415,7 @@ def test_a_negative_span_and_a_malformed_output_are_what_vllm_omni_makes_of_them
         theirs.new_step_starts(so)
         so = _step(view, [("a", 0, [0], 4)])
         sids = _both(ours, theirs, view, so, torch.randn(4, 8), {}, 4, 4)
-        same(ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"]), "after a negative span")
+        materialized_alike(ours, theirs, sids, ["a"], "after a negative span")
         bad = _step(view, [("b", 0, [1], 2)], new=(("b", 0, [1]),))
         bad.scheduled_cached_reqs.req_ids.append("a")  # one list longer than the others
         with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="scheduler output"):

@@ -24,7 +24,7 @@ import torch
 from omnishm.bench.vllm_omni_arm import BatchView, CachedRequests, NewRequest, SchedulerOutput
 from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, load_prefix_cache
 from conftest import unique_cache_name
-from test_vllm_omni_dropin import _both, _step, managers, same
+from test_vllm_omni_dropin import _both, _step, managers, materialized_alike, same
 
 VO, _ = load_prefix_cache(standin=True)
 
@@ -84,7 +84,7 @@ def test_slots_from_vllms_block_table_match_vllm_omnis_view_and_hits_serve_the_r
         theirs.new_step_starts(so)
         sids = (ours.save_outputs(h, mm, num_tokens_unpadded=24, num_tokens_padded=24),
                 theirs.save_outputs(h, mm, num_tokens_unpadded=24, num_tokens_padded=24))
-        same(ours.materialize(sids[0], ["b", "a"]), theirs.materialize(sids[1], ["b", "a"]), "step 1")
+        materialized_alike(ours, theirs, sids, ["b", "a"], "step 1")
         # Step 2: "a" and "b" finish; "c" hits a's first block (16 tokens) and computes 3 more in block 7.
         _set_rows(batch, [("c", 16, [5, 7])])
         so = SchedulerOutput([NewRequest("c", 16, ([5, 7],))], CachedRequests([], set(), [], []), {"c": 3}, 3, {"a", "b"})
@@ -93,8 +93,7 @@ def test_slots_from_vllms_block_table_match_vllm_omnis_view_and_hits_serve_the_r
         theirs.new_step_starts(so)
         sids = (ours.save_outputs(h2, mm2, num_tokens_unpadded=3, num_tokens_padded=3),
                 theirs.save_outputs(h2, mm2, num_tokens_unpadded=3, num_tokens_padded=3))
-        got, want = ours.materialize(sids[0], ["c"]), theirs.materialize(sids[1], ["c"])
-        same(got, want, "hit on a's block")
+        got = materialized_alike(ours, theirs, sids, ["c"], "hit on a's block")
         assert torch.equal(got.hidden_states["c"], torch.cat([h[4:20], h2]))
         assert torch.equal(got.mm_outputs["feat"]["c"], torch.cat([mm["feat"][4:20], mm2["feat"]]))
     finally:
@@ -112,14 +111,12 @@ def test_an_mm_output_named_hidden_key_is_ignored_as_vllm_omni_ignores_it(commit
         mm = {VO.HIDDEN_KEY: torch.randn(20, 8), "feat": torch.randn(20, 4)}
         so = _step(view, [("a", 0, [0, 1], 20)], new=(("a", 0, [0, 1]),))
         sids = _both(ours, theirs, view, so, h, dict(mm), 20, 20)
-        got, want = ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"])
-        same(got, want, "HIDDEN_KEY in mm_outputs")
+        got = materialized_alike(ours, theirs, sids, ["a"], "HIDDEN_KEY in mm_outputs")
         assert torch.equal(got.hidden_states["a"], h) and set(got.mm_outputs) == {"feat"}
         so = _step(view, [("b", 16, [0, 3], 2)], new=(("b", 16, [0, 3]),), finished=("a",))
         h2 = torch.randn(2, 8)
         sids = _both(ours, theirs, view, so, h2, {VO.HIDDEN_KEY: torch.randn(2, 8), "feat": torch.randn(2, 4)}, 2, 2)
-        got, want = ours.materialize(sids[0], ["b"]), theirs.materialize(sids[1], ["b"])
-        same(got, want, "hit")
+        got = materialized_alike(ours, theirs, sids, ["b"], "hit")
         assert torch.equal(got.hidden_states["b"], torch.cat([h[:16], h2]))
     finally:
         ours.shutdown()
@@ -179,7 +176,7 @@ def test_a_hit_of_a_request_scheduled_zero_tokens_is_served_not_lost(committer_f
     try:
         h = torch.randn(16, 8)
         sids = _both(ours, theirs, view, _step(view, [("a", 0, [0], 16)], new=(("a", 0, [0]),)), h, {}, 16, 16)
-        same(ours.materialize(sids[0], ["a"]), theirs.materialize(sids[1], ["a"]), "a")
+        materialized_alike(ours, theirs, sids, ["a"], "a")
         # "z" starts with a 16-token hit on a's block but is scheduled 0 tokens this step; "b" computes 4.
         so = _step(view, [("b", 0, [2], 4), ("z", 16, [0, 1], 0)], new=(("b", 0, [2]), ("z", 16, [0, 1])),
                    finished=("a",))

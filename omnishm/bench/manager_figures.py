@@ -107,7 +107,7 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
             blocks = list(range(nb))
             _fill(m, "prefix", blocks, h, size.chunk, rows_truth)
             tail = torch.randn(BS, width).to(torch.bfloat16)
-            kv = m._keys["__hidden_states__"]
+            kv = m._keys[HIDDEN_KEY]
             hit_slots = _slots(blocks, 0, h)
             pre_out = prefaulted((h, width), torch.bfloat16)
             run_starts = list(range(0, h, BS))
@@ -122,7 +122,7 @@ def figure_read(cleanup: Cleanup, size: ReadSize) -> list[Row]:
                 tail[:, 0] = float(i % 251 - 125)  # unlike the last call's, in the same slots (review, 2026-12-06)
                 sid = _save(m, [(req, blocks + [nb], h, BS)], tail)
                 t0 = time.perf_counter()
-                out = m.materialize(sid, [req], out={req: {"__hidden_states__": merged_buf}} if mode == "out" else None)
+                out = m.materialize(sid, [req], out={req: {HIDDEN_KEY: merged_buf}} if mode == "out" else None)
                 dt = time.perf_counter() - t0
                 m.new_step_starts([E(K.FINISHED, req)])
                 _check_and_spoil(out.hidden_states[req], rows_truth, tail, f"call {i} ({mode})")
@@ -230,9 +230,13 @@ class _EngineArm:
         self._row = torch.arange(step_tokens, device=device)
         self.save_s = 0.0
         self.last: Any = None
-        self.prev: list[str] = []
         self.parts: list[tuple[str, int, int]] = []  # the last step's (request, first position, rows)
         self.i = 0
+
+    @property
+    def prev(self) -> list[str]:
+        """The last step's requests, in batch order."""
+        return [req for req, _, _ in self.parts]
 
     def blocks(self, n: int) -> list[int]:
         out = [self.ring0 + (self.next_block + j) % self.ring_len for j in range(n)]
@@ -274,13 +278,13 @@ class _EngineArm:
             events.append(E(K.STARTED, d, 0, tuple(db)))
             parts.append((d, db, 0, 1))
         self.m.new_step_starts(PrefixCacheStep(tuple(events), {p[0]: p[3] for p in parts}))
-        self.prev = [p[0] for p in parts]
         self.parts = [(req, first, count) for req, _, first, count in parts]
-        layout = _layout(parts)  # the runner's write layout: built before the clock starts
+        req_ids = self.prev
+        layout = _layout(parts)  # the runner's write layout and the request list: built before the clock starts
         t0 = time.perf_counter()
         sid = _save(self.m, parts, self.hidden, self.mm, layout)
         t1 = time.perf_counter()
-        self.last = self.m.materialize(sid, self.prev)
+        self.last = self.m.materialize(sid, req_ids)
         t2 = time.perf_counter()
         self.save_s = t1 - t0
         return t2 - t0

@@ -134,12 +134,12 @@ class LinkAttach:
                     # rank's), so the autostart log is not where its story is (review, 2026-12-06).
                     held = liveness.CacheLock.holder(liveness.lock_path(Path(self.runtime_dir), self.cache))
                     who = f"pid {held[1]}" if held is not None else "a process"
-                    own = paths.ipc_endpoint(self.runtime_dir, self.cache)
-                    if self.endpoint != own and liveness.endpoint_served(own):
+                    own_endpoint = paths.ipc_endpoint(self.runtime_dir, self.cache)
+                    if self.endpoint != own_endpoint and liveness.endpoint_served(own_endpoint):
                         # Not frozen: it serves the cache's own socket, and this client asked elsewhere
                         # (an OMNISHM_ENDPOINT or endpoint= of another cache or an old start; review, stop 48).
                         hint = (f"autostart is on, but {who} holds the cache's committer lock, so none was started; "
-                                f"that committer serves {own}, not this client's endpoint: give the client that "
+                                f"that committer serves {own_endpoint}, not this client's endpoint: give the client that "
                                 f"endpoint (endpoint=, OMNISHM_ENDPOINT), or none")
                     else:
                         hint = (f"autostart is on, but {who} holds the cache's committer lock, so none was started: "
