@@ -143,3 +143,21 @@ def test_a_one_entry_step_with_a_negative_staging_row_is_refused_on_the_fast_pat
     assert "staging rows -1" in done.reason, done.reason
     assert np.array_equal(state.data, before)
     assert not state.commit[slots].any()
+
+
+@pytest.mark.parametrize("counts, slots", [([1 << 62] * 4, []), ([MAX_I8, 1], []), ([1 << 62] * 4 + [2], [0, 1])])
+def test_counts_whose_sum_wraps_int64_are_refused_naming_the_count(pool, counts, slots):
+    """Bad-input review (2026-12-06): counts whose int64 sum wraps around (to the number of slots sent, or
+    to a negative number) are refused whole, naming the first entry whose count is above the slots sent,
+    and the pool is left untouched. Before, the reason read "counts sum to -9223372036854775808 rows", and
+    a sum wrapped to exactly the slots' number was caught only by the staging bound further on."""
+    state, _staging = _key(pool, 4, 2, 4, 8)
+    before = state.data.copy()
+    n = len(counts)
+    cv = make_cv(EPOCH, 1, 1)
+    done = pool.apply_step(CLIENT, protocol.StepWrite(
+        rid=1, step=1, keys=["h"], key_idx=pack([0] * n), tids=pack(range(10, 10 + n)), cvs=pack([cv] * n),
+        src_rows=pack([0] * n), counts=pack(counts), slots=pack(slots)), EPOCH)
+    assert (done.done_tids, done.failed_tids, done.rows_written) == (b"", pack(range(10, 10 + n)), 0), done
+    assert done.reason == f"step 1: entry 0 (tid 10) has count above the {len(slots)} slots sent: {counts[0]}", done.reason
+    assert np.array_equal(state.data, before)

@@ -121,9 +121,12 @@ class StepApply:
                 raise StepRejected(f"step {step}: entry {i} (tid {int(tids[i])}) has {what} {int(values[i])}")
 
         # Fast pass: one reduction per rule; the detailed pass names the first offender.
-        if int(_max(key_idx.view(np.uint64))) >= len(states) or int(_min(counts)) < 0 or int(_min(cvs)) <= 0:
+        # A count above the slots sent is refused before the sum: such counts can wrap int64 to the slots' number.
+        if (int(_max(key_idx.view(np.uint64))) >= len(states) or int(_max(counts.view(np.uint64))) > len(slots)
+                or int(_min(cvs)) <= 0):
             first_bad((key_idx < 0) | (key_idx >= len(states)), f"key_idx out of 0..{len(states) - 1}:", key_idx)
             first_bad(counts < 0, "negative count", counts)
+            first_bad(counts > len(slots), f"count above the {len(slots)} slots sent:", counts)
             first_bad(cvs <= 0, "claim version <= 0:", cvs)
         if not _of_epoch(cvs, epoch):
             first_bad(cv_epoch(cvs) != epoch, f"a claim version of another epoch than this writer's {epoch}:", cvs)
