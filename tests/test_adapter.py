@@ -416,3 +416,14 @@ def test_write_layout_refuses_a_negative_count_itself_and_names_the_request():
     with pytest.raises(OmniPrefixCacheUnmatchError, match="negative scheduled-token count -3") as err:
         PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": -3, "b": 3})
     assert "request='a'" in str(err.value), err.value
+
+
+def test_a_block_id_of_minus_one_is_refused_like_any_negative_block_id():
+    """Mutation review (2026-12-06): an event's block ids must all be >= 0. The fast path that skips the
+    per-id check for plain ints must still refuse -1 (vLLM's and numpy's usual "no block" sentinel): with the
+    bound off by one (``min(blocks) >= -1``) a block id of -1 went through, and the manager would compute a
+    slot from it (``-1 * block_size + offset``) for a hit. The existing check used -2 only."""
+    with pytest.raises(ValueError, match=">= 0"):
+        Ev(K.STARTED, "a", 4, (3, -1))
+    with pytest.raises(ValueError, match=">= 0"):
+        Ev(K.RESUMED, "a", 0, [-1])

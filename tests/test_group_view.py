@@ -221,3 +221,30 @@ def test_block_layout_refuses_a_group_with_one_layer_of_another_block_size():
     mixed = UniformTypeKVCacheSpecs(32, {"l0": FullAttentionSpec(32), "l1": FullAttentionSpec(64)})
     with pytest.raises(PrefixCacheConfigError, match=r"KV-cache group 0 uses block size \[32, 64\]"):
         check_prefix_cache_block_layout(32, [SimpleNamespace(kv_cache_spec=mixed)])
+
+
+def test_padded_one_short_of_unpadded_is_refused():
+    """Mutation review (2026-12-06): the per-step contract is ``padded >= unpadded``; one row short is
+    already a broken step (the last output row would be read past the forward's rows). The existing test used
+    a shortfall of 2, so a bound off by one (``padded < unpadded - 1``) survived."""
+    check_prefix_cache_token_accounting(10, 10, {"a": 4, "b": 6})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="num_tokens_padded=9"):
+        check_prefix_cache_token_accounting(10, 9, {"a": 4, "b": 6})
+
+
+def test_slots_follow_a_table_tensor_resized_in_place():
+    """Mutation review (2026-12-06): the view caches a numpy view of the CPU block table and must make it
+    again when the same tensor object changes shape (``resize_`` in place), else rows are addressed with the
+    old row stride and every request past row 0 gets another row's blocks (wrong slots, hence wrong rows
+    served later). With the shape check gone the stale view of the 4x8 table was used for the 8x4 one."""
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    tbl = SimpleNamespace(block_size=4, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=None)
+    batch = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_cpu=np.zeros(8, dtype=np.int32),
+                            block_table=SimpleNamespace(block_tables=[tbl]))
+    table[0, 0], table[1, 0] = 3, 5
+    view = FullAttentionGroupView(batch, 4)
+    assert view.step_slots_cpu([2, 2]).tolist() == [12, 13, 20, 21]
+    table.resize_(8, 4)  # same object, same storage, new row stride
+    table.zero_()
+    table[0, 0], table[1, 0] = 6, 7
+    assert view.step_slots_cpu([2, 2]).tolist() == [24, 25, 28, 29]

@@ -715,3 +715,68 @@ def test_a_deferred_write_handed_over_twice_keeps_the_flusher_alive(mgr):
     real_put(probe)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="deferred write -1 of request 'probe'"):
         probe.done.result(timeout=30)
+
+
+def test_a_refused_save_keeps_the_pending_hit_of_a_request_it_gave_no_tokens(mgr):
+    """Mutation review (2026-12-06): a refused save takes (and drops) the planned hits of the requests it
+    wrote rows for, exactly as a taken save would; a request the save gave 0 tokens keeps its hit for its
+    next save, as it does after a save that is taken. With the guard widened to 0-token writes
+    (``num_tokens >= 0``) the refusal silently dropped b's 4-token hit, and b's next materialize returned its
+    2 new rows with no prefix (``num_hit_tokens`` 0): rows lost, no error."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    m.new_step_starts([started("b", [0, 2], hit=4), started("c", [3])])
+    h, mm, lay, n, _ = build([Part("c", 5, [3], 0, 2)], BS)
+    lay0 = PrefixCacheWriteLayout((PrefixCacheWrite("b", 0, 0), *lay.writes), lay.slots)
+    with pytest.raises(OmniPrefixCacheUnmatchError):  # refused: rows in another dtype than the key's
+        m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay0)
+    m.new_step_starts([finished("c")])
+    sid = save(m, [Part("b", 4, [0, 2], 4, 2)], BS)
+    out = m.materialize(sid, ["b"])
+    assert out.num_hit_tokens == {"b": 4}
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 4, 4, 2))
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 4, 4, 2, mm=True))
+
+
+def test_a_hit_naming_a_block_past_the_pool_is_refused_and_names_the_request(mgr):
+    """Mutation review (2026-12-06): a prefix hit whose block ids name a block outside ``0..num_blocks-1`` is
+    refused at ``new_step_starts`` with an ``OmniPrefixCacheUnmatchError`` naming the block and the request,
+    and the manager stays usable. With the bound off by one (``b <= num_blocks``) block ``num_blocks`` was
+    accepted as a planned hit on slots past the pool (slot ids ``num_slots..``), with no error at all."""
+    m = mgr()
+    nb = m.config.num_blocks
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"block id {nb} outside 0\.\.{nb - 1}.*request='x'"):
+        m.new_step_starts([started("x", [0, nb], hit=8)])
+    m.new_step_starts([finished("x"), started("b", [0, 5], hit=4)])
+    out = m.materialize(save(m, [Part("b", 2, [0, 5], 4, 2)], BS), ["b"])
+    assert out.num_hit_tokens == {"b": 4} and torch.equal(out.hidden_states["b"], expect(1, 4, 2, 4, 2))
+
+
+def test_the_id_of_a_refused_save_reads_as_consumed_not_as_never_saved(mgr):
+    """Mutation review (2026-12-06): a refused save still takes its step id (``_burn_step``), and the id is
+    then consumed: a later ``materialize`` or ``discard_step`` of it raises ``OmniPrefixCacheUnmatchError``
+    naming the step id and saying it "was already consumed", like any consumed id, not that it "was never
+    saved" (which points a user at the wrong bug). With the ``_consumed`` bookkeeping of the burn gone, only
+    the reason changed, and no test noticed."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    first = save(m, [Part("a", 1, [0], 0, 4)], BS)
+    m.discard_step(first)
+    h, mm, lay, n, _ = build([Part("a", 1, [0], 4, 0), Part("c", 5, [3], 0, 2)], BS)
+    m.new_step_starts([started("c", [3])])
+    with pytest.raises(OmniPrefixCacheUnmatchError):
+        m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay)
+    refused = first + 1
+    for call in (lambda: m.materialize(refused, ["c"]), lambda: m.discard_step(refused)):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"step id {refused} was already consumed"):
+            call()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"step id {refused + 1} was never saved"):
+        m.discard_step(refused + 1)
+    sid = save(m, [Part("c", 5, [3], 0, 2)], BS)
+    assert sid == refused + 1
+    assert torch.equal(m.materialize(sid, ["c"]).hidden_states["c"], expect(0, 0, 5, 0, 2))
