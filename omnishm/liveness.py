@@ -109,14 +109,15 @@ class GenerationOwner:
                 return cls(name, seg.fd)
             os.close(seg.fd)
 
-    def release(self, *, unlink: bool) -> None:
-        """Drop the claim; ``unlink`` also removes the segment (while still holding the lock)."""
+    def release(self, *, unlink: bool) -> bool:
+        """Drop the claim; ``unlink`` also removes the segment (while still holding the lock). Whether
+        this call removed it (the committer's stop line counts it with the cache's segments)."""
         if self._fd < 0:
-            return
-        if unlink:
-            unlink_segment(self.name)
+            return False
+        removed = unlink and unlink_segment(self.name)
         os.close(self._fd)
         self._fd = -1
+        return removed
 
 
 def _record_dir(fd: int, runtime_dir: Path) -> None:

@@ -262,8 +262,8 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         # left for the next start to adopt again (an unlink here would lose their unacknowledged writes).
         leave = adopted is not None and not served
         removed = committer.close(unlink=not leave) if committer is not None else []
-        if owner is not None:
-            owner.release(unlink=not leave)
+        if owner is not None and owner.release(unlink=not leave):
+            removed = [*removed, owner.name]
         try:
             if leave:
                 logger.warning("committer %s refused to start; the adopted generation %s is left for the next "
