@@ -159,5 +159,6 @@ def test_counts_whose_sum_wraps_int64_are_refused_naming_the_count(pool, counts,
         rid=1, step=1, keys=["h"], key_idx=pack([0] * n), tids=pack(range(10, 10 + n)), cvs=pack([cv] * n),
         src_rows=pack([0] * n), counts=pack(counts), slots=pack(slots)), EPOCH)
     assert (done.done_tids, done.failed_tids, done.rows_written) == (b"", pack(range(10, 10 + n)), 0), done
-    assert done.reason == f"step 1: entry 0 (tid 10) has count above the {len(slots)} slots sent: {counts[0]}", done.reason
+    want = f"step 1: entry 0 (tid 10) has count above the {len(slots)} slots sent: {counts[0]}"
+    assert done.reason == want, done.reason
     assert np.array_equal(state.data, before)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
-from omnishm import protocol
+from omnishm import protocol, shm
 from omnishm.client.link import CommitterLink
+from omnishm.liveness import proc_identity
 from omnishm.committer.sessions import Session, SessionTable
 from omnishm.versions import MAX_EPOCH
 
-from helpers import RawClient
+from helpers import RawClient, Writer
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 
@@ -191,3 +194,225 @@ def test_live_writers_id_from_another_socket_is_a_duplicate(committer):
         assert isinstance(w.goodbye(), protocol.Bye)
     finally:
         w.close(); dup.close()
+
+
+ARGS = ("--heartbeat-s", "0.5", "--heartbeat-timeout-s", "30")
+# A committer whose second key's staging cannot be made for a client whose id starts with "nospace" (what a
+# full /dev/shm does to the committer's segment creation).
+NO_SPACE_FOR_SECOND_KEY = """
+import sys
+from omnishm.committer import pool
+ensure = pool.CachePool.ensure_staging
+def ensure_staging(self, client_id, state, rows):
+    if client_id.startswith("nospace") and state.index == 1 and client_id not in state.staging:
+        raise OSError(28, "No space left on device")
+    return ensure(self, client_id, state, rows)
+pool.CachePool.ensure_staging = ensure_staging
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_writer_refused_for_staging_space_leaves_no_staging_behind(committer_factory):
+    """A writer's Hello that the committer refuses because one key's staging cannot be made (no space) must leave none
+    of that writer's staging segments behind: the ones already made for its other keys are unlinked with the
+    refusal, so /dev/shm holds nothing of a client the committer does not know. Mutation review (2026-12-06,
+    ``drop_client`` dropped from ``on_hello``'s staging refusal: the first key's staging leaked for the committer's
+    life, and a retry by another client id leaked another)."""
+    handle = committer_factory(*ARGS, python_args=("-c", NO_SPACE_FOR_SECOND_KEY))
+    first = Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    first.open_key("k0", "float32", 8)
+    first.open_key("k1", "float32", 8)
+    first.goodbye()
+    second = RawClient(handle.endpoint, handle.name)
+    second.client_id = "nospace" + second.client_id[:20]
+    try:
+        r = second.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+        assert isinstance(r, protocol.Refused) and "cannot create staging segments" in r.reason, r
+        left = [n for n in shm.list_segments(handle.name) if "nospace" in n]
+        assert left == [], left
+    finally:
+        second.close()
+
+
+def test_a_session_whose_process_is_gone_may_be_resumed_from_another_process(committer_factory):
+    """``resume_taken`` guards a live process's session only (docs/FAULTS.md, "Clients resume"): a resume under a
+    client id whose session was said Hello from a process that is gone now is accepted and moves the session to the
+    new socket. Mutation review (2026-12-06, ``not process_gone(session)`` dropped from ``on_resume``: the resume of
+    a dead process's session was refused for good as taken). The first Hello names a real child process, confirmed
+    by its start time, which is then killed and reaped. Also pinned (the resumed session kept the dead process's pid
+    and start time)."""
+    handle = committer_factory(*ARGS)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    a, b = RawClient(handle.endpoint, handle.name), RawClient(handle.endpoint, handle.name)
+    b.client_id = a.client_id
+    try:
+        started = proc_identity(child.pid)
+        assert started is not None
+        w = a.hello(protocol.ROLE_READER, LAYOUT, pid=child.pid, started=started)
+        assert isinstance(w, protocol.Welcome), w
+        # while the child lives, another process may not take its session
+        r = b.hello(protocol.ROLE_READER, LAYOUT, resume=True, resume_generation=w.generation)
+        assert isinstance(r, protocol.Refused) and "which is alive" in r.reason, r
+        child.kill()
+        child.wait()
+        r = b.hello(protocol.ROLE_READER, LAYOUT, resume=True, resume_generation=w.generation)
+        assert isinstance(r, protocol.Welcome) and r.resumed, r
+        # the session is the resuming process's now (status, and the next resume_taken check, go by it)
+        adm = RawClient(handle.endpoint, handle.name)
+        try:
+            assert isinstance(adm.hello(protocol.ROLE_ADMIN), protocol.Welcome)
+            ent = [c for c in adm.status()["clients"] if c["client_id"] == b.client_id]
+            assert len(ent) == 1 and ent[0]["pid"] == os.getpid(), ent
+            adm.goodbye()
+        finally:
+            adm.close()
+        assert isinstance(b.goodbye(), protocol.Bye)
+    finally:
+        if child.poll() is None:
+            child.kill(); child.wait()
+        a.close(); b.close()
+
+
+def test_a_writers_resume_sent_again_on_its_own_socket_keeps_its_staging(committer_factory):
+    """A writer's resume Hello that reaches the committer on the socket its session already has (a resume sent again
+    because its first reply was slow) moves nothing and drops nothing: the writer keeps its seat, its epoch and its
+    staging segments, named again in the Welcome. Mutation review (2026-12-06, ``previous is not session`` dropped
+    from ``on_resume``: the session was detached as a re-Hello first, which unlinked the writer's staging under a
+    writer that still maps and uses it)."""
+    handle = committer_factory(*ARGS)
+    w = Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    w.open_key("k0", "float32", 8)
+    try:
+        staging = [n for n in shm.list_segments(handle.name) if ".stage." in n]
+        assert len(staging) == 1, staging
+        r = w.raw.hello(protocol.ROLE_WRITER, LAYOUT, 4, resume=True, resume_generation=w.welcome.generation,
+                        resume_epoch=w.epoch, resume_staging=staging)
+        assert isinstance(r, protocol.Welcome) and r.resumed and r.epoch == w.epoch, r
+        assert [k.staging for k in r.keys] == staging, r.keys
+        assert [n for n in shm.list_segments(handle.name) if ".stage." in n] == staging
+    finally:
+        w.goodbye()
+
+
+def test_a_writer_may_resume_naming_only_the_staging_it_was_told_of(committer_factory):
+    """A writer's resume names the staging segments it mapped; one it never got back (the committer died before its
+    ``KeyOpened`` reply) may be missing, so a subset of the committer's staging names is accepted (docs/FAULTS.md,
+    "Clients resume": "a subset: a name the client never got back is fine"), and a name the committer does not hold
+    is refused. Mutation review (2026-12-06, the subset check made an equality: such a writer's resume was refused
+    for good, losing every unacknowledged write)."""
+    handle = committer_factory(*ARGS)
+    w = Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    w.open_key("k0", "float32", 8)
+    w.open_key("k1", "float32", 8)
+    try:
+        staging = sorted(n for n in shm.list_segments(handle.name) if ".stage." in n)
+        assert len(staging) == 2, staging
+        bogus = staging[0][:-1] + "9"
+        r = w.raw.hello(protocol.ROLE_WRITER, LAYOUT, 4, resume=True, resume_generation=w.welcome.generation,
+                        resume_epoch=w.epoch, resume_staging=[bogus])
+        assert isinstance(r, protocol.Refused) and "staging" in r.reason, r
+        r = w.raw.hello(protocol.ROLE_WRITER, LAYOUT, 4, resume=True, resume_generation=w.welcome.generation,
+                        resume_epoch=w.epoch, resume_staging=staging[:1])
+        assert isinstance(r, protocol.Welcome) and r.resumed and r.epoch == w.epoch, r
+        assert sorted(k.staging for k in r.keys) == staging, r.keys
+    finally:
+        w.goodbye()
+
+
+NO_META_FOR_SOME_WRITERS = """
+import sys
+from omnishm.committer import pool
+record = pool.CachePool.set_writer_epoch
+def set_writer_epoch(self, epoch, client_id=None, staging_rows=0):
+    if client_id is not None and client_id.startswith("nometa"):
+        return False  # what a metadata save that failed (disk full, EIO) returns
+    return record(self, epoch, client_id, staging_rows)
+pool.CachePool.set_writer_epoch = set_writer_epoch
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_writer_refused_for_its_metadata_leaves_its_key_specs_undeclared(committer_factory):
+    """A writer refused because its epoch cannot be recorded in the metadata declares nothing: the key specs its
+    Hello's layout brought are taken back, so the next writer may declare the same key with other geometry and is
+    welcomed, and the cache's layout (its Welcome) names only that writer's spec. Mutation review (2026-12-06,
+    ``forget_specs`` dropped from that refusal: the refused writer's spec stayed, and every later writer with its
+    own spec for the key was refused for good with a layout mismatch)."""
+    handle = committer_factory(*ARGS, python_args=("-c", NO_META_FOR_SOME_WRITERS))
+    refused, ok = RawClient(handle.endpoint, handle.name), RawClient(handle.endpoint, handle.name)
+    refused.client_id = "nometa" + refused.client_id[:20]
+    try:
+        mine = protocol.Layout(8, 4, {"k0": protocol.KeySpec("float32", 8)})
+        r = refused.hello(protocol.ROLE_WRITER, mine, 4)
+        assert isinstance(r, protocol.Refused) and "metadata" in r.reason, r
+        theirs = protocol.Layout(8, 4, {"k0": protocol.KeySpec("float16", 16)})
+        w = ok.hello(protocol.ROLE_WRITER, theirs, 4)
+        assert isinstance(w, protocol.Welcome), w
+        assert w.layout.keys["k0"].dtype == "float16" and w.layout.keys["k0"].width == 16, w.layout
+        assert isinstance(ok.goodbye(), protocol.Bye)
+    finally:
+        refused.close(); ok.close()
+
+
+def test_a_layout_refusal_is_retryable_only_while_every_client_is_likely_dead(committer_factory):
+    """An ``--exit-when-idle`` committer refuses a Hello of another layout for good while any client is likely alive,
+    and with a wait only once every data client is likely dead (silent, or its process gone): one killed process
+    among live clients keeps the cache, and so its layout, for good. Mutation review (2026-12-06, ``not
+    all(process_gone ...)`` made ``not any``: one killed reader among live ones made the refusal retryable, and the
+    refused engine retried against a cache that would not go idle)."""
+    handle = committer_factory("--exit-when-idle", *ARGS)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    dead, live, other = (RawClient(handle.endpoint, handle.name) for _ in range(3))
+    try:
+        started = proc_identity(child.pid)
+        assert started is not None
+        assert isinstance(dead.hello(protocol.ROLE_READER, LAYOUT, pid=child.pid, started=started), protocol.Welcome)
+        assert isinstance(live.hello(protocol.ROLE_READER, LAYOUT), protocol.Welcome)
+        child.kill()
+        child.wait()
+        r = other.hello(protocol.ROLE_READER, protocol.Layout(16, 4))
+        assert isinstance(r, protocol.Refused) and "layout mismatch" in r.reason, r
+        assert r.retry_after_s == 0.0, r
+        assert isinstance(live.goodbye(), protocol.Bye)
+    finally:
+        if child.poll() is None:
+            child.kill(); child.wait()
+        for c in (dead, live, other):
+            c.close()
+
+
+TERM_BEFORE_A_HELLO = """
+import os, signal, sys, time
+from omnishm.committer.attach import Attach
+orig = Attach.on_hello
+def on_hello(self, identity, msg):
+    if msg.client_id.startswith("late") and not self.stopping:  # the stop signal comes while the Hello is queued
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return orig(self, identity, msg)
+Attach.on_hello = on_hello
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_stopping_committer_tells_a_new_client_to_retry(committer_factory):
+    """A new client's Hello answered by a committer on its way out (the stop signal came while the Hello was queued) is
+    refused for now, not for good: the Refused says the committer is stopping and carries a retry delay, so the
+    client tries again and the cache's next committer (a supervisor's, an autostart) answers it. Mutation review
+    (2026-12-06, ``retry_after_s`` dropped from that refusal: the client took it as final and its engine failed to
+    start)."""
+    handle = committer_factory(*ARGS, python_args=("-c", TERM_BEFORE_A_HELLO))
+    c = RawClient(handle.endpoint, handle.name)
+    c.client_id = "late" + c.client_id[:20]
+    try:
+        r = c.hello(protocol.ROLE_READER, LAYOUT)
+        assert isinstance(r, protocol.Refused) and "is stopping" in r.reason, r
+        assert r.retry_after_s > 0, r
+        assert handle.proc.wait(20) == 0, handle.log()
+    finally:
+        c.close()

@@ -424,3 +424,23 @@ def test_a_sweep_of_a_shared_runtime_dir_passes_over_another_programs_lock_file(
     assert liveness.CacheLock.holder(foreign) is None
     assert orphans.sweep(rt) == []
     assert foreign.read_text() == "locked by-someprogram\n"
+
+
+def test_start_up_sweep_leaves_a_dead_generation_that_has_no_owner_segment(tmp_path):
+    """A committer's start-up sweep of other names (``foreign_dirs=False``) removes only generations whose owner
+    segment names its own runtime dir (or an abandoned one); a generation with no owner segment at all cannot
+    be told whose it is (a committer of another runtime dir killed before it made its owner, or segments of a
+    version that made none), so it is left, not unlinked under a committer that may still serve it. Mutation
+    review (2026-12-06): with the missing-owner early return dropped from ``_remove_generation`` the start-up
+    sweep unlinked such a generation's segments."""
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("noowner")
+    made = sorted(shm.segment_name(cache, "g0", w) for w in ("ctl", "pool.k0"))
+    for name in made:
+        shm.Segment.create(name, 64).close()
+    try:
+        start._sweep_dead_caches(rt, "me")
+        assert sorted(shm.list_segments(cache)) == made
+    finally:
+        for n in made:
+            shm.unlink_segment(n)
