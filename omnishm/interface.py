@@ -70,9 +70,11 @@ class OmniPrefixCacheCommitterError(OmniPrefixCacheUnmatchError):
 
 
 def unmatch(reason: str, *, req_id: ReqId | None = None, key: TensorName | None = None,
-            step_id: StepId | None = None) -> OmniPrefixCacheUnmatchError:
-    """Build an unmatch error whose message names request, tensor, step and reason, as its attributes do."""
-    err = OmniPrefixCacheUnmatchError(
+            step_id: StepId | None = None,
+            cls: type[OmniPrefixCacheUnmatchError] = OmniPrefixCacheUnmatchError) -> OmniPrefixCacheUnmatchError:
+    """Build an unmatch error (of ``cls``) whose message names request, tensor, step and reason, as its
+    attributes do."""
+    err = cls(
         f"omni prefix cache: {reason} (request={req_id!r}, tensor={key!r}, step_id={step_id!r})")
     err.req_id, err.key, err.step_id = req_id, key, step_id
     return err

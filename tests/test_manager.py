@@ -209,8 +209,11 @@ def test_staging_depth_bounds_unconsumed_step_ids(mgr):
     m.new_step_starts([extended("a", 2)])
     ids.append(save(m, [Part("a", 1, [0, 1, 2, 3], 2, 1)], BS))
     m.new_step_starts([extended("a", 3)])
-    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=r"unconsumed step ids \[0, 1, 2\]"):
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=r"unconsumed step ids \[0, 1, 2\]") as timed_out:
         save(m, [Part("a", 1, [0, 1, 2, 3], 3, 1)], BS)
+    # Its attributes name what its message names (seed audit, 2026-12-06: step_id was None).
+    assert (timed_out.value.req_id, timed_out.value.key, timed_out.value.step_id) == (None, None, 3)
+    assert str(timed_out.value).endswith("(request=None, tensor=None, step_id=3)"), timed_out.value
     m.discard_step(ids[1])
     sid = save(m, [Part("a", 1, [0, 1, 2, 3], 3, 1)], BS)
     for s in (ids[0], ids[2], sid):
@@ -780,3 +783,22 @@ def test_the_id_of_a_refused_save_reads_as_consumed_not_as_never_saved(mgr):
     sid = save(m, [Part("c", 5, [3], 0, 2)], BS)
     assert sid == refused + 1
     assert torch.equal(m.materialize(sid, ["c"]).hidden_states["c"], expect(0, 0, 5, 0, 2))
+
+
+def test_an_mm_output_named_hidden_key_is_skipped_as_the_seed_says(mgr):
+    """The seed's ``skip_immediate_mm``: hidden rows never come from ``mm``. An ``mm_outputs`` entry named
+    ``HIDDEN_KEY`` is skipped: neither cached (a hit on its rows serves ``hidden_states``' rows) nor returned
+    in any request's ``mm_outputs``; the step's other keys go on as usual. vllm-omni and the drop-in ignore
+    it too; the native API raised ``ValueError`` and burned the step id (seed audit, 2026-12-06)."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    h, mm, layout, n, pad = build([Part("a", 1, [0, 1], 0, 8)], BS)
+    mm[HIDDEN_KEY] = torch.full_like(h, -5.0)
+    sid = m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
+    out = m.materialize(sid, ["a"])
+    assert set(out.mm_outputs["a"]) == {"feat"} and torch.equal(out.hidden_states["a"], rows(1, range(8)))
+    m.new_step_starts([started("b", [0, 5], hit=4)])
+    out = m.materialize(save(m, [Part("b", 2, [0, 5], 4, 2)], BS), ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 2, 4, 2))
+    assert set(out.mm_outputs["b"]) == {"feat"}
+    assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 2, 4, 2, mm=True))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from omnishm import protocol as P
-from omnishm.interface import OmniPrefixCacheStagingTimeoutError, StepId
+from omnishm.interface import OmniPrefixCacheStagingTimeoutError, StepId, unmatch
 from omnishm.shm import Segment
 
 DTYPES: dict[str, torch.dtype] = {
@@ -133,12 +133,10 @@ class StagingPages:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     owners = sorted(o for o in self._owner if o is not None)
-                    raise OmniPrefixCacheStagingTimeoutError(
-                        f"omni prefix cache: cache {self.cache}: no free staging page for step {step_id} after "
-                        f"{timeout_s:.1f}s; "
-                        f"unconsumed step ids {owners} hold all {self.depth} pages: call materialize() or "
-                        f"discard_step() for each, or raise staging_depth (request=None, tensor=None, "
-                        f"step_id={step_id})")
+                    raise unmatch(f"cache {self.cache}: no free staging page for step {step_id} after "
+                                  f"{timeout_s:.1f}s; unconsumed step ids {owners} hold all {self.depth} pages: "
+                                  f"call materialize() or discard_step() for each, or raise staging_depth",
+                                  step_id=step_id, cls=OmniPrefixCacheStagingTimeoutError)
                 self._cond.wait(remaining)
 
     def close(self, why: str) -> None:

@@ -69,7 +69,8 @@ class WriterSide:
         Raises ``OmniPrefixCacheUnmatchError`` for hidden states not 2-D of ``n`` or ``padded`` rows,
         ``TypeError`` for hidden states that are not a tensor, an mm key that is not a str, and rows that
         are not a dense tensor (sparse or meta: their staging copy would fail after the step id was
-        issued, which turns the writer fatal), and ``ValueError`` for an mm key that is ``HIDDEN_KEY``.
+        issued, which turns the writer fatal). An mm key that is ``HIDDEN_KEY`` is skipped, as the seed's
+        ``skip_immediate_mm`` says (and vllm-omni and the drop-in do): it is neither cached nor returned.
         Tensors that require grad are taken detached: the copies of them must not join an autograd graph
         (the staging views would).
         """
@@ -89,8 +90,8 @@ class WriterSide:
         for key, value in (mm or {}).items():
             if type(key) is not str:
                 raise TypeError(f"mm_outputs keys must be str (tensor names), got {type(key).__name__} {key!r}")
-            if key == HIDDEN_KEY:
-                raise ValueError(f"mm_outputs may not use the reserved key {HIDDEN_KEY!r}")
+            if key == HIDDEN_KEY:  # the seed's skip_immediate_mm: hidden rows come from hidden_states only
+                continue
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 value = value.detach()
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] in (n, padded) and n > 0:
