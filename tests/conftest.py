@@ -196,9 +196,17 @@ def committer_factory(tmp_path_factory):
         return handle
 
     yield factory
+    # Every committer is stopped before the first failure is raised: one that left a file behind must not
+    # leave the test's other committers running for good (review, 2026-12-06).
+    failures: list[BaseException] = []
     for handle in started:
         if handle.proc.returncode is None and handle.proc.poll() is None:
-            assert_clean_stop(handle)
+            try:
+                assert_clean_stop(handle)
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the others stopped
+                failures.append(exc)
+    if failures:
+        raise failures[0]
 
 
 @pytest.fixture(scope="module")
@@ -230,5 +238,11 @@ def mgr(committer):
         return m
 
     yield make
-    for m in made:
-        m.shutdown()
+    failures: list[BaseException] = []
+    for m in made:  # each one, even past a failed shutdown: a writer left attached fails the module's later tests
+        try:
+            m.shutdown()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the others shut down
+            failures.append(exc)
+    if failures:
+        raise failures[0]

@@ -89,6 +89,18 @@ class RawClient:
     def close(self) -> None:
         self.sock.close()
 
+    def leave(self) -> None:
+        """Goodbye, unless closed already, then close; idempotent, for a test's ``finally``: a session left
+        attached to a module's shared committer (a writer's seat) would fail that module's later tests."""
+        if self.sock.closed:
+            return
+        try:
+            self.call(protocol.Goodbye(rid=self.next_rid()))
+        except TimeoutError:  # the committer is gone or frozen: nothing to leave
+            pass
+        finally:
+            self.close()
+
 
 @dataclass
 class KeyView:

@@ -184,18 +184,21 @@ def test_bad_requests_get_clear_errors_while_another_client_is_served(committer)
 def test_second_writer_refused_then_next_writer_gets_new_epoch(committer):
     first = Writer(committer.endpoint, committer.name, LAYOUT, 4)
     second = committer.client()
-    reply = second.hello(protocol.ROLE_WRITER, LAYOUT, 4)
-    assert isinstance(reply, protocol.Refused)
-    assert "already has a writer" in reply.reason
-    assert first.raw.client_id in reply.reason and f"pid {os.getpid()}" in reply.reason
-    first.goodbye()
-    welcome = second.hello(protocol.ROLE_WRITER, LAYOUT, 4)
-    assert isinstance(welcome, protocol.Welcome) and welcome.epoch == first.epoch + 1
-    ctl = shm.Segment.attach(welcome.control, readonly=True).tensor(torch.int64, (protocol.CTL_WORDS,))
-    assert int(ctl[protocol.CTL_WRITER_EPOCH]) == welcome.epoch
-    assert int(ctl[protocol.CTL_COMMITTER_PID]) == committer.proc.pid
-    assert isinstance(second.goodbye(), protocol.Bye)
-    second.close()
+    try:
+        reply = second.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+        assert isinstance(reply, protocol.Refused)
+        assert "already has a writer" in reply.reason
+        assert first.raw.client_id in reply.reason and f"pid {os.getpid()}" in reply.reason
+        first.goodbye()
+        welcome = second.hello(protocol.ROLE_WRITER, LAYOUT, 4)
+        assert isinstance(welcome, protocol.Welcome) and welcome.epoch == first.epoch + 1
+        ctl = shm.Segment.attach(welcome.control, readonly=True).tensor(torch.int64, (protocol.CTL_WORDS,))
+        assert int(ctl[protocol.CTL_WRITER_EPOCH]) == welcome.epoch
+        assert int(ctl[protocol.CTL_COMMITTER_PID]) == committer.proc.pid
+        assert isinstance(second.goodbye(), protocol.Bye)
+    finally:  # the module's committer: a writer left attached would fail its later tests
+        first.raw.leave()
+        second.leave()
 
 
 def test_layout_mismatch_refused(committer):

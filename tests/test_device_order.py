@@ -516,10 +516,12 @@ def test_shutdown_unregisters_the_staging_only_once_the_copies_ran(committer, dr
             unregistered.append(len(ops.log))
 
     m = OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, device_ops=ops)
-    m.new_step_starts([started("a", [0])])
-    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-    m._registrations.append(Registration())  # what a key opened with device rows registers
-    m.shutdown()
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m._registrations.append(Registration())  # what a key opened with device rows registers
+    finally:  # the module's committer: a writer left attached would fail its later tests
+        m.shutdown()
     drains = [i for i, e in enumerate(ops.log) if e[0] == "drain"]
     assert len(drains) == 1 and m._link._closed
     assert unregistered == ([drains[0] + 1] if drained is True else []) and m._registrations == []

@@ -173,7 +173,7 @@ def test_a_signal_during_claim_or_release_never_keeps_other_threads_from_the_pag
     assert hits > 100, hits
 
 
-def test_a_shutdown_a_signal_cut_short_is_finished_by_the_next_call(committer):
+def test_a_shutdown_a_signal_cut_short_is_finished_by_the_next_call(committer, mgr):
     """REVIEW (2026-12-06): a signal handler's exception a few microseconds into ``shutdown`` (before its
     ``finally``) left the link open, and the next ``shutdown`` returned at once, as a finished one does. The
     I/O thread kept heartbeating, so the writer's seat stayed taken for the rest of the process, and a new
@@ -182,7 +182,7 @@ def test_a_shutdown_a_signal_cut_short_is_finished_by_the_next_call(committer):
     cut = 0
     with interrupts() as arm:
         for i in range(150):
-            m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+            m = mgr()
             m.new_step_starts([started("a", [0])])
             m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
             try:
@@ -348,11 +348,11 @@ def omnishm_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("omnishm-"))
 
 
-def test_a_shutdown_cut_short_before_its_threads_stopped_stops_them_on_the_next_call(committer, monkeypatch):
+def test_a_shutdown_cut_short_before_its_threads_stopped_stops_them_on_the_next_call(mgr, monkeypatch):
     """REVIEW (2026-12-06): the next call closed the link only; the flusher's and the sender's threads went
     on, holding the manager and its mappings for the life of the process."""
     before = omnishm_threads()
-    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m = mgr()
     m.new_step_starts([started("a", [0])])
     m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
     assert omnishm_threads() != before
@@ -366,11 +366,11 @@ def test_a_shutdown_cut_short_before_its_threads_stopped_stops_them_on_the_next_
         time.sleep(0.01)
 
 
-def test_a_second_shutdown_waits_for_one_in_progress_and_loses_no_deferred_write(committer, monkeypatch, caplog):
+def test_a_second_shutdown_waits_for_one_in_progress_and_loses_no_deferred_write(mgr, monkeypatch, caplog):
     """REVIEW (2026-12-06, of the first version of the fix above): a second thread's shutdown (an explicit
     one beside vLLM's exit handler) closed the link while the first one still flushed the open deferred
     writes: they were lost, and the cache turned sticky. It waits for the first one now."""
-    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m = mgr()
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
     m.new_step_starts([started("a", [0, 1])])
     m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))  # a's "feat" rows: an open deferred write
@@ -400,11 +400,11 @@ def test_a_second_shutdown_waits_for_one_in_progress_and_loses_no_deferred_write
     assert not lost and m._fatal is None, (lost, m._fatal)
 
 
-def test_a_signal_handler_that_shuts_down_inside_this_threads_shutdown_returns(committer, monkeypatch):
+def test_a_signal_handler_that_shuts_down_inside_this_threads_shutdown_returns(mgr, monkeypatch):
     """REVIEW (2026-12-06, of the shutdown lock): a SIGTERM handler that calls ``shutdown`` (an engine's own)
     ran inside this thread's ``shutdown``, during its goodbye, and waited for good on the lock its own
     thread held. It returns at once now, and the outer call finishes the detach."""
-    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m = mgr()
     m.new_step_starts([started("a", [0])])
     m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
     link = m._link
@@ -428,11 +428,11 @@ def test_a_signal_handler_that_shuts_down_inside_this_threads_shutdown_returns(c
     assert m._shut_down and m._link._detached
 
 
-def test_writes_a_shutdown_cut_short_could_not_flush_are_reported(committer, monkeypatch, caplog):
+def test_writes_a_shutdown_cut_short_could_not_flush_are_reported(mgr, monkeypatch, caplog):
     """REVIEW (2026-12-06): cut short between closing the open deferred writes and handing them to the
     flusher, a shutdown closed the link (its ``finally``), and the next call, finding it closed, dropped the
     writes without a word. Their rows never land (a hit on them is refused); the next call says so."""
-    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m = mgr()
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
     m.new_step_starts([started("a", [0, 1])])
     m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))  # a's "feat" rows: an open deferred write
@@ -447,7 +447,7 @@ def test_writes_a_shutdown_cut_short_could_not_flush_are_reported(committer, mon
         [r.getMessage() for r in caplog.records]
 
 
-def test_a_redone_shutdown_leaves_no_staging_pointer_pinned(committer, monkeypatch):
+def test_a_redone_shutdown_leaves_no_staging_pointer_pinned(mgr, monkeypatch):
     """REVIEWS (2026-12-06): cut short right after a ``cudaHostUnregister`` returned, the unregistration
     kept the pointer listed and the redo unregistered it twice; the first fix took each pointer off before
     its call, and cut short between the two, the redo never unregistered it (a mapping that goes away pinned).
@@ -470,7 +470,7 @@ def test_a_redone_shutdown_leaves_no_staging_pointer_pinned(committer, monkeypat
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostUnregister=unregister))
     monkeypatch.setattr(device, "_clear_last_cuda_error", lambda: cleared.append(1))
-    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m = mgr()
     reg = HostRegistration.__new__(HostRegistration)
     reg.ptrs = [0x1000, 0x2000]
     m._registrations.append(reg)
@@ -481,10 +481,10 @@ def test_a_redone_shutdown_leaves_no_staging_pointer_pinned(committer, monkeypat
     assert cleared == [1] and len(calls) == 3  # the interrupted one again: its error cleared
 
 
-def test_a_fatal_writers_shutdown_reports_only_the_writes_that_do_not_land(committer, monkeypatch, caplog):
+def test_a_fatal_writers_shutdown_reports_only_the_writes_that_do_not_land(mgr, monkeypatch, caplog):
     """REVIEW (2026-12-06, of the report above): a fatal writer's shutdown also named a closed write already
     in the flusher's queue, which the flusher's stop still sends and the committer acknowledges."""
-    m = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+    m = mgr()
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
     m.new_step_starts([started("a", [0, 1]), started("b", [2])])
     m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4), Part("b", 2, [2], 0, 4)], BS))  # two open writes

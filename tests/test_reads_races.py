@@ -169,6 +169,9 @@ def _race_body(m, W):
         m.new_step_starts([finished(f"a{it}"), finished(f"b{it}")])
     print(f"ok={ok} wrong={wrong} raised={raised}")
     assert wrong == 0, f"{wrong} of {ok + wrong + raised} materialize calls served stale hit rows"
+    # The writer waits its own in-flight rows (up to commit_timeout_s), so a refusal here is a regression
+    # too (review, 2026-12-06: a writer refusing every in-flight hit passed with 57 of 60 refused).
+    assert raised == 0, f"{raised} of {ok + wrong + raised} materialize calls refused a hit in flight"
 
 
 def test_an_id_finished_and_added_again_in_one_step_keeps_its_hit(mgr):
