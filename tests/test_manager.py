@@ -802,3 +802,29 @@ def test_an_mm_output_named_hidden_key_is_skipped_as_the_seed_says(mgr):
     assert torch.equal(out.hidden_states["b"], expect(1, 4, 2, 4, 2))
     assert set(out.mm_outputs["b"]) == {"feat"}
     assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 2, 4, 2, mm=True))
+
+
+@pytest.mark.parametrize("hit", [False, True], ids=["no-hit", "with-a-hit"])
+def test_materialize_names_requests_in_any_order_and_twice_alike_with_and_without_hits(mgr, hit):
+    """``materialize`` of a step without hits takes a shorter way (``_plain_results``: each result is the arena's
+    view already; perf review, 2026-12-06). Both ways give the same result: requests in the order asked,
+    one named twice served once, hidden and per-token rows exact, leftovers cloned to each, every
+    ``num_hit_tokens`` 0 for a request without a hit."""
+    m = mgr()
+    m.new_step_starts([started("p", [0])])
+    m.discard_step(save(m, [Part("p", 9, [0], 0, 4)], BS))
+    m.new_step_starts([started("a", [2, 3]), started("b", [4]), *([started("c", [0, 5], hit=4)] if hit else [])])
+    parts = [Part("a", 1, [2, 3], 0, 6), Part("b", 2, [4], 0, 2), *([Part("c", 3, [0, 5], 4, 1)] if hit else [])]
+    codes = [1, 2, 3]
+    sid = save(m, parts, BS, extra_mm={"codes": codes})
+    asked = ["b", "a", "b", *(["c"] if hit else [])]
+    out = m.materialize(sid, asked)
+    assert list(out.hidden_states) == list(out.mm_outputs) == list(out.num_hit_tokens) == list(dict.fromkeys(asked))
+    for req, tag, count in (("a", 1, 6), ("b", 2, 2)):
+        assert torch.equal(out.hidden_states[req], rows(tag, range(count)))
+        assert torch.equal(out.mm_outputs[req]["feat"], expect(0, 0, tag, 0, count, mm=True))
+        assert out.mm_outputs[req]["codes"] == codes and out.mm_outputs[req]["codes"] is not codes
+        assert out.num_hit_tokens[req] == 0
+    assert out.mm_outputs["a"]["codes"] is not out.mm_outputs["b"]["codes"]
+    if hit:
+        assert out.num_hit_tokens["c"] == 4 and torch.equal(out.hidden_states["c"], expect(9, 4, 3, 4, 1))

@@ -215,8 +215,16 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         refused: list[tuple[ReqId, str]] = []
         # An id that finishes and is added again in this step (the adapter emits FINISHED first) is a
         # new request: its STARTED carries a real prefix hit, not a live request re-entering.
-        ended = {ev.req_id for ev in step.events if ev.kind in _END_KINDS}
+        # translate_step's canonical order lets each loop below stop early: finishes come first, and
+        # EXTENDED events (a decode step's all) come last, carry no hit and change nothing here.
+        ended = set()
         for ev in step.events:
+            if ev.kind not in _END_KINDS:
+                break
+            ended.add(ev.req_id)
+        for ev in step.events:
+            if ev.kind is EventKind.EXTENDED:
+                break
             if ev.num_computed_tokens > 0 and ev.kind in _HIT_KINDS and \
                     not (ev.kind == EventKind.STARTED and ev.req_id in self._live and ev.req_id not in ended):
                 why = self._bad_hit(ev)
@@ -228,6 +236,8 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         to_flush: list[WriteTask] = []
         with self._lock:
             for ev in step.events:
+                if ev.kind is EventKind.EXTENDED:
+                    break
                 if ev.kind in _END_KINDS:
                     self._live.discard(ev.req_id)
                     self._pending_hits.pop(ev.req_id, None)
