@@ -804,8 +804,9 @@ def test_an_mm_output_named_hidden_key_is_skipped_as_the_seed_says(mgr):
     assert torch.equal(out.mm_outputs["b"]["feat"], expect(1, 4, 2, 4, 2, mm=True))
 
 
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
 @pytest.mark.parametrize("hit", [False, True], ids=["no-hit", "with-a-hit"])
-def test_materialize_names_requests_in_any_order_and_twice_alike_with_and_without_hits(mgr, hit):
+def test_materialize_names_requests_in_any_order_and_twice_alike_with_and_without_hits(mgr, hit, twice):
     """``materialize`` of a step without hits takes a shorter way (``_plain_results``: each result is the arena's
     view already; perf review, 2026-12-06). Both ways give the same result: requests in the order asked,
     one named twice served once, hidden and per-token rows exact, leftovers cloned to each, every
@@ -817,7 +818,7 @@ def test_materialize_names_requests_in_any_order_and_twice_alike_with_and_withou
     parts = [Part("a", 1, [2, 3], 0, 6), Part("b", 2, [4], 0, 2), *([Part("c", 3, [0, 5], 4, 1)] if hit else [])]
     codes = [1, 2, 3]
     sid = save(m, parts, BS, extra_mm={"codes": codes})
-    asked = ["b", "a", "b", *(["c"] if hit else [])]
+    asked = ["b", "a", *(["b"] if twice else []), *(["c"] if hit else [])]
     out = m.materialize(sid, asked)
     assert list(out.hidden_states) == list(out.mm_outputs) == list(out.num_hit_tokens) == list(dict.fromkeys(asked))
     for req, tag, count in (("a", 1, 6), ("b", 2, 2)):
