@@ -829,3 +829,21 @@ def test_materialize_names_requests_in_any_order_and_twice_alike_with_and_withou
     assert out.mm_outputs["a"]["codes"] is not out.mm_outputs["b"]["codes"]
     if hit:
         assert out.num_hit_tokens["c"] == 4 and torch.equal(out.hidden_states["c"], expect(9, 4, 3, 4, 1))
+
+
+def test_a_readers_unconsumed_step_ids_are_bounded_by_staging_depth(committer):
+    """Mutation review (2026-12-06): a reader stages nothing, yet ``staging_depth`` bounds its unconsumed step ids (and the step rows it keeps
+    for them) exactly as it bounds the writer's: with depth 1, a second save while the first step id is neither
+    materialized nor discarded raises ``OmniPrefixCacheStagingTimeoutError`` naming the holder; once it is
+    consumed the next save gets the following id. A reader with a looser bound would run ahead of its writer
+    (the same saves replayed in lockstep) and keep unbounded step rows."""
+    cfg = quick_config(staging_depth=1, staging_claim_timeout_s=0.05)  # a bound on the expected refusal, not a sync
+    with OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        r.new_step_starts([started("a", [0])])
+        s0 = save(r, [Part("a", 1, [0], 0, 2)], BS)
+        with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=rf"unconsumed step ids \[{s0}\]"):
+            save(r, [Part("a", 1, [0], 2, 1)], BS)
+        r.discard_step(s0)
+        s1 = save(r, [Part("a", 1, [0], 2, 1)], BS)
+        assert r._pages.in_use() == 1
+        r.discard_step(s1)

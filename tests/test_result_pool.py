@@ -190,3 +190,28 @@ def test_a_free_block_far_larger_than_the_request_is_not_spent_on_it():
     edge = pool.empty((8 * GRAIN,), torch.uint8)  # 8 + 2 + 1 = 11 grains allowed: the 10-grain block fits
     assert pool.stats["reused"] == 1
     del edge
+
+
+def test_a_result_of_exactly_min_bytes_comes_from_the_pool():
+    """Mutation review (2026-12-06): ``ResultPool``: allocations *under* ``min_bytes`` come from torch's allocator; one of exactly ``min_bytes``
+    is a pooled, pre-faulted block that comes back for the next result of that size once dropped (the module
+    docstring's boundary). Pins the comparison at the threshold (``<`` not ``<=``)."""
+    pool = ResultPool(4 * GRAIN, min_bytes=GRAIN)
+    t = pool.empty((GRAIN,), torch.uint8)
+    assert pool.stats["faulted"] == 1 and pool.stats["unpooled"] == 0
+    del t
+    assert pool.free_bytes == GRAIN
+    again = pool.empty((GRAIN // 4,), torch.float32)
+    assert pool.stats["reused"] == 1 and again.numel() == GRAIN // 4
+
+
+def test_a_pool_with_no_room_hands_out_plain_tensors_for_large_results_too():
+    """Mutation review (2026-12-06): ``result_pool_bytes=0`` turns the pool off: every result, whatever its size (also above ``min_bytes``), is
+    a plain torch allocation, counted ``unpooled``; no block is faulted in up front (a page-touch pass over a
+    block the pool could never keep is pure cost on the engine thread) and none is ever filed or dropped."""
+    off = ResultPool(0, min_bytes=0)
+    t = off.empty((2 * GRAIN,), torch.uint8)
+    assert t.numel() == 2 * GRAIN
+    del t
+    assert off.free_bytes == 0
+    assert off.stats["unpooled"] == 1 and off.stats["faulted"] == 0 and off.stats["dropped"] == 0

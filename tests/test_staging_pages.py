@@ -15,6 +15,7 @@ import torch
 from omnishm import protocol as P
 from omnishm.client.segments import StagingPages
 from omnishm.client.writes import Chunk, Flusher, WriteTask
+from omnishm.interface import OmniPrefixCacheStagingTimeoutError
 
 
 def _flusher(send, region, copies, chunk_bytes=1 << 20, row0=0, rows=8):
@@ -148,3 +149,30 @@ def test_a_closed_staging_refuses_a_claim_even_with_a_free_page():
     with pytest.raises(RuntimeError, match="shut down"):
         pages.claim(1, 1.0)
     assert pages.in_use() == 0
+
+
+def test_a_page_stays_held_until_both_the_step_is_consumed_and_its_write_acknowledged():
+    """Mutation review (2026-12-06): ``StagingPages`` contract (segments.py docstring): a writer's page is held from the claim until BOTH the
+    step id was consumed (``ctx`` hold: materialize/discard) AND the committer acknowledged the step's writes
+    (``write`` hold: it reads the rows from the page until then). Consuming the step alone must not free the
+    page: a new step's rows would overwrite rows the committer has yet to copy (wrong row in the pool). A claim
+    with no page free fails at once with ``timeout_s=0`` (no waiting involved), naming the holder step."""
+    pages = StagingPages(depth=1, capacity=4, cache="k")
+    page = pages.claim(7, 1.0)  # the writer's default holds: ("ctx", "write")
+    pages.release(page, "ctx")  # consumed, write not yet acknowledged
+    assert pages.in_use() == 1
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=r"unconsumed step ids \[7\]"):
+        pages.claim(8, 0.0)
+    pages.release(page, "write")
+    assert pages.claim(8, 0.0) == page and pages.in_use() == 1
+
+
+def test_the_flush_region_lies_past_every_step_page():
+    """The flusher's region (``flush_row0`` onwards, ``capacity`` rows) must not overlap any step page
+    (``page * capacity`` .. ``+ capacity``): a deferred write's rows copied there while a step's page is still read
+    by the committer would overwrite that step's rows (wrong row). It starts right after the last page."""
+    for depth, cap in ((1, 4), (3, 32)):
+        pages = StagingPages(depth=depth, capacity=cap, cache="k")
+        assert pages.flush_row0 == depth * cap
+        for p in range(depth):
+            assert (p + 1) * cap <= pages.flush_row0

@@ -251,6 +251,33 @@ def test_holding_a_request_again_replaces_its_rows_and_their_count():
     assert sorted(held.take("done")) == ["A", "B"]
 
 
+def test_a_held_pooled_result_counts_the_pool_block_it_keeps():
+    """A ``materialize`` result from the result pool (32 MiB and up) is a view of a pool block up to 25% plus
+    one grain larger; held whole (not cloned: its storage is its own bytes), it keeps the whole block, so
+    ``held_bytes`` counts the block and the bound holds (review, 2026-12-06: the view's bytes were counted).
+    Once taken and dropped, the block goes back to its pool and the count to 0."""
+    import gc
+
+    from omnishm.client.result_pool import GRAIN, ResultPool, kept_bytes
+    from omnishm.integrations.held_results import HeldResults
+
+    pool = ResultPool(64 << 20, min_bytes=0)
+    del_me = pool.empty((2 * GRAIN // 4,), torch.float32)  # a block of 2 grains, then free
+    del del_me
+    gc.collect()
+    result = pool.empty((3 * GRAIN // 8,), torch.float32)  # 1.5 grains, served from that block
+    assert pool.stats["reused"] == 1 and kept_bytes(result) == 2 * GRAIN
+    assert kept_bytes(result[:4]) == 2 * GRAIN and kept_bytes(torch.ones(4)) == 16
+    held = HeldResults(3 * GRAIN)
+    held.hold("done", "A", (result, 0))
+    assert held.stats() == {"held_bytes": 2 * GRAIN, "results_dropped": 0}
+    held.hold("done", "B", (torch.ones(GRAIN // 4 + 1), 0))  # 1 grain + 4 bytes: over the bound, A goes
+    assert held.stats() == {"held_bytes": GRAIN + 4, "results_dropped": 1}
+    del result
+    gc.collect()
+    assert pool.free_bytes == 2 * GRAIN  # no view of the block is left: it came back
+
+
 def _fake_vllm(monkeypatch, version: str, *, v1_runner: bool) -> None:
     """A stand-in ``vllm`` package of ``version``, with or without ``vllm.v1.worker.gpu_model_runner``."""
     import sys

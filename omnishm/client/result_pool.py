@@ -45,6 +45,17 @@ GRAIN = 2 << 20
 """Blocks are whole multiples of this; a request takes the smallest free block that fits
 with at most 25% (plus one grain) to spare."""
 
+_BLOCK_BYTES: dict[int, int] = {}
+"""The block size behind each pooled tensor handed out and still alive, by its memory's address (every
+pool's: one process, one address each); its entry goes before the block comes back."""
+
+
+def kept_bytes(t: torch.Tensor) -> int:
+    """The host bytes ``t``'s memory keeps alive: its pool block's size for a pooled result (up to 25% plus
+    one grain over its own bytes), else its own bytes. Any thread."""
+    block = _BLOCK_BYTES.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+    return block if block is not None else t.numel() * t.element_size()
+
 
 class ResultPool:
     """Pre-faulted host blocks, recycled when their tensors die (see the module docstring)."""
@@ -80,9 +91,17 @@ class ResultPool:
         else:
             self.stats["reused"] += 1
         view = block[:nbytes]
-        done = weakref.finalize(view, self._returned.append, block)
+        address = view.ctypes.data
+        _BLOCK_BYTES[address] = block.nbytes
+        done = weakref.finalize(view, self._give_back, address, block)
         done.atexit = False
         return torch.from_numpy(view).view(dtype).view(shape)
+
+    def _give_back(self, address: int, block: np.ndarray) -> None:
+        """The finalizer of a block's last view, on whichever thread dropped it: forget the address before the
+        block can be handed out again (dict and deque operations are atomic), then file it."""
+        _BLOCK_BYTES.pop(address, None)
+        self._returned.append(block)
 
     @property
     def free_bytes(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from omnishm.client.result_pool import kept_bytes
 from omnishm.interface import ReqId
 
 logger = logging.getLogger(__name__)
@@ -78,9 +79,9 @@ def _own(value: Any) -> Any:
 
 
 def _nbytes(value: Any) -> int:
-    """Bytes of a held result: a tensor, or ``(tensor, hit tokens)``."""
-    t = value[0] if isinstance(value, tuple) else value
-    return t.numel() * t.element_size()
+    """Bytes a held result (a tensor, or ``(tensor, hit tokens)``) keeps: a result of ``materialize``'s pool
+    keeps its whole block (review, 2026-12-06: its own bytes were counted, up to 25% plus 2 MiB less)."""
+    return kept_bytes(value[0] if isinstance(value, tuple) else value)
 
 
 def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
