@@ -832,11 +832,11 @@ def test_materialize_names_requests_in_any_order_and_twice_alike_with_and_withou
 
 
 def test_a_readers_unconsumed_step_ids_are_bounded_by_staging_depth(committer):
-    """Mutation review (2026-12-06): a reader stages nothing, yet ``staging_depth`` bounds its unconsumed step ids (and the step rows it keeps
-    for them) exactly as it bounds the writer's: with depth 1, a second save while the first step id is neither
-    materialized nor discarded raises ``OmniPrefixCacheStagingTimeoutError`` naming the holder; once it is
-    consumed the next save gets the following id. A reader with a looser bound would run ahead of its writer
-    (the same saves replayed in lockstep) and keep unbounded step rows."""
+    """Mutation review (2026-12-06): a reader stages nothing, yet ``staging_depth`` bounds its unconsumed step ids (and
+    the step rows it keeps for them) exactly as it bounds the writer's: with depth 1, a second save while the first
+    step id is neither materialized nor discarded raises ``OmniPrefixCacheStagingTimeoutError`` naming the holder;
+    once it is consumed the next save gets the following id. A reader with a looser bound would run ahead of its
+    writer (the same saves replayed in lockstep) and keep unbounded step rows."""
     cfg = quick_config(staging_depth=1, staging_claim_timeout_s=0.05)  # a bound on the expected refusal, not a sync
     with OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
         r.new_step_starts([started("a", [0])])

@@ -157,9 +157,9 @@ def test_the_smallest_free_block_that_fits_is_taken():
 
 
 def test_a_block_exactly_the_cap_is_kept_and_the_oldest_is_evicted_first():
-    """``max_free_bytes`` is the most free memory kept: a block of exactly the cap is kept (dropped only when
-    larger), and when a returned block pushes the free total over the cap the OLDEST free block goes first.
-    MUTATIONS (stop 47): ``>=`` for ``>`` dropped a block of exactly the cap; ``pop()`` for ``pop(0)`` evicted the newest."""
+    """``max_free_bytes`` is the most free memory kept: a block of exactly the cap is kept (dropped only when larger),
+    and when a returned block pushes the free total over the cap the OLDEST free block goes first. MUTATIONS (stop
+    47): ``>=`` for ``>`` dropped a block of exactly the cap; ``pop()`` for ``pop(0)`` evicted the newest."""
     cap = 4 * GRAIN
     pool = ResultPool(cap, min_bytes=0)
     whole = pool.empty((cap,), torch.uint8)
@@ -193,9 +193,9 @@ def test_a_free_block_far_larger_than_the_request_is_not_spent_on_it():
 
 
 def test_a_result_of_exactly_min_bytes_comes_from_the_pool():
-    """Mutation review (2026-12-06): ``ResultPool``: allocations *under* ``min_bytes`` come from torch's allocator; one of exactly ``min_bytes``
-    is a pooled, pre-faulted block that comes back for the next result of that size once dropped (the module
-    docstring's boundary). Pins the comparison at the threshold (``<`` not ``<=``)."""
+    """Mutation review (2026-12-06): ``ResultPool``: allocations *under* ``min_bytes`` come from torch's allocator; one
+    of exactly ``min_bytes`` is a pooled, pre-faulted block that comes back for the next result of that size once
+    dropped (the module docstring's boundary). Pins the comparison at the threshold (``<`` not ``<=``)."""
     pool = ResultPool(4 * GRAIN, min_bytes=GRAIN)
     t = pool.empty((GRAIN,), torch.uint8)
     assert pool.stats["faulted"] == 1 and pool.stats["unpooled"] == 0
@@ -206,9 +206,10 @@ def test_a_result_of_exactly_min_bytes_comes_from_the_pool():
 
 
 def test_a_pool_with_no_room_hands_out_plain_tensors_for_large_results_too():
-    """Mutation review (2026-12-06): ``result_pool_bytes=0`` turns the pool off: every result, whatever its size (also above ``min_bytes``), is
-    a plain torch allocation, counted ``unpooled``; no block is faulted in up front (a page-touch pass over a
-    block the pool could never keep is pure cost on the engine thread) and none is ever filed or dropped."""
+    """Mutation review (2026-12-06): ``result_pool_bytes=0`` turns the pool off: every result, whatever its size (also
+    above ``min_bytes``), is a plain torch allocation, counted ``unpooled``; no block is faulted in up front (a
+    page-touch pass over a block the pool could never keep is pure cost on the engine thread) and none is ever filed
+    or dropped."""
     off = ResultPool(0, min_bytes=0)
     t = off.empty((2 * GRAIN,), torch.uint8)
     assert t.numel() == 2 * GRAIN

@@ -152,11 +152,11 @@ def test_a_closed_staging_refuses_a_claim_even_with_a_free_page():
 
 
 def test_a_page_stays_held_until_both_the_step_is_consumed_and_its_write_acknowledged():
-    """Mutation review (2026-12-06): ``StagingPages`` contract (segments.py docstring): a writer's page is held from the claim until BOTH the
-    step id was consumed (``ctx`` hold: materialize/discard) AND the committer acknowledged the step's writes
-    (``write`` hold: it reads the rows from the page until then). Consuming the step alone must not free the
-    page: a new step's rows would overwrite rows the committer has yet to copy (wrong row in the pool). A claim
-    with no page free fails at once with ``timeout_s=0`` (no waiting involved), naming the holder step."""
+    """Mutation review (2026-12-06): ``StagingPages`` contract (segments.py docstring): a writer's page is held from
+    the claim until BOTH the step id was consumed (``ctx`` hold: materialize/discard) AND the committer acknowledged
+    the step's writes (``write`` hold: it reads the rows from the page until then). Consuming the step alone must
+    not free the page: a new step's rows would overwrite rows the committer has yet to copy (wrong row in the pool).
+    A claim with no page free fails at once with ``timeout_s=0`` (no waiting involved), naming the holder step."""
     pages = StagingPages(depth=1, capacity=4, cache="k")
     page = pages.claim(7, 1.0)  # the writer's default holds: ("ctx", "write")
     pages.release(page, "ctx")  # consumed, write not yet acknowledged
