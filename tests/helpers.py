@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -329,3 +330,32 @@ def io_thread_parked(link, *, before_events_check: bool = False) -> Iterator[thr
     finally:
         gate.set()
         link._readable = real_readable
+
+
+def until(cond, timeout_s: float, what: str) -> None:
+    """Poll ``cond`` every 5 ms until it holds; fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s:.1f}s"
+        time.sleep(0.005)
+
+
+def stopped_at_hello(condition: str) -> tuple[str, ...]:
+    """``python_args`` of a committer that sends itself SIGTERM when a Hello for which ``condition`` (a Python
+    expression over ``msg``) holds arrives, and handles that Hello once it is stopping: the stop signal comes
+    while the Hello is queued."""
+    return ("-c", f"""
+import os, signal, sys, time
+from omnishm.committer.attach import Attach
+orig = Attach.on_hello
+def on_hello(self, identity, msg):
+    if ({condition}) and not self.stopping:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return orig(self, identity, msg)
+Attach.on_hello = on_hello
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+""")

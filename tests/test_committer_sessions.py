@@ -19,7 +19,7 @@ from omnishm.liveness import proc_identity
 from omnishm.committer.sessions import Session, SessionTable
 from omnishm.versions import MAX_EPOCH
 
-from helpers import RawClient, Writer
+from helpers import RawClient, Writer, stopped_at_hello
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
 
@@ -383,30 +383,13 @@ def test_a_layout_refusal_is_retryable_only_while_every_client_is_likely_dead(co
             c.close()
 
 
-TERM_BEFORE_A_HELLO = """
-import os, signal, sys, time
-from omnishm.committer.attach import Attach
-orig = Attach.on_hello
-def on_hello(self, identity, msg):
-    if msg.client_id.startswith("late") and not self.stopping:  # the stop signal comes while the Hello is queued
-        os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while not self.stopping and time.monotonic() < deadline:
-            time.sleep(0.01)
-    return orig(self, identity, msg)
-Attach.on_hello = on_hello
-from omnishm.committer.start import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_a_stopping_committer_tells_a_new_client_to_retry(committer_factory):
     """A new client's Hello answered by a committer on its way out (the stop signal came while the Hello was queued) is
     refused for now, not for good: the Refused says the committer is stopping and carries a retry delay, so the
     client tries again and the cache's next committer (a supervisor's, an autostart) answers it. Mutation review
     (2026-12-06, ``retry_after_s`` dropped from that refusal: the client took it as final and its engine failed to
     start)."""
-    handle = committer_factory(*ARGS, python_args=("-c", TERM_BEFORE_A_HELLO))
+    handle = committer_factory(*ARGS, python_args=stopped_at_hello('msg.client_id.startswith("late")'))
     c = RawClient(handle.endpoint, handle.name)
     c.client_id = "late" + c.client_id[:20]
     try:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import unique_cache_name
-from helpers import io_thread_parked
+from helpers import io_thread_parked, until
 from manager_helpers import small_config
 from omnishm import liveness, shm
 from omnishm import protocol as P
@@ -25,13 +25,6 @@ from omnishm.client.link import CommitterLink
 from omnishm.interface import OmniPrefixCacheCommitterError
 
 LAYOUT = P.Layout(num_blocks=8, block_size=4)
-
-
-def _until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s:.1f}s"
-        time.sleep(0.005)
 
 
 def test_heartbeats_in_flight_when_the_committer_is_lost_are_failed_not_kept(committer_factory):
@@ -64,10 +57,10 @@ def test_heartbeats_in_flight_when_the_committer_is_lost_are_failed_not_kept(com
             on_resume(reply)
 
         link._on_resume_reply = note
-        _until(lambda: len(beats) >= 2, 5.0, "two heartbeats")
+        until(lambda: len(beats) >= 2, 5.0, "two heartbeats")
         first.stop(signal.SIGKILL)
         committer_factory(*fast, name=first.name)  # adopts the cache: this link holds the liveness lock
-        _until(lambda: link.dead is not None or link.stats["reconnects"] > 0, 15.0, "the resume")
+        until(lambda: link.dead is not None or link.stats["reconnects"] > 0, 15.0, "the resume")
         assert link.dead is None, link.dead
         t = resumed_at[0]
         with link._plock:
@@ -101,7 +94,7 @@ def test_a_writer_names_the_staging_its_welcome_gave_it_when_it_resumes(committe
         first.stop(signal.SIGKILL)
         assert shm.unlink_segment(staging[0])
         committer_factory(*fast, name=first.name)  # adopts the cache: this link holds the liveness lock
-        _until(lambda: link.dead is not None or link.stats["reconnects"] > 0, 15.0, "the resume's answer")
+        until(lambda: link.dead is not None or link.stats["reconnects"] > 0, 15.0, "the resume's answer")
         assert link.dead is not None and "cannot resume writer" in link.dead and staging[0] in link.dead, \
             (link.dead, dict(link.stats))
     finally:
@@ -189,7 +182,7 @@ def test_a_refused_resume_leaves_the_link_dead_for_that_reason_and_its_thread_ru
         first.stop(signal.SIGKILL)
         assert shm.unlink_segment(staging)
         committer_factory(*fast, name=first.name)  # adopts the cache, refuses this writer's resume
-        _until(lambda: link.dead is not None, 15.0, "the refused resume")
+        until(lambda: link.dead is not None, 15.0, "the refused resume")
         with io_thread_parked(link):  # the I/O thread still runs its loop
             pass
         assert "cannot resume writer" in link.dead and "I/O thread failed" not in link.dead, link.dead
@@ -214,7 +207,7 @@ def test_silence_is_not_judged_over_a_stall_of_the_link_thread(committer_factory
             stopped = True
             fut = link.submit(lambda rid: P.StatusRequest(rid=rid))
             t0 = time.monotonic()
-            _until(lambda: time.monotonic() - t0 > 1.5, 5.0, "the stall")  # the stall itself is what is tested
+            until(lambda: time.monotonic() - t0 > 1.5, 5.0, "the stall")  # the stall itself is what is tested
         with io_thread_parked(link):  # the thread ran one whole pass after the stall, silence check included
             pass
         assert link.stats["io_stalls"] >= 1

@@ -21,16 +21,9 @@ import pytest
 from omnishm import protocol as P
 from omnishm.client.link import CommitterLink
 
-from helpers import io_thread_parked
+from helpers import io_thread_parked, until
 
 LAYOUT = P.Layout(num_blocks=8, block_size=4)
-
-
-def _until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s:.1f}s"
-        time.sleep(0.005)
 
 
 class _PollWatch:
@@ -61,7 +54,7 @@ def _idle(link) -> None:
         # The I/O thread may have entered its whole-tick poll on the real poller before the swap (the constructor
         # ran late on a loaded host: CI, 2026-12-06): it would sit there 10 s unseen. A wake ends that poll.
         link._wake()
-    _until(lambda: link._poller.long_poll.is_set() and not link._pending, 5.0, "an idle link in a long poll")
+    until(lambda: link._poller.long_poll.is_set() and not link._pending, 5.0, "an idle link in a long poll")
 
 
 def test_a_request_never_overtakes_one_queued_in_the_outbox(committer_factory):
@@ -91,7 +84,7 @@ def test_a_request_never_overtakes_one_queued_in_the_outbox(committer_factory):
         fut_b = link.submit(make_b)
         fut_b.add_done_callback(lambda f: order.append(f.result().rid))
         link._wake()  # the outbox is flushed by the I/O thread
-        _until(lambda: len(order) == 2, 10.0, "both replies")
+        until(lambda: len(order) == 2, 10.0, "both replies")
         assert order == [queued[0], fut_b.rid], f"replies came back as {order}: the later request overtook"
     finally:
         link.close()
@@ -201,7 +194,7 @@ def test_wake_if_replied_wakes_the_io_thread_for_a_message_still_in_the_outbox(c
         _idle(link)
         proxy = _with_full_socket(link, 2)  # the submit's send, then the I/O thread's flush
         fut = link.submit(lambda rid: P.StatusRequest(rid=rid))
-        _until(lambda: proxy.refused == 2, 5.0, "the I/O thread's flush to find the socket full")
+        until(lambda: proxy.refused == 2, 5.0, "the I/O thread's flush to find the socket full")
         time.sleep(0.05)  # premise only: the I/O thread is back in its 10 s poll
         assert list(link._outbox) == [fut.rid] and not fut.done()
         link.wake_if_replied()
@@ -259,7 +252,7 @@ def test_settling_a_request_wakes_a_caller_waiting_for_in_flight_room(committer_
 
         t = threading.Thread(target=caller)
         t.start()
-        _until(lambda: link._room_waiters == 1, 5.0, "the caller to wait for room")
+        until(lambda: link._room_waiters == 1, 5.0, "the caller to wait for room")
         t0 = time.monotonic()
         assert link.settle(futs[0].rid, P.StepDone(rid=futs[0].rid, step=0, done_tids=b"")) is True
         t.join(5.0)
@@ -291,7 +284,7 @@ def test_silence_counts_only_while_a_request_the_committer_answers_is_outstandin
                          heartbeat_timeout_s=0.5)
     try:
         n0 = link.heartbeats_sent
-        _until(lambda: link.heartbeats_sent >= n0 + 2 and link.writer_ack[0] >= n0 + 2, 10.0, "two answered beats")
+        until(lambda: link.heartbeats_sent >= n0 + 2 and link.writer_ack[0] >= n0 + 2, 10.0, "two answered beats")
         assert link.stats["committer_lost"] == 0 and link.state == "connected"
     finally:
         link.close()
@@ -307,7 +300,7 @@ def test_a_silent_committer_is_lost_after_the_clients_heartbeat_timeout(committe
     os.kill(handle.proc.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        _until(lambda: link.state != "connected", 10.0, "the committer lost")
+        until(lambda: link.state != "connected", 10.0, "the committer lost")
         took = time.monotonic() - t0
         assert 1.9 <= took < 3.6, f"lost after {took:.2f}s with heartbeat_timeout_s=2"
     finally:
@@ -323,9 +316,9 @@ def test_a_link_nobody_resumes_is_dead_once_reconnect_timeout_s_passed(committer
                          reconnect_timeout_s=2.0)
     try:
         handle.stop(signal.SIGKILL)
-        _until(lambda: link.state != "connected", 5.0, "the committer seen gone")
+        until(lambda: link.state != "connected", 5.0, "the committer seen gone")
         t0 = time.monotonic()
-        _until(lambda: link.dead is not None, 10.0, "the link dead")
+        until(lambda: link.dead is not None, 10.0, "the link dead")
         took = time.monotonic() - t0
         assert took < 3.5, f"dead {took:.2f}s after it was lost, reconnect_timeout_s=2"
         assert "reconnect_timeout_s=2.0" in link.dead
@@ -341,7 +334,7 @@ def test_a_plain_request_outstanding_at_a_resume_is_re_sent_and_answered_not_set
                          reconnect_timeout_s=20.0)
     try:
         handle.stop(signal.SIGKILL)
-        _until(lambda: link.state != "connected", 5.0, "the committer seen gone")
+        until(lambda: link.state != "connected", 5.0, "the committer seen gone")
         fut = link.submit(lambda rid: P.StatusRequest(rid=rid))  # pending while resuming
         committer_factory("--heartbeat-s", "0.25", "--heartbeat-timeout-s", "60", name=handle.name)
         reply = fut.result(timeout=15)
@@ -380,20 +373,20 @@ def test_a_request_queued_in_the_outbox_when_the_committer_was_lost_is_sent_once
         real_resumed(reply)
 
     try:
-        _until(lambda: not link._pending, 5.0, "an idle link")
+        until(lambda: not link._pending, 5.0, "an idle link")
         proxy = _with_full_socket(link, 10 ** 9)  # the socket stays full: the request waits in the outbox
         fut = link.submit(lambda rid: P.StatusRequest(rid=rid))
         data = link._pending[fut.rid].data
-        _until(lambda: proxy.refused >= 2, 5.0, "the flush to find the socket full")
+        until(lambda: proxy.refused >= 2, 5.0, "the flush to find the socket full")
         assert list(link._outbox) == [fut.rid]
         link._new_socket, link._on_resume_reply = new_socket, resumed
         handle.stop(signal.SIGKILL)
-        _until(lambda: link.state != "connected", 5.0, "the committer seen gone")
+        until(lambda: link.state != "connected", 5.0, "the committer seen gone")
         committer_factory(*fast, name=handle.name, wait=False)
-        _until(lambda: link.stats["reconnects"] == 1, 20.0, "the resume")
+        until(lambda: link.stats["reconnects"] == 1, 20.0, "the resume")
         # Several passes of the I/O thread's loop (each flushes the outbox), all before the committer runs again.
         n = link.heartbeats_sent
-        _until(lambda: link.heartbeats_sent >= n + 2, 5.0, "two heartbeats after the resume")
+        until(lambda: link.heartbeats_sent >= n + 2, 5.0, "two heartbeats after the resume")
         assert sent.count(data) == 1, f"the queued request went out {sent.count(data)} times after the resume"
         os.kill(stopped[0], signal.SIGCONT)
         assert isinstance(fut.result(timeout=10), P.StatusReply)
@@ -427,7 +420,7 @@ def test_a_quiet_step_outstanding_does_not_make_the_committer_silent(committer_f
     try:
         rid = _inject_unanswered(link, marker=1)
         n0 = link.heartbeats_sent
-        _until(lambda: link.heartbeats_sent >= n0 + 2 and link.writer_ack[0] >= n0 + 2, 10.0, "two answered beats")
+        until(lambda: link.heartbeats_sent >= n0 + 2 and link.writer_ack[0] >= n0 + 2, 10.0, "two answered beats")
         assert link.stats["committer_lost"] == 0 and link.state == "connected"
         assert link.settle(rid, P.StepDone(rid=rid, step=0, done_tids=b"")) is True
     finally:
@@ -444,7 +437,7 @@ def test_replies_to_other_requests_keep_the_committer_heard(committer_factory):
     try:
         rid = _inject_unanswered(link, marker=0)
         n0 = link.heartbeats_sent
-        _until(lambda: link.writer_ack[0] >= n0 + 8, 10.0, "eight answered beats (2 s)")
+        until(lambda: link.writer_ack[0] >= n0 + 8, 10.0, "eight answered beats (2 s)")
         assert link.stats["committer_lost"] == 0 and link.state == "connected"
         assert link.settle(rid, P.StepDone(rid=rid, step=0, done_tids=b"")) is True
     finally:
@@ -481,13 +474,13 @@ def test_a_closing_link_sends_no_heartbeat_once_its_goodbye_went(committer_facto
 
     def shutdown() -> None:  # close(): the Goodbye was answered
         beats, p0 = link.heartbeats_sent, passes[0]
-        _until(lambda: passes[0] >= p0 + 80, 10.0, "40 passes of the I/O thread")
+        until(lambda: passes[0] >= p0 + 80, 10.0, "40 passes of the I/O thread")
         seen["beats_after_goodbye"] = link.heartbeats_sent - beats
         seen["lost"] = link.stats["committer_lost"]
         real_shutdown()
 
     link._note_stall, link._shutdown_thread = note_stall, shutdown
-    _until(lambda: link.heartbeats_sent >= 2, 10.0, "heartbeats flowing")
+    until(lambda: link.heartbeats_sent >= 2, 10.0, "heartbeats flowing")
     link.close()
     assert seen == {"beats_after_goodbye": 0, "lost": 0}, seen
 
@@ -513,7 +506,7 @@ def test_the_writer_ack_names_the_heartbeat_it_answers(committer_factory):
     handle = committer_factory("--heartbeat-s", "0.25", "--heartbeat-timeout-s", "60")
     link = CommitterLink(cache=handle.name, role=P.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
     try:
-        _until(lambda: link.heartbeats_sent >= 3 and link.writer_ack[0] == link.heartbeats_sent, 5.0,
+        until(lambda: link.heartbeats_sent >= 3 and link.writer_ack[0] == link.heartbeats_sent, 5.0,
                "a heartbeat answered with none after it sent")
     finally:
         link.close()
@@ -561,7 +554,7 @@ def test_a_writer_link_names_the_staging_of_keys_it_opened_when_it_resumes(commi
         first.stop(signal.SIGKILL)
         assert shm.unlink_segment(staging)
         committer_factory(*fast, name=first.name)  # adopts the cache: this link holds the liveness lock
-        _until(lambda: link.dead is not None or link.stats["reconnects"] > 0, 15.0, "the resume's answer")
+        until(lambda: link.dead is not None or link.stats["reconnects"] > 0, 15.0, "the resume's answer")
         assert link.dead is not None and "cannot resume writer" in link.dead and staging in link.dead, \
             (link.dead, dict(link.stats))
     finally:
@@ -577,9 +570,9 @@ def test_resume_attempts_are_paced_by_the_heartbeat_period(committer_factory):
                          reconnect_timeout_s=10.0)
     try:
         handle.stop(signal.SIGKILL)
-        _until(lambda: link.stats["resume_attempts"] >= 1, 5.0, "the first resume attempt")
+        until(lambda: link.stats["resume_attempts"] >= 1, 5.0, "the first resume attempt")
         t0 = time.monotonic()
-        _until(lambda: link.stats["resume_attempts"] >= 3, 8.0, "the third resume attempt")
+        until(lambda: link.stats["resume_attempts"] >= 3, 8.0, "the third resume attempt")
         took = time.monotonic() - t0
         assert took >= 1.9, f"three resume attempts within {took:.2f}s (one per second expected)"
         assert link.dead is None
@@ -605,13 +598,13 @@ def test_a_resumes_welcome_counts_as_the_answer_to_the_latest_heartbeat(committe
             seen.append((link.writer_ack[0], link.heartbeats_sent))
 
     try:
-        _until(lambda: link.heartbeats_sent >= 2, 5.0, "heartbeats flowing")
+        until(lambda: link.heartbeats_sent >= 2, 5.0, "heartbeats flowing")
         link._on_resume_reply = resumed
         handle.stop(signal.SIGKILL)
         committer_factory(*fast, name=handle.name)
         # Waits for ``seen``, not the ``reconnects`` count: the I/O thread counts the resume inside
         # ``_on_resume_reply`` and appends to ``seen`` only after it returned.
-        _until(lambda: seen, 15.0, "the resume's Welcome")
+        until(lambda: seen, 15.0, "the resume's Welcome")
         assert link.stats["reconnects"] == 1
         assert len(seen) == 1 and seen[0][1] >= 2 and seen[0][0] == seen[0][1], seen
     finally:

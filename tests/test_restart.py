@@ -25,6 +25,7 @@ import pytest
 import torch
 import zmq
 
+from helpers import stopped_at_hello
 from manager_helpers import BS, Part, rows, save, small_config, started
 from omnishm import protocol, shm
 from omnishm.client import OmniPrefixCacheManager
@@ -312,21 +313,6 @@ def test_a_first_hello_held_by_a_killed_committer_is_sent_again(committer_factor
 
 
 # SIGTERM arrives, and its handler runs, just before the committer handles a resume Hello.
-_TERM_BEFORE_RESUME = """
-    import os, signal, sys, time
-    from omnishm.committer.attach import Attach
-    orig = Attach.on_hello
-    def on_hello(self, identity, msg):
-        if msg.resume and not self.stopping:
-            os.kill(os.getpid(), signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while not self.stopping and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return orig(self, identity, msg)
-    Attach.on_hello = on_hello
-"""
-
-
 def test_a_stopping_committer_refuses_a_resume_and_the_client_is_told_why(committer_factory):
     """A committer that is stopping refuses a resume Hello, saying so: its stop unlinks the generation with its
     clients attached, so the resume could never hold, and no later committer can resume it either. The writer's
@@ -341,7 +327,7 @@ def test_a_stopping_committer_refuses_a_resume_and_the_client_is_told_why(commit
         m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
         m.wait_idle(timeout_s=10)
         first.stop(signal.SIGKILL)
-        second = committer_factory(*FAST, name=first.name, python_args=_patched_committer(_TERM_BEFORE_RESUME),
+        second = committer_factory(*FAST, name=first.name, python_args=stopped_at_hello("msg.resume"),
                                    wait=False)
         assert second.proc.wait(20) == 0, second.log()
         _wait(lambda: m._link.dead is not None, 15, "the link to go dead")  # well inside reconnect_timeout_s
