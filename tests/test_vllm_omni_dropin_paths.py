@@ -237,9 +237,15 @@ def test_a_staging_timeout_raises_vllm_omnis_staging_timeout_class(committer_fac
         ours.new_step_starts(_step(view, [("a", 0, [0], 4)], new=(("a", 0, [0]),)))
         held = ours.save_outputs(torch.randn(4, 8), {}, num_tokens_unpadded=4, num_tokens_padded=4)
         ours.new_step_starts(_step(view, [("a", 4, [0], 1)]))
-        with pytest.raises(VO.OmniPrefixCacheStagingTimeoutError):
+        with pytest.raises(VO.OmniPrefixCacheStagingTimeoutError) as timed_out:
             ours.save_outputs(torch.randn(1, 8), {}, num_tokens_unpadded=1, num_tokens_padded=1)
+        # The attributes the message names come along (review, 2026-12-06: only on __cause__ before).
+        assert timed_out.value.step_id == held + 1 and f"step_id={held + 1}" in str(timed_out.value)
         ours.discard_step(held)
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="already consumed") as twice:
+            ours.discard_step(held)
+        assert (twice.value.req_id, twice.value.key, twice.value.step_id) == (None, None, held)
+        assert not isinstance(twice.value, VO.OmniPrefixCacheStagingTimeoutError)
         ours.new_step_starts(_step(view, [("a", 5, [0], 1)]))
         ours.discard_step(ours.save_outputs(torch.randn(1, 8), {}, num_tokens_unpadded=1, num_tokens_padded=1))
     finally:

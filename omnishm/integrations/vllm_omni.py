@@ -298,13 +298,16 @@ class VllmOmniPrefixCacheManager:
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
-        """Re-raise omnishm's cache errors as vllm-omni's classes, so a vllm-omni ``except`` catches them."""
+        """Re-raise omnishm's cache errors as vllm-omni's classes, so a vllm-omni ``except`` catches them; the
+        message and the ``req_id``, ``key`` and ``step_id`` it names come along."""
         try:
             yield
-        except OmniPrefixCacheStagingTimeoutError as exc:
-            raise self._vo.OmniPrefixCacheStagingTimeoutError(str(exc)) from exc
         except OmniPrefixCacheUnmatchError as exc:
-            raise self._vo.OmniPrefixCacheUnmatchError(str(exc)) from exc
+            timed_out = isinstance(exc, OmniPrefixCacheStagingTimeoutError)
+            err = (self._vo.OmniPrefixCacheStagingTimeoutError if timed_out else self._vo.OmniPrefixCacheUnmatchError)(
+                str(exc))
+            err.req_id, err.key, err.step_id = exc.req_id, exc.key, exc.step_id
+            raise err from exc
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
