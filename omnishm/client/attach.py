@@ -87,13 +87,7 @@ def _drop_inherited_liveness_locks() -> None:
     generation stayed in /dev/shm (review, 2026-12-06). The parent keeps the lock through its own fd. A
     forked manager never uses its link, so the child loses nothing."""
     for link in list(_LIVENESS_LOCK_HOLDERS):
-        fd, link._live_fd = link._live_fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-    _LIVENESS_LOCK_HOLDERS.clear()
+        link._release_liveness_lock()  # closes the child's fd only: the parent's still holds the lock
 
 
 os.register_at_fork(after_in_child=_drop_inherited_liveness_locks)
