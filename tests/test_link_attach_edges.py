@@ -143,10 +143,9 @@ def test_a_committer_still_starting_is_waited_for_not_joined_by_another(tmp_path
                 os.kill(proc.pid, signal.SIGCONT)
         if m is not None:
             m.shutdown()
-    deadline = time.monotonic() + 30
-    while (liveness.cache_is_live(runtime, name) or any(p.alive() for p in started)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(p.alive() for p in started) and shm.list_segments(name) == []
+    until(lambda: not liveness.cache_is_live(runtime, name) and not any(p.alive() for p in started), 30,
+          "the autostarted committer's exit")
+    assert shm.list_segments(name) == []
 
 
 def test_a_launch_that_failed_is_tried_again_only_after_five_seconds(tmp_path, monkeypatch):
