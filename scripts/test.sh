@@ -2,10 +2,12 @@
 # Install everything and run the test suite (what CI runs first).
 #   scripts/test.sh            the main suite (real committer processes, real shm, real ZeroMQ)
 #   scripts/test.sh -k NAME    extra arguments go to pytest
+#   scripts/test.sh -n 0       serially (by default two pytest-xdist workers, one file each at a time: the suite
+#                              mostly waits on its committer processes, so two halve its time on two cores)
 #   PYTHON=python3.12 ...      the interpreter to install into and test with (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 bash scripts/install.sh
-"$PY" -m pytest -q -m "not vllm" -p no:cacheprovider tests "$@"
+"$PY" -m pytest -q -m "not vllm" -p no:cacheprovider -n 2 --dist loadfile tests "$@"
 "$PY" -m omnishm demo --tp 2 --steps 200

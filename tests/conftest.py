@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from omnishm import paths, protocol, shm  # noqa: E402
+from omnishm.liveness import CacheLock  # noqa: E402
 
 from helpers import RawClient  # noqa: E402
 from manager_helpers import quick_config  # noqa: E402
@@ -39,6 +40,14 @@ SHARED_CACHES: set[str] = set()
 """Caches of module-scoped committers: their segments outlive single tests and are checked at their teardown."""
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
+
+
+# scripts/test.sh runs the suite in two pytest-xdist workers, each a session with its own runtime dir. A committer
+# that starts sweeps dead caches of other names host-wide, another runtime dir's too once nobody serves from it
+# (``orphans._abandoned``). A test that SIGKILLs its whole cache on purpose leaves its dir served by nobody for a
+# moment, and the other worker's next committer swept the segments the test was about to check. A cache lock held
+# for the whole session keeps this session's dir served, as an engine host's dir is while anything runs there.
+_DIR_ANCHOR = CacheLock.acquire(RUNTIME_DIR, f"{SESSION_PREFIX}-anchor", "session")
 
 
 def unique_cache_name(tag: str = "c") -> str:
@@ -61,6 +70,8 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if _DIR_ANCHOR is not None:
+        _DIR_ANCHOR.release()
     shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
 
 
