@@ -447,3 +447,27 @@ def test_cleanup_force_removes_a_dead_committers_generation_that_a_client_still_
     finally:
         os.close(fd)
         writer.raw.close()
+
+
+def test_cleanup_of_a_symlink_loop_runtime_dir_still_sweeps_a_dead_cache(capsys, tmp_path):
+    """REVIEW (stop 51): ``cleanup --runtime-dir`` naming a symlink loop swept the dead caches' segments only while
+    there were none: with one, asking whether its committer's lock was held raised ELOOP, and cleanup failed
+    ("Too many levels of symbolic links") with the dead generation left. A dir that is a loop holds no lock, as
+    one that is a file holds none."""
+    from omnishm import liveness
+
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    cache = unique_cache_name("loopdead")
+    made = [shm.segment_name(cache, "g0", w) for w in ("ctl", "pool.k0")]
+    for name in made:
+        shm.Segment.create(name, 64).close()
+    liveness.GenerationOwner.acquire(cache, "g0", runtime_dir=RUNTIME_DIR).release(unlink=False)
+    made.append(shm.segment_name(cache, "g0", liveness.OWNER))
+    try:
+        code, out, err = run(capsys, "cleanup", "--runtime-dir", str(loop))
+        assert code == 0 and "3 orphaned object(s) removed" in out, (out, err)
+        assert shm.list_segments(cache) == []
+    finally:
+        for name in made:
+            shm.unlink_segment(name)

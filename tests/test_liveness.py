@@ -19,14 +19,18 @@ from pathlib import Path
 import posix_ipc
 import pytest
 
-from conftest import unique_cache_name
+from conftest import RUNTIME_DIR, unique_cache_name
 from omnishm import liveness, orphans, paths, shm
 from omnishm.committer import meta, start
 
 
 def _dead_generation(cache: str, gen: str, recorded) -> list[str]:
     """The segments a committer of ``cache`` SIGKILLed while serving ``gen`` leaves (its owner segment naming the
-    runtime dir ``recorded``): sorted names, the owner's included."""
+    runtime dir ``recorded``): sorted names, the owner's included.
+
+    A committer that another session of the suite starts meanwhile sweeps them when ``recorded`` is a dir nobody
+    serves from (``orphans._abandoned``): a test that sweeps them itself names a served dir, as the session's
+    ``RUNTIME_DIR`` is (review, stop 51)."""
     names = [shm.segment_name(cache, gen, w) for w in ("ctl", "pool.k0")]
     for name in names:
         shm.Segment.create(name, 64).close()
@@ -66,7 +70,7 @@ def test_assume_dead_sweeps_other_generations_with_clients_attached(tmp_path):
 def test_sweep_leaves_a_generation_whose_owner_was_remade_and_is_held_between_open_and_lock(tmp_path, monkeypatch):
     rt = paths.ensure_runtime_dir(tmp_path / "rt")
     cache = unique_cache_name("remade")
-    made = _dead_generation(cache, "g0", rt)
+    made = _dead_generation(cache, "g0", RUNTIME_DIR)
     owner_name = shm.segment_name(cache, "g0", liveness.OWNER)
     held = []
     real = orphans.flock_within
@@ -96,7 +100,7 @@ def test_sweep_leaves_a_generation_whose_owner_was_remade_and_is_held_between_op
 def test_a_client_attaching_while_the_sweep_takes_the_owner_lock_keeps_the_generation(tmp_path, monkeypatch):
     rt = paths.ensure_runtime_dir(tmp_path / "rt")
     cache = unique_cache_name("lateclient")
-    _dead_generation(cache, "g0", rt)
+    _dead_generation(cache, "g0", RUNTIME_DIR)
     fds = []
     real = orphans.flock_within
 
@@ -257,9 +261,9 @@ def test_start_up_sweep_leaves_a_served_foreign_dirs_dead_cache(tmp_path):
     rt = paths.ensure_runtime_dir(tmp_path / "rt")
     other = paths.ensure_runtime_dir(tmp_path / "other")
     cache, nodir = unique_cache_name("foreign"), unique_cache_name("nodir")
+    lock = liveness.CacheLock.acquire(other, "alive", "g1")  # first: a dir nobody serves is another session's to sweep
     made = _dead_generation(cache, "g0", other)
     made2 = _dead_generation(nodir, "g0", None)
-    lock = liveness.CacheLock.acquire(other, "alive", "g1")
     try:
         start._sweep_dead_caches(rt, "me")
         assert sorted(shm.list_segments(cache)) == made
