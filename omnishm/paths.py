@@ -64,7 +64,15 @@ def ensure_runtime_dir(path: Path | str | None = None) -> Path:
 def socket_in_use(path: Path) -> bool:
     """Whether a live process listens on the unix socket ``path`` (a connect succeeds): a socket file is
     stale, and may be replaced, only when a connect is refused. The cache lock guards a cache's default
-    socket; an explicit endpoint may be named by committers of other caches or runtime dirs too (trap 4)."""
+    socket; an explicit endpoint may be named by committers of other caches or runtime dirs too (trap 4).
+    Whatever is there that is not a socket (a regular file, a link) is never taken over either: True. A connect
+    to a regular file is refused too, and a committer whose endpoint named a user's file unlinked the file and
+    bound its socket there (review, stop 51)."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return True
+    except FileNotFoundError:
+        return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:

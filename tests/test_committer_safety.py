@@ -322,6 +322,40 @@ def test_a_committer_never_takes_over_a_live_socket_at_an_explicit_endpoint(comm
         client.close()
 
 
+@pytest.mark.parametrize("what", ["file", "link"])
+def test_a_committer_refuses_an_explicit_endpoint_that_names_a_file_and_leaves_the_file(committer_factory, tmp_path,
+                                                                                      what):
+    """MUTATION REVIEW (stop 51): a connect to a regular file is refused as one to a stale socket is, so a
+    committer given ``--endpoint ipc://FILE`` took the user's file for its own dead socket, unlinked it and bound
+    there. Whatever is at the path that is not a socket, a file or a link, is refused now (exit 2, "not a
+    socket"), and left as it was; nothing of the committer's is left beside it."""
+    from conftest import unique_cache_name
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    path = notes if what == "file" else tmp_path / "link.sock"
+    if what == "link":
+        path.symlink_to(notes)
+    handle = committer_factory("--endpoint", f"ipc://{path}", name=unique_cache_name("file"), wait=False)
+    assert handle.proc.wait(30) == 2, handle.log()
+    assert f"{path} is not a socket; refusing to replace it" in handle.log()
+    assert notes.read_text() == "precious" and not notes.is_socket() and os.path.lexists(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"notes.txt", path.name})
+
+
+def test_a_sweep_never_removes_a_file_that_is_not_a_socket_at_a_caches_socket_path(tmp_path):
+    """MUTATION REVIEW (stop 51): the sweep judged a dead cache's socket by a connect alone, which a regular file
+    refuses too: whatever else is at the socket's path is not a committer's to remove."""
+    from conftest import unique_cache_name
+
+    rt = paths.ensure_runtime_dir(tmp_path / "rt")
+    cache = unique_cache_name("notsock")
+    sock = paths.socket_path(rt, cache)
+    sock.write_text("not a socket")
+    assert orphans.sweep(rt, cache) == []
+    assert sock.read_text() == "not a socket" and sorted(p.name for p in rt.iterdir()) == [sock.name]
+
+
 def test_a_committer_binds_an_explicit_endpoint_only_under_its_sockets_lock(committer_factory, tmp_path):
     """REVIEW (2026-12-05): checking an explicit endpoint's socket, unlinking it when stale and binding were
     not under one lock: two committers of different caches given one endpoint at the same instant both found
@@ -867,3 +901,20 @@ def test_a_hello_with_negative_staging_rows_is_refused_whatever_its_role(committ
     finally:
         writer.close()
         reader.close()
+
+
+# MUTATION REVIEW (stop 51): StepDone.failure on a real committer's reply.
+def test_a_refused_step_that_names_no_tids_is_a_failure_by_its_reason(committer_factory):
+    """Contract: ``StepDone.failure`` is the client's one test of a step reply, and a reply with a reason is
+    a failure even when it names no failed tids: a real committer refusing a StepWrite with no entries (here
+    an unknown key) answers a reason and an empty ``failed_tids``, and the client must not take it for a
+    landed step. Kills the mutant that consults only ``failed_tids`` (the refusal read as success)."""
+    handle = committer_factory()
+    writer = Writer(handle.endpoint, handle.name, protocol.Layout(8, 4, {"k": protocol.KeySpec("float32", 4)}), 8)
+    try:
+        reply = writer.step_write(1, [], keys=["no-such-key"])
+        assert isinstance(reply, protocol.StepDone), reply
+        assert reply.failed_tids == b"" and "unknown key 'no-such-key'" in reply.reason, reply
+        assert reply.failure() == reply.reason
+    finally:
+        writer.goodbye()

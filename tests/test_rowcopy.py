@@ -7,6 +7,7 @@ on a reader.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +105,33 @@ def test_a_hit_large_enough_for_the_run_path_is_exact_on_the_writer_and_a_reader
     finally:
         r.shutdown()
         w.shutdown()
+
+
+# MUTATION REVIEW (stop 51): the run path's bound checks.
+def test_gather_rows_refuses_a_negative_slot_on_the_run_path_before_copying():
+    """Contract: a run-path read (large, consecutive slots) naming a slot below 0 raises ``IndexError``
+    before copying anything, as ``index_select`` would; it never memmoves the bytes lying before the pool
+    (another allocation's, or here the sentinel row of the larger tensor the pool is a view of) into the
+    result as if they were a cached row. Kills the mutant that drops ``lo < 0`` from the bound check."""
+    backing = torch.full((1025, 4096), 3.0, dtype=torch.bfloat16)
+    pool = backing[1:]  # row 0 of backing lies right before the pool in memory
+    pool.copy_(torch.arange(1024 * 4096).remainder(30011).to(torch.bfloat16).view(1024, 4096))
+    assert pool.is_contiguous()
+    out = torch.full((300, 4096), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(IndexError, match=r"slot out of range: \[-1, 298\] in a pool of 1024 rows"):
+        gather_rows(pool, torch.arange(-1, 299), out)
+    assert bool((out == 7).all()), "rows were copied before the range was checked"
+
+
+def test_gather_rows_never_writes_past_an_out_tensor_shorter_than_the_slots():
+    """Contract: ``gather_rows`` writes only inside ``out``. An ``out`` with fewer rows than ``slots`` (a
+    caller's bug) is index_select's to refuse (its storage cannot grow), never memmoved past its end into
+    whatever memory follows (here the spare row of the array ``out`` views). Kills the mutant that drops
+    the ``out.shape`` check that routes such a call away from the run path."""
+    pool = torch.arange(2048 * 1024, dtype=torch.float32).view(2048, 1024)
+    n = 512  # 2 MiB: the run path
+    base = np.zeros((n + 1, 1024), dtype=np.float32)
+    out = torch.from_numpy(base[: n - 1])  # one row short; base[n - 1] is not out's
+    with pytest.raises(RuntimeError):
+        gather_rows(pool, torch.arange(100, 100 + n), out)
+    assert not base[n - 1:].any(), "rows were written past the end of out"

@@ -236,3 +236,25 @@ def test_contract_errors_carry_the_step_id_and_the_request(mgr):
     with pytest.raises(OmniPrefixCacheUnmatchError, match="absent") as absent:
         m.materialize(sid, ["b"])
     assert (absent.value.req_id, absent.value.step_id) == ("b", sid) and absent.value.key is not None
+
+
+# MUTATION REVIEW (stop 51): PrefixCacheConfig's timeouts and from_vllm_config's overrides.
+@pytest.mark.parametrize("name", ["staging_claim_timeout_s", "commit_timeout_s", "reconnect_timeout_s"])
+@pytest.mark.parametrize("value", [0, 0.0, -1.0])
+def test_a_timeout_of_zero_or_less_is_refused_naming_the_knob(name, value):
+    """Contract: a timeout is a number of seconds in (0, MAX_TIMEOUT_S]; a PrefixCacheConfig built directly
+    (the manager takes it as given) refuses 0 or less with a ValueError naming the knob, instead of a config
+    whose every commit, staging or reconnect wait fails at once. Kills the mutant that lets 0 through
+    (``0 <= value``)."""
+    with pytest.raises(ValueError, match=rf"PrefixCacheConfig\.{name} must be a number of seconds in \(0, "):
+        PrefixCacheConfig(num_blocks=16, block_size=4, **{name: value})
+
+
+def test_an_explicit_override_beats_the_capacity_sized_from_vllm():
+    """Contract (seed ``from_vllm_config(..., **overrides)``): the staging capacity is sized from
+    ``max_num_batched_tokens`` unless the caller names ``staging_capacity_tokens`` itself; the caller's value
+    wins. Kills the mutant that applies the overrides before the derived capacity (the override was lost)."""
+    sc = SimpleNamespace(max_num_batched_tokens=2048, max_model_len=4096)
+    cfg = PrefixCacheConfig.from_vllm_config(num_blocks=2, block_size=16, scheduler_config=sc,
+                                             staging_capacity_tokens=512, staging_depth=3)
+    assert (cfg.staging_capacity_tokens, cfg.staging_depth) == (512, 3)

@@ -238,9 +238,9 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
         if swept:
             logger.info("committer %s: removed %d segment(s) of a previous committer", cfg.name, len(swept))
         _sweep_dead_caches(runtime_dir, cfg.name)
-        if not _remove_stale_socket(cfg):  # another cache's committer, or one of another runtime dir
-            print(f"omnishm committer: endpoint {cfg.endpoint} is served by a live process; refusing to "
-                  f"take its socket over", file=sys.stderr)
+        refusal = _remove_stale_socket(cfg)  # another cache's committer, one of another runtime dir, a user's file
+        if refusal is not None:
+            print(f"omnishm committer: {refusal}", file=sys.stderr)
             return EXIT_REFUSED
         committer = server.Committer(cfg, generation, pool=adopted)
         committer.bind()
@@ -306,16 +306,19 @@ def _lock_socket(cfg: CommitterConfig, runtime_dir: Path, generation: str) -> li
     return lock
 
 
-def _remove_stale_socket(cfg: CommitterConfig) -> bool:
+def _remove_stale_socket(cfg: CommitterConfig) -> str | None:
     """The caller holds the cache lock: unlink the ipc endpoint's socket file when it is stale (trap 4).
-    False when a live process serves it (an explicit endpoint that another cache's committer, or one of
-    another runtime dir, was given too): it is left alone."""
-    if cfg.ipc_path is None or not cfg.ipc_path.exists():
-        return True
+    None when the path is free now, else why it is left alone: a live process serves it (an explicit
+    endpoint that another cache's committer, or one of another runtime dir, was given too), or it is not a
+    socket (``paths.socket_in_use``: never a user's file)."""
+    if cfg.ipc_path is None or not os.path.lexists(cfg.ipc_path):
+        return None
+    if not cfg.ipc_path.is_socket() or cfg.ipc_path.is_symlink():
+        return f"{cfg.ipc_path} is not a socket; refusing to replace it"
     if paths.socket_in_use(cfg.ipc_path):
-        return False
+        return f"endpoint {cfg.endpoint} is served by a live process; refusing to take its socket over"
     cfg.ipc_path.unlink(missing_ok=True)
-    return True
+    return None
 
 
 def _autostart_log(runtime_dir: Path, name: str) -> Path | None:
