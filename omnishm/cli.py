@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import os
+import stat
 import sys
 import uuid
 from pathlib import Path
@@ -76,15 +77,20 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://"):])
         try:
-            path.lstat()
+            mode: int | None = path.lstat().st_mode
         except FileNotFoundError:
-            pass
+            mode = None
         except PermissionError as exc:  # another user's runtime dir (0700): a traceback said so before
             raise CommitterUnavailable(f"cannot reach the socket of cache {name!r} at {path}: {exc.strerror} (a "
                                        f"directory of another user? each user's committers are their own)") from None
         except OSError as exc:  # a file where a directory should be, a symlink loop, a name too long
             raise CommitterUnavailable(f"cannot reach the socket of cache {name!r} at {path}: "
                                        f"{exc.strerror or exc}") from None
+        if mode is not None and not stat.S_ISSOCK(mode):
+            # No committer binds there, and none removes it: cleanup's advice below did nothing (review, stop 51).
+            raise CommitterUnavailable(f"no committer for cache {name!r}: {path} is not a socket, and omnishm never "
+                                       f"replaces or removes it; remove it yourself, or pass another --endpoint or "
+                                       f"--runtime-dir")
         if not path.exists():
             held = liveness.CacheLock.holder(liveness.lock_path(runtime_dir, name)) if runtime_dir is not None else None
             if held is not None and liveness.cache_is_live(runtime_dir, name):  # started with another --endpoint

@@ -332,6 +332,16 @@ def io_thread_parked(link, *, before_events_check: bool = False) -> Iterator[thr
         link._readable = real_readable
 
 
+
+def dead_socket(path) -> None:
+    """Leave at ``path`` what a SIGKILLed committer leaves: a unix socket file nobody listens on. A regular file
+    does not stand in for it: omnishm never removes what is not a socket (``paths.socket_in_use``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+    finally:
+        sock.close()
+
 def until(cond, timeout_s: float, what: str) -> None:
     """Poll ``cond`` every 5 ms until it holds; fails naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -4,25 +4,53 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import posix_ipc
 import pytest
 import torch
 
 from conftest import REPO
 from omnishm import shm
-from omnishm.liveness import generation_owned
+from omnishm.liveness import OWNER, generation_owned, recorded_runtime_dir
 
 EXPECTED_FIGURES = {"1", "2", "3", "4", "5", "6"}
 
 
+def _of_this_bench(segment: str, tmp: Path) -> bool:
+    """Whether ``segment`` is a bench cache's that the bench run with ``TMPDIR=tmp`` made, or nobody's now.
+
+    A generation a live committer owns is this run's when its owner names a runtime dir under ``tmp`` (the
+    bench's ``mkdtemp``): one that outlived the bench. Another session's live bench (the other xdist worker's
+    test_bench_rows) names its own (review, stop 51: judging every owned generation as another's let this run's
+    leaked committer pass)."""
+    cache, generation, _ = shm.parse_segment_name(segment)
+    if not cache.startswith("bench"):
+        return False
+    if not generation_owned(cache, generation):
+        return True
+    try:
+        fd = posix_ipc.SharedMemory(shm.segment_name(cache, generation, OWNER), 0).fd
+    except posix_ipc.ExistentialError:
+        return True
+    try:
+        named = recorded_runtime_dir(fd)
+    finally:
+        os.close(fd)
+    return named is None or named.is_relative_to(tmp)
+
+
 def test_bench_quick_json_reports_every_figure_with_reference_and_ratio():
     before = set(shm.list_segments())
-    proc = subprocess.run([sys.executable, "-m", "omnishm", "bench", "--quick", "--json"], cwd=REPO,
-                          capture_output=True, text=True, timeout=110)
+    with tempfile.TemporaryDirectory(prefix="omnishm-bt-") as tmp:  # short: a socket path has 107 bytes
+        proc = subprocess.run([sys.executable, "-m", "omnishm", "bench", "--quick", "--json"], cwd=REPO,
+                              capture_output=True, text=True, timeout=110, env={**os.environ, "TMPDIR": tmp})
+        bench_segments = [s for s in set(shm.list_segments()) - before if _of_this_bench(s, Path(tmp))]
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     doc = json.loads(proc.stdout)
     assert doc["mode"] == "quick" and doc["goals_judged"] is False and doc["errors"] == {}
@@ -54,10 +82,6 @@ def test_bench_quick_json_reports_every_figure_with_reference_and_ratio():
         for r in rows:
             if r["figure"] in ("1", "2"):
                 assert r["extra"]["memcpy_glibc_committer_threshold_GBps"] > 0, r
-    # A generation still owned is a live bench's: another session's (the other xdist worker's test_bench_rows),
-    # as this one's committers are gone once it exits (review, stop 51).
-    bench_segments = [s for s in set(shm.list_segments()) - before
-                      if (p := shm.parse_segment_name(s))[0].startswith("bench") and not generation_owned(p[0], p[1])]
     assert bench_segments == []
 
 

@@ -471,3 +471,21 @@ def test_cleanup_of_a_symlink_loop_runtime_dir_still_sweeps_a_dead_cache(capsys,
     finally:
         for name in made:
             shm.unlink_segment(name)
+
+
+def test_ping_of_a_cache_whose_socket_path_holds_a_file_says_so_and_not_to_clean_up(capsys):
+    """REVIEW (stop 51): since a committer and the sweeps leave whatever is not a socket at a socket's path, ping's
+    advice for a leftover ("``omnishm cleanup --name`` removes what it left") did nothing for a file there, and the
+    committer kept refusing to start. Ping and status now say the path is not a socket and that omnishm leaves it."""
+    name = unique_cache_name("nsping")
+    sock = paths.socket_path(RUNTIME_DIR, name)
+    sock.write_text("leftover")
+    try:
+        for cmd in ("ping", "status"):
+            code, out, err = run(capsys, cmd, "--name", name, "--timeout-s", "1")
+            assert code == 1 and out == "", (cmd, out, err)
+            assert f"{sock} is not a socket, and omnishm never replaces or removes it" in err and "cleanup" not in err
+        code, out, err = run(capsys, "cleanup", "--name", name)
+        assert code == 0 and "0 orphaned object(s) removed" in out and sock.read_text() == "leftover", (out, err)
+    finally:
+        sock.unlink()

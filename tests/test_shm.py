@@ -15,6 +15,7 @@ import torch
 from omnishm import liveness, orphans, paths, shm
 
 from conftest import unique_cache_name
+from helpers import dead_socket
 
 
 def test_create_attach_view_unlink():
@@ -90,7 +91,7 @@ def test_lock_liveness_and_sweep(tmp_path):
     segs = [shm.Segment.create(shm.segment_name(cache, gen, "ctl"), 128)
             for cache, gen in ((live, "gen1"), (live, "old0"), (dead, "gen9"))]
     try:
-        Path(rt, f"{dead}.sock").touch()
+        dead_socket(Path(rt, f"{dead}.sock"))
         Path(rt, f"{dead}.lock").touch()  # lock file nobody holds: stale
         assert not liveness.cache_is_live(rt, dead)
         removed = orphans.sweep(rt, dead)
@@ -178,10 +179,10 @@ def test_a_sweep_without_a_name_leaves_runtime_files_no_committer_wrote(tmp_path
     only the socket and lock file of a dead cache whose lock a committer wrote (generation and pid)."""
     rt = paths.ensure_runtime_dir(tmp_path / "rt")
     dead = unique_cache_name("deadfiles")
-    (rt / "docker.sock").touch()
+    dead_socket(rt / "docker.sock")
     (rt / "app.lock").write_text("held by nobody\n")
     (rt / f"{dead}.lock").write_text("0badc0de 4194304\n")
-    (rt / f"{dead}.sock").touch()
+    dead_socket(rt / f"{dead}.sock")
     assert sorted(orphans.sweep(rt)) == sorted([str(rt / f"{dead}.lock"), str(rt / f"{dead}.sock")])
     assert sorted(os.listdir(rt)) == ["app.lock", "docker.sock"]
 
@@ -202,7 +203,7 @@ def test_a_sweep_leaves_the_files_of_a_committer_that_started_while_it_waited_fo
         if not held:  # between the sweep's open and its flock
             lock_file.unlink()
             held.append(liveness.CacheLock.acquire(rt, cache, "gen1"))
-            sock_file.touch()
+            dead_socket(sock_file)
         return real_fcntl.flock(fd, op)
 
     monkeypatch.setattr(orphans, "fcntl", types.SimpleNamespace(flock=flock, LOCK_EX=real_fcntl.LOCK_EX,
@@ -216,7 +217,7 @@ def test_a_sweep_leaves_the_files_of_a_committer_that_started_while_it_waited_fo
             held[0].release()
         sock_file.unlink(missing_ok=True)
     # A socket left without its lock file is swept under a lock the sweep makes, and only the socket is reported.
-    sock_file.touch()
+    dead_socket(sock_file)
     assert orphans.sweep(rt, cache) == [str(sock_file)]
     assert os.listdir(rt) == []
 
