@@ -123,6 +123,7 @@ def test_gather_rows_refuses_a_negative_slot_on_the_run_path_before_copying():
     assert bool((out == 7).all()), "rows were copied before the range was checked"
 
 
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")  # index_select's, then its error
 def test_gather_rows_never_writes_past_an_out_tensor_shorter_than_the_slots():
     """Contract: ``gather_rows`` writes only inside ``out``. An ``out`` with fewer rows than ``slots`` (a
     caller's bug) is index_select's to refuse (its storage cannot grow), never memmoved past its end into
