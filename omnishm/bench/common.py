@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -120,6 +121,23 @@ class Cleanup:
                     removed.append(seg)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
         return removed
+
+
+def close_all(things: Iterable[Any]) -> None:
+    """``close()`` each of ``things``, every one even when one raises; the first error is raised after them.
+
+    A figure's arms and workers: a ``ProcessCommitter`` whose process did not stop cleanly raises from its
+    ``stop`` by design, and a plain loop then left the arms after it running (in-process committer threads
+    serving through the later figures, over segments ``Cleanup.close`` unlinks; review, stop 51)."""
+    first: BaseException | None = None
+    for thing in things:
+        try:
+            thing.close()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every one was closed
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first
 
 
 def _stop_with_bench(bench: int) -> None:

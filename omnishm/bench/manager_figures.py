@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnishm.bench.common import Cleanup, Memcpy, ProcessCommitter, Row, Stats, ThreadCommitter, prefaulted, timed
+from omnishm.bench.common import (Cleanup, Memcpy, ProcessCommitter, Row, Stats, ThreadCommitter, close_all, prefaulted,
+                                  timed)
 from omnishm.bench.vllm_omni_arm import (VllmOmniOwnCache, omni_mode, same_results, same_rows, served_rows,
                                          vllm_omni_version)
 from omnishm.client import OmniPrefixCacheManager, PrefixCacheConfig
@@ -354,8 +355,7 @@ def figure_engine(cleanup: Cleanup, size: EngineSize, device: str = "cpu") -> li
             if omni is not None:
                 same_results(arms[0].last, arms[-1].last, arms[0].prev, f"figure 3, step {i}")
     finally:
-        for arm in arms:
-            arm.close()
+        close_all(arms)
     v, rf, eager, *theirs = (Stats.of(np.array(t) * 1e3) for t in times)
     save_ms = [float(np.median(x)) * 1e3 for x in saves]
     fwd_ms = float(np.median(forwards)) * 1e3  # calibrated to size.forward_ms; hosts drift from it

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from omnishm.bench.common import Cleanup, ProcessCommitter, Row, Stats, fmt_bytes, smaps_rollup
+from omnishm.bench.common import Cleanup, ProcessCommitter, Row, Stats, close_all, fmt_bytes, smaps_rollup
 
 
 @dataclass
@@ -94,8 +94,7 @@ def figure_memory(cleanup: Cleanup, size: MemorySize) -> list[Row]:
                                 note=f"sum of Pss_Anon+Pss_Shmem growth over ranks and committer; "
                                      f"{size.repeats} attach/release rounds"))
     finally:
-        for w in workers:
-            w.close()
+        close_all(workers)
     return rows
 
 

@@ -224,9 +224,11 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
             finally:
                 m.shutdown()
     finally:
-        floor.close()
-        if vm is not None:
-            vm.shutdown()
+        try:
+            floor.close()
+        finally:
+            if vm is not None:
+                vm.shutdown()
     if hits:
         raise RuntimeError(f"figure 6: {hits} hit tokens in a 0%-hit run")
     v, rf, fl = (Stats.of(np.array(times[e]) * 1e3) for e in (on, off, low))
