@@ -86,6 +86,11 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         except OSError as exc:  # a file where a directory should be, a symlink loop, a name too long
             raise CommitterUnavailable(f"cannot reach the socket of cache {name!r} at {path}: "
                                        f"{exc.strerror or exc}") from None
+        if mode is not None and stat.S_ISLNK(mode):
+            try:
+                mode = path.stat().st_mode  # a link to a socket: clients connect through it (review, stop 51)
+            except OSError:
+                pass  # dangling, or a loop: not a socket
         if mode is not None and not stat.S_ISSOCK(mode):
             # No committer binds there, and none removes it: cleanup's advice below did nothing (review, stop 51).
             raise CommitterUnavailable(f"no committer for cache {name!r}: {path} is not a socket, and omnishm never "

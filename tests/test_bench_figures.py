@@ -320,3 +320,27 @@ def test_figure_3_closes_the_in_process_arms_when_the_first_arms_close_fails(mon
         assert alive == [], f"in-process committers still serving after figure 3 failed: {alive}"
     finally:
         cleanup.close()
+
+
+def test_close_all_closes_every_one_and_a_ctrl_c_wins_over_an_error():
+    """REVIEW (stop 51): ``close_all`` closes every arm, then raises the first error; a ``KeyboardInterrupt`` in a
+    later close wins over an earlier ordinary error, which ``bench.run`` would record as the figure's error and go
+    on to the next figure with, losing the user's Ctrl-C."""
+
+    class Arm:
+        def __init__(self, exc: BaseException | None = None) -> None:
+            self.exc, self.closed = exc, 0
+
+        def close(self) -> None:
+            self.closed += 1
+            if self.exc is not None:
+                raise self.exc
+
+    arms = [Arm(RuntimeError("exited -9")), Arm(KeyboardInterrupt()), Arm(), Arm(RuntimeError("second"))]
+    with pytest.raises(KeyboardInterrupt):
+        common.close_all(arms)
+    assert [a.closed for a in arms] == [1, 1, 1, 1]
+    arms = [Arm(), Arm(RuntimeError("first")), Arm(RuntimeError("second"))]
+    with pytest.raises(RuntimeError, match="first"):
+        common.close_all(arms)
+    assert [a.closed for a in arms] == [1, 1, 1]

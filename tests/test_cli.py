@@ -489,3 +489,15 @@ def test_ping_of_a_cache_whose_socket_path_holds_a_file_says_so_and_not_to_clean
         assert code == 0 and "0 orphaned object(s) removed" in out and sock.read_text() == "leftover", (out, err)
     finally:
         sock.unlink()
+
+
+def test_ping_through_a_symlink_to_a_live_committers_socket_reaches_it(committer_factory, capsys, tmp_path):
+    """REVIEW (stop 51): a link to a socket is judged by its target, as a client connecting through it is served:
+    ping said such an endpoint "is not a socket" while clients used it. A committer still never binds at a link."""
+    handle = committer_factory()
+    links = tmp_path / "links"
+    links.mkdir(mode=0o700)
+    link = links / "alias.sock"
+    link.symlink_to(paths.socket_path(RUNTIME_DIR, handle.name))
+    code, out, err = run(capsys, "ping", "--name", handle.name, "--endpoint", f"ipc://{link}", "--timeout-s", "5")
+    assert code == 0 and "not a socket" not in err, (out, err)

@@ -124,7 +124,8 @@ class Cleanup:
 
 
 def close_all(things: Iterable[Any]) -> None:
-    """``close()`` each of ``things``, every one even when one raises; the first error is raised after them.
+    """``close()`` each of ``things``, every one even when one raises; then the first error is raised (the first
+    ``KeyboardInterrupt`` or ``SystemExit`` before any ``Exception``).
 
     A figure's arms and workers: a ``ProcessCommitter`` whose process did not stop cleanly raises from its
     ``stop`` by design, and a plain loop then left the arms after it running (in-process committer threads
@@ -134,7 +135,8 @@ def close_all(things: Iterable[Any]) -> None:
         try:
             thing.close()
         except BaseException as exc:  # noqa: BLE001 - raised below, once every one was closed
-            if first is None:
+            # A Ctrl-C or an exit wins over an error: raised as the error, the run went on to the next figure.
+            if first is None or (isinstance(first, Exception) and not isinstance(exc, Exception)):
                 first = exc
     if first is not None:
         raise first
