@@ -48,6 +48,20 @@ def _fixed_memcpy(monkeypatch, seconds: float) -> list[int]:
     return asked
 
 
+def _spoil_materialize(monkeypatch, spoil) -> None:
+    """Every ``OmniPrefixCacheManager.materialize`` result goes through ``spoil(manager, result)`` before it is
+    returned: the bug a figure's row check must catch."""
+    from omnishm.client import OmniPrefixCacheManager
+
+    real = OmniPrefixCacheManager.materialize
+
+    def materialize(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        spoil(self, result)
+        return result
+    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
+
+
 # ---------------------------------------------------------------- statistics
 
 
@@ -243,16 +257,11 @@ def test_figure_6_refuses_a_hit_in_its_zero_hit_run(cleanup, monkeypatch):
     lookups matched what they must not) fails the figure instead of printing an overhead that includes
     served hits."""
     from omnishm.bench import overhead
-    from omnishm.client import OmniPrefixCacheManager
 
-    real = OmniPrefixCacheManager.materialize
-
-    def materialize(self, *args, **kwargs):
-        result = real(self, *args, **kwargs)
+    def spoil(manager, result):
         for req in list(result.num_hit_tokens)[:1]:
             result.num_hit_tokens[req] += 1  # the bug: a hit reported in a run with no shared prefix
-        return result
-    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
+    _spoil_materialize(monkeypatch, spoil)
     monkeypatch.setattr(overhead, "vllm_omni_version", lambda: None)
     with pytest.raises(RuntimeError, match=r"figure 6: \d+ hit tokens in a 0%-hit run"):
         overhead.figure_overhead(cleanup, overhead.OverheadSize(4, 32, 64, 0.05))
@@ -263,16 +272,11 @@ def test_figure_6_refuses_rows_unlike_the_cache_off_runners(cleanup, monkeypatch
     materialize that served a wrong row (here one element changed) fails the figure when the cache-off
     arm hands the true rows."""
     from omnishm.bench import overhead
-    from omnishm.client import OmniPrefixCacheManager
 
-    real = OmniPrefixCacheManager.materialize
-
-    def materialize(self, *args, **kwargs):
-        result = real(self, *args, **kwargs)
+    def spoil(manager, result):
         for rows in list(result.hidden_states.values())[:1]:
             rows[0, 0] += 1.0
-        return result
-    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
+    _spoil_materialize(monkeypatch, spoil)
     monkeypatch.setattr(overhead, "vllm_omni_version", lambda: None)
     with pytest.raises(RuntimeError, match=r"figure 6, step \d+: the cache-off runner"):
         overhead.figure_overhead(cleanup, overhead.OverheadSize(4, 32, 64, 0.05))
@@ -281,17 +285,11 @@ def test_figure_6_refuses_rows_unlike_the_cache_off_runners(cleanup, monkeypatch
 def test_figure_3_refuses_a_wrong_row_of_its_reference_arm(cleanup, monkeypatch):
     """Figure 3's reference (the in-process arms) must serve the rows omnishm serves: an eager in-process
     arm that served one wrong row would be timed as the reference of a passing figure."""
-    from omnishm.client import OmniPrefixCacheManager
-
-    real = OmniPrefixCacheManager.materialize
-
-    def materialize(self, *args, **kwargs):
-        result = real(self, *args, **kwargs)
-        if self.eager:
+    def spoil(manager, result):
+        if manager.eager:
             for rows in list(result.hidden_states.values())[:1]:
                 rows[0].view(torch.int16)[0] ^= 1
-        return result
-    monkeypatch.setattr(OmniPrefixCacheManager, "materialize", materialize)
+    _spoil_materialize(monkeypatch, spoil)
     monkeypatch.setattr(mf, "vllm_omni_version", lambda: None)
     with pytest.raises(RuntimeError, match=r"figure 3, step 0: the eager in-process design's"):
         mf.figure_engine(cleanup, mf.EngineSize(32, 32, 2, 64, 2, 0.05))
