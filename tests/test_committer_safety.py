@@ -31,6 +31,7 @@ from omnishm import liveness, orphans, paths, protocol, shm
 from omnishm.committer import meta
 from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, MAX_STAGING_ROWS, CachePool
 
+from conftest import unique_cache_name
 from helpers import RawClient, Writer, pack, unpack
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
@@ -138,7 +139,7 @@ def test_key_names_are_bounded_so_the_metadata_always_fits(committer_factory):
 
 def test_an_epoch_the_metadata_cannot_record_is_never_handed_out(tmp_path, monkeypatch):
     """set_writer_epoch saves before it publishes; a failed save publishes nothing and says so."""
-    name = f"tsafe{uuid.uuid4().hex[:6]}"
+    name = unique_cache_name("safe")
     pool = CachePool(name, uuid.uuid4().hex[:8])
     try:
         pool.set_layout(LAYOUT)
@@ -213,7 +214,7 @@ def test_a_generation_that_fails_to_adopt_in_any_way_is_logged_and_left_to_the_s
 
     monkeypatch.setattr(start.meta, "live_generations", lambda name: ["0badc0de"])
     monkeypatch.setattr(pool_mod.CachePool, "adopt", classmethod(broken))
-    name = f"tsafe{uuid.uuid4().hex[:6]}"
+    name = unique_cache_name("safe")
     try:
         with caplog.at_level("ERROR", logger="omnishm.committer.start"):
             cfg = types.SimpleNamespace(name=name, prefault=False, runtime_dir=RUNTIME_DIR)
@@ -305,7 +306,7 @@ def test_a_committer_never_takes_over_a_live_socket_at_an_explicit_endpoint(comm
     """The cache lock guards a cache's own socket only: a committer of another cache given the same explicit
     ipc endpoint unlinked the live socket and bound its own (trap 4), and clients of the first cache reached
     it (review). It is refused now (exit 2), and the first committer keeps serving there."""
-    from conftest import unique_cache_name, wait_ready
+    from conftest import wait_ready
 
     endpoint = f"ipc://{tmp_path}/shared.sock"
     first = committer_factory("--endpoint", endpoint, name=unique_cache_name("ep"), wait=False)
@@ -329,8 +330,6 @@ def test_a_committer_refuses_an_explicit_endpoint_that_names_a_file_and_leaves_t
     committer given ``--endpoint ipc://FILE`` took the user's file for its own dead socket, unlinked it and bound
     there. Whatever is at the path that is not a socket, a file or a link, is refused now (exit 2, "not a
     socket"), and left as it was; nothing of the committer's is left beside it."""
-    from conftest import unique_cache_name
-
     notes = tmp_path / "notes.txt"
     notes.write_text("precious")
     path = notes if what == "file" else tmp_path / "link.sock"
@@ -346,8 +345,6 @@ def test_a_committer_refuses_an_explicit_endpoint_that_names_a_file_and_leaves_t
 def test_a_sweep_never_removes_a_file_that_is_not_a_socket_at_a_caches_socket_path(tmp_path):
     """MUTATION REVIEW (stop 51): the sweep judged a dead cache's socket by a connect alone, which a regular file
     refuses too: whatever else is at the socket's path is not a committer's to remove."""
-    from conftest import unique_cache_name
-
     rt = paths.ensure_runtime_dir(tmp_path / "rt")
     cache = unique_cache_name("notsock")
     sock = paths.socket_path(rt, cache)
@@ -362,7 +359,7 @@ def test_a_committer_binds_an_explicit_endpoint_only_under_its_sockets_lock(comm
     it free or stale, and the second unlinked the first's new socket (2 of 12 rounds in an audit). Each holds
     ``<socket>.lock`` for its life now. Here the test holds it, as a committer between its check and its bind
     would: a start is refused although no socket is there yet, and takes nothing over once it is let go."""
-    from conftest import assert_clean_stop, unique_cache_name, wait_ready
+    from conftest import assert_clean_stop, wait_ready
 
     path = tmp_path / "shared.sock"
     endpoint = f"ipc://{path}"
@@ -390,7 +387,7 @@ def test_a_stopping_committer_removes_only_the_socket_it_bound(committer_factory
     holds another listening socket by then: it is left alone."""
     import socket as pysocket
 
-    from conftest import assert_clean_stop, unique_cache_name, wait_ready
+    from conftest import assert_clean_stop, wait_ready
 
     path = tmp_path / "shared.sock"
     first = committer_factory("--endpoint", f"ipc://{path}", name=unique_cache_name("ep"), wait=False)
@@ -426,7 +423,7 @@ def test_an_explicit_endpoints_socket_is_private_from_the_moment_it_is_bound(com
                                                                              monkeypatch):
     """Bound under the caller's umask (002 here) and only then made 0600, an explicit endpoint's socket in a
     shared sticky dir was connectable by the group in between (review)."""
-    from conftest import unique_cache_name, wait_ready
+    from conftest import wait_ready
 
     record = tmp_path / "mode"
     monkeypatch.setenv("OMNISHM_TEST_MODE_FILE", str(record))
@@ -524,8 +521,6 @@ def test_an_adoption_names_a_control_segment_cut_short_and_a_torn_metadata_slot(
     was passed over without a word. The size is checked first, and a slot passed over is logged."""
     import logging
 
-    from conftest import unique_cache_name
-
     name, generation = unique_cache_name("meta"), "feedf00d"
     short = meta.CTL_BYTES - meta.SLOT_BYTES
     seg = shm.Segment.create(shm.segment_name(name, generation, "ctl"), short)
@@ -553,8 +548,6 @@ def test_a_sockets_lock_file_someone_else_planted_is_refused_and_left_untouched(
     a symlink and truncated the file it named, writing its generation and pid there. A lock file must be a
     plain file of ours with one name (opened without following a link): the start is refused, exit 2, and
     the linked file keeps its bytes."""
-    from conftest import unique_cache_name
-
     victim = tmp_path / "victim.conf"
     victim.write_text("IMPORTANT\n")
     lock = tmp_path / "s.sock.lock"
@@ -725,7 +718,7 @@ def test_a_key_whose_commit_table_cannot_be_made_leaves_no_segment(monkeypatch):
     """MUTATION REVIEW (2026-12-06): ``open_key`` unlinking none of the segments it had made when a later one
     failed (/dev/shm full while making the commit table) survived the suite: its pool and claim table
     stayed in /dev/shm. They go, and the error is the caller's."""
-    pool = CachePool(f"tsafe{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:8])
+    pool = CachePool(unique_cache_name("safe"), uuid.uuid4().hex[:8])
     try:
         pool.set_layout(LAYOUT)
         made = pool._create

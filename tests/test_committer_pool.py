@@ -1,0 +1,256 @@
+"""The committer's CachePool (omnishm/committer/pool.py): layouts, key limits, segments made and unlinked, what a
+restart adopts.
+
+From the mutation review of stop 51 (24 mutants, 7 gaps). The in-process pools are named by ``unique_cache_name``,
+so another session's sweeps never see them.
+"""
+
+from __future__ import annotations
+
+from omnishm import protocol
+
+from conftest import unique_cache_name
+from helpers import Writer
+
+LAYOUT = protocol.Layout(num_blocks=16, block_size=4)
+
+
+def test_a_client_with_another_block_size_is_refused(committer_factory):
+    """A cache's slots are ``num_blocks * block_size`` rows addressed as ``block * block_size + offset``:
+    a client whose block_size differs (even with the same num_blocks) would compute other slots for the
+    same block and read rows that belong to other tokens. The committer must refuse its Hello with a
+    layout mismatch naming both block sizes, and the writer that fixed the layout stays attached."""
+    handle = committer_factory()
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    writer.open_key("h", "float16", 8)
+    client = handle.client()
+    reply = client.hello(protocol.ROLE_READER, protocol.Layout(num_blocks=16, block_size=8))
+    assert isinstance(reply, protocol.Refused), reply
+    assert "block_size=4" in reply.reason and "block_size=8" in reply.reason, reply.reason
+    welcome = client.hello(protocol.ROLE_READER, LAYOUT)
+    assert isinstance(welcome, protocol.Welcome) and welcome.layout.block_size == 4
+    assert isinstance(client.goodbye(), protocol.Bye)
+    client.close()
+    writer.goodbye()
+
+
+def test_the_key_limit_is_exact_for_a_writers_keys():
+    """A cache holds at most MAX_KEYS key names (their longest form must fit the metadata slot a
+    restart adopts): the writer's MAX_KEYS-th OpenKey of a new name succeeds and is recorded, the next
+    is refused with ``too_many_keys`` and creates no segment; a writer Hello layout declaring one name
+    past the limit is refused the same way, and the cache keeps working for the keys it has."""
+    import uuid
+
+    import pytest
+
+    from omnishm import shm
+    from omnishm.committer import meta
+    from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, CachePool, PoolError
+
+    name = unique_cache_name("pool")
+    pool = CachePool(name, uuid.uuid4().hex[:8])
+    try:
+        pool.set_layout(protocol.Layout(1, 1))
+        names = [f"{i:03d}" + "k" * (MAX_KEY_NAME - 3) for i in range(MAX_KEYS)]
+        for key in names:
+            pool.open_key(key, protocol.KeySpec("int8", 1, (1,)))
+        segments = set(shm.list_segments(name))
+        with pytest.raises(PoolError) as err:
+            pool.open_key("one-more", protocol.KeySpec("int8", 1, (1,)))
+        assert err.value.code == "too_many_keys" and f"limit of {MAX_KEYS}" in err.value.message
+        assert set(shm.list_segments(name)) == segments and "one-more" not in pool.key_specs
+        with pytest.raises(PoolError) as err:
+            pool.fix_layout(protocol.Layout(1, 1, {"one-more": protocol.KeySpec("int8", 1)}), room_for_specs=True)
+        assert err.value.code == "too_many_keys"
+        _, doc = meta.read(pool.ctl_seg.mmap)
+        assert sorted(k[0] for k in doc["keys"]) == sorted(names)
+    finally:
+        pool.close()
+    assert shm.list_segments(name) == []
+
+
+def test_a_key_whose_segments_cannot_all_be_made_leaves_none_behind(monkeypatch):
+    """open_key creates a key's pool, claim and commit segments; when one cannot be made (ENOSPC from
+    posix_fallocate on a full /dev/shm) the ones already made are unlinked, the key is not recorded,
+    and the same OpenKey succeeds once there is room: /dev/shm is left as found and no half key leaks."""
+    import errno
+    import uuid
+
+    import pytest
+
+    from omnishm import shm
+    from omnishm.committer import meta
+    from omnishm.committer.pool import CachePool
+
+    name = unique_cache_name("pool")
+    pool = CachePool(name, uuid.uuid4().hex[:8])
+    real = shm.Segment.create
+
+    def full(seg_name, size):
+        if seg_name.endswith(".commit.k0"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(seg_name, size)
+
+    try:
+        pool.set_layout(protocol.Layout(4, 4))
+        before = set(shm.list_segments(name))
+        monkeypatch.setattr(shm.Segment, "create", staticmethod(full))
+        with pytest.raises(OSError):
+            pool.open_key("h", protocol.KeySpec("float16", 8, (8,)))
+        assert set(shm.list_segments(name)) == before and "h" not in pool.keys
+        monkeypatch.setattr(shm.Segment, "create", staticmethod(real))
+        state = pool.open_key("h", protocol.KeySpec("float16", 8, (8,)))
+        assert state.index == 0
+        _, doc = meta.read(pool.ctl_seg.mmap)
+        assert [k[0] for k in doc["keys"]] == ["h"]
+    finally:
+        pool.close()
+    assert shm.list_segments(name) == []
+
+
+def test_keys_declared_in_the_writers_layout_open_with_their_own_segments(committer_factory):
+    """A writer's Hello layout may declare its keys before it opens them (the committer records their
+    specs); each key opened afterwards gets the next key index and segments of its own, so the second
+    declared key opens as well as the first (it does not collide with a name the first took) and rows
+    written to one key never land in the other's pool."""
+    handle = committer_factory()
+    specs = {"a": protocol.KeySpec("float16", 8), "b": protocol.KeySpec("float16", 8), "c": protocol.KeySpec("int8", 4)}
+    writer = Writer(handle.endpoint, handle.name, protocol.Layout(16, 4, specs), 4)
+    opened = []
+    for rid, key in enumerate(["b", "a"], start=1):
+        spec = specs[key]
+        reply = writer.raw.call(protocol.OpenKey(rid=rid, key=key, dtype=spec.dtype, width=spec.width))
+        assert isinstance(reply, protocol.KeyOpened), reply
+        opened.append(reply.segments)
+    assert sorted(s.index for s in opened) == [0, 1]
+    assert len({s.pool for s in opened}) == 2 and len({s.staging for s in opened}) == 2
+    writer.goodbye()
+
+
+def test_a_staging_segment_that_cannot_be_mapped_is_unlinked(monkeypatch):
+    """ensure_staging creates a writer's staging segment and then maps it; when the map fails (an
+    mmap refused: MemoryError, ValueError) the segment, recorded nowhere yet, is unlinked at once, so
+    no shared memory leaks, and the next try makes the staging afresh."""
+    import uuid
+
+    import pytest
+
+    from omnishm import shm
+    from omnishm.committer import pool as pool_mod
+    from omnishm.committer.pool import CachePool
+
+    name = unique_cache_name("pool")
+    pool = CachePool(name, uuid.uuid4().hex[:8])
+    try:
+        pool.set_layout(protocol.Layout(4, 4))
+        state = pool.open_key("h", protocol.KeySpec("float16", 8, (8,)))
+        before = set(shm.list_segments(name))
+        real = pool_mod.Staging.map
+
+        def refuse(cls, *args):
+            raise MemoryError("cannot map")
+
+        monkeypatch.setattr(pool_mod.Staging, "map", classmethod(refuse))
+        with pytest.raises(MemoryError):
+            pool.ensure_staging("w1", state, 4)
+        assert set(shm.list_segments(name)) == before and "w1" not in state.staging
+        monkeypatch.setattr(pool_mod.Staging, "map", real)
+        staging = pool.ensure_staging("w1", state, 4)
+        assert staging.rows == 4 and staging.segment.name in shm.list_segments(name)
+    finally:
+        pool.close()
+    assert shm.list_segments(name) == []
+
+
+def test_a_dropped_writer_is_no_longer_recorded_for_a_restart():
+    """drop_client (a writer's Bye, its reaping, a refused Hello) unlinks the writer's staging and takes
+    it out of the metadata a restarted committer adopts: an adopter keeps no seat, epoch record or
+    staging for a writer that is gone (it would wait for a resume that never comes, with the
+    next writer refused meanwhile)."""
+    import uuid
+
+    from omnishm import shm
+    from omnishm.committer import meta
+    from omnishm.committer.pool import CachePool
+
+    name, gen = unique_cache_name("pool"), uuid.uuid4().hex[:8]
+    pool = CachePool(name, gen)
+    try:
+        pool.set_layout(protocol.Layout(4, 4))
+        state = pool.open_key("h", protocol.KeySpec("float16", 8, (8,)))
+        assert pool.set_writer_epoch(1, "w1", 4)
+        pool.ensure_staging("w1", state, 4)
+        assert "w1" in meta.read(pool.ctl_seg.mmap)[1]["writers"]
+        removed = pool.drop_client("w1")
+        assert removed and not any(n in shm.list_segments(name) for n in removed)
+        assert meta.read(pool.ctl_seg.mmap)[1]["writers"] == {}
+        adopted = CachePool.adopt(name, gen)
+        assert adopted.writers == {} and adopted.max_epoch == 1 and list(adopted.keys) == ["h"]
+    finally:
+        pool.close()
+    assert shm.list_segments(name) == []
+
+
+def test_an_adopted_segment_of_the_wrong_size_is_refused():
+    """A restarted committer adopts a key's segments only when each has the size the recorded layout
+    needs: one grown or cut by someone (a stray tool, a different build) holds rows at offsets the
+    clients do not compute, so the adoption is refused with a MetaError naming the segment and both
+    sizes (the caller sweeps the generation); a writer's staging of the wrong size drops that writer
+    and unlinks that staging."""
+    import os
+    import uuid
+
+    import pytest
+
+    from omnishm import shm
+    from omnishm.committer import meta
+    from omnishm.committer.pool import CachePool
+
+    name, gen = unique_cache_name("pool"), uuid.uuid4().hex[:8]
+    pool = CachePool(name, gen)
+    try:
+        pool.set_layout(protocol.Layout(4, 4))
+        state = pool.open_key("h", protocol.KeySpec("float16", 8, (8,)))
+        assert pool.set_writer_epoch(1, "w1", 4)
+        staging = pool.ensure_staging("w1", state, 4)
+        stage_path = shm.SHM_DIR / staging.segment.name.lstrip("/")
+        os.truncate(stage_path, staging.segment.size + 4096)
+        adopted = CachePool.adopt(name, gen)
+        assert "w1" not in adopted.writers and "w1" not in adopted.keys["h"].staging
+        assert not stage_path.exists()  # named by no adopted writer: swept
+        path = shm.SHM_DIR / state.pool_seg.name.lstrip("/")
+        os.truncate(path, state.pool_seg.size + 4096)
+        with pytest.raises(meta.MetaError) as err:
+            CachePool.adopt(name, gen)
+        assert state.pool_seg.name in str(err.value) and str(state.pool_seg.size) in str(err.value)
+    finally:
+        pool.close()
+    assert shm.list_segments(name) == []
+
+
+def test_a_recorded_writer_without_a_valid_epoch_is_not_adopted():
+    """Epoch 0 means "no writer" to every reader (the control word before any writer, cv epoch 0), so a
+    metadata record of a writer with epoch 0 (or no staging rows) cannot be a writer that was welcomed:
+    the adopter drops it (logged) and keeps the rest of the cache, rather than seating a writer whose
+    publications no reader would ever follow."""
+    import uuid
+
+    from omnishm import shm
+    from omnishm.committer import meta
+    from omnishm.committer.pool import CachePool
+
+    name, gen = unique_cache_name("pool"), uuid.uuid4().hex[:8]
+    pool = CachePool(name, gen)
+    try:
+        pool.set_layout(protocol.Layout(4, 4))
+        pool.open_key("h", protocol.KeySpec("float16", 8, (8,)))
+        assert pool.set_writer_epoch(3, "good", 4)
+        doc = pool.meta_doc()
+        doc["writers"]["zero"] = {"rows": 4, "epoch": 0}
+        doc["writers"]["norows"] = {"rows": 0, "epoch": 2}
+        pool.meta_seq = meta.write(pool.ctl_seg.mmap, doc, pool.meta_seq + 1)
+        adopted = CachePool.adopt(name, gen)
+        assert set(adopted.writers) == {"good"} and adopted.writers["good"].epoch == 3
+    finally:
+        pool.close()
+    assert shm.list_segments(name) == []
