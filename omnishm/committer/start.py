@@ -19,6 +19,7 @@ import faulthandler
 import logging
 import os
 import signal
+import stat
 import sys
 import uuid
 from pathlib import Path
@@ -311,9 +312,13 @@ def _remove_stale_socket(cfg: CommitterConfig) -> str | None:
     None when the path is free now, else why it is left alone: a live process serves it (an explicit
     endpoint that another cache's committer, or one of another runtime dir, was given too), or it is not a
     socket (``paths.socket_in_use``: never a user's file)."""
-    if cfg.ipc_path is None or not os.path.lexists(cfg.ipc_path):
+    if cfg.ipc_path is None:
         return None
-    if not cfg.ipc_path.is_socket() or cfg.ipc_path.is_symlink():
+    try:
+        mode = os.lstat(cfg.ipc_path).st_mode  # a link is not ours to replace either, whatever it names
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(mode):
         return f"{cfg.ipc_path} is not a socket; refusing to replace it"
     if paths.socket_in_use(cfg.ipc_path):
         return f"endpoint {cfg.endpoint} is served by a live process; refusing to take its socket over"
