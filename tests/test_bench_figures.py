@@ -20,12 +20,14 @@ import numpy as np
 import pytest
 import torch
 
+import omnishm.bench as bench
 from omnishm import shm
 from omnishm.bench import common
 from omnishm.bench import manager_figures as mf
-from omnishm.bench import memory
+from omnishm.bench import memory, overhead
 from omnishm.bench import write_figures as wf
 from omnishm.bench.common import Cleanup, Memcpy, ProcessCommitter, Stats
+from omnishm.client import OmniPrefixCacheManager
 
 
 @pytest.fixture
@@ -51,8 +53,6 @@ def _fixed_memcpy(monkeypatch, seconds: float) -> list[int]:
 def _spoil_materialize(monkeypatch, spoil) -> None:
     """Every ``OmniPrefixCacheManager.materialize`` result goes through ``spoil(manager, result)`` before it is
     returned: the bug a figure's row check must catch."""
-    from omnishm.client import OmniPrefixCacheManager
-
     real = OmniPrefixCacheManager.materialize
 
     def materialize(self, *args, **kwargs):
@@ -215,8 +215,6 @@ def test_figure_5_goal_is_one_over_tp_plus_5_percent(cleanup, monkeypatch, ours,
 def test_a_failed_figure_is_an_error_and_exit_1_and_its_committer_is_stopped(monkeypatch, capsys):
     """A figure that raises is reported in ``errors`` (the other figures still run) and ``omnishm bench``
     exits 1; the committer it left serving is stopped and its segments removed by the run's cleanup."""
-    import omnishm.bench as bench
-
     started: list[ProcessCommitter] = []
 
     def failing(c, s, rng):
@@ -241,8 +239,6 @@ def test_a_failed_figure_is_an_error_and_exit_1_and_its_committer_is_stopped(mon
 def test_figure_6_ratio_is_cache_on_over_cache_off(cleanup, monkeypatch):
     """Figure 6's rows are each arm's step time over the cache-off loop's (its reference), medians over the
     same number of measured steps, and the goal (< 1.02) is judged on that ratio."""
-    from omnishm.bench import overhead
-
     monkeypatch.setattr(overhead, "vllm_omni_version", lambda: None)
     rows = overhead.figure_overhead(cleanup, overhead.OverheadSize(4, 32, 64, 0.05))
     for r in rows:
@@ -256,8 +252,6 @@ def test_figure_6_refuses_a_hit_in_its_zero_hit_run(cleanup, monkeypatch):
     """Figure 6 measures the cost of a cache that never hits; a manager that reports hit tokens there (its
     lookups matched what they must not) fails the figure instead of printing an overhead that includes
     served hits."""
-    from omnishm.bench import overhead
-
     def spoil(manager, result):
         for req in list(result.num_hit_tokens)[:1]:
             result.num_hit_tokens[req] += 1  # the bug: a hit reported in a run with no shared prefix
@@ -271,8 +265,6 @@ def test_figure_6_refuses_rows_unlike_the_cache_off_runners(cleanup, monkeypatch
     """Figure 6 compares what every arm hands the next stage, step by step, with omnishm's rows: a
     materialize that served a wrong row (here one element changed) fails the figure when the cache-off
     arm hands the true rows."""
-    from omnishm.bench import overhead
-
     def spoil(manager, result):
         for rows in list(result.hidden_states.values())[:1]:
             rows[0, 0] += 1.0
