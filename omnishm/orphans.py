@@ -116,7 +116,7 @@ def _remove_generation(cache: str, generation: str, *, keep_attached: bool, only
                 return []  # removed (and made again) meanwhile: not the generation checked
             if only_dir is not None:
                 named = recorded_runtime_dir(fd)
-                if named is None or (named != Path(only_dir).absolute() and not _abandoned(named)):
+                if named is None or (named != Path(only_dir).absolute() and not abandoned(named)):
                     return []
         if keep_attached and clients_attached(segment_name(cache, generation, "ctl")):
             return []
@@ -130,7 +130,7 @@ def _remove_generation(cache: str, generation: str, *, keep_attached: bool, only
             os.close(fd)
 
 
-def _abandoned(runtime_dir: Path) -> bool:
+def abandoned(runtime_dir: Path) -> bool:
     """Whether no committer serves from ``runtime_dir`` any more: it is gone, or none of its cache locks is held.
 
     What a whole session killed at once leaves (a test run cut off, a container's processes

@@ -45,7 +45,7 @@ STOP_TIMEOUT_S = 15.0
 
 # scripts/test.sh runs the suite in two pytest-xdist workers, each a session with its own runtime dir. A committer
 # that starts sweeps dead caches of other names host-wide, another runtime dir's too once nobody serves from it
-# (``orphans._abandoned``). A test that SIGKILLs its whole cache on purpose leaves its dir served by nobody for a
+# (``orphans.abandoned``). A test that SIGKILLs its whole cache on purpose leaves its dir served by nobody for a
 # moment, and the other worker's next committer swept the segments the test was about to check. A cache lock held
 # for the whole session keeps this session's dir served, as an engine host's dir is while anything runs there.
 _DIR_ANCHOR = CacheLock.acquire(RUNTIME_DIR, f"{SESSION_PREFIX}-anchor", "session")

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from omnishm import shm
+from omnishm import liveness, shm
+from omnishm.bench.common import RUN_DIR_PREFIX, RUN_LOCK, Cleanup, _hold_run_dir, sweep_dead_runs
 from omnishm.liveness import OWNER, generation_owned, recorded_runtime_dir
 
 EXPECTED_FIGURES = {"1", "2", "3", "4", "5", "6"}
@@ -147,11 +148,8 @@ def test_a_bench_killed_mid_figure_takes_its_committer_and_segments_with_it():
     holding its pool (about 0.5 GB for figure 2's normal run) in /dev/shm, for good: nothing stopped it,
     and ``omnishm cleanup`` leaves a live committer's segments alone. The kernel now sends it SIGTERM when
     the bench dies, and it stops as it does on any SIGTERM, unlinking its segments."""
-    import os
     import signal
     import time
-
-    from omnishm import liveness
 
     child = subprocess.Popen([sys.executable, "-c", (
         "import sys\n"
@@ -174,7 +172,14 @@ def test_a_bench_killed_mid_figure_takes_its_committer_and_segments_with_it():
         assert liveness.proc_identity(pid) != ident, "the committer outlived the bench that started it"
         pid = 0
         assert shm.list_segments(name) == []
-        assert [f.name for f in Path(runtime_dir).iterdir()] == [f"{name}.log"]  # its socket and lock gone
+        # Its socket and lock gone; the run's own lock file, which nobody holds now, and the log stay ...
+        assert sorted(f.name for f in Path(runtime_dir).iterdir()) == [f"{name}.log", RUN_LOCK]
+        # ... until the next run, which removes the dir (stop 52: killed runs' dirs stayed in /tmp for good).
+        nxt = Cleanup()
+        try:
+            assert Path(runtime_dir) in nxt.swept and not Path(runtime_dir).exists()
+        finally:
+            nxt.close()
     finally:
         if child.poll() is None:
             child.kill()
@@ -186,6 +191,44 @@ def test_a_bench_killed_mid_figure_takes_its_committer_and_segments_with_it():
             while shm.list_segments(line[1]) and time.monotonic() < deadline:
                 time.sleep(0.05)
             shutil.rmtree(line[2], ignore_errors=True)
+
+
+def test_a_run_sweeps_only_the_dirs_of_dead_runs_whose_committers_are_gone(tmp_path: Path):
+    """``sweep_dead_runs`` (stop 52) removes a run's dir only when the run's lock file is there and unheld and no
+    cache lock in the dir is held. A live run's dir (its lock held, here by another open of this process), a
+    dir whose committer still holds its cache lock (told to stop by the kernel, still stopping), a dir of a
+    bench from before the lock file, and a link named like a run's are all left as they are."""
+    def run_dir(tag: str) -> Path:
+        d = tmp_path / f"{RUN_DIR_PREFIX}{tag}"
+        d.mkdir()
+        (d / "c.log").write_text("log")
+        return d
+
+    dead = run_dir("dead")
+    (dead / RUN_LOCK).touch()
+    live = run_dir("live")
+    held = _hold_run_dir(live)
+    stopping = run_dir("stopping")
+    (stopping / RUN_LOCK).touch()
+    lock = liveness.CacheLock.acquire(stopping, "c", "g1")
+    old = run_dir("old")
+    kept = tmp_path / "kept"  # a dead run's dir in all but its name, which a link named like a run's points to
+    kept.mkdir()
+    (kept / RUN_LOCK).touch()
+    link = tmp_path / f"{RUN_DIR_PREFIX}link"
+    link.symlink_to(kept)
+    try:
+        assert sweep_dead_runs(tmp_path) == [dead]
+        assert not dead.exists() and live.is_dir() and stopping.is_dir() and old.is_dir()
+        assert link.is_symlink() and (kept / RUN_LOCK).exists()
+        lock.release()
+        lock = None
+        assert sweep_dead_runs(tmp_path) == [stopping]  # its committer is gone now
+    finally:
+        os.close(held)
+        if lock is not None:
+            lock.release()
+    assert sweep_dead_runs(tmp_path) == [live]  # once its run is gone
 
 
 def test_bench_refuses_a_selection_of_no_figure():

@@ -29,7 +29,7 @@ def _dead_generation(cache: str, gen: str, recorded) -> list[str]:
     runtime dir ``recorded``): sorted names, the owner's included.
 
     A committer that another session of the suite starts meanwhile sweeps them when ``recorded`` is a dir nobody
-    serves from (``orphans._abandoned``): a test that sweeps them itself names a served dir, as the session's
+    serves from (``orphans.abandoned``): a test that sweeps them itself names a served dir, as the session's
     ``RUNTIME_DIR`` is (review, stop 51)."""
     names = [shm.segment_name(cache, gen, w) for w in ("ctl", "pool.k0")]
     for name in names:

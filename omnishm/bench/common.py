@@ -8,11 +8,13 @@ segments, socket and lock file are removed even when the figure fails.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -95,11 +97,81 @@ def rate_rows_ratio(value: Stats, reference: Stats) -> float:
 # ---------------------------------------------------------------- cleanup and committers
 
 
+RUN_DIR_PREFIX = "omnishm-bench-"
+"""A run's private runtime dir in the temp dir: ``tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)``."""
+RUN_LOCK = "run.flock"
+"""In a run's dir, ``flock``ed by the run while it lives; not a ``*.lock``, which sweeps read as a cache's lock."""
+
+
+def _hold_run_dir(run_dir: Path) -> int:
+    """The fd of ``run_dir/RUN_LOCK``, ``flock``ed for as long as this process lives (or until closed).
+
+    Locked before its name is given: a sweep (``sweep_dead_runs``) that finds the name always finds it held
+    by a live run, never in the moment between a create and a lock."""
+    made = run_dir / f".{RUN_LOCK}.new"
+    fd = os.open(made, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(made, run_dir / RUN_LOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def sweep_dead_runs(parent: Path) -> list[Path]:
+    """Remove the runtime dirs of earlier runs that died without ``Cleanup.close`` (SIGKILL, a lost host
+    session): the committer logs a killed run left in the temp dir for good (stop 49's list).
+
+    A dir goes only when it is this user's real directory (not a link), its ``RUN_LOCK`` is there and no
+    process holds it, and no cache lock in it is held (``orphans.abandoned``: a killed run's committer,
+    told by the kernel to stop, may still be stopping; the next run removes the dir). A dir of a run from
+    before ``RUN_LOCK``, or of another user, is left as it is. Never raises; returns the dirs removed."""
+    removed: list[Path] = []
+    try:
+        candidates = sorted(parent.glob(RUN_DIR_PREFIX + "*"))
+    except OSError:
+        return removed
+    for run_dir in candidates:
+        try:
+            st = os.lstat(run_dir)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(run_dir / RUN_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live run's
+            if not orphans.abandoned(run_dir):
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)
+            if not run_dir.exists():
+                removed.append(run_dir)
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("removed %d runtime dir(s) that killed benchmark runs left: %s", len(removed),
+                    ", ".join(map(str, removed)))
+    return removed
+
+
 class Cleanup:
-    """Runtime dir and every cache name the run created; ``close`` sweeps them (idempotent)."""
+    """Runtime dir and every cache name the run created; ``close`` sweeps them (idempotent).
+
+    Made on the bench's main thread; its dir is held (``RUN_LOCK``) until ``close``, and the dirs earlier
+    killed runs left beside it are removed first (``sweep_dead_runs``; ``swept`` lists them)."""
 
     def __init__(self) -> None:
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix="omnishm-bench-"))  # 0700
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))  # 0700
+        try:
+            self._held: int | None = _hold_run_dir(self.runtime_dir)
+        except BaseException:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            raise
+        self.swept = sweep_dead_runs(self.runtime_dir.parent)
         self.caches: list[str] = []
         self.procs: list[subprocess.Popen] = []
         self._run = uuid.uuid4().hex[:6]
@@ -120,6 +192,9 @@ class Cleanup:
                 if shm.unlink_segment(seg):
                     removed.append(seg)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self._held is not None:  # after the rmtree: a sweep never takes a dir that is still emptying
+            os.close(self._held)
+            self._held = None
         return removed
 
 
