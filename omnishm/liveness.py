@@ -199,8 +199,9 @@ class CacheLock:
     def at(cls, path: Path, generation: str) -> "CacheLock | None":
         """Take the lock file ``path`` (a cache's, or a socket's: ``socket_lock_path``), or None when a live
         process holds it."""
+        record = f"{generation} {os.getpid()}".encode()
         while True:
-            fd = _open_own_file(path)
+            fd = _open_own_file(path, record)
             if not flock_within(fd, 0.2):  # a live committer holds it for good; a probe for microseconds
                 ino = os.fstat(fd).st_ino
                 os.close(fd)
@@ -210,8 +211,7 @@ class CacheLock:
             if still_names(path, fd):  # else take it again on the current file
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{generation} {os.getpid()}\n".encode())
+        _write_record(fd, record)
         return cls(path, fd)
 
     @staticmethod
@@ -243,12 +243,62 @@ class CacheLock:
         self.fd = -1
 
 
-def _open_own_file(path: Path) -> int:
+_RECORD_PAD_MAX = 4096
+"""An old lock file up to this size is overwritten in place, padded with spaces; a larger one is emptied first."""
+
+
+def _write_record(fd: int, record: bytes) -> None:
+    """Write ``record`` (``generation pid``) over lock file ``fd``'s contents in one ``pwrite``, padded with spaces
+    to the old size: the file never reads empty or half-written, even to a kill between two calls. A committer
+    SIGKILLed between truncating its lock file and writing it left a zero-byte ``<cache>.lock``, which no sweep
+    without a cache name takes for a committer's (stop 45's list; fixed at stop 52)."""
+    size = os.fstat(fd).st_size
+    if size > _RECORD_PAD_MAX:
+        os.ftruncate(fd, 0)
+        size = 0
+    data = record.ljust(size - 1, b" ") + b"\n"
+    os.pwrite(fd, data, 0)
+    if len(data) < size:  # never: padded to the old size
+        os.ftruncate(fd, len(data))
+
+
+def _link_new_file(path: Path, record: bytes) -> int | None:
+    """Lock file ``path`` made with ``record`` in it and ``flock``ed before its name appears (an unnamed
+    ``O_TMPFILE`` file, then ``linkat`` by its ``/proc/self/fd`` name): a kill at any point leaves either no
+    file or a whole one. None when ``path`` exists already or this kernel or file system cannot do it (no
+    ``O_TMPFILE``, no ``/proc``): the caller then opens it the usual way. Never raises OSError."""
+    try:
+        dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (AttributeError, OSError):
+        return None
+    fd = -1
+    try:
+        fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        os.write(fd, record + b"\n")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # A dir fd makes os.link call linkat with AT_SYMLINK_FOLLOW; without one it calls link(2), which links
+        # the /proc entry itself and fails (EXDEV).
+        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dir_fd)
+    except (AttributeError, OSError):
+        if fd >= 0:
+            os.close(fd)
+        return None
+    finally:
+        os.close(dir_fd)
+    return fd
+
+
+def _open_own_file(path: Path, record: bytes) -> int:
     """Open (creating, 0600) a lock file that is a plain file of ours with one name; raises PermissionError.
 
+    A file made here holds ``record`` from its first moment when the system allows (``_link_new_file``).
     A socket's lock file may sit in a shared sticky directory such as /tmp, where another user can put a
     symlink (a root committer truncated and wrote the file it pointed to: review), a hard link, or a file of
     their own held locked (which blamed "a running committer" for it) at the name first."""
+    if not os.path.lexists(path):
+        fd = _link_new_file(path, record)
+        if fd is not None:
+            return fd
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:

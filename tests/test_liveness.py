@@ -448,3 +448,69 @@ def test_start_up_sweep_leaves_a_dead_generation_that_has_no_owner_segment(tmp_p
     finally:
         for n in made:
             shm.unlink_segment(n)
+
+
+_KILLED_IN_LOCK_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from omnishm import liveness
+
+at, calls = int(sys.argv[2]), [0]
+def killed(real):
+    def call(*args):
+        calls[0] += 1
+        if calls[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args)
+    return call
+for fn in ("write", "pwrite", "ftruncate"):
+    setattr(os, fn, killed(getattr(os, fn)))
+liveness.CacheLock.at(Path(sys.argv[1]), "gen2")
+os.kill(os.getpid(), signal.SIGKILL)  # after its last write, when it made fewer than `at`
+"""
+
+
+@pytest.mark.parametrize("old_record", [None, "gen1-of-a-longer-name 4194304"], ids=["new", "over-a-dead-ones"])
+@pytest.mark.parametrize("killed_at", [1, 2, 3])
+def test_a_committer_killed_while_writing_its_lock_file_never_leaves_it_empty(tmp_path: Path, old_record, killed_at):
+    """Stop 52 (stop 45's list): a committer SIGKILLed between making (or emptying) its ``<cache>.lock`` and writing
+    its ``generation pid`` into it left a zero-byte file, which a sweep without a cache name (``omnishm cleanup``)
+    cannot take for a committer's and leaves for good. A new lock file now has its record before its name
+    appears, and an old one is overwritten in one write: after a kill before any of the lock's writes (or after
+    the last) there is no file, or one a sweep of the dir reads as a dead committer's and removes."""
+    path = tmp_path / f"{unique_cache_name()}.lock"
+    if old_record is not None:
+        path.write_text(old_record + "\n")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_IN_LOCK_WRITE, str(path), str(killed_at)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    if path.exists():
+        assert liveness.CacheLock.holder(path) is not None, f"left {path.read_bytes()!r}"
+        assert orphans.sweep(tmp_path) == [str(path)]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_file_over_a_longer_old_record_reads_as_its_new_holder(tmp_path: Path):
+    """The record is padded over an old, longer one (no truncate before the write); the holder still reads as
+    ``(generation, pid)``, and a release removes the file."""
+    path = tmp_path / "c.lock"
+    path.write_text("a-much-longer-generation-name 4194304\n")
+    lock = liveness.CacheLock.at(path, "g")
+    try:
+        assert liveness.CacheLock.holder(path) == ("g", os.getpid())
+    finally:
+        lock.release()
+    assert not path.exists()
+
+
+def test_a_lock_file_is_made_the_usual_way_where_unnamed_files_cannot_be(tmp_path: Path, monkeypatch):
+    """Where the kernel or file system has no ``O_TMPFILE`` (or no ``/proc``), ``_link_new_file`` gives up and the
+    lock file is created, locked and written as before: the lock works, only the kill window is back."""
+    monkeypatch.setattr(liveness, "_link_new_file", lambda path, record: None)
+    lock = liveness.CacheLock.acquire(tmp_path, "c", "g")
+    try:
+        assert liveness.CacheLock.holder(tmp_path / "c.lock") == ("g", os.getpid())
+        assert liveness.CacheLock.acquire(tmp_path, "c", "g2") is None
+    finally:
+        lock.release()
+    assert list(tmp_path.iterdir()) == []
