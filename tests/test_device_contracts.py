@@ -4,16 +4,21 @@ flusher waiting its copies, every leftover tensor's copy waited, a host deferred
 drain of both streams, ``to_host``'s order, and a step sent only after its copy landed.
 
 CPU only: ``FakeOps``-style stand-ins for the streams and events, and the real ``CudaOps`` methods that use
-nothing CUDA-only with the CUDA objects stood in for (as tests/test_device_order.py does).
+nothing CUDA-only with the CUDA objects stood in for (as tests/test_device_order.py does). The tests at the end
+(stop 52's mutation review: CPU leftovers snapshotted, a leftover that holds itself, nested tensors handed out as
+the ops' host copies, a late copy error of a step already sent) run the CPU build's ops on a real manager.
 """
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
 
 import torch
 
 from manager_helpers import BS, MM_WIDTH, Part, build, extended, finished, rows, save, small_config, started
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager
-from omnishm.client.device import DONE, CudaOps
+from omnishm.client.device import DONE, CpuOps, CudaOps, StepSender
 from test_device_order import FakeOps, LandsOnWait
 
 
@@ -223,3 +228,113 @@ def test_materialize_sends_its_step_only_after_waiting_the_steps_copy(committer)
         m.wait_idle()
         assert sent == [(sid, True)]
         assert torch.equal(got["out"].hidden_states["a"], rows(1, range(6)))
+
+
+
+def test_a_cpu_leftover_tensor_is_snapshotted_at_the_save(committer):
+    """Contract: a leftover mm tensor (one the policy does not write to the pool) is snapshotted by
+    ``save_outputs`` on the CPU build too (``CpuOps.leftover`` clones it): a runner that reuses that buffer
+    for its next step after the save must not change what ``materialize`` hands out for this step, nested
+    or top-level. Killed mutant: ``CpuOps.leftover`` returning the caller's tensor itself."""
+    with OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False) as m:
+        m.new_step_starts([started("a", [0, 1])])
+        top, inner = torch.arange(5.0), torch.arange(3.0) + 10
+        sid = save(m, [Part("a", 1, [0, 1], 0, 6)], BS, extra_mm={"m1": top, "nested": {"x": inner}})
+        top.fill_(-1.0)  # the runner's buffers, rewritten for its next step
+        inner.fill_(-1.0)
+        out = m.materialize(sid, ["a"])
+        assert torch.equal(out.mm_outputs["a"]["m1"], torch.arange(5.0))
+        assert torch.equal(out.mm_outputs["a"]["nested"]["x"], torch.arange(3.0) + 10)
+        assert torch.equal(out.hidden_states["a"], rows(1, range(6)))
+        m.new_step_starts([finished("a")])
+
+
+def test_a_leftover_value_that_holds_itself_is_snapshotted_without_hanging_the_save(committer):
+    """Contract: ``save_outputs`` snapshots any leftover value, cycles included (``tensors_in`` visits each
+    container once; ``copy.deepcopy`` keeps the cycle), and returns: the engine thread never spins on a
+    self-referencing value, and materialize hands out a copy whose cycle and tensor are kept. The save runs on
+    a daemon thread so that a spinning save fails the test instead of hanging it. Killed mutant:
+    ``tensors_in`` without its ``seen`` set (an endless walk of the cycle)."""
+    with OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False) as m:
+        m.new_step_starts([started("a", [0, 1])])
+        t = torch.arange(4.0)
+        value: list = [t]
+        value.append(value)  # a value that holds itself
+        got: dict = {}
+        th = threading.Thread(target=lambda: got.update(sid=save(m, [Part("a", 1, [0, 1], 0, 6)], BS,
+                                                                 extra_mm={"cyc": value})), daemon=True)
+        th.start()
+        th.join(10)
+        assert "sid" in got, "save_outputs did not return for a leftover value that holds itself"
+        t.fill_(-1.0)
+        out = m.materialize(got["sid"], ["a"])
+        snap = out.mm_outputs["a"]["cyc"]
+        assert snap is not value and snap[1] is snap and torch.equal(snap[0], torch.arange(4.0))
+        m.new_step_starts([finished("a")])
+
+
+def test_tensors_nested_in_a_leftover_value_are_handed_out_as_the_ops_host_copies(committer):
+    """Contract: every tensor nested in a leftover value is replaced, in the snapshot materialize hands out,
+    by the host copy ``ops.leftover`` made (on CUDA: the pinned host copy whose event materialize waits),
+    once per tensor however often the value holds it; it is never deep-copied where it lay (on CUDA: a device
+    copy, handed out on the GPU and never waited). Here ``meta`` tensors stand in for device tensors and
+    recording CPU ops move them to the host. Killed mutant: ``snapshot_leftover`` deep-copying the value
+    without the memo of ``ops.leftover``'s copies."""
+    class MetaToHostOps(CpuOps):
+        def __init__(self):
+            self.calls = 0
+
+        def leftover(self, value):
+            self.calls += 1
+            if value.is_meta:  # the "device" tensor: its host copy
+                return torch.full(value.shape, 7.0), DONE
+            return super().leftover(value)
+
+    ops = MetaToHostOps()
+    with OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False, device_ops=ops) as m:
+        m.new_step_starts([started("a", [0, 1])])
+        inner = torch.empty(3, device="meta")
+        sid = save(m, [Part("a", 1, [0, 1], 0, 6)], BS, extra_mm={"nested": [inner, {"x": inner}]})
+        value = m.materialize(sid, ["a"]).mm_outputs["a"]["nested"]
+        assert ops.calls == 1  # one copy for the tensor the value holds twice
+        assert value[0].device.type == "cpu" and torch.equal(value[0], torch.full((3,), 7.0))
+        assert value[1]["x"] is value[0]
+        m.new_step_starts([finished("a")])
+
+
+def test_a_copy_error_after_the_step_was_sent_by_send_now_does_not_fail_its_write():
+    """Contract (``StepSender``): whoever takes a step first sends it, exactly once, and only the sender
+    thread that takes a step hands its copy error to the step's waiter. A step already taken and sent by the
+    materializing thread (``send_now``) keeps the outcome of that send even when the sender thread's own wait
+    of the event then raises. Killed mutant: ``_send_after`` setting the exception on the step's future
+    without taking the step first."""
+    inners: list[Future] = []
+
+    def send(make, **_kw):
+        fut: Future = Future()
+        make(0)
+        inners.append(fut)
+        return fut
+
+    release, waited = threading.Event(), threading.Event()
+
+    class FailsLate:
+        def synchronize(self) -> None:  # the sender thread's wait: fails once the test releases it
+            waited.set()
+            assert release.wait(10)
+            raise RuntimeError("device copy failed")
+
+        def query(self) -> bool:
+            return True
+
+    sender = StepSender(send, grace_s=0.0)
+    try:
+        item = sender.submit(FailsLate(), lambda rid: 1)
+        assert waited.wait(10)
+        sender.send_now(item)  # the materializing thread takes and sends it
+        release.set()
+    finally:
+        sender.stop(5.0)  # the sender thread has handled the item once this returns
+    assert len(inners) == 1
+    inners[0].set_result("ack 1")
+    assert item.outer.result(timeout=5) == "ack 1"

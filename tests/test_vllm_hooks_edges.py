@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from manager_helpers import rows
-from omnishm.integrations.vllm import external_req_id
+from omnishm.integrations.vllm import OmniPrefixCacheRunnerHooks, external_req_id
 
-from test_vllm_hooks import hooks, so, step  # noqa: F401  (the fixture and fakes of vLLM objects)
+from test_vllm_hooks import FakeV1Runner, hooks, so, step  # noqa: F401  (the fixture and fakes of vLLM objects)
 
 
 def test_external_req_id_strips_only_an_8_char_suffix():
@@ -335,3 +335,53 @@ def test_a_lone_engine_with_dp_index_0_keeps_its_name_and_endpoint():
 
     pc = SimpleNamespace(data_parallel_index=0)
     assert replica_cache_name("x", "ipc:///tmp/x.sock", parallel_config=pc) == "x"
+
+
+
+def test_raw_rows_of_a_request_resumed_with_a_shorter_hit_than_its_progress_are_its_prompt_once(hooks):
+    """Contract: ``omnishm_take_raw_prompt_hidden`` holds each no-hit prompt's rows exactly once, position by
+    position. A request preempted mid-prompt (8 of 12 tokens computed) and resumed with a hit shorter than its
+    progress (vLLM evicted its second block: hit 4) recomputes positions 4..11; the raw tracker must drop its
+    own rows from position 4 on before appending the recomputed ones, so the raw prompt is 12 rows, equal to
+    what the cache served (killed mutant: ``_PromptRows.add`` keeping every accumulated row on a restart
+    before its end, which held 16 rows with positions 4..7 twice)."""
+    h, runner = hooks
+    step(runner, so(new=[("A", 12, 0, [0, 1])], counts={"A": 8}))
+    step(runner, so(preempted=["A"], counts={}))
+    step(runner, so(cached=[("A", 4, [0, 2, 3])], resumed=["A"], counts={"A": 8}))
+    res = h.take_results()
+    assert "A" in res and torch.equal(res["A"][0], rows(1, range(12)))
+    raw = h.take_raw()
+    assert "A" in raw, h.stats()
+    assert tuple(raw["A"].shape) == (12, rows(1, range(1)).shape[1])
+    assert torch.equal(raw["A"], rows(1, range(12)))
+
+
+def _attached(committer) -> set[str]:
+    """The committer's attached sessions other than admin ones (``status`` itself opens one)."""
+    return {c["client_id"] for c in committer.status()["clients"] if c["role"] != "admin"}
+
+
+class _ModelFails(FakeV1Runner):
+    def get_model(self):
+        raise RuntimeError("model not loaded")
+
+
+def test_a_manager_whose_policy_cannot_be_registered_is_shut_down_not_left_attached(committer, monkeypatch):
+    """Contract: when the first real step builds the manager but the model's cache policy cannot be registered
+    (``get_model`` / ``ModelCachePolicy.from_model`` raises), the error reaches vLLM and the half-built manager
+    is shut down: no session of this process stays attached to the committer (it would hold a writer's seat
+    and its staging until the process exits). Killed mutant: the ``manager.shutdown()`` in
+    ``_ensure_manager``'s error path dropped."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    before = _attached(committer)
+    h = OmniPrefixCacheRunnerHooks(_ModelFails(), cache=committer.name)
+    h.install()
+    try:
+        with pytest.raises(RuntimeError, match="model not loaded"):
+            h.runner.execute_model(so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
+        assert h.manager is None
+        after = _attached(committer)
+        assert after == before, after - before
+    finally:
+        h.uninstall()
