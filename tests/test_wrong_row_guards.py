@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from helpers import pack
-from manager_helpers import Part, build, expect, finished, save, small_config, started
+from manager_helpers import MM_WIDTH, WIDTH, Part, build, expect, finished, rows, save, small_config, started
 from omnishm import protocol
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client import reads as reads_module
 from omnishm.committer import apply as apply_module
 from omnishm.committer.pool import CachePool
+from omnishm.interface import HIDDEN_KEY
 from omnishm.versions import make_cv
 
 BS = 4
@@ -386,3 +387,151 @@ def test_hidden_states_of_another_row_count_than_the_step_are_refused_and_the_ca
     m.wait_idle()
     hidden = m._keys[HIDDEN_KEY]
     assert bool((hidden.commit[torch.arange(0, 4)] == hidden.claim[torch.arange(0, 4)]).all())
+
+
+# Stop 52's mutation review of the read path (30 mutants, 22 killed by the suite): four gaps.
+
+
+def test_writer_never_serves_a_live_source_that_died_during_its_copy(committer_factory):
+    """Unit level (``_fix_rows``): a hit row not yet committed is read from its step's live row source; the
+    source's write lands while the copy runs (``alive`` drops, its staging page may be reused by the next
+    step, so the copy may hold another step's rows). The writer must re-check ``alive`` after the copy and
+    then serve the committed pool row, never the rows the dead source's copy returned (a wrong row)."""
+    handle = committer_factory()
+    w = OmniPrefixCacheManager(small_config(commit_timeout_s=2.0), cache=handle.name, autostart=False)
+    try:
+        cv = make_cv(w._epoch, 1, 1)
+        good = torch.full((4, 8), 1.0)
+        kv = SimpleNamespace(pool=good.clone(), claim=torch.tensor([cv, 0, 0, 0]),
+                             commit=torch.tensor([0, 0, 0, 0]))
+
+        class DiesDuringCopy:
+            alive = True
+
+            def take(self, want, read):
+                # The write landed meanwhile (commit word stored) and the page went to a later step.
+                kv.commit[0] = cv
+                self.alive = False
+                return torch.full((len(want), 8), 666.0)
+
+        with w._lock:
+            w._step_sources[("k", 1)] = DiesDuringCopy()
+        out = torch.zeros((1, 8))
+        slots, cvs = torch.tensor([0]), torch.tensor([cv])
+        w._fix_rows(kv, slots, cvs, out, torch.tensor([True]), None, "k", "b", 1, time.monotonic() + 2.0)
+        assert out.equal(good[:1]), f"served the dead source's copy {out[0].tolist()}"
+    finally:
+        with w._lock:
+            w._step_sources.pop(("k", 1), None)
+        w.shutdown()
+
+
+def test_a_subset_asked_in_reverse_step_order_gets_each_requests_own_rows(committer):
+    """``materialize`` of a step without hits may ask for its requests in any order and any subset: each
+    gets exactly its own step rows. ``_arena`` joins only requests adjacent IN THE STEP into one copy; a
+    request that merely follows in the result (c then b of a, b, c, d) must not be joined with the one
+    before it, or b would be served d's rows (wrong rows)."""
+    w = OmniPrefixCacheManager(small_config(), cache=committer.name, autostart=False)
+    try:
+        w.new_step_starts([started("a", [0]), started("b", [1]), started("c", [2]), started("d", [3])])
+        sid = save(w, [Part("a", 1, [0], 0, 2), Part("b", 2, [1], 0, 2), Part("c", 3, [2], 0, 2),
+                       Part("d", 4, [3], 0, 2)], 4)
+        out = w.materialize(sid, ["c", "b"])
+        assert set(out.hidden_states) == {"c", "b"}
+        for req, tag in (("c", 3), ("b", 2)):
+            assert out.num_hit_tokens[req] == 0
+            assert out.hidden_states[req].equal(rows(tag, range(2), WIDTH)), (req, out.hidden_states[req][:, 0])
+            assert out.mm_outputs[req]["feat"].equal(rows(tag + 500, range(2), MM_WIDTH)), req
+            assert HIDDEN_KEY not in out.mm_outputs[req]
+    finally:
+        w.shutdown()
+
+
+def test_reader_serves_rows_that_landed_as_their_writer_left(committer_factory, monkeypatch):
+    """Unit level (``_read_committed``): a reader waits for a hit row still landing; its writer says goodbye
+    just as the row's commit word is stored (seen together on the same pass). Rows committed before the
+    writer left are whole and this reader's: it must read them on the next pass and serve them, not raise
+    ``OmniPrefixCacheUnmatchError`` ("not committed before their writer left") and lose the request."""
+    handle = committer_factory()
+    r = OmniPrefixCacheManager(small_config(commit_timeout_s=2.0), cache=handle.name, role="reader",
+                               autostart=False)
+    try:
+        r._follows = 1  # the writer of epoch 1 is the one this reader follows
+        cv = make_cv(1, 1, 1)
+        good = torch.full((4, 8), 1.0)
+        kv = SimpleNamespace(pool=good.clone(), claim=torch.tensor([cv, 0, 0, 0]),
+                             commit=torch.tensor([0, 0, 0, 0]))
+
+        def left_as_the_row_landed(since):
+            kv.commit[0] = cv
+            return True
+
+        monkeypatch.setattr(r, "_writer_left", left_as_the_row_landed)
+        out = torch.zeros((1, 8))
+        r._read_committed(kv, torch.tensor([0]), out, "k", "b", 1, time.monotonic() + 2.0)
+        assert out.equal(good[:1])
+    finally:
+        r.shutdown()
+
+
+def test_a_reader_given_other_block_ids_refuses_the_hit_into_out_buffers_too(committer):
+    """A reader whose scheduler output names another block for b's hit (x's) than its writer's must refuse
+    the hit (``OmniPrefixCacheUnmatchError``, "ranks disagree") whether ``materialize`` allocates the result
+    or fills the caller's ``out=`` buffers: the writer's plan check (and the publication wait before it)
+    guards every reader read, so x's rows never land in b's buffers as its prefix."""
+    cfg = small_config(commit_timeout_s=3.0)
+    w = OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False)
+    r = OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False)
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0]), started("x", [1])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4), Part("x", 7, [1], 0, 4)], BS))
+        w.new_step_starts([started("b", [0, 2], hit=4)])
+        r.new_step_starts([started("b", [1, 2], hit=4)])  # the reader's output names x's block for b's hit
+        ids = [save(m, [Part("b", 1, [0, 2], 4, 2)], BS) for m in (w, r)]
+        w.discard_step(ids[0])
+        out = {"b": {HIDDEN_KEY: torch.full((6, WIDTH), -7.0), "feat": torch.full((6, MM_WIDTH), -7.0)}}
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"ranks disagree .*planned other hits") as err:
+            r.materialize(ids[1], ["b"], out=out)
+            pytest.fail(f"served {out['b'][HIDDEN_KEY][:, 0].tolist()} as b's rows")
+        assert "request='b'" in str(err.value) and f"step_id={ids[1]}" in str(err.value)
+    finally:
+        w.shutdown()
+        r.shutdown()
+
+
+def test_reader_never_copies_a_claimed_row_before_its_commit_word_matches(committer_factory, monkeypatch):
+    """Unit level (``_read_committed``, the reader's seqlock): a hit row whose claim is this step's but whose
+    commit word is not yet stored is still being written by the committer; the reader waits for the commit
+    and copies only then, and when it never comes, raises ``OmniPrefixCacheUnmatchError`` by the deadline with
+    ``out`` untouched. Only the randomised multi-process test of test_tp caught a reader that copied without
+    the commit check (stop 52's mutation review)."""
+    handle = committer_factory()
+    r = OmniPrefixCacheManager(small_config(commit_timeout_s=2.0), cache=handle.name, role="reader",
+                               autostart=False)
+    try:
+        r._follows = 1
+        cv = make_cv(1, 1, 1)
+        kv = SimpleNamespace(pool=torch.full((4, 8), 5.0), claim=torch.tensor([cv, 0, 0, 0]),
+                             commit=torch.tensor([0, 0, 0, 0]))
+        polls = []
+
+        def landing_on_the_third_poll(since):
+            polls.append(kv.pool[0, 0].item())
+            if len(polls) == 3:
+                kv.pool[0] = 1.0  # the committer's copy ends, then its commit word
+                kv.commit[0] = cv
+            return False
+
+        monkeypatch.setattr(r, "_writer_left", landing_on_the_third_poll)
+        out = torch.zeros((1, 8))
+        r._read_committed(kv, torch.tensor([0]), out, "k", "b", 1, time.monotonic() + 2.0)
+        assert len(polls) == 3 and out.equal(torch.ones((1, 8))), (polls, out[0].tolist())
+        kv.commit[0] = 0  # a row whose commit never comes
+        out.zero_()
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="not committed within") as err:
+            r._read_committed(kv, torch.tensor([0]), out, "k", "b", 1, time.monotonic() + 0.1)
+        assert "request='b'" in str(err.value) and "step_id=1" in str(err.value)
+        assert out.equal(torch.zeros((1, 8)))
+    finally:
+        r.shutdown()
