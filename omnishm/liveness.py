@@ -211,7 +211,11 @@ class CacheLock:
             if still_names(path, fd):  # else take it again on the current file
                 break
             os.close(fd)
-        _write_record(fd, record)
+        try:
+            _write_record(fd, record)
+        except BaseException:  # a full or failing file system: the path must not read as held for good
+            os.close(fd)
+            raise
         return cls(path, fd)
 
     @staticmethod
@@ -369,16 +373,25 @@ def endpoint_served(endpoint: str) -> bool:
 
 
 def lock_held(path: Path) -> bool:
-    """True when some process holds lock file ``path`` (a cache's lock, or a socket's: ``socket_lock_path``)."""
+    """True when some process holds lock file ``path`` (a cache's lock, or a socket's: ``socket_lock_path``).
+
+    Only a plain file that is no link can be a committer's lock (``_open_own_file``): anything else at the
+    path, or a file this user may not open (another user's: a committer's lock is its own user's), is no
+    committer's and reads as not held. A shared runtime dir holds other programs' locks too: a lock
+    *directory* there raised ``IsADirectoryError`` out of every sweep that asked (review, stop 52). Opened
+    read-only and non-blocking: a ``flock`` needs no write access, and a fifo must not hang the open. Raises
+    OSError only for other errors of the open (an I/O error)."""
     try:
-        fd = os.open(path, os.O_RDWR)
-    except (FileNotFoundError, NotADirectoryError):  # no lock there; a runtime dir that is a file holds none
-        return False
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):  # no lock of ours there; a runtime dir
+        return False  # that is a file holds none
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # nor does one that is a symlink loop (review, stop 51)
+        if exc.errno == errno.ELOOP:  # a link, or a runtime dir that is a symlink loop (review, stop 51)
             return False
         raise
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True

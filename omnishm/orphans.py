@@ -135,12 +135,19 @@ def abandoned(runtime_dir: Path) -> bool:
 
     What a whole session killed at once leaves (a test run cut off, a container's processes
     SIGKILLed with its dir on a shared /tmp): nobody would ever start there again to sweep it.
+    Never raises: a lock it cannot read counts as held.
     """
     try:
         locks = [p.name[:-len(".lock")] for p in runtime_dir.glob("*.lock")]
     except OSError:
         return not runtime_dir.exists()
-    return not any(cache_is_live(runtime_dir, name) for name in locks)
+    for name in locks:
+        try:
+            if cache_is_live(runtime_dir, name):
+                return False
+        except OSError:  # cannot tell (an I/O error): served, the safe reading before a removal
+            return False
+    return True
 
 
 def _take_lock_file(path: Path, *, make: bool) -> tuple[int, bool] | None:

@@ -231,6 +231,24 @@ def test_a_run_sweeps_only_the_dirs_of_dead_runs_whose_committers_are_gone(tmp_p
     assert sweep_dead_runs(tmp_path) == [live]  # once its run is gone
 
 
+def test_a_run_starts_beside_a_dead_runs_dir_that_holds_a_lock_directory(tmp_path: Path, monkeypatch):
+    """Review (stop 52): a ``*.lock`` that is a directory in a dead run's dir (another program's lock, in the
+    mkdir-as-lock habit) made ``sweep_dead_runs`` raise ``IsADirectoryError`` out of ``Cleanup()``, which left
+    the new run's own dir behind, its lock held, on every try. Such an entry is no committer's lock: the dead
+    run's dir goes, and the new run starts."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = tmp_path / f"{RUN_DIR_PREFIX}dead"
+    dead.mkdir()
+    (dead / RUN_LOCK).touch()
+    (dead / "x.lock").mkdir()
+    c = Cleanup()
+    try:
+        assert c.swept == [dead] and c.runtime_dir.parent == tmp_path
+    finally:
+        c.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_refuses_a_selection_of_no_figure():
     """REVIEW (2026-12-05): ``--only ,`` ran nothing and exited 0 with an empty report."""
     for only in (",", ""):

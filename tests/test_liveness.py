@@ -7,6 +7,7 @@ killed before). Races between a sweep and a starting committer are placed by pat
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -514,3 +515,61 @@ def test_a_lock_file_is_made_the_usual_way_where_unnamed_files_cannot_be(tmp_pat
     finally:
         lock.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_startup_sweep_goes_on_past_another_programs_lock_directory_in_a_foreign_dir(tmp_path: Path):
+    """Review (stop 52): a committer's start-up sweep asks whether a dead cache's recorded runtime dir is still
+    served (``orphans.abandoned``), by every ``*.lock`` in it. A ``*.lock`` that is a directory there (another
+    program's, in a shared dir) raised ``IsADirectoryError`` out of ``lock_held``, which stopped the whole
+    sweep: every dead cache after it kept its segments, at every start. It is no committer's lock, so the dir
+    is served by nobody and the dead cache is swept."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "x.lock").mkdir()
+    assert liveness.lock_held(foreign / "x.lock") is False
+    cache = unique_cache_name("odd")
+    names = _dead_generation(cache, "g0", foreign)
+    try:
+        removed = orphans.sweep(RUNTIME_DIR, foreign_dirs=False)
+        assert sorted(removed) == names and shm.list_segments(cache) == []
+    finally:
+        for n in shm.list_segments(cache):
+            shm.unlink_segment(n)
+
+
+def test_lock_held_reads_only_a_plain_file_of_a_live_holder(tmp_path: Path):
+    """``lock_held`` is True only for a plain file some process holds a ``flock`` on; a fifo (never opened for
+    good: the open does not block), a directory, a link to a held lock and a file this user may not open
+    read as not held."""
+    held = tmp_path / "held.lock"
+    lock = liveness.CacheLock.at(held, "g")
+    try:
+        assert liveness.lock_held(held)
+        (tmp_path / "link.lock").symlink_to(held)
+        assert not liveness.lock_held(tmp_path / "link.lock")
+        os.mkfifo(tmp_path / "fifo.lock")
+        assert not liveness.lock_held(tmp_path / "fifo.lock")
+        (tmp_path / "dir.lock").mkdir()
+        assert not liveness.lock_held(tmp_path / "dir.lock")
+    finally:
+        lock.release()
+    assert not liveness.lock_held(held)
+
+
+def test_a_lock_whose_record_cannot_be_written_is_not_left_held(tmp_path: Path, monkeypatch):
+    """Review (stop 52): a record write that fails (a full or failing file system) raised out of
+    ``CacheLock.at`` with its fd left open and flocked, so the path read as held by a live process until this
+    one exited. The fd is closed: the error is raised and the lock is free."""
+    path = tmp_path / "c.lock"
+    path.write_text("old-generation 4194304\n")  # an existing file: the record goes by _write_record's pwrite
+    before = set(os.listdir("/proc/self/fd"))
+
+    def failing_pwrite(fd, data, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "pwrite", failing_pwrite)
+    with pytest.raises(OSError, match="Input/output error"):
+        liveness.CacheLock.at(path, "g")
+    monkeypatch.undo()
+    assert set(os.listdir("/proc/self/fd")) <= before
+    assert not liveness.lock_held(path)

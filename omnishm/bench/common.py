@@ -145,7 +145,7 @@ def sweep_dead_runs(parent: Path) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a live run's
-            if not orphans.abandoned(run_dir):
+            if not orphans.abandoned(run_dir):  # never raises
                 continue
             shutil.rmtree(run_dir, ignore_errors=True)
             if not run_dir.exists():
@@ -166,12 +166,15 @@ class Cleanup:
 
     def __init__(self) -> None:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))  # 0700
+        self._held: int | None = None
         try:
-            self._held: int | None = _hold_run_dir(self.runtime_dir)
-        except BaseException:
+            self._held = _hold_run_dir(self.runtime_dir)
+            self.swept = sweep_dead_runs(self.runtime_dir.parent)
+        except BaseException:  # a Ctrl-C: nothing of this run is left
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            if self._held is not None:
+                os.close(self._held)
             raise
-        self.swept = sweep_dead_runs(self.runtime_dir.parent)
         self.caches: list[str] = []
         self.procs: list[subprocess.Popen] = []
         self._run = uuid.uuid4().hex[:6]
