@@ -471,21 +471,49 @@ def test_a_hello_a_dying_committer_swallowed_is_sent_again_and_not_kept(committe
                 link.close()
 
 
-def test_after_a_resume_no_heartbeat_of_the_lost_session_stays_pending(committer_factory):
-    """MUTATION (2026-12-06): the heartbeats unanswered when the committer was lost are failed then. Kept
-    (the mutant), they were never answered (a resume does not send heartbeats again) and held places of the
-    ``MAX_IN_FLIGHT`` window for good."""
+def _link_whose_committer_was_killed(committer_factory, **link_kw) -> tuple:
+    """``(handle, link)``: a reader's link whose committer was SIGKILLed and that has seen it gone (resuming)."""
     handle = committer_factory("--heartbeat-timeout-s", "60")
     link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
-                         reconnect_timeout_s=20.0)
+                         **link_kw)
     try:
         os.kill(handle.proc.pid, signal.SIGKILL)
         handle.proc.wait()
-        _until(lambda: link.state != "connected", 6.0, "the link to see its committer gone")
+        _until(lambda: link.state == "reconnecting", 6.0, "the link to see its committer gone")
+    except BaseException:
+        link.close()
+        raise
+    return handle, link
+
+
+def test_after_a_resume_no_heartbeat_of_the_lost_session_stays_pending(committer_factory):
+    """MUTATION (2026-12-06): the heartbeats unanswered when the committer was lost are failed then. Kept
+    (the mutant), they were never answered (a resume does not send heartbeats again) and held places of the
+    ``MAX_IN_FLIGHT`` window for good. Nor are they re-sent (stop 52's mutation review: heartbeats marked for
+    re-sending passed): one carries stale counters and an old beat number, and the next beat goes out fresh.
+    The link finds a killed committer gone right after it submits a beat, so one beat is outstanding at the
+    loss, and with nothing else pending the resume re-sends nothing."""
+    handle, link = _link_whose_committer_was_killed(committer_factory, reconnect_timeout_s=20.0)
+    try:
         lost = time.monotonic()
         committer_factory("--heartbeat-timeout-s", "60", name=handle.name)
         _until(lambda: link.stats["reconnects"] == 1, 15.0, "the resume")
         assert link.dead is None
         assert [rid for rid, e in link._pending.items() if not e.resend and e.sent_at < lost] == []
+        assert link.stats["resent"] == 0, dict(link.stats)
     finally:
         link.close()
+
+
+def test_closing_a_link_that_is_resuming_does_not_wait_for_a_goodbye(committer_factory):
+    """Contract (``CommitterLink.close``): a link closed while it resumes a lost committer sends no goodbye
+    (nothing would answer it; the committer reaps the session) and returns at once, so an engine shutting down
+    while its committer is gone is not held ``timeout_s`` (here 8 s) on its close (stop 52's mutation review)."""
+    _, link = _link_whose_committer_was_killed(committer_factory, reconnect_timeout_s=30.0)
+    try:
+        t0 = time.monotonic()
+        link.close(timeout_s=8.0)
+        took = time.monotonic() - t0
+        assert took < 3.0, f"close took {took:.1f}s while the link was resuming"
+    finally:
+        link.close()  # the killed committer's segments: swept by the closing link (``_sweep_if_committer_gone``)

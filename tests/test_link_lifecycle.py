@@ -1,17 +1,22 @@
-"""A client link's close, its timeouts and its resume, against real committer processes (stop 52's mutation
+"""A client link's close and its timeouts, against real committer processes (stop 52's mutation
 review of omnishm/client/link.py: gaps the suite did not cover).
 
 A closed link fails every pending request at once and wakes a caller waiting for in-flight room; a request's
-``timeout_s`` bounds its wait for room and for the reply together; a link closed while it resumes sends no
-goodbye; a resume re-sends no heartbeat of the lost session; an ``Error`` reply raises.
+``timeout_s`` bounds its wait for room and for the reply together; an ``Error`` reply raises. (That a resume
+re-sends no heartbeat of the lost session, and that a link closed while it resumes sends no goodbye, are in
+test_link.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
 
 from omnishm import protocol
 from omnishm.client.link import MAX_IN_FLIGHT, CommitterLink
@@ -20,26 +25,6 @@ from omnishm.interface import OmniPrefixCacheCommitterError
 from helpers import until, wait_stopped
 
 LAYOUT = protocol.Layout(num_blocks=8, block_size=4)
-
-def test_a_resume_re_sends_no_heartbeat_of_the_lost_session(committer_factory):
-    """Contract (link.py module docstring, ``_Pending.resend``): after a resume the link re-sends every
-    unanswered request *but heartbeats*. A heartbeat of the lost session carries stale counters and an old
-    beat number; it is failed ("heartbeat lost") when the committer is lost, and the next beat goes out
-    fresh. The link finds a killed committer gone from /proc right after it submits a beat, so one beat is
-    always outstanding at the loss: with nothing else pending, the resume must re-send nothing."""
-    handle = committer_factory("--heartbeat-timeout-s", "60")
-    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
-                         reconnect_timeout_s=20.0)
-    try:
-        os.kill(handle.proc.pid, signal.SIGKILL)
-        handle.proc.wait()
-        until(lambda: link.state != "connected", 6.0, "the link to see its committer gone")
-        committer_factory("--heartbeat-timeout-s", "60", name=handle.name)
-        until(lambda: link.stats["reconnects"] == 1, 15.0, "the resume")
-        assert link.dead is None
-        assert link.stats["resent"] == 0, dict(link.stats)
-    finally:
-        link.close()
 
 
 def test_a_request_the_committer_refuses_raises_its_error_and_the_link_goes_on(committer_factory):
@@ -83,42 +68,56 @@ def test_close_fails_every_request_still_pending_at_once(committer_factory):
         link.close()
 
 
+@contextlib.contextmanager
+def _frozen_with_a_full_window(committer_factory, **link_kw: Any) -> Iterator[tuple[CommitterLink, list[Future]]]:
+    """A link whose committer is frozen (SIGSTOP) with ``MAX_IN_FLIGHT`` requests unanswered: yields the link and
+    the futures of the first 16 it submitted. The committer is thawed and the link closed on the way out."""
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
+                         **link_kw)
+    os.kill(handle.proc.pid, signal.SIGSTOP)
+    try:
+        wait_stopped(handle.proc.pid)
+        first = [link.submit(_status) for _ in range(16)]
+        while len(link._pending) < MAX_IN_FLIGHT:  # nothing is answered: the window fills
+            link.submit(_status)
+        yield link, first
+    finally:
+        os.kill(handle.proc.pid, signal.SIGCONT)
+        link.close()
+
+
+def _status(rid: int) -> protocol.StatusRequest:
+    return protocol.StatusRequest(rid=rid)
+
+
 def test_a_caller_waiting_for_in_flight_room_is_failed_at_once_when_the_link_closes(committer_factory):
     """Contract (``CommitterLink.submit`` / ``_fail_all``): with ``MAX_IN_FLIGHT`` requests unanswered a caller
     waits for room, for at most its timeout; when the link closes (or dies) every pending request is failed,
     and that caller must be woken then and raise at once, not sit out the rest of its timeout on the engine
     thread. The window is filled against a frozen committer; the caller's timeout (20 s) is far above the
     bound asserted."""
-    handle = committer_factory("--heartbeat-timeout-s", "60")
-    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
-                         request_timeout_s=20.0)
-    os.kill(handle.proc.pid, signal.SIGSTOP)
     outcome: list[BaseException | None] = []
+    with _frozen_with_a_full_window(committer_factory, request_timeout_s=20.0) as (link, _):
+        def caller() -> None:
+            try:
+                link.request(_status, timeout_s=20.0)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - judged below
+                outcome.append(exc)
 
-    def caller() -> None:
-        try:
-            link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=20.0)
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - judged below
-            outcome.append(exc)
-
-    thread = threading.Thread(target=caller)
-    try:
-        wait_stopped(handle.proc.pid)
-        while len(link._pending) < MAX_IN_FLIGHT:  # nothing is answered: the window fills
-            link.submit(lambda rid: protocol.StatusRequest(rid=rid))
+        thread = threading.Thread(target=caller)
         thread.start()
-        until(lambda: link._room_waiters == 1, 5.0, "the caller to wait for room")
-        t0 = time.monotonic()
-        link.close(timeout_s=0.2)
-        thread.join(timeout=5.0)
-        assert not thread.is_alive(), f"the caller still waits for room {time.monotonic() - t0:.1f}s after close"
-        assert len(outcome) == 1 and isinstance(outcome[0], OmniPrefixCacheCommitterError), outcome
-    finally:
-        os.kill(handle.proc.pid, signal.SIGCONT)
-        link.close()
-        if thread.is_alive():
+        try:
+            until(lambda: link._room_waiters == 1, 5.0, "the caller to wait for room")
+            t0 = time.monotonic()
+            link.close(timeout_s=0.2)
+            thread.join(timeout=5.0)
+            assert not thread.is_alive(), f"the caller still waits for room {time.monotonic() - t0:.1f}s after close"
+        finally:
+            link.close()
             thread.join(timeout=30.0)
+    assert len(outcome) == 1 and isinstance(outcome[0], OmniPrefixCacheCommitterError), outcome
 
 
 def test_a_request_whose_wait_for_room_ended_late_still_ends_within_its_own_timeout(committer_factory):
@@ -126,57 +125,28 @@ def test_a_request_whose_wait_for_room_ended_late_still_ends_within_its_own_time
     the wait for the reply together, so an engine-thread caller never waits longer than it asked. The window is
     full against a frozen committer; room frees (16 entries settled) only after 3 of the caller's 4 s, and its
     request then goes unanswered: it must raise at about 4 s, not 3 s + another 4 s."""
-    handle = committer_factory("--heartbeat-timeout-s", "60")
-    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
-                         request_timeout_s=30.0)
-    os.kill(handle.proc.pid, signal.SIGSTOP)
     took: list[float] = []
     errors: list[BaseException] = []
+    with _frozen_with_a_full_window(committer_factory, request_timeout_s=30.0) as (link, first):
+        def caller() -> None:
+            t0 = time.monotonic()
+            try:
+                link.request(_status, timeout_s=4.0)
+            except OmniPrefixCacheCommitterError as exc:
+                errors.append(exc)
+            took.append(time.monotonic() - t0)
 
-    def caller() -> None:
-        t0 = time.monotonic()
-        try:
-            link.request(lambda rid: protocol.StatusRequest(rid=rid), timeout_s=4.0)
-        except OmniPrefixCacheCommitterError as exc:
-            errors.append(exc)
-        took.append(time.monotonic() - t0)
-
-    thread = threading.Thread(target=caller)
-    try:
-        wait_stopped(handle.proc.pid)
-        first = [link.submit(lambda rid: protocol.StatusRequest(rid=rid)) for _ in range(16)]
-        while len(link._pending) < MAX_IN_FLIGHT:  # nothing is answered: the window fills
-            link.submit(lambda rid: protocol.StatusRequest(rid=rid))
         started = time.monotonic()
+        thread = threading.Thread(target=caller)
         thread.start()
-        until(lambda: link._room_waiters == 1, 5.0, "the caller to wait for room")
-        until(lambda: time.monotonic() - started >= 3.0, 10.0, "3 s of the caller's timeout to pass")  # room frees late
-        # 16 entries settled: room even with the I/O thread's own (unbounded) heartbeats pending too
-        assert all(link.settle(f.rid, protocol.StatusReply(rid=f.rid, status={})) for f in first)
-        thread.join(timeout=15.0)
-        assert not thread.is_alive() and len(errors) == 1, errors
-        assert took[0] < 4.0 + 1.5, f"request(timeout_s=4.0) took {took[0]:.1f}s"
-    finally:
-        os.kill(handle.proc.pid, signal.SIGCONT)
-        link.close()
-        if thread.is_alive():
+        try:
+            until(lambda: link._room_waiters == 1, 5.0, "the caller to wait for room")
+            until(lambda: time.monotonic() - started >= 3.0, 10.0, "3 s of the caller's timeout to pass")
+            # 16 entries settled: room even with the I/O thread's own (unbounded) heartbeats pending too
+            assert all(link.settle(f.rid, protocol.StatusReply(rid=f.rid, status={})) for f in first)
+            thread.join(timeout=15.0)
+        finally:
+            link.close()
             thread.join(timeout=30.0)
-
-
-def test_closing_a_link_that_is_resuming_does_not_wait_for_a_goodbye(committer_factory):
-    """Contract (``CommitterLink.close``): a link closed while it resumes a lost committer sends no goodbye
-    (nothing would answer it; the committer reaps the session) and returns at once, so an engine shutting down
-    while its committer is gone is not held ``timeout_s`` (here 8 s) on its close."""
-    handle = committer_factory("--heartbeat-timeout-s", "60")
-    link = CommitterLink(cache=handle.name, role=protocol.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT,
-                         reconnect_timeout_s=30.0)
-    try:
-        os.kill(handle.proc.pid, signal.SIGKILL)
-        handle.proc.wait()
-        until(lambda: link.state == "reconnecting", 6.0, "the link to see its committer gone")
-        t0 = time.monotonic()
-        link.close(timeout_s=8.0)
-        took = time.monotonic() - t0
-        assert took < 3.0, f"close took {took:.1f}s while the link was resuming"
-    finally:
-        link.close()  # the killed committer's segments: swept by the closing link (``_sweep_if_committer_gone``)
+    assert len(errors) == 1, errors
+    assert took[0] < 4.0 + 1.5, f"request(timeout_s=4.0) took {took[0]:.1f}s"

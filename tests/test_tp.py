@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from manager_helpers import small_config, Part, aborted, expect, finished, hit_beside_plain, rows, save, started
+from manager_helpers import MM_WIDTH, WIDTH, small_config, Part, aborted, expect, finished, hit_beside_plain, rows, save, started
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omnishm.demo.launch import RankGroup
 from omnishm.demo.rank import START_BARRIER_S, RankOptions, RankResult, run_rank
@@ -797,10 +797,13 @@ def _writer_and_reader(committer):
             OmniPrefixCacheManager(cfg(), cache=committer.name, role="reader", autostart=False))
 
 
-def test_a_reader_given_other_block_ids_than_its_writer_refuses_the_hit(committer):
+@pytest.mark.parametrize("into_out", [False, True], ids=["result", "out-buffers"])
+def test_a_reader_given_other_block_ids_than_its_writer_refuses_the_hit(committer, into_out):
     """REVIEW (2026-12-06): a reader whose scheduler output named another block for a hit than its writer's
     served that block's rows, another request's (x's), as b's prefix, with no error. The writer records each
-    step's hit plan (``P.CTL_HITS_RING``) and a reader serves no hit row of a step whose plan is not its own."""
+    step's hit plan (``P.CTL_HITS_RING``) and a reader serves no hit row of a step whose plan is not its own,
+    whether ``materialize`` makes the result or fills the caller's ``out=`` buffers (stop 52's mutation review:
+    nothing pinned the check, and the publication wait before it, for ``out=``)."""
     w, r = _writer_and_reader(committer)
     try:
         for m in (w, r):
@@ -810,8 +813,10 @@ def test_a_reader_given_other_block_ids_than_its_writer_refuses_the_hit(committe
         r.new_step_starts([started("b", [1, 2], hit=4)])  # the reader's output names x's block for b's hit
         ids = [save(m, [Part("b", 1, [0, 2], 4, 2)], BS) for m in (w, r)]
         assert torch.equal(w.materialize(ids[0], ["b"]).hidden_states["b"], expect(1, 4, 1, 4, 2))
+        out = {"b": {HIDDEN_KEY: torch.full((6, WIDTH), -7.0), "feat": torch.full((6, MM_WIDTH), -7.0)}} if into_out \
+            else None
         with pytest.raises(OmniPrefixCacheUnmatchError, match=r"ranks disagree .*planned other hits") as err:
-            r.materialize(ids[1], ["b"])
+            r.materialize(ids[1], ["b"], out=out)
         assert "request='b'" in str(err.value) and f"step_id={ids[1]}" in str(err.value)
     finally:
         w.shutdown()
