@@ -194,11 +194,14 @@ def test_a_hit_of_a_request_scheduled_zero_tokens_is_served_not_lost(committer_f
         theirs.shutdown()
 
 
-def test_install_lets_the_manager_vllm_omnis_runner_builds_name_its_dp_replicas_cache(committer_factory, monkeypatch):
+@pytest.mark.parametrize("where", ["runner", "vllm_config"])
+def test_install_lets_the_manager_vllm_omnis_runner_builds_name_its_dp_replicas_cache(committer_factory, monkeypatch,
+                                                                                      where):
     """Contract (``install``: rebinds vllm-omni's manager name and wraps its runner's ``_ensure_omni_prefix_cache``
     so the drop-in it builds sees the runner): after ``install()`` alone, the manager a dense model's DP replica 1
     builds, with vllm-omni's two arguments only, attaches to that replica's own cache ``<name>-dp1`` (the runner's
-    ``ParallelConfig``), not to the plain name that replica 0 writes."""
+    ``ParallelConfig``, its own or its ``vllm_config``'s: ``runner_parallel_config``), not to the plain name that
+    replica 0 writes (stop 52's mutation review: nothing pinned the ``vllm_config`` one)."""
     from omnishm.integrations.vllm_omni import install
 
     mixin = importlib.import_module("vllm_omni.core.prefix_cache.runner_mixin")
@@ -213,9 +216,13 @@ def test_install_lets_the_manager_vllm_omnis_runner_builds_name_its_dp_replicas_
     monkeypatch.setenv("OMNISHM_NAME", base)
     monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
     assert install() is True
-    runner = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=1),
-                             _omni_prefix_cache_cfg=VO.PrefixCacheConfig(num_blocks=8, block_size=16,
+    parallel = SimpleNamespace(data_parallel_index=1)
+    runner = SimpleNamespace(_omni_prefix_cache_cfg=VO.PrefixCacheConfig(num_blocks=8, block_size=16,
                                                                          staging_capacity_tokens=32, staging_depth=2))
+    if where == "runner":
+        runner.parallel_config = parallel
+    else:
+        runner.vllm_config = SimpleNamespace(parallel_config=parallel)
     mixin.PrefixCacheRunnerMixin._ensure_omni_prefix_cache(runner)
     try:
         assert isinstance(runner.omni_prefix_cache, VllmOmniPrefixCacheManager)
@@ -250,3 +257,99 @@ def test_a_staging_timeout_raises_vllm_omnis_staging_timeout_class(committer_fac
         ours.discard_step(ours.save_outputs(torch.randn(1, 8), {}, num_tokens_unpadded=1, num_tokens_padded=1))
     finally:
         ours.shutdown()
+
+
+# Stop 52's mutation review of the drop-in (38 mutants, 30 killed by the suite): the gaps.
+def test_a_discarded_step_keeps_no_snapshot_and_the_saved_table_stays_bounded(committer_factory):
+    """Contract (``discard_step``: "Consume ``step_id`` without reading it"; ``_lock`` covers the saved-step
+    table): a step id consumed by ``discard_step`` drops the drop-in's own record of that save (its spans and its
+    leftover snapshots, which are pinned host copies on CUDA), as ``materialize`` does; an engine whose consumer
+    discards every step (a stage whose outputs nobody reads back) must not keep one entry per step for the life of
+    the process. A wrong id still changes nothing (the id stays consumable)."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        computed = 0
+        for i in range(6):
+            new = (("a", 0, [0, 1, 2, 3]),) if i == 0 else ()
+            so = _step(view, [("a", computed, [0, 1, 2, 3], 4)], new=new)
+            sids = _both(ours, theirs, view, so, torch.randn(4, 8),
+                         {"feat": torch.randn(4, 4), "lengths": [4]}, 4, 4)
+            computed += 4
+            ours.discard_step(sids[0])
+            theirs.discard_step(sids[1])
+            assert sids[0] not in ours._saved
+        assert len(ours._saved) == 0
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_a_batch_whose_request_order_omnishms_view_does_not_share_uses_vllm_omnis_view(committer_factory):
+    """Contract (``_own_view`` / ``save_outputs``: omnishm's own group view computes the slots only where its batch
+    order is the order vllm-omni's view hands the drop-in; otherwise vllm-omni's ``step_slots_cpu`` does): vllm-omni's
+    ``batch_req_ids`` lists a vLLM input batch's ``req_ids`` as they are, holes (``None``, a removed request's row not
+    yet condensed) included, where omnishm's view skips them. Such a batch must still be saved, its rows landing at
+    the slots vllm-omni's view names (a later hit serves exactly them, as vllm-omni's own manager does), not
+    refused by omnishm's view for a count list that does not match its rows."""
+    cfg = VO.PrefixCacheConfig(num_blocks=16, block_size=16, staging_capacity_tokens=64, staging_depth=2,
+                               staging_claim_timeout_s=10.0)
+    batch = _vllm_batch()
+    view = VO.FullAttentionGroupView(batch, 16)
+    theirs = VO.OmniPrefixCacheManager(cfg, view, eager=True)
+    ours = VllmOmniPrefixCacheManager(cfg, view, cache=committer_factory().name, autostart=False, role="writer")
+    try:
+        assert ours._ours is not None
+        # Batch rows: "b" (4 tokens, block 9), a hole, "a" (20 tokens, blocks 5, 6).
+        table = batch.block_table.block_tables[0]
+        batch.req_ids = ["b", None, "a"]
+        batch.req_id_to_index = {"b": 0, "a": 2}
+        for i, (computed, blocks) in enumerate([(0, [9]), (0, [1]), (0, [5, 6])]):
+            batch.num_computed_tokens_cpu[i] = computed
+            table.block_table.cpu[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            table.num_blocks_per_row[i] = len(blocks)
+        so = SchedulerOutput([NewRequest("b", 0, ([9],)), NewRequest("a", 0, ([5, 6],))],
+                             CachedRequests([], set(), [], []), {"b": 4, "a": 20}, 24, set())
+        h, mm = torch.randn(24, 8), {"feat": torch.randn(24, 4)}
+        ours.new_step_starts(so)
+        theirs.new_step_starts(so)
+        sids = (ours.save_outputs(h, mm, num_tokens_unpadded=24, num_tokens_padded=24),
+                theirs.save_outputs(h, mm, num_tokens_unpadded=24, num_tokens_padded=24))
+        materialized_alike(ours, theirs, sids, ["b", "a"], "batch with a hole")
+        # "c" hits a's first block (16 tokens) and computes 3 more in block 7.
+        batch.req_ids = ["c"]
+        batch.req_id_to_index = {"c": 0}
+        batch.num_computed_tokens_cpu[0] = 16
+        table.block_table.cpu[0, :2] = torch.tensor([5, 7], dtype=torch.int32)
+        table.num_blocks_per_row[0] = 2
+        so = SchedulerOutput([NewRequest("c", 16, ([5, 7],))], CachedRequests([], set(), [], []), {"c": 3}, 3,
+                             {"a", "b"})
+        h2, mm2 = torch.randn(3, 8), {"feat": torch.randn(3, 4)}
+        ours.new_step_starts(so)
+        theirs.new_step_starts(so)
+        sids = (ours.save_outputs(h2, mm2, num_tokens_unpadded=3, num_tokens_padded=3),
+                theirs.save_outputs(h2, mm2, num_tokens_unpadded=3, num_tokens_padded=3))
+        got = materialized_alike(ours, theirs, sids, ["c"], "hit on a's block")
+        assert torch.equal(got.hidden_states["c"], torch.cat([h[4:20], h2]))
+        assert torch.equal(got.mm_outputs["feat"]["c"], torch.cat([mm["feat"][4:20], mm2["feat"]]))
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_one_dimensional_padded_outputs_are_leftover_as_vllm_omni_treats_them(committer_factory, vllm_logger_standin):
+    """Contract (module docstring: "values that are not per-token rows of at least 2 dimensions are leftover, cut
+    per request by vllm-omni's own ``to_payload_element``"): a 1-D output of the padded step's length (one value per
+    padded token) is no per-token row; materialize returns for it exactly what vllm-omni returns (its
+    ``to_payload_element`` over the drop-in's snapshot), for every request of the batch, and the step's 2-D
+    rows are served alongside as usual."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        so = _step(view, [("a", 0, [0, 1], 20), ("z", 0, [4], 0)], new=(("a", 0, [0, 1]), ("z", 0, [4])))
+        mm = {"feat": torch.randn(24, 6), "codes": torch.arange(24)}
+        sids = _both(ours, theirs, view, so, torch.randn(24, 8), mm, 20, 24)
+        got, want = ours.materialize(sids[0], ["a", "z"]), theirs.materialize(sids[1], ["a", "z"])
+        same(got.mm_outputs, want.mm_outputs, "1-D padded output")
+        same(got.hidden_states, want.hidden_states, "hidden")
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
