@@ -208,3 +208,22 @@ def test_a_runner_rewriting_its_slot_tensor_after_a_save_never_moves_the_deferre
     assert bool(_landed(feat, torch.arange(0, 4)).all())
     assert torch.equal(feat.pool[torch.arange(0, 4)].reshape(4, MM_WIDTH), rows(501, range(4), MM_WIDTH))
     assert torch.equal(feat.claim[other], claim_before) and torch.equal(feat.commit[other], commit_before)
+
+
+def test_a_hit_taken_at_save_closes_the_open_deferred_write_it_reads(mgr):
+    """A deferred (JOIN_ON_FINISH) write that a hit reads is closed and lands, so that every rank can read
+    the rows from the pool (README: a write is closed when "a hit reads it"). A hit planned while its request
+    got no tokens is taken by that request's next save; the claims it then plans on may be those of a deferred
+    write opened after the hit was registered (here a's, in the same step), and that save must close it too.
+    MUTATION (mutR m23): without the close in ``save_outputs`` the write stayed open until a ended: the
+    writer served the rows from its own source, but no other rank could read them."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0]), started("b", [0, 1], hit=4)])  # b: no tokens this step
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))  # a's deferred write opens after b's hit
+    feat, slots = m._keys["feat"], torch.arange(0, 4)
+    m.wait_idle()
+    assert not bool((feat.commit[slots] == feat.claim[slots]).any())  # still open, with the client
+    sid = save(m, [Part("b", 1, [0, 1], 4, 2)], BS)  # b's save takes its hit on a's open rows
+    m.materialize(sid, ["b"])
+    m.wait_idle()
+    assert torch.equal(feat.commit[slots], feat.claim[slots]), "the write the hit reads did not land"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import loud
-from manager_helpers import Part, finished, one_applied_step, rows, save, small_config, started
+from manager_helpers import Part, build, finished, one_applied_step, rows, save, small_config, started
 from omnishm import protocol as P
 from omnishm.client import HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
@@ -363,3 +363,26 @@ def test_discard_step_on_a_sticky_fatal_writer_raises_the_sticky_error(committer
             m.discard_step(sid)
     finally:
         m.shutdown()
+
+
+def test_a_refused_save_makes_its_slots_absent_in_every_key_not_only_the_first(mgr):
+    """``_forget_refused``: the slots of a refused save become absent (claim 0) in EVERY key of the cache, so
+    that no reader, of whichever tensor, can take the slots' previous tenant's committed row for the refused
+    step's tokens (vLLM's KV cache holds those tokens all the same). MUTATION (mutR m4): clearing only the
+    first key's claim table (hidden) survived the suite, since a hit plans every key and one absent key
+    already makes it raise; the other keys' claim tables kept z's committed claims."""
+    m = mgr()
+    m.new_step_starts([started("z", [0])])
+    m.discard_step(save(m, [Part("z", 5, [0], 0, 4)], BS))
+    m.wait_idle()
+    slots = torch.arange(0, 4)
+    assert set(m._keys) == {HIDDEN_KEY, "feat"}
+    for key, kv in m._keys.items():
+        assert bool((kv.claim[slots] != 0).all()), key  # z's rows are committed in both keys
+    h, mm, lay, n, _ = build([Part("a", 1, [0, 1], 0, 8)], BS)
+    m.new_step_starts([finished("z"), started("a", [0, 1])])
+    with pytest.raises(OmniPrefixCacheUnmatchError):
+        m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay)
+    for key, kv in m._keys.items():
+        assert torch.equal(kv.claim[torch.arange(0, 8)], torch.zeros(8, dtype=kv.claim.dtype)), \
+            f"tensor {key!r} still claims slots of the refused save"
