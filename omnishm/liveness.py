@@ -266,11 +266,13 @@ def _write_record(fd: int, record: bytes) -> None:
         os.ftruncate(fd, len(data))
 
 
-def _link_new_file(path: Path, record: bytes) -> int | None:
+def link_new_file(path: Path, record: bytes) -> int | None:
     """Lock file ``path`` made with ``record`` in it and ``flock``ed before its name appears (an unnamed
     ``O_TMPFILE`` file, then ``linkat`` by its ``/proc/self/fd`` name): a kill at any point leaves either no
     file or a whole one. None when ``path`` exists already or this kernel or file system cannot do it (no
-    ``O_TMPFILE``, no ``/proc``): the caller then opens it the usual way. Never raises OSError."""
+    ``O_TMPFILE``, no ``/proc``): the caller then opens it the usual way. Never raises OSError. For a
+    committer's lock (``CacheLock.at``) and for one a sweep makes to hold a dead cache's files
+    (``orphans._take_lock_file``)."""
     try:
         dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except (AttributeError, OSError):
@@ -295,12 +297,12 @@ def _link_new_file(path: Path, record: bytes) -> int | None:
 def _open_own_file(path: Path, record: bytes) -> int:
     """Open (creating, 0600) a lock file that is a plain file of ours with one name; raises PermissionError.
 
-    A file made here holds ``record`` from its first moment when the system allows (``_link_new_file``).
+    A file made here holds ``record`` from its first moment when the system allows (``link_new_file``).
     A socket's lock file may sit in a shared sticky directory such as /tmp, where another user can put a
     symlink (a root committer truncated and wrote the file it pointed to: review), a hard link, or a file of
     their own held locked (which blamed "a running committer" for it) at the name first."""
     if not os.path.lexists(path):
-        fd = _link_new_file(path, record)
+        fd = link_new_file(path, record)
         if fd is not None:
             return fd
     try:

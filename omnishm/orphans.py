@@ -18,7 +18,7 @@ from pathlib import Path
 import posix_ipc
 
 from omnishm.liveness import (OWNER, CacheLock, cache_is_live, clients_attached, flock_within, generation_owned,
-                              lock_path, recorded_runtime_dir, socket_lock_path, still_names)
+                              link_new_file, lock_path, recorded_runtime_dir, socket_lock_path, still_names)
 from omnishm.paths import default_runtime_dir, socket_in_use, socket_path
 from omnishm.shm import SHM_DIR, is_cache_name, list_segments, parse_segment_name, segment_name, unlink_segment
 
@@ -150,6 +150,11 @@ def abandoned(runtime_dir: Path) -> bool:
     return True
 
 
+SWEEP_RECORD = b"sweep %d"
+"""What a lock file a sweep makes for the purpose holds (``generation pid``, as a committer's): read by
+``CacheLock.holder`` as a holder named ``sweep``, dead once the sweeper is."""
+
+
 def _take_lock_file(path: Path, *, make: bool) -> tuple[int, bool] | None:
     """``(fd, made)``: lock file ``path`` open and ``flock``ed by us (made for the purpose when missing and
     ``make``), or None when a live process holds it, or it is missing (and not ``make``), or it was made or
@@ -161,6 +166,12 @@ def _take_lock_file(path: Path, *, make: bool) -> tuple[int, bool] | None:
     except FileNotFoundError:
         if not make:
             return None
+        # Made whole, as a committer's is (``SWEEP_RECORD``): a sweeper killed while it holds the file leaves
+        # one the next sweep takes for a dead holder's and removes, not an empty one that no sweep without a
+        # cache name may take for ours (stop 52).
+        linked = link_new_file(path, SWEEP_RECORD % os.getpid())
+        if linked is not None:
+            return linked, True
         try:
             fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), True
         except OSError:

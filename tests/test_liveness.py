@@ -505,9 +505,9 @@ def test_a_lock_file_over_a_longer_old_record_reads_as_its_new_holder(tmp_path: 
 
 
 def test_a_lock_file_is_made_the_usual_way_where_unnamed_files_cannot_be(tmp_path: Path, monkeypatch):
-    """Where the kernel or file system has no ``O_TMPFILE`` (or no ``/proc``), ``_link_new_file`` gives up and the
+    """Where the kernel or file system has no ``O_TMPFILE`` (or no ``/proc``), ``link_new_file`` gives up and the
     lock file is created, locked and written as before: the lock works, only the kill window is back."""
-    monkeypatch.setattr(liveness, "_link_new_file", lambda path, record: None)
+    monkeypatch.setattr(liveness, "link_new_file", lambda path, record: None)
     lock = liveness.CacheLock.acquire(tmp_path, "c", "g")
     try:
         assert liveness.CacheLock.holder(tmp_path / "c.lock") == ("g", os.getpid())
@@ -573,3 +573,21 @@ def test_a_lock_whose_record_cannot_be_written_is_not_left_held(tmp_path: Path, 
     monkeypatch.undo()
     assert set(os.listdir("/proc/self/fd")) <= before
     assert not liveness.lock_held(path)
+
+
+def test_a_sweeper_killed_while_it_holds_a_lock_file_it_made_leaves_one_the_next_sweep_removes(tmp_path: Path):
+    """Review (stop 52): a sweep that finds a dead cache's socket without its lock file makes one to hold while it
+    removes the socket (``orphans._take_lock_file``). It made it empty: a sweeper killed while holding it left a
+    zero-byte ``<cache>.lock`` that no sweep without a cache name takes for ours. It is made whole now
+    (``sweep PID``), so the next sweep of the dir reads it as a dead holder's and removes it."""
+    path = tmp_path / f"{unique_cache_name()}.lock"
+    proc = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from omnishm import orphans\n"
+        "assert orphans._take_lock_file(Path(sys.argv[1]), make=True) is not None\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"), str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert liveness.CacheLock.holder(path) is not None, f"left {path.read_bytes()!r}"
+    assert orphans.sweep(tmp_path) == [str(path)]
+    assert list(tmp_path.iterdir()) == []
