@@ -8,13 +8,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+import zmq
 from conftest import RUNTIME_DIR, unique_cache_name
 from manager_helpers import Part, save, started
 
-from omnishm import cli, paths, shm
+from omnishm import cli, paths, protocol, shm
 from omnishm.client import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheConfig
 
 BS = 4
@@ -501,3 +503,85 @@ def test_ping_through_a_symlink_to_a_live_committers_socket_reaches_it(committer
     link.symlink_to(paths.socket_path(RUNTIME_DIR, handle.name))
     code, out, err = run(capsys, "ping", "--name", handle.name, "--endpoint", f"ipc://{link}", "--timeout-s", "5")
     assert code == 0 and "not a socket" not in err, (out, err)
+
+
+# Stop 52's mutation review of omnishm/cli.py.
+def test_ping_and_status_of_a_committer_that_refuses_the_admin_session_exit_1_naming_its_reason(
+        committer_factory, capsys):
+    """``cli.admin_request``: a committer that answers the admin Hello with a refusal (here: it serves another
+    cache than the one ``--name`` asks for, reached by its ``--endpoint``) is no committer for that cache:
+    ``omnishm ping`` and ``status`` exit 1 with "refused the admin session" and the committer's reason, not
+    exit 0 and not a traceback (an ``Error`` reply read as a ``Welcome``). The committer serves on."""
+    handle = committer_factory()
+    other = unique_cache_name("notserved")
+    for cmd in ("ping", "status"):
+        code, out, err = run(capsys, cmd, "--name", other, "--endpoint", handle.endpoint, "--timeout-s", "10")
+        assert code == 1, (cmd, out, err)
+        assert f"committer for cache {other!r} refused the admin session" in err, err
+        assert f"this committer serves cache {handle.name!r}, not {other!r}" in err, err
+        assert "Traceback" not in err
+    code, out, err = run(capsys, "ping", "--name", handle.name, "--timeout-s", "10")
+    assert code == 0, err
+
+
+def test_cleanup_name_removes_that_dead_cache_alone(committer_factory, capsys):
+    """``omnishm cleanup --name A`` sweeps cache A only: of two caches whose committers were SIGKILLed, the
+    other's segments and runtime-dir files are left for its own restart (which adopts or sweeps them) or its
+    own cleanup, and the command names only A's objects in its output. A second ``cleanup --name B`` then
+    removes B's, and nothing of either is left."""
+    a = committer_factory(name=unique_cache_name("cleana"))
+    b = committer_factory(name=unique_cache_name("cleanb"))
+    for h in (a, b):
+        h.proc.kill()
+        h.proc.wait()
+    b_segments = shm.list_segments(b.name)
+    b_files = sorted(f for f in os.listdir(RUNTIME_DIR) if f.split(".", 1)[0] == b.name)
+    assert b_segments and b_files
+    code, out, err = run(capsys, "cleanup", "--name", a.name, "--runtime-dir", str(RUNTIME_DIR))
+    assert code == 0, err
+    assert shm.list_segments(a.name) == []
+    assert shm.list_segments(b.name) == b_segments, out
+    assert sorted(f for f in os.listdir(RUNTIME_DIR) if f.split(".", 1)[0] == b.name) == b_files, out
+    assert b.name not in out and f"for cache {a.name}" in out, out
+    code, out, err = run(capsys, "cleanup", "--name", b.name, "--runtime-dir", str(RUNTIME_DIR))
+    assert code == 0 and shm.list_segments(b.name) == [], out + err
+    assert [f for f in os.listdir(RUNTIME_DIR) if f.split(".", 1)[0] in (a.name, b.name)] == []
+
+
+def test_status_given_an_error_instead_of_its_report_exits_1_and_says_so(capsys, tmp_path):
+    """``omnishm status`` exits 0 only when it printed the committer's report. What welcomes the admin session
+    and then answers the StatusRequest with something else (an ``Error`` here: a committer of another version,
+    or one that is stopping) is reported as "unexpected reply" with exit 1, and nothing on stdout, so a
+    script's ``omnishm status || alert`` does not take an empty answer for a healthy cache."""
+    sock_dir = tmp_path / "socks"
+    sock_dir.mkdir(mode=0o700)
+    endpoint = f"ipc://{sock_dir}/fake.sock"
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.bind(endpoint)
+
+    def answer() -> None:
+        for _ in range(3):  # Hello, StatusRequest, Goodbye
+            if not fake.poll(10_000):
+                return
+            ident, data = fake.recv_multipart()
+            msg = protocol.request_decoder.decode(data)
+            if isinstance(msg, protocol.Hello):
+                reply = protocol.Welcome(rid=msg.rid, client_id=msg.client_id, generation="feedbeef", epoch=0,
+                                         control="", layout=protocol.Layout(num_blocks=8, block_size=4), keys=[],
+                                         heartbeat_s=1.0, heartbeat_timeout_s=10.0, committer_pid=os.getpid())
+            elif isinstance(msg, protocol.StatusRequest):
+                reply = protocol.Error(rid=msg.rid, code="internal", message="no status here")
+            else:
+                reply = protocol.Bye(rid=msg.rid)
+            fake.send_multipart([ident, protocol.encode(reply)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        code, out, err = run(capsys, "status", "--name", "fake", "--endpoint", endpoint, "--timeout-s", "10")
+        assert code == 1, (out, err)
+        assert "unexpected reply" in err and "no status here" in err and out == "", (out, err)
+    finally:
+        thread.join()
+        fake.close()

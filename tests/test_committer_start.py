@@ -9,9 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import types
 
-from conftest import unique_cache_name
+from conftest import REPO, RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop, unique_cache_name
+from helpers import catches_signal, dead_socket
 from omnishm import paths, shm
 from test_autostart_lifecycle import _serving, _stop
 
@@ -109,3 +111,48 @@ def test_a_generation_another_committer_is_adopting_does_not_stop_the_adoption_o
             owner.release(unlink=True)
         other.release(unlink=True)
     assert shm.list_segments(name) == []
+
+
+# Stop 52's mutation review of omnishm/committer/start.py.
+def test_a_committer_stopped_while_it_imports_removes_a_killed_committers_socket(committer_factory):
+    """``start._start``, stopped before it started: a committer of a name whose previous committer was SIGKILLed
+    (its socket file left in the runtime dir, nobody listening) and which is itself stopped by SIGTERM while it
+    still imports removes that stale socket under the cache lock, and exits 0. Left there, the socket outlives
+    the lock file that sweeps go by, so no ``omnishm cleanup`` and no later sweep of other names would see it:
+    the runtime dir is not left as found."""
+    name = unique_cache_name("stalesock")
+    sock = RUNTIME_DIR / f"{name}.sock"
+    dead_socket(sock)
+    try:
+        handle = committer_factory(name=name, wait=False)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not catches_signal(handle.proc.pid, signal.SIGTERM):  # busy poll: its first act
+            assert handle.proc.poll() is None and time.monotonic() < deadline, handle.log()
+        assert_clean_stop(handle)  # exit 0, no segment, nothing of the name in the runtime dir
+        assert "before it started" in handle.log(), handle.log()
+        assert not sock.exists()
+    finally:
+        sock.unlink(missing_ok=True)
+
+
+def test_an_autostarted_committer_that_refuses_to_start_keeps_the_log_that_says_why(tmp_path):
+    """``start._drop_autostart_log``: the autostart log goes only at a clean stop (exit 0). A committer a client
+    autostarted that refuses to start (exit 2; here its ipc endpoint's directory does not exist, so it can be
+    neither locked nor bound) keeps ``NAME.autostart.log``: it is the one place that says why the cache did not
+    come up, which the client's error points the operator to. Nothing else of the cache is left behind."""
+    name = unique_cache_name("refusedlog")
+    log_path = RUNTIME_DIR / f"{name}.autostart.log"
+    missing = tmp_path / "no-such-dir"
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
+                                   str(RUNTIME_DIR), "--endpoint", f"ipc://{missing}/c.sock"], stdout=log,
+                                  stderr=subprocess.STDOUT, cwd=REPO, timeout=60,
+                                  env={**os.environ, "OMNISHM_AUTOSTART_LOG": str(log_path)})
+        assert proc.returncode == 2
+        assert log_path.exists(), "the refused committer removed the log that says why"
+        assert f"cannot bind ipc://{missing}/c.sock" in log_path.read_text(), log_path.read_text()
+        assert shm.list_segments(name) == []
+        assert sorted(f for f in os.listdir(RUNTIME_DIR) if f.split(".", 1)[0] == name) == [log_path.name]
+    finally:
+        log_path.unlink(missing_ok=True)
