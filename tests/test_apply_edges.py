@@ -162,3 +162,75 @@ def test_counts_whose_sum_wraps_int64_are_refused_naming_the_count(pool, counts,
     want = f"step 1: entry 0 (tid 10) has count above the {len(slots)} slots sent: {counts[0]}"
     assert done.reason == want, done.reason
     assert np.array_equal(state.data, before)
+
+
+# Stop 52's mutation review of apply.py (29 mutants, 25 killed by the suite): four gaps. A broken message takes the
+# general path in both pools of the fast path's differential test, so its validation went untested there.
+STAGING = 8
+
+
+def _write(pool, keys, key_idx, tids, cvs, src, counts, slots, step=1):
+    return pool.apply_step(CLIENT, protocol.StepWrite(
+        rid=step, step=step, keys=keys, key_idx=pack(key_idx), tids=pack(tids), cvs=pack(cvs), src_rows=pack(src),
+        counts=pack(counts), slots=pack(slots)), EPOCH)
+
+
+def _untouched(state, before):
+    assert np.array_equal(state.data, before) and not state.commit.any()
+
+
+def test_an_out_of_range_slot_is_named_with_the_entry_it_belongs_to(pool):
+    """A refusal names the offending entry: a slot out of range that is the FIRST row of entry 1 is reported as
+    entry 1 (tid 11), not entry 0. Kills M07 (``side="left"`` in the row-to-entry search named entry 0)."""
+    state, _ = _key(pool, 4, 4, 4, STAGING)
+    cvs = [make_cv(EPOCH, 1, 1), make_cv(EPOCH, 1, 2)]
+    before = state.data.copy()
+    done = _write(pool, ["h"], [0, 0], [10, 11], cvs, [0, 2], [2, 1], [0, 1, 99])
+    assert "entry 1 (tid 11) slot 99 out of range 0..15" in done.reason, done.reason
+    _untouched(state, before)
+
+
+def test_a_two_key_step_bounds_a_keys_rows_not_its_entries_by_its_staging(pool):
+    """A staged row goes to one slot: in a step of two keys, key 'm' writing 2 entries of a full staging each
+    (16 rows of 8 staging rows, every entry within the staging) is refused whole, naming its rows. Kills M17
+    (the per-key bound counted entries, not rows: 2 <= 8 passed, and each staging row was copied twice)."""
+    h, _ = _key(pool, 4, 4, 4, STAGING)
+    m, _ = _key(pool, 4, 4, 4, STAGING, key="m")
+    cv = make_cv(EPOCH, 1, 1)
+    h.claim[0] = cv
+    m.claim[:] = cv
+    before_h, before_m = h.data.copy(), m.data.copy()
+    done = _write(pool, ["h", "m"], [0, 1, 1], [5, 6, 7], [cv] * 3, [0, 0, 0], [1, STAGING, STAGING],
+                  [0] + list(range(16)))
+    assert done.rows_written == 0 and done.failed_tids == pack([5, 6, 7]), done
+    assert f"key 'm' writes {2 * STAGING} rows, more than its {STAGING} staging rows" in done.reason, done.reason
+    _untouched(h, before_h)
+    _untouched(m, before_m)
+
+
+def test_a_step_for_a_key_this_writer_has_no_staging_of_is_refused_by_name(pool):
+    """``apply_step`` never raises on bad input: a step naming a key that is open in the cache but has no
+    staging segment of this writer (another writer's key, or one opened before this writer's OpenKey) is
+    refused whole, naming the key, and nothing lands. Kills M02 (that guard dropped: a KeyError on the
+    writer's staging escaped ``apply_step``)."""
+    pool.set_layout(protocol.Layout(num_blocks=4, block_size=4))
+    state = pool.open_key("h", protocol.KeySpec("float32", 4, (4,)))
+    pool.ensure_staging("d" * 32, state, STAGING)  # another writer's staging only
+    cv = make_cv(EPOCH, 1, 1)
+    state.claim[0] = cv
+    before = state.data.copy()
+    done = _write(pool, ["h"], [0], [7], [cv], [0], [1], [0])
+    assert (done.failed_tids, done.rows_written) == (pack([7]), 0), done
+    assert "key 'h' has no staging segment for this writer" in done.reason, done.reason
+    _untouched(state, before)
+
+
+def test_a_refused_step_counts_its_distinct_tids_as_failed(pool):
+    """The committer's status (``tids_failed``) and its metric of failed writes count every distinct tid of a
+    refused step: a step of tids [9, 3, 9] refused for a slot out of range adds one failed step and two failed
+    tids, and nothing applied. Kills M27 (the tid count dropped: status said no write ever failed)."""
+    _key(pool, 4, 4, 4, STAGING)
+    cv = make_cv(EPOCH, 1, 1)
+    done = _write(pool, ["h"], [0, 0, 0], [9, 3, 9], [cv] * 3, [0, 1, 2], [1, 1, 1], [0, 1, 99])
+    assert done.failed_tids == pack([3, 9]) and done.rows_written == 0, done
+    assert (pool.steps_failed, pool.tids_failed, pool.steps_applied) == (1, 2, 0)
