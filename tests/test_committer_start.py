@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import types
+from pathlib import Path
 
 from conftest import REPO, RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop, unique_cache_name
 from helpers import catches_signal, dead_socket
@@ -135,14 +137,15 @@ def test_a_committer_stopped_while_it_imports_removes_a_killed_committers_socket
         sock.unlink(missing_ok=True)
 
 
-def test_an_autostarted_committer_that_refuses_to_start_keeps_the_log_that_says_why(tmp_path):
+def test_an_autostarted_committer_that_refuses_to_start_keeps_the_log_that_says_why():
     """``start._drop_autostart_log``: the autostart log goes only at a clean stop (exit 0). A committer a client
     autostarted that refuses to start (exit 2; here its ipc endpoint's directory does not exist, so it can be
     neither locked nor bound) keeps ``NAME.autostart.log``: it is the one place that says why the cache did not
     come up, which the client's error points the operator to. Nothing else of the cache is left behind."""
     name = unique_cache_name("refusedlog")
     log_path = RUNTIME_DIR / f"{name}.autostart.log"
-    missing = tmp_path / "no-such-dir"
+    missing = Path(tempfile.mkdtemp(prefix="omnishm-gone-"))  # short: under xdist, tmp_path leaves a socket path
+    missing.rmdir()  # too few of its 107 bytes
     try:
         with open(log_path, "ab") as log:
             proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", name, "--runtime-dir",
