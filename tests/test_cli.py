@@ -8,15 +8,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-import zmq
 from conftest import RUNTIME_DIR, unique_cache_name
 from manager_helpers import Part, save, started
 
-from omnishm import cli, paths, protocol, shm
+from omnishm import cli, paths, shm
 from omnishm.client import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheConfig
 
 BS = 4
@@ -548,40 +546,29 @@ def test_cleanup_name_removes_that_dead_cache_alone(committer_factory, capsys):
     assert [f for f in os.listdir(RUNTIME_DIR) if f.split(".", 1)[0] in (a.name, b.name)] == []
 
 
-def test_status_given_an_error_instead_of_its_report_exits_1_and_says_so(capsys, tmp_path):
-    """``omnishm status`` exits 0 only when it printed the committer's report. What welcomes the admin session
-    and then answers the StatusRequest with something else (an ``Error`` here: a committer of another version,
-    or one that is stopping) is reported as "unexpected reply" with exit 1, and nothing on stdout, so a
-    script's ``omnishm status || alert`` does not take an empty answer for a healthy cache."""
-    sock_dir = tmp_path / "socks"
-    sock_dir.mkdir(mode=0o700)
-    endpoint = f"ipc://{sock_dir}/fake.sock"
-    fake = zmq.Context.instance().socket(zmq.ROUTER)
-    fake.setsockopt(zmq.LINGER, 0)
-    fake.bind(endpoint)
+_STATUS_FAILS = """
+import sys
+from omnishm import protocol
+from omnishm.committer.server import Committer
+dispatch = Committer.dispatch
+def failing(self, identity, msg):
+    if isinstance(msg, protocol.StatusRequest):
+        raise RuntimeError("no status here")
+    return dispatch(self, identity, msg)
+Committer.dispatch = failing
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+"""
 
-    def answer() -> None:
-        for _ in range(3):  # Hello, StatusRequest, Goodbye
-            if not fake.poll(10_000):
-                return
-            ident, data = fake.recv_multipart()
-            msg = protocol.request_decoder.decode(data)
-            if isinstance(msg, protocol.Hello):
-                reply = protocol.Welcome(rid=msg.rid, client_id=msg.client_id, generation="feedbeef", epoch=0,
-                                         control="", layout=protocol.Layout(num_blocks=8, block_size=4), keys=[],
-                                         heartbeat_s=1.0, heartbeat_timeout_s=10.0, committer_pid=os.getpid())
-            elif isinstance(msg, protocol.StatusRequest):
-                reply = protocol.Error(rid=msg.rid, code="internal", message="no status here")
-            else:
-                reply = protocol.Bye(rid=msg.rid)
-            fake.send_multipart([ident, protocol.encode(reply)])
 
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    try:
-        code, out, err = run(capsys, "status", "--name", "fake", "--endpoint", endpoint, "--timeout-s", "10")
-        assert code == 1, (out, err)
-        assert "unexpected reply" in err and "no status here" in err and out == "", (out, err)
-    finally:
-        thread.join()
-        fake.close()
+def test_status_given_an_error_instead_of_its_report_exits_1_and_says_so(committer_factory, capsys):
+    """``omnishm status`` exits 0 only when it printed the committer's report. A committer that welcomes the admin
+    session and then answers the StatusRequest with something else (an ``Error`` here: its status failed) is
+    reported as "unexpected reply" with exit 1, and nothing on stdout, so a script's ``omnishm status || alert``
+    does not take an empty answer for a healthy cache. A real committer, its status made to fail."""
+    handle = committer_factory(python_args=("-c", _STATUS_FAILS))
+    code, out, err = run(capsys, "status", "--name", handle.name, "--timeout-s", "10")
+    assert code == 1, (out, err)
+    assert "unexpected reply" in err and "RuntimeError: no status here" in err and out == "", (out, err)
+    code, out, err = run(capsys, "ping", "--name", handle.name, "--timeout-s", "10")
+    assert code == 0, err  # the committer serves on
