@@ -260,10 +260,7 @@ def _write_record(fd: int, record: bytes) -> None:
     if size > _RECORD_PAD_MAX:
         os.ftruncate(fd, 0)
         size = 0
-    data = record.ljust(size - 1, b" ") + b"\n"
-    os.pwrite(fd, data, 0)
-    if len(data) < size:  # never: padded to the old size
-        os.ftruncate(fd, len(data))
+    os.pwrite(fd, record.ljust(size - 1, b" ") + b"\n", 0)  # at least the old size: no old byte is left
 
 
 def link_new_file(path: Path, record: bytes) -> int | None:
