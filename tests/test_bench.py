@@ -79,10 +79,13 @@ def test_bench_quick_json_reports_every_figure_with_reference_and_ratio():
     # committer's kind of memcpy is one of the reference's ways now (glibc on x86-64: these machines).
     from omnishm.committer import stores
 
+    pieces = [r for r in rows if r["figure"] == "1" and "pieces of" in r["name"]]
     if stores._applies():
         for r in rows:
-            if r["figure"] in ("1", "2"):
+            if r["figure"] in ("1", "2") and r not in pieces:
                 assert r["extra"]["memcpy_glibc_committer_threshold_GBps"] > 0, r
+    # Figure 1's large step against glibc's copy of its own pieces: what of its gap is the pieces' (2026-12-07).
+    assert len(pieces) == 1 and pieces[0]["extra"]["pieces_vs_one_memcpy"] > 0, pieces
     assert bench_segments == []
 
 
@@ -278,6 +281,41 @@ def test_the_memcpy_child_ends_with_its_figure_and_says_when_it_died():
     with pytest.raises(RuntimeError, match="the non-temporal memcpy child exited"):
         ref.time(64)
     ref.close()  # no second error
+
+
+def test_the_memcpy_childs_scatter_puts_each_piece_in_its_place_and_refuses_what_it_cannot(monkeypatch):
+    """Figure 1's pieces reference (2026-12-07): the child copies piece i to ``places[i]``, one ``memcpy`` each,
+    and checks after the clock that each landed there, so a reference that copied the wrong bytes cannot pass
+    for a fast one. Pieces past its capacity, repeated places or pieces too small to check end the child, and
+    the parent says so. With ``always``, a child starts where the threshold adds nothing."""
+    from omnishm.bench.nt_memcpy import NonTemporalMemcpy
+
+    child = NonTemporalMemcpy.start(1 << 20)
+    assert child is not None
+    try:
+        assert child.scatter(64 << 10, [15, 3, 0, 7]) > 0
+        assert child.scatter(64 << 10, list(range(31, 15, -1))) > 0  # 16 pieces, the whole source, reversed
+        assert child.scatter(4096, [1000]) > 0  # a place far past the source: the destination grows
+        with pytest.raises(RuntimeError, match="the non-temporal memcpy child exited"):
+            child.scatter(64 << 10, [0, 1, 0])
+    finally:
+        child.close()
+    for bad in ([(1 << 20) + 1, [0]], [64 << 10, list(range(17))], [4, [0]]):
+        child = NonTemporalMemcpy.start(1 << 20)
+        assert child is not None
+        try:
+            with pytest.raises(RuntimeError, match="the non-temporal memcpy child exited"):
+                child.scatter(*bad)
+        finally:
+            child.close()
+    monkeypatch.setenv("OMNISHM_NONTEMPORAL_THRESHOLD", "0")
+    assert NonTemporalMemcpy.start(1 << 20) is None
+    child = NonTemporalMemcpy.start(1 << 20, always=True)
+    assert child is not None
+    try:
+        assert child.scatter(1024, [2, 0]) > 0 and child.time(1 << 20) > 0
+    finally:
+        child.close()
 
 
 @pytest.mark.parametrize("quick", [False, True], ids=["normal", "quick"])

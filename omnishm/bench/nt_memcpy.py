@@ -9,9 +9,18 @@ setting). The fastest single-thread copy the machine can do includes the committ
 here too: in a child process started with the committer's ``GLIBC_TUNABLES``, one copy per request,
 between pre-faulted private buffers as ``common.Memcpy``'s.
 
+The same child also times a *scatter*: a step's pieces copied one ``memcpy`` each from consecutive staging
+to the places the step names, as the committer's apply copies a run of slots. Figure 1's large step is 512
+pieces of 128 KiB, and glibc copies such a piece at about 0.75 of the rate it copies 64 MiB in one call
+(2026-12-07, 2-vCPU Xeon: 8.4-8.9 against 11.4-11.9 GB/s with this threshold; in order or at random places
+alike; a 4-page-interleaved loop serves only copies of 16 thresholds or more, and the threshold cannot go
+under 16448 bytes). That row tells how much of figure 1's gap is the pieces' and how much the committer's.
+
 Protocol (text lines): the parent writes a byte count, the child copies that many bytes and answers the
-seconds it took. ``python -m omnishm.bench.nt_memcpy CAPACITY`` is the child. Standard library only in
-the child.
+seconds it took; or ``scatter PIECE P0,P1,...``: the child copies piece ``i`` of its source to piece ``Pi``
+of a destination it grows to hold them (before the clock starts), checks after the clock that each piece
+landed where it was sent (its first and last 8 bytes), and answers the seconds.
+``python -m omnishm.bench.nt_memcpy CAPACITY`` is the child. Standard library only in the child.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from omnishm.committer import stores
 
@@ -33,20 +43,22 @@ class NonTemporalMemcpy:
         self.proc = proc
 
     @classmethod
-    def start(cls, capacity: int) -> "NonTemporalMemcpy | None":
+    def start(cls, capacity: int, *, always: bool = False) -> "NonTemporalMemcpy | None":
         """A child that copies up to ``capacity`` bytes with the committer's threshold, or None where there
         is nothing to add: a platform without the tunable, a threshold of 0 (glibc's own: the in-process
         copy is the same), or a ``GLIBC_TUNABLES`` of this process that names it already (so does the
-        committer's)."""
+        committer's). With ``always`` there is a child in those cases too, copying with this process's
+        stores (which are then the committer's), for its ``scatter``."""
         from omnishm import config as knobs
 
         threshold = int(knobs.resolve("committer", {}, names=("nontemporal_threshold",))["nontemporal_threshold"])
         tunables = stores.with_threshold(os.environ.get(stores.ENV, ""), threshold)
-        if not threshold or tunables is None or not stores._applies():
+        differs = bool(threshold) and tunables is not None and stores._applies()
+        if not differs and not always:
             return None
+        env = {**os.environ, stores.ENV: tunables} if differs and tunables is not None else dict(os.environ)
         proc = subprocess.Popen([sys.executable, "-m", "omnishm.bench.nt_memcpy", str(capacity)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                env={**os.environ, stores.ENV: tunables})
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         child = cls(proc)
         if child._ask("ready") != "ready":
             child.close()
@@ -68,6 +80,11 @@ class NonTemporalMemcpy:
         """Seconds of one ``memcpy`` of ``nbytes`` in the child."""
         return float(self._ask(str(int(nbytes))))
 
+    def scatter(self, piece: int, places: Sequence[int]) -> float:
+        """Seconds for the child to copy ``len(places)`` pieces of ``piece`` bytes, one ``memcpy`` each, from
+        its source in order to ``places`` (in pieces) of its scatter destination."""
+        return float(self._ask(f"scatter {int(piece)} {','.join(str(int(p)) for p in places)}"))
+
     def close(self) -> None:
         """End the child (at its stdin's end; killed after 10 s). Never raises for a child that died:
         ``communicate`` passes over a broken pipe, and closes both pipes."""
@@ -78,16 +95,41 @@ class NonTemporalMemcpy:
             self.proc.communicate()
 
 
+def _prefaulted(size: int) -> tuple[mmap.mmap, int]:
+    buf = mmap.mmap(-1, max(size, 1))
+    buf.write(b"\1" * len(buf))  # every page touched now, so timed copies never fault
+    return buf, ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
 def _child(capacity: int) -> None:
-    src, dst = mmap.mmap(-1, max(capacity, 1)), mmap.mmap(-1, max(capacity, 1))
-    src.write(b"\1" * len(src))  # every page touched now, so timed copies never fault
-    dst.write(b"\1" * len(dst))
-    sp = ctypes.addressof(ctypes.c_char.from_buffer(src))
-    dp = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    (src, sp), (dst, dp) = _prefaulted(capacity), _prefaulted(capacity)
+    scatter_dst: tuple[mmap.mmap, int] | None = None
     for line in sys.stdin:
         word = line.strip()
         if word == "ready":
             print("ready", flush=True)
+            continue
+        if word.startswith("scatter "):
+            _, piece_s, places_s = word.split(" ")
+            piece, places = int(piece_s), [int(p) for p in places_s.split(",")]
+            if piece < 8 or len(places) * piece > capacity or min(places) < 0 or len(set(places)) < len(places):
+                raise SystemExit(f"nt_memcpy: cannot scatter {len(places)} pieces of {piece} bytes, holds {capacity}")
+            need = (max(places) + 1) * piece
+            if scatter_dst is None or len(scatter_dst[0]) < need:
+                scatter_dst = _prefaulted(need)
+            out = scatter_dst[0]
+            for i in range(len(places)):  # each piece's first and last words name it, for the check below
+                src[i * piece:i * piece + 8] = src[(i + 1) * piece - 8:(i + 1) * piece] = (i + 1).to_bytes(8, "little")
+            base = scatter_dst[1]
+            memmove, t0 = ctypes.memmove, time.perf_counter()
+            for i, place in enumerate(places):
+                memmove(base + place * piece, sp + i * piece, piece)
+            took = time.perf_counter() - t0
+            for i, place in enumerate(places):  # a reference that copied the wrong bytes would time nothing real
+                mark = (i + 1).to_bytes(8, "little")
+                if out[place * piece:place * piece + 8] != mark or out[(place + 1) * piece - 8:(place + 1) * piece] != mark:
+                    raise SystemExit(f"nt_memcpy: piece {i} did not land at place {place}")
+            print(repr(took), flush=True)
             continue
         n = int(word)
         if not 0 <= n <= capacity:

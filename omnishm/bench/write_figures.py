@@ -19,6 +19,7 @@ from omnishm import protocol as P
 import zmq
 
 from omnishm.bench.common import Cleanup, Memcpy, ProcessCommitter, RawWriter, Row, Stats, step_write
+from omnishm.bench.nt_memcpy import NonTemporalMemcpy
 from omnishm.versions import make_cv
 
 BS = 16
@@ -80,12 +81,14 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
     rows: list[Row] = []
     with Memcpy(n, width, torch.bfloat16) as ref, ProcessCommitter(cleanup, "write") as com:
         w = RawWriter(com.endpoint, com.name, layout, staging_rows=n)
+        # The step's own pieces, one memcpy each, with the committer's stores (nt_memcpy's scatter).
+        pieces = ref.nt if ref.nt is not None else NonTemporalMemcpy.start(ref.row_bytes * n, always=True)
         try:
             kv = w.open_key("hidden", torch.bfloat16, width)
             kv["staging"].copy_(torch.randn(n, width).to(torch.bfloat16))
             step = 0
 
-            def large_step() -> tuple[P.StepWrite, np.ndarray]:
+            def large_step() -> tuple[P.StepWrite, np.ndarray, np.ndarray]:
                 nonlocal step
                 step += 1
                 # 4 prefill requests of n/4 tokens, each in randomly placed blocks (runs of BS rows).
@@ -96,19 +99,22 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                 cvs = np.array([make_cv(w.epoch, step, i + 1) for i in range(reqs)], dtype=np.int64)
                 _claim(w, "hidden", slots, np.repeat(cvs, per))
                 return step_write(w.next_rid(), step, ["hidden"], [0] * reqs, range(1, reqs + 1), cvs,
-                                  np.arange(reqs) * per, [per] * reqs, slots), slots
+                                  np.arange(reqs) * per, [per] * reqs, slots), slots, blocks
 
-            msg, slots = large_step()  # warm-up
+            msg, slots, blocks = large_step()  # warm-up
             _apply_and_time(w, msg)
             _check_landed(kv, slots, 0, "warm-up step")
-            apply_t, rt_t, ref_t = [], [], []
+            assert pieces is not None
+            pieces.scatter(BS * ref.row_bytes, blocks.tolist())  # grows the child's destination, untimed
+            apply_t, rt_t, ref_t, piece_t = [], [], [], []
             for _ in range(size.reps):
-                msg, slots = large_step()
+                msg, slots, blocks = large_step()
                 a, r, _ = _apply_and_time(w, msg)
                 _check_landed(kv, slots, 0, f"step {step}")  # every row of the step, staged in order from row 0
                 apply_t.append(a)
                 rt_t.append(r)
                 ref_t.append(ref.time(n))
+                piece_t.append(pieces.scatter(BS * ref.row_bytes, blocks.tolist()))
             nbytes = n * width * 2
             v, (rf, ref_name, ref_extra) = Stats.of(apply_t).scaled(nbytes / 1e9), Memcpy.reference(ref_t, nbytes)
             rt = Stats.of(rt_t).scaled(nbytes / 1e9)
@@ -118,6 +124,13 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                             note="committer's own apply time (status apply_seconds)",
                             extra={"round_trip_GBps": rt.median, "round_trip_ratio": rt.median / rf.median,
                                    **ref_extra}))
+            per_piece = Stats.of(piece_t).scaled(nbytes / 1e9)
+            rows.append(Row("1", f"  variant: the same step against glibc memcpy of its {n // BS} pieces of "
+                            f"{BS * ref.row_bytes >> 10} KiB to its places, one call each", "GB/s", v,
+                            "memcpy per piece (glibc, committer's stores, 1 thread)", per_piece,
+                            v.median / per_piece.median, "-", None,
+                            note="what of the gap above is the pieces' (bench/nt_memcpy.py)",
+                            extra={"pieces_vs_one_memcpy": per_piece.median / rf.median}))
             for k in size.decode_sizes:
                 apply_t, ref_t = [], []
                 for _ in range(size.decode_reps):
@@ -144,6 +157,8 @@ def figure_write(cleanup: Cleanup, size: WriteSize, rng: np.random.Generator) ->
                                 extra=ref_extra))
         finally:
             w.close()
+            if pieces is not None and pieces is not ref.nt:
+                pieces.close()
     return rows
 
 
