@@ -102,7 +102,8 @@ def _prefaulted(size: int) -> tuple[mmap.mmap, int]:
 
 
 def _child(capacity: int) -> None:
-    (src, sp), (dst, dp) = _prefaulted(capacity), _prefaulted(capacity)
+    (src, sp), dst = _prefaulted(capacity), _prefaulted(capacity)  # dst held: its address is used below
+    dp = dst[1]
     scatter_dst: tuple[mmap.mmap, int] | None = None
     for line in sys.stdin:
         word = line.strip()
