@@ -147,6 +147,14 @@ class PrefixCacheConfig:
         return cls(**kwargs)
 
 
+def _refuse_one_string(keys: Any, what: str) -> None:
+    """A set of tensor names given as one name: ``frozenset("feat")`` is four one-letter keys, and the key
+    itself would then be written JOIN_NEXT_STEP without a word (review, 2026-12-07). Raises TypeError."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"{what} must be a collection of tensor names, got the string {keys!r} "
+                        f"(write frozenset({{{keys!r}}}))")
+
+
 @dataclass(frozen=True)
 class ModelCachePolicy:
     """Which of a model's outputs the cache keeps, and when.
@@ -160,6 +168,7 @@ class ModelCachePolicy:
     deferred_keys: frozenset[TensorName] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
+        _refuse_one_string(self.deferred_keys, "ModelCachePolicy.deferred_keys")
         object.__setattr__(self, "deferred_keys", frozenset(self.deferred_keys))
         if HIDDEN_KEY in self.deferred_keys:
             raise ValueError("HIDDEN_KEY is always written JOIN_NEXT_STEP; it cannot be deferred")
@@ -181,6 +190,7 @@ class ModelCachePolicy:
             return policy
         cache_hidden = bool(getattr(model, "cache_hidden_states", True))
         deferred = getattr(model, "prefix_cache_deferred_mm_keys", ()) or ()
+        _refuse_one_string(deferred, f"{type(model).__name__}.prefix_cache_deferred_mm_keys")
         return cls(cache_hidden=cache_hidden, deferred_keys=frozenset(deferred))
 
     def schedule(self, key: TensorName) -> WriteSchedule:

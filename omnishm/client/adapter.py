@@ -86,14 +86,19 @@ _ORDER = {
 }
 
 
-def _nonneg_int(value: Any, what: str) -> int:
-    """``value`` as a non-negative int; numpy integers accepted, bools and floats not."""
+def _int(value: Any, what: str) -> int:
+    """``value`` as an int; numpy integers and 0-d integer tensors accepted, bools and floats not."""
     if isinstance(value, bool):
         raise ValueError(f"{what} must be an int, got {value!r}")
     try:
-        out = operator.index(value)
+        return operator.index(value)
     except TypeError:
         raise ValueError(f"{what} must be an int, got {value!r}") from None
+
+
+def _nonneg_int(value: Any, what: str) -> int:
+    """``value`` as a non-negative int; numpy integers accepted, bools and floats not."""
+    out = _int(value, what)
     if out < 0:
         raise ValueError(f"{what} must be >= 0, got {out}")
     return out
@@ -152,11 +157,24 @@ class PrefixCacheStep:
 
 @dataclass(frozen=True)
 class PrefixCacheWrite:
-    """One request's rows in this step's outputs: ``token_start .. +num_tokens``."""
+    """One request's rows in this step's outputs: ``token_start .. +num_tokens``.
+
+    Both counts are stored as Python ints: numpy integers (what a runner reads from vLLM's ``*_np``
+    arrays) and 0-d integer tensors are converted here; a bool or a float raises ValueError. Kept
+    as given, a numpy count made the served-rows counter a numpy float that the link could not encode
+    at its next heartbeat (the link died, the cache went sticky-fatal), a float passed the layout check
+    and failed the save after its step id was issued, and a tensor count was added to in place by the
+    read plan (review, 2026-12-07). Signs are the save's to check (``_check_layout``).
+    """
 
     req_id: ReqId
     token_start: int
     num_tokens: int
+
+    def __post_init__(self) -> None:
+        if type(self.token_start) is not int or type(self.num_tokens) is not int:  # vLLM's own ints pass at once
+            object.__setattr__(self, "token_start", _int(self.token_start, f"{self.req_id}: token_start"))
+            object.__setattr__(self, "num_tokens", _int(self.num_tokens, f"{self.req_id}: num_tokens"))
 
 
 @dataclass(frozen=True)
@@ -318,7 +336,11 @@ class PrefixCacheSchedulerAdapter:
         to the step's own mapping (or empty for bare events); passing both a
         step and a different mapping is an error. Raises ``ValueError`` for a
         non-event item, an unknown kind, negative counts, two finishes or two
-        non-finish events for one id. Does not touch the live-id state.
+        non-finish events for one id, and a RESUMED or EXTENDED event of an id
+        that ends in the same step (only a new request, STARTED or REPLACED, may
+        take an ended id: the one scheduled again is gone, and its deferred rows
+        would stay open with nothing left to close them). Does not touch the
+        live-id state.
         """
         if isinstance(step_or_events, PrefixCacheStep):
             events = list(step_or_events.events)
@@ -345,6 +367,11 @@ class PrefixCacheSchedulerAdapter:
             if ev.req_id in bucket:
                 raise ValueError(f"two {'finish' if bucket is ended else 'schedule'} events for {ev.req_id}")
             bucket.add(ev.req_id)
+        if ended and active:  # (checked once all ends are known: the order of ``events`` is not canonical yet)
+            for ev, rank in zip(events, ranks):
+                if rank >= _ORDER[PrefixCacheEventKind.RESUMED] and ev.req_id in ended:
+                    raise ValueError(f"{ev.kind.name} event for {ev.req_id}, which ends in the same step "
+                                     "(only STARTED or REPLACED may follow its finish)")
         clean: dict[ReqId, int] = {}
         for rid, n in counts.items():
             if not isinstance(rid, str):

@@ -378,7 +378,7 @@ class CommitterLink(LinkIO, LinkAttach):
     def _read_gauges(self) -> dict[str, float]:
         """``gauges()``, or none when it raises: a metric must never stop the I/O thread (its heartbeats)."""
         try:
-            return self.gauges()
+            return {k: float(v) for k, v in self.gauges().items()}
         except Exception:  # noqa: BLE001 - logged; the beat is sent without the gauges
             logger.exception("cache %s: reading the client's gauges failed; heartbeat sent without them", self.cache)
             return {}
@@ -386,7 +386,10 @@ class CommitterLink(LinkIO, LinkAttach):
     def _report(self) -> dict[str, float]:
         """What a heartbeat and the goodbye carry: the client's counters, its gauges and the link's own
         ``link_*`` stats. The goodbye once left the last out, and the committer's totals went back by them."""
-        return {**self.counters, **self._read_gauges(), **{f"link_{k}": float(v) for k, v in self.stats.items()}}
+        # float() each: a counter a caller's numpy count reached is a numpy float, which msgspec cannot encode,
+        # and the I/O thread that failed to encode a heartbeat died with the link (review, 2026-12-07).
+        return {**{k: float(v) for k, v in self.counters.items()}, **self._read_gauges(),
+                **{f"link_{k}": float(v) for k, v in self.stats.items()}}
 
     def close(self, *, timeout_s: float = 5.0) -> None:
         """Say goodbye (bounded by ``timeout_s``), stop the I/O thread, drop the liveness lock; any thread.

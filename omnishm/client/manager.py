@@ -414,7 +414,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
 
         Any thread; consumes ``step_id`` exactly once (an unknown or already
         consumed id raises). ``req_ids`` must be a subset of the save-time
-        requests. A hit span that resolves to absent or reused rows raises
+        requests (one string is a ``TypeError``, before the step is consumed). A hit span that resolves to absent or reused rows raises
         ``OmniPrefixCacheUnmatchError`` (never a silent miss); the step's
         staging page is released either way.
 

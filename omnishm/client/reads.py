@@ -46,6 +46,9 @@ class ReadSide:
         """``materialize``'s work (its contract is on the manager's method); any thread."""
         t0 = time.perf_counter()
         self._check_usable()
+        if isinstance(req_ids, str):  # list("req-1") is five one-letter ids (review, 2026-12-07)
+            raise TypeError(f"materialize takes a collection of request ids, got the string {req_ids!r} "
+                            f"(write [{req_ids!r}])")
         req_ids = list(req_ids)
         served = [0, 0]  # hit tokens, rows served
         ctx = self._take_ctx(step_id, "materialize", req_ids, out)

@@ -294,7 +294,8 @@ class StepLifecycle:
         outside = [r for r in req_ids if r not in ctx.spans]
         if outside:
             raise self._unmatch(f"materialize asked for requests {outside} that were not in the save-time "
-                                f"batch {list(ctx.req_ids)} (reading the live batch?)", step_id=ctx.step_id)
+                                f"batch {list(ctx.req_ids)} (reading the live batch?)", step_id=ctx.step_id,
+                                req_id=outside[0] if len(outside) == 1 else None)
 
     def _take_ctx(self, step_id: StepId, what: str, req_ids: list[ReqId] | None = None,
                   out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]] | None = None) -> StepCtx:

@@ -36,6 +36,7 @@ from omnishm.interface import (
     ReqId,
     StepId,
     TensorName,
+    unmatch,
 )
 from omnishm.versions import cv_epoch, make_cv
 
@@ -119,8 +120,15 @@ class WriterSide:
         if kv is None:
             # The committer refuses a row shape other than the one the key was first opened with (by this
             # writer or one before it), so every pool row of the key has the shape its readers check for.
-            reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(rows.dtype),
-                                                             width=width, row_shape=row_shape))
+            try:
+                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(rows.dtype),
+                                                                 width=width, row_shape=row_shape))
+            except OmniPrefixCacheCommitterError as exc:
+                # The key's tensor and step named, as a mismatch this client sees itself is: a key an earlier
+                # writer opened as another dtype or width is refused by the committer (review, 2026-12-07).
+                raise unmatch(f"tensor {key!r} ({dtype_name(rows.dtype)}, rows of shape {row_shape}) could not "
+                              f"be opened: {exc}", key=key, step_id=self._next_step,
+                              cls=OmniPrefixCacheCommitterError) from exc
             try:
                 kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer)
             except OSError as exc:  # unlinked after the answer (the committer stopped, or was swept)
