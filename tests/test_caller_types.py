@@ -10,6 +10,8 @@ and ``materialize(step, "req-1")`` asked for five one-letter requests. A real co
 
 from __future__ import annotations
 
+from types import SimpleNamespace as NS
+
 import msgspec
 import numpy as np
 import pytest
@@ -121,3 +123,158 @@ def test_an_id_that_ends_cannot_be_resumed_or_extended_in_the_same_step():
     # A new request may take the ended id (vLLM reuses ids), in any order given.
     step = t.translate_step([started("a", [0, 1]), finished("a"), extended("b", 4, [2])])
     assert [(e.kind.name, e.req_id) for e in step.events] == [("FINISHED", "a"), ("STARTED", "a"), ("EXTENDED", "b")]
+
+
+# REVIEW (2026-12-07, stop 53, second pass): the same class of bug at the other surfaces.
+
+
+def test_block_ids_without_an_order_are_refused_the_list_order_served(mgr):
+    """A set's iteration order is not the caller's: a hit on blocks [2, 1] given as a set was served from
+    (1, 2), positions 4-7 before 0-3, without an error."""
+    with pytest.raises(ValueError, match=r"c: block_ids must be in order \(a list, tuple or array\), got a set"):
+        E(K.STARTED, "c", num_computed_tokens=8, block_ids={2, 1, 3})
+    with pytest.raises(ValueError, match="got a dict"):
+        E(K.STARTED, "c", num_computed_tokens=8, block_ids={2: 0, 1: 0})
+    t = PrefixCacheSchedulerAdapter()
+    for blocks in ({2, 1}, ({2, 1},)):  # a flat set, and KV group 0 as a set
+        with pytest.raises(ValueError, match="c: block ids.* must be in order"):
+            t.translate_scheduler_output(_output(scheduled_new_reqs=[NS(req_id="c", num_computed_tokens=0,
+                                                                        block_ids=blocks)]))
+    m = mgr()
+    m.new_step_starts([started("a", [2, 1])])  # a's positions 0-3 in block 2, 4-7 in block 1
+    m.discard_step(save(m, [Part("a", 1, [2, 1], 0, 8)], BS))
+    m.wait_idle()
+    m.new_step_starts([finished("a"), E(K.STARTED, "c", num_computed_tokens=8, block_ids=np.array([2, 1, 3]))])
+    s = save(m, [Part("c", 3, [2, 1, 3], 8, 1)], BS)
+    assert torch.equal(m.materialize(s, ["c"]).hidden_states["c"], expect(1, 8, 3, 8, 1))
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse", "halves"])
+def test_a_save_refused_for_slots_it_cannot_read_leaves_no_hit_on_an_earlier_tenants_rows(mgr, kind):
+    """Such slots say nothing of where vLLM put the step's tokens: their refusal cleared no slot, and a later
+    hit on the block vLLM had given to the refused request served its previous tenant's rows."""
+    m = mgr()
+    m.new_step_starts([started("a", [0]), started("k", [3])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4), Part("k", 7, [3], 0, 4)], BS))
+    m.wait_idle()
+    m.new_step_starts([finished("a"), started("b", [0])])  # vLLM gives block 0 to b
+    h, mm, layout, n, pad = build([Part("b", 2, [0], 0, 4)], BS)
+    bad = {"meta": lambda s: s.to("meta"), "sparse": lambda s: s.to_sparse(),
+           "halves": lambda s: s.double() + 0.5}[kind](layout.slots)
+    with pytest.raises(TypeError, match="write_layout.slots must be"):
+        m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad,
+                       write_layout=PrefixCacheWriteLayout(layout.writes, bad))
+    assert m._fatal is None
+    for hit_block, req in ((0, "c"), (3, "d")):  # b's block, and (unknowable as untouched) k's
+        m.new_step_starts([started(req, [hit_block, 5], hit=4)])
+        s = save(m, [Part(req, 3, [hit_block, 5], 4, 1)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+            m.materialize(s, [req])
+        m.new_step_starts([finished(req)])
+    # The cache goes on: a new write is served.
+    m.new_step_starts([started("e", [6])])
+    m.discard_step(save(m, [Part("e", 4, [6], 0, 4)], BS))
+    m.new_step_starts([finished("e"), started("f", [6, 7], hit=4)])
+    s = save(m, [Part("f", 5, [6, 7], 4, 1)], BS)
+    assert torch.equal(m.materialize(s, ["f"]).hidden_states["f"], expect(4, 4, 5, 4, 1))
+
+
+@pytest.mark.parametrize("req_id", [b"c", None, 7, ""])
+def test_a_write_of_a_request_id_that_is_no_str_is_refused(req_id):
+    """An event refuses such an id; a write took it, and the request's hit was missed without a word."""
+    with pytest.raises(ValueError, match="req_id must be a non-empty str"):
+        PrefixCacheWrite(req_id, 0, 4)
+
+
+def _output(**kw):
+    base = dict(finished_req_ids=set(), scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={})
+    base.update(kw)
+    return NS(**base)
+
+
+@pytest.mark.parametrize("field", ["finished_req_ids", "aborted_req_ids", "preempted_req_ids"])
+def test_a_scheduler_output_naming_one_id_as_a_string_is_refused(field):
+    """``set("req-1")`` finished five one-letter requests, and req-1 stayed live: its re-add as new was a
+    REPLACED, whose prefix hit was dropped."""
+    t = PrefixCacheSchedulerAdapter()
+    t.translate_scheduler_output(_output(scheduled_new_reqs=[NS(req_id="req-1", num_computed_tokens=0,
+                                                                block_ids=([0],))], num_scheduled_tokens={"req-1": 4}))
+    with pytest.raises(ValueError, match=f"{field} must be a collection of request ids, got the string 'req-1'"):
+        t.translate_scheduler_output(_output(**{field: "req-1"}))
+    assert t.live_req_ids == {"req-1"}  # a refused output changes nothing
+    cached = NS(req_ids=["req-1"], resumed_req_ids="req-1", new_block_ids=[([1],)], num_computed_tokens=[4])
+    with pytest.raises(ValueError, match="resumed_req_ids must be a collection"):
+        t.translate_scheduler_output(_output(scheduled_cached_reqs=cached))
+
+
+def test_a_scheduler_output_holding_numpy_arrays_is_read():
+    """An array of two or more has no truth value: ``finished_req_ids or ()`` raised numpy's ambiguity error."""
+    t = PrefixCacheSchedulerAdapter()
+    t.translate_scheduler_output(_output(scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=0, block_ids=([i],))
+                                                             for i, r in enumerate("abcd")],
+                                         num_scheduled_tokens={r: 4 for r in "abcd"}))
+    cached = NS(req_ids=np.array(["b", "d"]), resumed_from_preemption=np.array([True, False]),
+                new_block_ids=[([5],), ([6],)], num_computed_tokens=np.array([4, 4]))
+    step = t.translate_scheduler_output(_output(finished_req_ids=np.array(["a", "c"]), scheduled_cached_reqs=cached,
+                                                num_scheduled_tokens={"b": 1, "d": 1}))
+    assert [(e.kind.name, e.req_id) for e in step.events] == [("FINISHED", "a"), ("FINISHED", "c"), ("RESUMED", "b"),
+                                                             ("EXTENDED", "d")]
+    assert t.live_req_ids == {"b", "d"}
+
+
+def test_the_drop_in_defers_a_key_vllm_omni_is_given_as_one_string(committer_factory):
+    """vllm-omni's ``key in policy.deferred_keys`` defers that key; the drop-in's ``frozenset()`` split it into
+    letters, and wrote it at once where vllm-omni defers it."""
+    from omnishm.bench.vllm_omni_arm import BatchView
+    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, load_prefix_cache
+
+    vo, _ = load_prefix_cache(standin=True)
+    cfg = vo.PrefixCacheConfig(num_blocks=16, block_size=16, staging_capacity_tokens=64, staging_depth=2,
+                               staging_claim_timeout_s=2.0)
+    ours = VllmOmniPrefixCacheManager(cfg, BatchView(16), cache=committer_factory().name, autostart=False,
+                                      role="writer")
+    try:
+        ours.register_policy(vo.ModelCachePolicy(deferred_keys="audio_codes"))
+        assert ours.manager.policy.deferred_keys == frozenset({"audio_codes"})
+    finally:
+        ours.shutdown()
+
+
+def test_a_layout_whose_writes_are_an_iterator_is_saved_whole(mgr):
+    """The save's layout check used the iterator up, and the step held an empty batch."""
+    m = mgr()
+    m.new_step_starts([started("a", [0]), started("b", [1])])
+    h, mm, layout, n, pad = build([Part("a", 1, [0], 0, 4), Part("b", 2, [1], 0, 3)], BS)
+    once = PrefixCacheWriteLayout(iter(layout.writes), layout.slots)
+    s = m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=once)
+    out = m.materialize(s, ["a", "b"])
+    assert torch.equal(out.hidden_states["b"], expect(0, 0, 2, 0, 3))
+
+
+def test_a_step_id_that_is_no_int_is_refused_before_any_step_is_consumed(mgr):
+    """``discard_step(True)`` consumed step 1 and ``discard_step(1.0)`` too; ``discard_step(tensor(1))`` said
+    step 1 "was never saved" and left it unconsumed."""
+    m = mgr()
+    ids = []
+    for i in range(2):
+        m.new_step_starts([started(f"r{i}", [i])])
+        ids.append(save(m, [Part(f"r{i}", i + 1, [i], 0, 4)], BS))
+    assert ids == [0, 1]
+    for bad in (True, 1.0, "1", None):
+        for call in (m.discard_step, lambda sid: m.materialize(sid, ["r1"])):
+            with pytest.raises(TypeError, match="a step id is the int save_outputs returned"):
+                call(bad)
+    assert sorted(m.unconsumed_step_ids()) == [0, 1]
+    m.discard_step(torch.tensor(0))
+    assert torch.equal(m.materialize(np.int64(1), ["r1"]).hidden_states["r1"], expect(0, 0, 2, 0, 4))
+    assert m.unconsumed_step_ids() == []
+
+
+def test_a_tensor_of_a_dtype_the_pool_cannot_hold_is_refused_naming_it(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    h, mm, layout, n, pad = build([Part("a", 1, [0], 0, 4)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tensor 'feat': dtype torch.complex64") as err:
+        m.save_outputs(h, {"feat": mm["feat"].to(torch.complex64)}, num_tokens_unpadded=n, num_tokens_padded=pad,
+                       write_layout=layout)
+    assert err.value.key == "feat" and err.value.step_id == 0 and m._fatal is None

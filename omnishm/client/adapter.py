@@ -40,7 +40,7 @@ import logging
 import operator
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -96,6 +96,25 @@ def _int(value: Any, what: str) -> int:
         raise ValueError(f"{what} must be an int, got {value!r}") from None
 
 
+def _ordered(values: Any, what: str) -> Any:
+    """``values``, refused when they have no order: a set's or a mapping's iteration order is not the
+    caller's, and block ids taken in it served a hit's rows out of order (review, 2026-12-07)."""
+    if isinstance(values, (AbstractSet, Mapping)):
+        raise ValueError(f"{what} must be in order (a list, tuple or array), got a {type(values).__name__}")
+    return values
+
+
+def _ids(values: Any, what: str) -> Iterable[Any]:
+    """A scheduler output's collection of request ids: None is none, an array its items; one string is
+    refused (``set("req-1")`` is five one-letter ids, so ``req-1`` never finished: review, 2026-12-07)."""
+    if values is None:
+        return ()
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{what} must be a collection of request ids, got the string {values!r}")
+    tolist = getattr(values, "tolist", None)  # a numpy array has no truth value; its items are numpy strs
+    return tolist() if callable(tolist) else values
+
+
 def _nonneg_int(value: Any, what: str) -> int:
     """``value`` as a non-negative int; numpy integers accepted, bools and floats not."""
     out = _int(value, what)
@@ -109,8 +128,9 @@ class PrefixCacheRequestEvent:
     """One request's change in one step; see the module docstring for semantics.
 
     ``block_ids`` is coerced to a tuple of ints. Raises ``ValueError`` for an
-    unknown kind, a negative count or block id, or a FINISHED/ABORTED event
-    that carries tokens or blocks.
+    unknown kind, a negative count or block id, block ids without an order (a
+    set or a mapping: the hit's rows follow their order), or a FINISHED/ABORTED
+    event that carries tokens or blocks.
     """
 
     kind: PrefixCacheEventKind
@@ -126,7 +146,8 @@ class PrefixCacheRequestEvent:
         n = self.num_computed_tokens
         if type(n) is not int or n < 0:
             object.__setattr__(self, "num_computed_tokens", _nonneg_int(n, f"{self.req_id}: num_computed_tokens"))
-        blocks = tuple(self.block_ids)
+        ids = self.block_ids
+        blocks = ids if type(ids) is tuple else tuple(_ordered(ids, f"{self.req_id}: block_ids"))
         # vLLM's block ids are plain ints: one pass over them, not a checked call per id (a long prompt
         # carries hundreds, and this runs on the engine thread every step).
         if blocks and not (all(type(b) is int for b in blocks) and min(blocks) >= 0):
@@ -164,7 +185,8 @@ class PrefixCacheWrite:
     as given, a numpy count made the served-rows counter a numpy float that the link could not encode
     at its next heartbeat (the link died, the cache went sticky-fatal), a float passed the layout check
     and failed the save after its step id was issued, and a tensor count was added to in place by the
-    read plan (review, 2026-12-07). Signs are the save's to check (``_check_layout``).
+    read plan (review, 2026-12-07). Signs are the save's to check (``_check_layout``). ``req_id`` must
+    be a non-empty str, as an event's (ValueError).
     """
 
     req_id: ReqId
@@ -172,6 +194,8 @@ class PrefixCacheWrite:
     num_tokens: int
 
     def __post_init__(self) -> None:
+        if type(self.req_id) is not str or not self.req_id:  # as an event's: b"c" hit nothing, without a word
+            raise ValueError(f"req_id must be a non-empty str, got {self.req_id!r}")
         if type(self.token_start) is not int or type(self.num_tokens) is not int:  # vLLM's own ints pass at once
             object.__setattr__(self, "token_start", _int(self.token_start, f"{self.req_id}: token_start"))
             object.__setattr__(self, "num_tokens", _int(self.num_tokens, f"{self.req_id}: num_tokens"))
@@ -184,11 +208,16 @@ class PrefixCacheWriteLayout:
     ``writes`` in batch order, contiguous from row 0. ``slots`` is ``int64``
     CPU, one vLLM slot id per output row in batch order; its length is
     ``num_tokens`` (= ``num_tokens_unpadded``). Rows past it (padding) are
-    never written.
+    never written. ``writes`` is stored as a tuple: a one-shot iterator was used up by
+    the save's layout check, and the step then held an empty batch (review, 2026-12-07).
     """
 
     writes: tuple[PrefixCacheWrite, ...]
     slots: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if type(self.writes) is not tuple:
+            object.__setattr__(self, "writes", tuple(self.writes))
 
     @property
     def num_tokens(self) -> int:
@@ -211,6 +240,7 @@ def _group_blocks(per_group: Any, group_index: int, req_id: ReqId) -> tuple[int,
         if group_index == 0:
             return ()  # a flat list with no new blocks
         raise ValueError(f"{req_id}: block ids have no KV group {group_index}: {per_group!r}")
+    _ordered(per_group, f"{req_id}: block ids")
     first = per_group[0]
     if isinstance(first, int) or (hasattr(first, "__index__") and not hasattr(first, "__iter__")):
         if group_index:
@@ -218,7 +248,7 @@ def _group_blocks(per_group: Any, group_index: int, req_id: ReqId) -> tuple[int,
                              f"{per_group!r}")
         return tuple(per_group)
     try:
-        return tuple(per_group[group_index])
+        return tuple(_ordered(per_group[group_index], f"{req_id}: block ids of KV group {group_index}"))
     except IndexError:
         raise ValueError(f"{req_id}: block ids have no KV group {group_index}: {per_group!r}") from None
 
@@ -259,8 +289,8 @@ class PrefixCacheSchedulerAdapter:
         # Work on copies and commit at the end: a malformed output leaves the state unchanged.
         live = set(self._live)
         preempted = set(self._preempted)
-        finished = set(getattr(scheduler_output, "finished_req_ids", None) or ())
-        aborted = set(getattr(scheduler_output, "aborted_req_ids", None) or ())
+        finished = set(_ids(getattr(scheduler_output, "finished_req_ids", None), "finished_req_ids"))
+        aborted = set(_ids(getattr(scheduler_output, "aborted_req_ids", None), "aborted_req_ids"))
         events: list[PrefixCacheRequestEvent] = []
         for rid in sorted(finished | aborted):
             kind = PrefixCacheEventKind.ABORTED if rid in aborted else PrefixCacheEventKind.FINISHED
@@ -268,7 +298,7 @@ class PrefixCacheSchedulerAdapter:
             live.discard(rid)
             preempted.discard(rid)
 
-        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+        for rid in _ids(getattr(scheduler_output, "preempted_req_ids", None), "preempted_req_ids"):
             if rid in live:
                 preempted.add(rid)
 
@@ -317,10 +347,11 @@ class PrefixCacheSchedulerAdapter:
         req_ids: Sequence[ReqId] = cached.req_ids
         resumed_ids = getattr(cached, "resumed_req_ids", None)
         if resumed_ids is not None:
-            resumed_set = set(resumed_ids)
+            resumed_set = set(_ids(resumed_ids, "resumed_req_ids"))
             flags = [rid in resumed_set for rid in req_ids]
         else:
-            flags = [bool(f) for f in (getattr(cached, "resumed_from_preemption", None) or [False] * len(req_ids))]
+            given = getattr(cached, "resumed_from_preemption", None)  # (len, not truth: it may be an array)
+            flags = [bool(f) for f in given] if given is not None and len(given) else [False] * len(req_ids)
         new_blocks = cached.new_block_ids
         computed = cached.num_computed_tokens
         if not (len(flags) == len(new_blocks) == len(computed) == len(req_ids)):

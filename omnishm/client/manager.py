@@ -45,7 +45,7 @@ from omnishm.client.result_pool import ResultPool
 from omnishm.client.segments import KeyViews, StagingPages, row_width
 from omnishm.client.serial import SerialThread
 from omnishm.client.session import SessionSide
-from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle
+from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle, as_step_id
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.config import manager_connection
@@ -449,7 +449,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         """
         try:
             self._check_usable()
-            self._release_ctx(self._take_ctx(step_id, "discard_step"))
+            self._release_ctx(self._take_ctx(as_step_id(step_id, "discard_step"), "discard_step"))
         except BaseException as exc:
             self._note_interrupt("discard_step", exc, step_id)
             raise

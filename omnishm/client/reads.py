@@ -22,7 +22,7 @@ from omnishm import protocol as P
 from omnishm.client.device import DONE
 from omnishm.client.rowcopy import gather_rows
 from omnishm.client.segments import KeyViews, dtype_name
-from omnishm.client.steps import HitSpan, StepCtx, hits_digest
+from omnishm.client.steps import HitSpan, StepCtx, as_step_id, hits_digest
 from omnishm.interface import (HIDDEN_KEY, OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError, ReqId,
                                StageCacheOutputs, StepId, TensorName)
 from omnishm.versions import cv_epoch, cv_step, make_cv
@@ -46,6 +46,7 @@ class ReadSide:
         """``materialize``'s work (its contract is on the manager's method); any thread."""
         t0 = time.perf_counter()
         self._check_usable()
+        step_id = as_step_id(step_id, "materialize")
         if isinstance(req_ids, str):  # list("req-1") is five one-letter ids (review, 2026-12-07)
             raise TypeError(f"materialize takes a collection of request ids, got the string {req_ids!r} "
                             f"(write [{req_ids!r}])")

@@ -15,6 +15,7 @@ failed after it issued the id (``_abandon_step``).
 from __future__ import annotations
 
 import hashlib
+import operator
 import threading
 import time
 from collections.abc import Mapping
@@ -28,6 +29,20 @@ from omnishm import protocol as P
 from omnishm.client.writes import RowSource
 from omnishm.interface import ReqId, StepId, TensorName
 from omnishm.versions import make_cv
+
+
+def as_step_id(step_id: Any, what: str) -> StepId:
+    """``step_id`` as an int: a numpy int or a 0-d integer tensor is one. A bool, a float or anything else is
+    a ``TypeError``: a bool or a float consumed the step it equals, a tensor was "never saved" and its step
+    stayed unconsumed (review, 2026-12-07)."""
+    if type(step_id) is int:
+        return step_id
+    try:
+        if isinstance(step_id, bool):
+            raise TypeError
+        return operator.index(step_id)
+    except TypeError:
+        raise TypeError(f"{what}: a step id is the int save_outputs returned, got {step_id!r}") from None
 
 
 @dataclass

@@ -121,14 +121,17 @@ class WriterSide:
             # The committer refuses a row shape other than the one the key was first opened with (by this
             # writer or one before it), so every pool row of the key has the shape its readers check for.
             try:
-                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype_name(rows.dtype),
-                                                                 width=width, row_shape=row_shape))
+                dtype = dtype_name(rows.dtype)
+            except ValueError as exc:  # a dtype the pool has no rows of (complex, say)
+                raise self._unmatch(f"tensor {key!r}: {exc}", key=key, step_id=self._next_step) from exc
+            try:
+                reply = self._link.request(lambda rid: P.OpenKey(rid=rid, key=key, dtype=dtype, width=width,
+                                                                 row_shape=row_shape))
             except OmniPrefixCacheCommitterError as exc:
                 # The key's tensor and step named, as a mismatch this client sees itself is: a key an earlier
                 # writer opened as another dtype or width is refused by the committer (review, 2026-12-07).
-                raise unmatch(f"tensor {key!r} ({dtype_name(rows.dtype)}, rows of shape {row_shape}) could not "
-                              f"be opened: {exc}", key=key, step_id=self._next_step,
-                              cls=OmniPrefixCacheCommitterError) from exc
+                raise unmatch(f"tensor {key!r} ({dtype}, rows of shape {row_shape}) could not be opened: {exc}",
+                              key=key, step_id=self._next_step, cls=OmniPrefixCacheCommitterError) from exc
             try:
                 kv = KeyViews.map(reply.segments, self.config.num_slots, readonly=not self.is_writer)
             except OSError as exc:  # unlinked after the answer (the committer stopped, or was swept)
@@ -152,22 +155,29 @@ class WriterSide:
         ("absent"), not serve the rows of their previous tenant, whose claims still hold. Copy-on-write
         first keeps the rows that planned reads need. Every slot id the layout names is cleared, also past
         its row count: a slot cleared needlessly costs a later hit a refusal, one left out a wrong row.
-        Entries that are no slot id (not integral, outside the pool, a layout that is no tensor of
-        numbers) are skipped. The slots are cleared also on a fatal cache and when the rescue failed (the
+        Slot ids outside the pool are skipped; slots that cannot be read as slot ids (no tensor of numbers,
+        not whole numbers, on the meta device, sparse) clear every slot. The slots are cleared also on a fatal cache and when the rescue failed (the
         cache then turns sticky-fatal): its readers may still read the refused step. Raises only when the
         slots could not be cleared (or on an interrupt); the caller must then not publish the step.
         """
         try:
             slots = torch.as_tensor(getattr(write_layout, "slots", None))
             if slots.dtype is torch.bool or slots.is_complex():
-                return
+                raise TypeError(f"slots of {slots.dtype}")
             slots = slots.reshape(-1).to("cpu")
-            if slots.is_floating_point():
-                slots = slots[slots == slots.round()]
+            if slots.is_floating_point() and not bool((slots == slots.round()).all()):
+                raise TypeError("slots that are not whole numbers")
             slots = slots.to(torch.int64)
+            # A slot id outside the pool (vLLM's padding slot -1, a KV cache grown past the pool) holds no
+            # row of the pool: nothing to clear there.
             slots = slots[(slots >= 0) & (slots < self.config.num_slots)]
-        except Exception:  # noqa: BLE001 - slots that cannot be read name no slot to clear
-            return
+        except Exception as exc:  # noqa: BLE001 - unreadable slots: every slot is cleared instead
+            # They say nothing of where vLLM put this step's tokens, and whichever slots those are still
+            # hold their previous tenant's claims: a later hit there served that tenant's rows (a layout on
+            # the meta device or sparse; review, 2026-12-07). The whole cache's rows become absent.
+            logger.warning("cache %s: a refused save's slots could not be read (%r); every slot is cleared, so "
+                           "no later hit can read rows vLLM has given to another request", self.cache, exc)
+            slots = torch.arange(self.config.num_slots, dtype=torch.int64)
         if not len(slots) or not self._keys:
             return
         try:

@@ -183,8 +183,10 @@ class VllmOmniPrefixCacheManager:
     def register_policy(self, policy: Any) -> None:
         """vllm-omni's ``ModelCachePolicy`` (``needs_full_hidden_states``, ``deferred_keys``); before the first save."""
         hidden = bool(getattr(policy, "needs_full_hidden_states", True))
-        self._m.register_policy(ModelCachePolicy(cache_hidden=hidden,
-                                                 deferred_keys=frozenset(getattr(policy, "deferred_keys", ()))))
+        deferred = getattr(policy, "deferred_keys", None) or ()
+        if isinstance(deferred, str):  # vllm-omni's ``key in deferred_keys`` defers that key; frozenset() split it
+            deferred = (deferred,)
+        self._m.register_policy(ModelCachePolicy(cache_hidden=hidden, deferred_keys=frozenset(deferred)))
         self._hidden = hidden  # only once omnishm took it: a refused policy changes nothing
 
     def new_step_starts(self, scheduler_output: Any) -> None:
