@@ -16,6 +16,7 @@ import time
 import pytest
 
 from omnishm import liveness, protocol, shm
+from omnishm.committer import early_stop, stores
 
 from conftest import RUNTIME_DIR, START_TIMEOUT_S, assert_clean_stop
 from helpers import RawClient, Writer, catches_signal, ignores_signal, wait_queued_at, wait_stopped
@@ -227,3 +228,48 @@ def test_a_committer_stopped_by_a_signal_under_a_flood_of_messages_stops_within_
         for flood in floods:
             flood.kill()
             flood.wait()
+
+
+# MUTATION review (2026-12-07, stop 53): a failed re-exec, and a handler set outside Python.
+
+APPLIES = stores._applies()  # glibc on x86-64: only there does the committer try to re-execute itself
+
+# Both images import it; the exec fails, as it does when the interpreter was replaced or removed under a
+# running deployment (ENOENT), or the exec is refused (EACCES, E2BIG for a huge environment).
+_SITECUSTOMIZE = """
+import errno, os
+def execve(path, args, env):
+    raise OSError(errno.EACCES, "refused by this test")
+os.execve = execve
+"""
+
+
+def test_a_committer_whose_re_exec_failed_still_stops_cleanly_on_sigterm(committer_factory, monkeypatch, tmp_path):
+    """MUTATION (2026-12-07, stop 53). Contract (``stores.reexec_with_threshold``): "an exec that fails leaves this process as it was". The stop
+    signals blocked across the exec attempt are unblocked again, so the committer that runs on (with glibc's
+    threshold) still stops on SIGTERM: answers, unlinks its segments, exits 0. With them left blocked, SIGTERM
+    stayed pending for good; only SIGKILL ended it, and its segments stayed in /dev/shm. Real committer process,
+    started as users start it (``-m omnishm.committer``). Kills the mutant that drops the ``finally`` unblock."""
+    (tmp_path / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    handle = committer_factory()  # waits until it serves
+    if APPLIES:
+        assert "could not re-execute" in handle.log(), handle.log()
+    assert handle.status()["pid"] == handle.proc.pid
+    assert_clean_stop(handle)
+
+
+def test_restore_leaves_a_handler_python_cannot_put_back_as_it_is():
+    """MUTATION (2026-12-07, stop 53). Contract (``early_stop.restore``): a previous handler that was not set from Python (``getsignal`` gives
+    None: one an embedding host installed in C) is left as it is, not passed to ``signal.signal`` (which raises
+    TypeError for None, and would mask the committer's own return code from ``start.main``'s ``finally``).
+    Kills the mutant that drops the ``is not None`` guard."""
+    before = signal.getsignal(signal.SIGUSR1)
+    old = early_stop.install((signal.SIGUSR1,), lambda *_: None)
+    try:
+        early_stop.restore({signal.SIGUSR1: None})
+        assert signal.getsignal(signal.SIGUSR1) is not before  # left as it is now
+    finally:
+        early_stop.restore(old)
+    assert signal.getsignal(signal.SIGUSR1) is before

@@ -136,3 +136,33 @@ def test_gather_rows_never_writes_past_an_out_tensor_shorter_than_the_slots():
     with pytest.raises(RuntimeError):
         gather_rows(pool, torch.arange(100, 100 + n), out)
     assert not base[n - 1:].any(), "rows were written past the end of out"
+
+
+def test_run_path_refuses_a_slot_past_the_pool_in_a_middle_run_before_copying():
+    """MUTATION (2026-12-07, stop 53). Contract: the run path's bound check covers every slot, not just the first and last. Three runs out of
+    order (the shape of a hit whose blocks were reused out of order): the middle run lies past the pool, the
+    first and last runs inside it. ``gather_rows`` raises ``IndexError`` and copies nothing; it never memmoves
+    the rows lying past the pool (here the sentinel rows of the larger tensor the pool is a view of) as if
+    they were cached rows. Kills the mutant that bounds-checks ``s[0]``/``s[-1]`` instead of min/max."""
+    backing = torch.full((1400, 4096), 5.0, dtype=torch.bfloat16)
+    pool = backing[:1024]
+    pool.copy_(torch.arange(1024 * 4096).remainder(30011).to(torch.bfloat16).view(1024, 4096))
+    slots = torch.cat([torch.arange(0, 200), torch.arange(1100, 1300), torch.arange(500, 700)])
+    out = torch.full((600, 4096), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(IndexError, match=r"slot out of range: \[0, 1299\] in a pool of 1024 rows"):
+        gather_rows(pool, slots, out)
+    assert bool((out == 7).all()), "rows were copied before the range was checked"
+
+
+def test_a_non_contiguous_pool_is_gathered_row_by_row_not_memmoved():
+    """MUTATION (2026-12-07, stop 53). Contract (docstring): a non-contiguous ``pool`` goes through ``index_select``. A pool that is a column
+    slice of a wider tensor (row stride larger than its row) still returns exactly ``pool[slots]``; a memmove
+    of ``run * row_bytes`` bytes from ``pool.data_ptr()`` would take the wider tensor's bytes (half of them
+    not the pool's). Kills the mutant that drops ``not pool.is_contiguous()`` from the fallback test."""
+    wide = torch.arange(1024 * 8192).remainder(30011).to(torch.bfloat16).view(1024, 8192)
+    pool = wide[:, :4096]
+    assert not pool.is_contiguous()
+    slots = torch.arange(100, 400)  # 300 rows of 8 KiB: the run path's size
+    out = torch.full((300, 4096), 7.0, dtype=torch.bfloat16)
+    gather_rows(pool, slots, out)
+    assert torch.equal(out.view(torch.int16), pool.index_select(0, slots).view(torch.int16))

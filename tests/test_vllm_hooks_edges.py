@@ -385,3 +385,60 @@ def test_a_manager_whose_policy_cannot_be_registered_is_shut_down_not_left_attac
         assert after == before, after - before
     finally:
         h.uninstall()
+
+
+# MUTATION review (2026-12-07, stop 53): HeldResults' order, its one warning, decoded rows owned.
+
+
+def test_a_request_held_again_is_the_newest_and_the_oldest_other_goes_first():
+    """MUTATION (2026-12-07, stop 53). Contract (``HeldResults``: past the bound "the oldest go"): a request held again (its prompt completed again
+    after a preemption) replaces its rows and becomes the newest held. With room for two, holding A, B, A again,
+    then C drops B (held before A's new rows), never A's fresh rows. Kills the mutant that replaces the value in
+    place (``table.get`` for ``table.pop``), which keeps A at its first position and drops the rows just held."""
+    from omnishm.integrations.held_results import HeldResults
+
+    old, new = torch.zeros(2, 8), torch.ones(2, 8)
+    held = HeldResults(2 * new.numel() * 4)
+    held.hold("done", "A", (old.clone(), 0))
+    held.hold("done", "B", (old.clone(), 0))
+    held.hold("done", "A", (new.clone(), 3))
+    held.hold("done", "C", (new.clone(), 1))
+    assert held.stats() == {"held_bytes": 2 * new.numel() * 4, "results_dropped": 1}
+    out = held.take("done")
+    assert sorted(out) == ["A", "C"], sorted(out)
+    assert torch.equal(out["A"][0], new) and out["A"][1] == 3
+
+
+def test_the_drop_warning_is_logged_once_not_at_every_drop(caplog):
+    """MUTATION (2026-12-07, stop 53). Contract (``HeldResults``): dropped rows are counted in ``results_dropped``, "with a warning on the first
+    drop": a server that never calls ``omnishm_take_*`` drops rows at every step with a completed prompt, and a
+    warning each time would flood its log from the engine thread. Kills the mutant ``first = dropped``."""
+    import logging
+
+    from omnishm.integrations.held_results import HeldResults
+
+    one = torch.ones(2, 8)
+    held = HeldResults(one.numel() * 4)
+    with caplog.at_level(logging.WARNING, logger="omnishm.integrations.held_results"):
+        for i in range(5):
+            held.hold("done", f"R{i}", (one.clone(), 0))
+    assert held.stats()["results_dropped"] == 4
+    assert sum("exceed vllm_held_bytes" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_a_decoded_tensor_owns_its_bytes_and_never_writes_into_the_wire_payload():
+    """MUTATION (2026-12-07, stop 53). Contract: ``decode_tensor`` returns rows the caller owns (writable, as ``encode_tensor``'s input was); an
+    in-place op on them never writes into the received msgpack payload (a read-only ``bytes``, which CPython may
+    share). Kills the mutant that builds the tensor over ``payload["data"]`` itself instead of a copy."""
+    import warnings
+
+    from omnishm.integrations.held_results import decode_tensor, encode_tensor
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    wire = encode_tensor(t)
+    before = bytes(wire["data"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it wraps a buffer that is not writable
+        out = decode_tensor(wire)
+    out.add_(1)
+    assert wire["data"] == before and torch.equal(out, t + 1)
