@@ -261,6 +261,16 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _request_encoder.encode(msg)
 
 
+MAX_REPLY_TEXT = 4000
+"""The most characters of an ``Error.message`` or a ``Refused.reason`` the committer sends (``cut_text``): each
+input a reply echoes is cut already (``shown``); this bounds what a message built from several could add up to."""
+
+
+def cut_text(text: str, limit: int = MAX_REPLY_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
 def shown(value: object, limit: int = 80) -> str:
     """repr of a client-supplied value for a log line or a reply, cut to ``limit`` characters: bad input can be
     megabytes, and a reply echoing it whole could pass the peer's ``ZMQ_MAXMSGSIZE`` (the connection dropped

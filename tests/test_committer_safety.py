@@ -911,3 +911,74 @@ def test_a_refused_step_that_names_no_tids_is_a_failure_by_its_reason(committer_
         assert reply.failure() == reply.reason
     finally:
         writer.goodbye()
+
+
+# REVIEW (2026-12-07, stop 53): FAULTS.md says client-supplied strings are cut before they reach a reply. An
+# OpenKey's dtype came back whole: 1 MiB in, 1 MiB out; one of 17 MB of control characters, repr'd to 68 MB,
+# passed the client's ZMQ_MAXMSGSIZE, and the connection dropped with no reply at all.
+
+@pytest.mark.parametrize("who", ["writer, a new key", "reader, the writer's key"])
+def test_a_dtype_of_a_megabyte_is_cut_in_the_refusal(committer_factory, who):
+    handle = committer_factory()
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
+    try:
+        writer.open_key("k", "float32", 4)
+        asker = writer.raw if who.startswith("writer") else RawClient(handle.endpoint, handle.name)
+        if asker is not writer.raw:
+            assert isinstance(asker.hello("reader"), protocol.Welcome)
+        key = "new" if who.startswith("writer") else "k"
+        reply = asker.call(protocol.OpenKey(rid=asker.next_rid(), key=key, dtype="x" * (1 << 20), width=4))
+        assert isinstance(reply, protocol.Error) and reply.code in ("bad_dtype", "layout_mismatch"), reply
+        assert "'xxxxxxxx" in reply.message and f"...({(1 << 20) + 2} chars)" in reply.message, reply.message[:300]
+        assert len(reply.message) < 400, len(reply.message)
+        if asker is not writer.raw:
+            asker.leave()
+    finally:
+        writer.goodbye()
+
+
+def test_a_dtype_that_repr_makes_four_times_longer_is_still_answered(committer_factory):
+    import zmq
+
+    handle = committer_factory()
+    c = RawClient(handle.endpoint, handle.name)
+    c.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # as the client's link sets it
+    try:
+        assert isinstance(c.hello("writer", LAYOUT, staging_rows=4), protocol.Welcome)
+        msg = protocol.OpenKey(rid=c.next_rid(), key="k", dtype="\x01" * (17 << 20), width=4)
+        assert len(protocol.encode(msg)) <= protocol.MAX_MESSAGE_BYTES
+        reply = c.call(msg)
+        assert isinstance(reply, protocol.Error) and reply.code == "bad_dtype" and len(reply.message) < 400, reply
+        c.leave()
+    finally:
+        c.close()
+
+
+_LONG_REPLIES = """
+import sys
+from omnishm import protocol
+from omnishm.committer.server import Committer
+dispatch = Committer.dispatch
+def long_winded(self, identity, msg):
+    if isinstance(msg, protocol.StatusRequest):
+        return protocol.Error(rid=msg.rid, code="internal", message="z" * 100_000)
+    return dispatch(self, identity, msg)
+Committer.dispatch = long_winded
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_no_error_reply_is_longer_than_its_bound(committer_factory):
+    """Whatever a handler builds, the reply carries at most ``MAX_REPLY_TEXT`` characters of it (a real committer
+    whose status handler answers 100,000 characters)."""
+    handle = committer_factory(python_args=("-c", _LONG_REPLIES))
+    c = RawClient(handle.endpoint, handle.name)
+    try:
+        assert isinstance(c.hello("admin"), protocol.Welcome)
+        reply = c.call(protocol.StatusRequest(rid=c.next_rid()))
+        assert isinstance(reply, protocol.Error)
+        assert reply.message == "z" * protocol.MAX_REPLY_TEXT + "...(100000 chars)"
+        c.leave()
+    finally:
+        c.close()

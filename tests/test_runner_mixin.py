@@ -655,7 +655,8 @@ def test_an_unsupported_stage_is_refused_at_kv_cache_init_not_at_its_first_reque
     hybrid.initialize_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
         SimpleNamespace(layer_names=["layers.0.attn"], kv_cache_spec=FullAttentionSpec(BS))]), is_profiling=True)
     assert hybrid.kv_init_calls == 1  # a GPU runner's profiling config is not the engine's: not gated
-    with pytest.raises(PrefixCacheConfigError, match="needs exactly one KV-cache group"):
+    with pytest.raises(PrefixCacheConfigError, match="omni prefix cache: cache no-such-cache: needs exactly one "
+                                                     "KV-cache group"):  # named (review, 2026-12-07)
         hybrid.initialize_kv_cache(SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
             SimpleNamespace(layer_names=["layers.0.attn"], kv_cache_spec=FullAttentionSpec(BS))]))
     assert hybrid.kv_init_calls == 2 and hybrid.prefix_cache_manager is None

@@ -503,7 +503,9 @@ def test_the_dropin_refuses_a_stage_omnishms_gate_refuses(committer):
 
     token = dropin._BUILDING.set(runner(kv_sharing_fast_prefill=True))
     try:
-        with pytest.raises(PrefixCacheConfigError, match="kv_sharing_fast_prefill"):
+        # Naming the cache (review, 2026-12-07): each stage of a pipeline has its own, and one refusal names it.
+        with pytest.raises(PrefixCacheConfigError, match=f"omni prefix cache: cache {committer.name}: .*"
+                                                         "kv_sharing_fast_prefill"):
             VllmOmniPrefixCacheManager(cfg, BatchView(16), cache=committer.name, autostart=False, role="writer")
     finally:
         dropin._BUILDING.reset(token)

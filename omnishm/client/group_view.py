@@ -22,10 +22,11 @@ All functions are pure reads of the objects they are given; any thread, no locks
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from array import array
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -68,8 +69,29 @@ class PrefixCacheConfigError(ValueError):
     """A stage configuration the omni prefix cache cannot serve correctly.
 
     Raised at configuration / KV-cache init time, never mid-step. The message
-    names the offending setting and what to disable or change.
+    names the offending setting and what to disable or change, and, raised by an
+    integration's gate (``naming_the_cache``), the cache.
     """
+
+
+@contextlib.contextmanager
+def naming_the_cache(cache: Callable[[], str | None]) -> Iterator[None]:
+    """A ``PrefixCacheConfigError`` raised inside is raised again with ``cache()``'s name in its message: in a
+    thinker/talker pipeline each stage has its cache, and a refusal that named none did not say which stage
+    was refused (review, 2026-12-07; README, "Every error names the cache"). ``cache`` is called only then;
+    if it raises or gives None, the error goes on as it was."""
+    try:
+        yield
+    except PrefixCacheConfigError as exc:
+        try:
+            name = cache()
+        except Exception:  # noqa: BLE001 - the refusal is the error to raise, named or not
+            name = None
+        if not name:
+            raise
+        text, lead = str(exc), "omni prefix cache: "
+        rest = text[len(lead):] if text.startswith(lead) else text
+        raise PrefixCacheConfigError(f"{lead}cache {name}: {rest}").with_traceback(exc.__traceback__) from None
 
 
 # ---------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
-from omnishm.client.group_view import FullAttentionGroupView, stage_prefix_cache_config
+from omnishm.client.group_view import FullAttentionGroupView, naming_the_cache, stage_prefix_cache_config
 from omnishm.interface import (
     ModelCachePolicy,
     PrefixCacheConfig,
@@ -273,16 +273,20 @@ class PrefixCacheRunnerMixin:
         (prefix caching off, pooling stage). Raises ``PrefixCacheConfigError`` for an unsupported stage,
         ``ValueError``/``TypeError`` for a bad override."""
         src = self._prefix_cache_config_source
-        config = stage_prefix_cache_config(
-            kv_cache_config=getattr(self, "kv_cache_config", None),
-            cache_config=src("cache_config"),
-            kv_transfer_config=src("kv_transfer_config"),
-            scheduler_config=src("scheduler_config"),
-            model_config=src("model_config"),
-            is_pooling_model=bool(getattr(self, "is_pooling_model", False)),
-            speculative_config=src("speculative_config"),
-            parallel_config=src("parallel_config"),
-        )
+        from omnishm.config import manager_connection
+
+        with naming_the_cache(lambda: manager_connection(cache=replica_cache_name(
+                self.prefix_cache_name, self.prefix_cache_endpoint, parallel_config=src("parallel_config")))["cache"]):
+            config = stage_prefix_cache_config(
+                kv_cache_config=getattr(self, "kv_cache_config", None),
+                cache_config=src("cache_config"),
+                kv_transfer_config=src("kv_transfer_config"),
+                scheduler_config=src("scheduler_config"),
+                model_config=src("model_config"),
+                is_pooling_model=bool(getattr(self, "is_pooling_model", False)),
+                speculative_config=src("speculative_config"),
+                parallel_config=src("parallel_config"),
+            )
         if config is not None and self.prefix_cache_config_overrides:
             # dataclasses.replace re-runs PrefixCacheConfig validation (ValueError/TypeError on a bad knob).
             config = dataclasses.replace(config, **dict(self.prefix_cache_config_overrides))

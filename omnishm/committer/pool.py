@@ -202,7 +202,10 @@ class CachePool(StepApply):
         """Why rows of ``want`` cannot be this cache's rows of ``key`` (``have``), or None. A row shape of
         None on either side (not declared yet) matches any."""
         if (have.dtype, have.width) != (want.dtype, want.width):
-            return f"cache {self.name} key {key!r} is {have.dtype}[{have.width}], {who} {want.dtype}[{want.width}]"
+            # A known dtype as it is; a client's other string cut, as every echoed input is (review, 2026-12-07:
+            # a 1 MiB dtype came back whole, and one of 17 MB, repr'd to 68 MB, passed the client's size limit).
+            dtype = want.dtype if want.dtype in protocol.DTYPE_ITEMSIZE else protocol.shown(want.dtype, 40)
+            return f"cache {self.name} key {key!r} is {have.dtype}[{have.width}], {who} {dtype}[{want.width}]"
         if have.row_shape is not None and want.row_shape is not None and have.row_shape != want.row_shape:
             return (f"cache {self.name} key {key!r} holds rows of shape {shape_text(have.row_shape)}, {who} rows "
                     f"of shape {shape_text(want.row_shape)}")
@@ -304,7 +307,7 @@ class CachePool(StepApply):
             raise PoolError("bad_key", f"key name must be a string of 1..{MAX_KEY_NAME} characters, at most "
                                        f"{MAX_KEY_NAME} bytes as JSON (a non-ASCII character takes 6), got {shown!r}")
         if dtype not in protocol.DTYPE_ITEMSIZE:
-            raise PoolError("bad_dtype", f"key {key!r}: unknown dtype {dtype!r} "
+            raise PoolError("bad_dtype", f"key {key!r}: unknown dtype {protocol.shown(dtype, 40)} "
                                          f"(known: {', '.join(protocol.DTYPE_ITEMSIZE)})")
         if not 0 < width <= MAX_WIDTH:
             raise PoolError("bad_width", f"key {key!r}: width must be in 1..{MAX_WIDTH}, got {width}")

@@ -349,6 +349,10 @@ class Committer(Attach):
         if isinstance(reply, protocol.Error):
             self.ratelog(logging.WARNING, reply.code, "committer %s: %s: %s", self.name, reply.code,
                          reply.message[:300])
+            if len(reply.message) > protocol.MAX_REPLY_TEXT:  # the last bound on what a reply echoes
+                reply = msgspec.structs.replace(reply, message=protocol.cut_text(reply.message))
+        elif isinstance(reply, protocol.Refused) and len(reply.reason) > protocol.MAX_REPLY_TEXT:
+            reply = msgspec.structs.replace(reply, reason=protocol.cut_text(reply.reason))
         if reply is not None:  # None: a quiet StepWrite, acknowledged through the control segment
             self.send(identity, reply)
 

@@ -66,10 +66,16 @@ from typing import Any, Iterator
 import torch
 
 from omnishm.client.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
-from omnishm.client.group_view import PrefixCacheConfigError, get_prefix_cache_group_view, stage_prefix_cache_config
+from omnishm.client.group_view import (
+    PrefixCacheConfigError,
+    get_prefix_cache_group_view,
+    naming_the_cache,
+    stage_prefix_cache_config,
+)
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import check_v1_runner, replica_cache_name, vllm_last_pp_stage, vllm_runner_role
 from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView, is_v2_runner
+from omnishm.config import manager_connection
 from omnishm.integrations.held_results import HeldResults, decode_results, decode_tensor, encode_tensor
 from omnishm.interface import ModelCachePolicy, PrefixCacheConfig, ReqId
 
@@ -236,11 +242,13 @@ class OmniPrefixCacheRunnerHooks:
         cache (prefix caching off, pooling). Raises ``PrefixCacheConfigError`` for an unsupported stage."""
         r = self.runner
         vc = r.vllm_config
-        return stage_prefix_cache_config(
-            kv_cache_config=r.kv_cache_config, cache_config=r.cache_config,
-            kv_transfer_config=vc.kv_transfer_config, scheduler_config=vc.scheduler_config,
-            model_config=vc.model_config, is_pooling_model=bool(getattr(r, "is_pooling_model", False)),
-            speculative_config=vc.speculative_config, parallel_config=vc.parallel_config)
+        with naming_the_cache(lambda: manager_connection(
+                cache=replica_cache_name(self._cache_given, parallel_config=vc.parallel_config))["cache"]):
+            return stage_prefix_cache_config(
+                kv_cache_config=r.kv_cache_config, cache_config=r.cache_config,
+                kv_transfer_config=vc.kv_transfer_config, scheduler_config=vc.scheduler_config,
+                model_config=vc.model_config, is_pooling_model=bool(getattr(r, "is_pooling_model", False)),
+                speculative_config=vc.speculative_config, parallel_config=vc.parallel_config)
 
     def _ensure_manager(self) -> OmniPrefixCacheManager | None:
         """One-shot construction on the first real step (KV-cache config known then)."""

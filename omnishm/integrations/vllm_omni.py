@@ -52,10 +52,15 @@ import torch
 
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAdapter, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
-from omnishm.client.group_view import FullAttentionGroupView, PrefixCacheConfigError, stage_prefix_cache_config
+from omnishm.client.group_view import (
+    FullAttentionGroupView,
+    PrefixCacheConfigError,
+    naming_the_cache,
+    stage_prefix_cache_config,
+)
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, vllm_runner_role
-from omnishm.config import load_prefix_cache_config
+from omnishm.config import load_prefix_cache_config, manager_connection
 from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheStagingTimeoutError,
                                OmniPrefixCacheUnmatchError, ReqId, StepId)
 
@@ -140,7 +145,11 @@ class VllmOmniPrefixCacheManager:
         self._vo, self.version = load_prefix_cache()
         derived = {k: getattr(config, k) for k in _VO_FIELDS if getattr(config, k, None) is not None}
         cfg = load_prefix_cache_config(int(config.num_blocks), int(config.block_size), derived=derived)
-        _gate(_BUILDING.get(), int(config.num_blocks))
+        runner = _BUILDING.get()
+        with naming_the_cache(lambda: manager_connection(cache=replica_cache_name(
+                cache, connection.get("endpoint"),
+                parallel_config=parallel_config or runner_parallel_config(runner)))["cache"]):
+            _gate(runner, int(config.num_blocks))
         self._view = view
         self._ours = self._own_view(view)
         self._adapter = PrefixCacheSchedulerAdapter()
