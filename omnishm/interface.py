@@ -189,7 +189,8 @@ class ModelCachePolicy:
         if isinstance(policy, ModelCachePolicy):
             return policy
         cache_hidden = bool(getattr(model, "cache_hidden_states", True))
-        deferred = getattr(model, "prefix_cache_deferred_mm_keys", ()) or ()
+        deferred = getattr(model, "prefix_cache_deferred_mm_keys", None)
+        deferred = () if deferred is None else deferred  # (not ``or``: an array has no truth value)
         _refuse_one_string(deferred, f"{type(model).__name__}.prefix_cache_deferred_mm_keys")
         return cls(cache_hidden=cache_hidden, deferred_keys=frozenset(deferred))
 

@@ -77,6 +77,10 @@ def test_deferred_keys_given_as_one_string_are_refused_not_split_into_letters():
         ModelCachePolicy.from_model(Talker())
     Talker.prefix_cache_deferred_mm_keys = ["audio_codes"]
     assert ModelCachePolicy.from_model(Talker()).deferred_keys == frozenset({"audio_codes"})
+    Talker.prefix_cache_deferred_mm_keys = np.array(["audio_codes", "feat"])  # no truth value: ``or ()`` raised
+    assert ModelCachePolicy.from_model(Talker()).deferred_keys == frozenset({"audio_codes", "feat"})
+    Talker.prefix_cache_deferred_mm_keys = None
+    assert ModelCachePolicy.from_model(Talker()).deferred_keys == frozenset()
 
 
 def test_a_string_of_request_ids_is_refused_and_the_step_kept(mgr):
@@ -278,3 +282,94 @@ def test_a_tensor_of_a_dtype_the_pool_cannot_hold_is_refused_naming_it(mgr):
         m.save_outputs(h, {"feat": mm["feat"].to(torch.complex64)}, num_tokens_unpadded=n, num_tokens_padded=pad,
                        write_layout=layout)
     assert err.value.key == "feat" and err.value.step_id == 0 and m._fatal is None
+
+
+# REVIEW (2026-12-07, stop 53, third pass): the fixes above reached omnishm's manager, not the layers over it.
+
+
+def _dropin_step(ours, view):
+    from test_vllm_omni_dropin import _step
+
+    ours.new_step_starts(_step(view, [("a", 0, [0, 1], 20), ("b", 0, [2], 4)],
+                               new=(("a", 0, [0, 1]), ("b", 0, [2]))))
+    return ours.save_outputs(torch.randn(24, 8), {"feat": torch.randn(24, 6)}, num_tokens_unpadded=24,
+                             num_tokens_padded=24)
+
+
+@pytest.mark.parametrize("call", ["materialize", "discard_step"])
+def test_the_drop_in_takes_the_step_id_omnishm_takes(committer_factory, call):
+    """The drop-in keyed its record of a step by the id as given, omnishm by the id as an int: a 0-d tensor id
+    consumed omnishm's step while the drop-in lost the outputs (and kept its record for good); ``False``
+    removed the record of step 0 that omnishm then refused to consume."""
+    from test_vllm_omni_dropin import managers
+
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        sid = _dropin_step(ours, view)
+        with pytest.raises(TypeError, match="a step id is the int save_outputs returned"):
+            getattr(ours, call)(*((False, ["a"]) if call == "materialize" else (False,)))
+        with pytest.raises(TypeError, match="got the string 'ab'"):
+            ours.materialize(sid, "ab")
+        assert sid in ours._saved and ours.manager.unconsumed_step_ids() == [sid]
+        if call == "materialize":
+            out = ours.materialize(torch.tensor(sid), ["a", "b"])
+            assert out.hidden_states["a"].shape[0] == 20 and out.hidden_states["b"].shape[0] == 4
+        else:
+            ours.discard_step(torch.tensor(sid))
+        assert sid not in ours._saved and ours.manager.unconsumed_step_ids() == []
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_the_drop_in_reads_a_policys_deferred_keys_given_as_an_array(committer_factory):
+    from test_vllm_omni_dropin import managers
+
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        ours.register_policy(NS(needs_full_hidden_states=True, deferred_keys=np.array(["feat", "codes"])))
+        assert ours.manager.policy.deferred_keys == frozenset({"feat", "codes"})
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_the_v2_block_mirror_reads_arrays_and_refuses_one_string():
+    """The V2 hooks update their block-id mirror before the adapter sees the output: an array of ids raised
+    numpy's ambiguity error there, and one string was matched by substring."""
+    from omnishm.client.v2_view import BlockIdMirror
+
+    mirror = BlockIdMirror()
+    mirror.update(_output(scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=0, block_ids=([i],))
+                                              for i, r in enumerate(["x", "y", "p"])],
+                          scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[])))
+    mirror.update(_output(preempted_req_ids=np.array(["x", "y"]),
+                          scheduled_cached_reqs=NS(req_ids=["p"], resumed_req_ids=np.array(["p", "q"]),
+                                                   new_block_ids=[([7, 8],)], num_computed_tokens=[4])))
+    assert len(mirror) == 1  # x and y preempted (their ids come again as new), p resumed with its whole list
+    with pytest.raises(ValueError, match="resumed_req_ids must be a collection of request ids, got the string 'pq'"):
+        mirror.update(_output(scheduled_cached_reqs=NS(req_ids=["p"], resumed_req_ids="pq", new_block_ids=[([9],)],
+                                                       num_computed_tokens=[4])))
+
+
+def test_the_runner_mixin_takes_the_step_id_its_manager_takes():
+    """``prefix_cache_materialize`` keyed its table of save-time ids by the id as given: a tensor id missed it,
+    the manager consumed the step, and the table kept the entry."""
+    from omnishm.client.runner_mixin import PrefixCacheRunnerMixin
+
+    class Runner(PrefixCacheRunnerMixin):
+        pass
+
+    runner = Runner()
+    taken = []
+    runner._prefix_cache_manager = NS(materialize=lambda sid, ids, **kw: taken.append((sid, ids)) or "out",
+                                      discard_step=lambda sid: taken.append((sid, None)))
+    runner._prefix_cache_step_req_ids = {3: ["a", "b"], 4: ["c"]}
+    assert runner.prefix_cache_materialize(torch.tensor(3)) == "out"
+    runner.prefix_cache_discard(np.int64(4))
+    assert taken == [(3, ["a", "b"]), (4, None)] and runner._prefix_cache_step_req_ids == {}
+    for bad in (True, 3.0):
+        with pytest.raises(TypeError, match="a step id is the int save_outputs returned"):
+            runner.prefix_cache_materialize(bad)
+    with pytest.raises(TypeError, match="got the string 'ab'"):
+        runner.prefix_cache_materialize(5, "ab")

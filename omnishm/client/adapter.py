@@ -38,9 +38,10 @@ from __future__ import annotations
 import enum
 import logging
 import operator
+from collections import abc
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, AbstractSet, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -96,15 +97,20 @@ def _int(value: Any, what: str) -> int:
         raise ValueError(f"{what} must be an int, got {value!r}") from None
 
 
-def _ordered(values: Any, what: str) -> Any:
+_IN_ORDER = (list, tuple, range)
+
+
+def _ordered(values: Any, req_id: ReqId, what: str) -> Any:
     """``values``, refused when they have no order: a set's or a mapping's iteration order is not the
-    caller's, and block ids taken in it served a hit's rows out of order (review, 2026-12-07)."""
-    if isinstance(values, (AbstractSet, Mapping)):
-        raise ValueError(f"{what} must be in order (a list, tuple or array), got a {type(values).__name__}")
-    return values
+    caller's, and block ids taken in it served a hit's rows out of order (review, 2026-12-07). Called for
+    every request of every step: vLLM's lists and tuples pass at one type check."""
+    if type(values) in _IN_ORDER or not isinstance(values, (abc.Set, abc.Mapping)):
+        return values
+    raise ValueError(f"{req_id}: {what} must be in order (a list, tuple or array), got a {type(values).__name__}")
 
 
-def _ids(values: Any, what: str) -> Iterable[Any]:
+
+def id_collection(values: Any, what: str) -> Iterable[Any]:
     """A scheduler output's collection of request ids: None is none, an array its items; one string is
     refused (``set("req-1")`` is five one-letter ids, so ``req-1`` never finished: review, 2026-12-07)."""
     if values is None:
@@ -147,7 +153,7 @@ class PrefixCacheRequestEvent:
         if type(n) is not int or n < 0:
             object.__setattr__(self, "num_computed_tokens", _nonneg_int(n, f"{self.req_id}: num_computed_tokens"))
         ids = self.block_ids
-        blocks = ids if type(ids) is tuple else tuple(_ordered(ids, f"{self.req_id}: block_ids"))
+        blocks = ids if type(ids) is tuple else tuple(_ordered(ids, self.req_id, "block_ids"))
         # vLLM's block ids are plain ints: one pass over them, not a checked call per id (a long prompt
         # carries hundreds, and this runs on the engine thread every step).
         if blocks and not (all(type(b) is int for b in blocks) and min(blocks) >= 0):
@@ -240,7 +246,7 @@ def _group_blocks(per_group: Any, group_index: int, req_id: ReqId) -> tuple[int,
         if group_index == 0:
             return ()  # a flat list with no new blocks
         raise ValueError(f"{req_id}: block ids have no KV group {group_index}: {per_group!r}")
-    _ordered(per_group, f"{req_id}: block ids")
+    _ordered(per_group, req_id, "block ids")
     first = per_group[0]
     if isinstance(first, int) or (hasattr(first, "__index__") and not hasattr(first, "__iter__")):
         if group_index:
@@ -248,7 +254,7 @@ def _group_blocks(per_group: Any, group_index: int, req_id: ReqId) -> tuple[int,
                              f"{per_group!r}")
         return tuple(per_group)
     try:
-        return tuple(_ordered(per_group[group_index], f"{req_id}: block ids of KV group {group_index}"))
+        return tuple(_ordered(per_group[group_index], req_id, "block ids of a KV group"))
     except IndexError:
         raise ValueError(f"{req_id}: block ids have no KV group {group_index}: {per_group!r}") from None
 
@@ -289,8 +295,8 @@ class PrefixCacheSchedulerAdapter:
         # Work on copies and commit at the end: a malformed output leaves the state unchanged.
         live = set(self._live)
         preempted = set(self._preempted)
-        finished = set(_ids(getattr(scheduler_output, "finished_req_ids", None), "finished_req_ids"))
-        aborted = set(_ids(getattr(scheduler_output, "aborted_req_ids", None), "aborted_req_ids"))
+        finished = set(id_collection(getattr(scheduler_output, "finished_req_ids", None), "finished_req_ids"))
+        aborted = set(id_collection(getattr(scheduler_output, "aborted_req_ids", None), "aborted_req_ids"))
         events: list[PrefixCacheRequestEvent] = []
         for rid in sorted(finished | aborted):
             kind = PrefixCacheEventKind.ABORTED if rid in aborted else PrefixCacheEventKind.FINISHED
@@ -298,7 +304,7 @@ class PrefixCacheSchedulerAdapter:
             live.discard(rid)
             preempted.discard(rid)
 
-        for rid in _ids(getattr(scheduler_output, "preempted_req_ids", None), "preempted_req_ids"):
+        for rid in id_collection(getattr(scheduler_output, "preempted_req_ids", None), "preempted_req_ids"):
             if rid in live:
                 preempted.add(rid)
 
@@ -347,7 +353,7 @@ class PrefixCacheSchedulerAdapter:
         req_ids: Sequence[ReqId] = cached.req_ids
         resumed_ids = getattr(cached, "resumed_req_ids", None)
         if resumed_ids is not None:
-            resumed_set = set(_ids(resumed_ids, "resumed_req_ids"))
+            resumed_set = set(id_collection(resumed_ids, "resumed_req_ids"))
             flags = [rid in resumed_set for rid in req_ids]
         else:
             given = getattr(cached, "resumed_from_preemption", None)  # (len, not truth: it may be an array)

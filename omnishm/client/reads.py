@@ -22,7 +22,7 @@ from omnishm import protocol as P
 from omnishm.client.device import DONE
 from omnishm.client.rowcopy import gather_rows
 from omnishm.client.segments import KeyViews, dtype_name
-from omnishm.client.steps import HitSpan, StepCtx, as_step_id, hits_digest
+from omnishm.client.steps import HitSpan, StepCtx, as_step_id, hits_digest, request_ids
 from omnishm.interface import (HIDDEN_KEY, OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError, ReqId,
                                StageCacheOutputs, StepId, TensorName)
 from omnishm.versions import cv_epoch, cv_step, make_cv
@@ -47,10 +47,7 @@ class ReadSide:
         t0 = time.perf_counter()
         self._check_usable()
         step_id = as_step_id(step_id, "materialize")
-        if isinstance(req_ids, str):  # list("req-1") is five one-letter ids (review, 2026-12-07)
-            raise TypeError(f"materialize takes a collection of request ids, got the string {req_ids!r} "
-                            f"(write [{req_ids!r}])")
-        req_ids = list(req_ids)
+        req_ids = list(request_ids(req_ids))
         served = [0, 0]  # hit tokens, rows served
         ctx = self._take_ctx(step_id, "materialize", req_ids, out)
         try:  # at once: a consumed step's page and pins go back whatever is raised from here on

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep
 from omnishm.client.group_view import FullAttentionGroupView, naming_the_cache, stage_prefix_cache_config
+from omnishm.client.steps import as_step_id, request_ids
 from omnishm.interface import (
     ModelCachePolicy,
     PrefixCacheConfig,
@@ -420,10 +421,11 @@ class PrefixCacheRunnerMixin:
         raises before anything is consumed (the step id stays valid). Raises ``OmniPrefixCacheUnmatchError`` for an
         unknown or consumed id, and whatever the manager raises.
         """
+        step_id = as_step_id(step_id, "prefix_cache_materialize")  # the table's key is the id the manager takes
         manager = self._prefix_cache_require(step_id)
         table = self._prefix_cache_step_req_ids
         saved = table.get(step_id) if table else None
-        ids = list(req_ids) if req_ids is not None else list(saved or ())
+        ids = list(request_ids(req_ids)) if req_ids is not None else list(saved or ())
         if saved is not None:
             outside = [r for r in ids if r not in saved]
             if outside:  # caller bug: leave the step id (and its save-time ids) unconsumed
@@ -435,6 +437,7 @@ class PrefixCacheRunnerMixin:
 
     def prefix_cache_discard(self, step_id: StepId) -> None:
         """Consume ``step_id`` without reading it (any thread, exactly once)."""
+        step_id = as_step_id(step_id, "prefix_cache_discard")
         manager = self._prefix_cache_require(step_id)
         if self._prefix_cache_step_req_ids:
             self._prefix_cache_step_req_ids.pop(step_id, None)

@@ -18,7 +18,7 @@ import hashlib
 import operator
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,15 @@ def as_step_id(step_id: Any, what: str) -> StepId:
         return operator.index(step_id)
     except TypeError:
         raise TypeError(f"{what}: a step id is the int save_outputs returned, got {step_id!r}") from None
+
+
+def request_ids(req_ids: Iterable[ReqId]) -> Iterable[ReqId]:
+    """``req_ids``, refused (``TypeError``) when it is one string: ``list("req-1")`` is five one-letter ids
+    (review, 2026-12-07)."""
+    if isinstance(req_ids, (str, bytes)):
+        raise TypeError(f"materialize takes a collection of request ids, got the string {req_ids!r} "
+                        f"(write [{req_ids!r}])")
+    return req_ids
 
 
 @dataclass

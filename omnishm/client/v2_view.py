@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from omnishm.client.adapter import id_collection
 from omnishm.client.group_view import extend_slots
 from omnishm.interface import ReqId, unmatch
 
@@ -54,14 +55,14 @@ class BlockIdMirror:
     def update(self, scheduler_output: Any) -> None:
         """Apply one step's scheduler output, as the V2 runner applies it to its own block table."""
         so = scheduler_output
-        for rid in so.finished_req_ids:
+        for rid in id_collection(so.finished_req_ids, "finished_req_ids"):
             self._blocks.pop(rid, None)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
+        for rid in id_collection(getattr(so, "preempted_req_ids", None), "preempted_req_ids"):
             self._blocks.pop(rid, None)  # re-sent as new, with all its block ids, when it resumes
         for new in so.scheduled_new_reqs:
             self._blocks[new.req_id] = [int(b) for b in new.block_ids[0]]
         cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        resumed = set(id_collection(getattr(cached, "resumed_req_ids", None), "resumed_req_ids"))
         for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
             if new_ids is None:
                 continue

@@ -60,6 +60,7 @@ from omnishm.client.group_view import (
 )
 from omnishm.client.manager import OmniPrefixCacheManager
 from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, vllm_runner_role
+from omnishm.client.steps import as_step_id, request_ids
 from omnishm.config import load_prefix_cache_config, manager_connection
 from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheStagingTimeoutError,
                                OmniPrefixCacheUnmatchError, ReqId, StepId)
@@ -192,7 +193,8 @@ class VllmOmniPrefixCacheManager:
     def register_policy(self, policy: Any) -> None:
         """vllm-omni's ``ModelCachePolicy`` (``needs_full_hidden_states``, ``deferred_keys``); before the first save."""
         hidden = bool(getattr(policy, "needs_full_hidden_states", True))
-        deferred = getattr(policy, "deferred_keys", None) or ()
+        deferred = getattr(policy, "deferred_keys", None)
+        deferred = () if deferred is None else deferred  # (not ``or``: an array has no truth value)
         if isinstance(deferred, str):  # vllm-omni's ``key in deferred_keys`` defers that key; frozenset() split it
             deferred = (deferred,)
         self._m.register_policy(ModelCachePolicy(cache_hidden=hidden, deferred_keys=frozenset(deferred)))
@@ -258,8 +260,11 @@ class VllmOmniPrefixCacheManager:
         return sid
 
     def materialize(self, step_id: StepId, req_ids: list[ReqId]) -> Any:
-        """vllm-omni's ``StageCacheOutputs(hidden_states, mm_outputs)``; consumes ``step_id`` once. Any thread."""
-        req_ids = list(req_ids)
+        """vllm-omni's ``StageCacheOutputs(hidden_states, mm_outputs)``; consumes ``step_id`` once. Any thread.
+        A step id that is no int, or one string for the request ids, is a ``TypeError`` before anything is
+        touched (the drop-in's record is keyed by the id omnishm consumes: review, 2026-12-07)."""
+        step_id = as_step_id(step_id, "materialize")
+        req_ids = list(request_ids(req_ids))
         with self._lock:
             saved = self._saved.get(step_id)
             if saved is not None:
@@ -298,6 +303,7 @@ class VllmOmniPrefixCacheManager:
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume ``step_id`` without reading it (the write still lands). Any thread."""
+        step_id = as_step_id(step_id, "discard_step")
         with self._errors():
             self._m.discard_step(step_id)
         with self._lock:
