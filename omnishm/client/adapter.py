@@ -109,7 +109,6 @@ def _ordered(values: Any, req_id: ReqId, what: str) -> Any:
     raise ValueError(f"{req_id}: {what} must be in order (a list, tuple or array), got a {type(values).__name__}")
 
 
-
 def id_collection(values: Any, what: str) -> Iterable[Any]:
     """A scheduler output's collection of request ids: None is none, an array its items; one string is
     refused (``set("req-1")`` is five one-letter ids, so ``req-1`` never finished: review, 2026-12-07)."""
