@@ -156,8 +156,9 @@ class WriterSide:
         first keeps the rows that planned reads need. Every slot id the layout names is cleared, also past
         its row count: a slot cleared needlessly costs a later hit a refusal, one left out a wrong row.
         Slot ids outside the pool are skipped; slots that cannot be read as slot ids (no tensor of numbers,
-        not whole numbers, on the meta device, sparse) clear every slot. The slots are cleared also on a fatal cache and when the rescue failed (the
-        cache then turns sticky-fatal): its readers may still read the refused step. Raises only when the
+        not whole numbers, on the meta device, sparse) clear every slot. The slots are cleared also on a
+        fatal cache and when the rescue failed (the cache then turns sticky-fatal): its readers may still
+        read the refused step. Raises only when the
         slots could not be cleared (or on an interrupt); the caller must then not publish the step.
         """
         try:
