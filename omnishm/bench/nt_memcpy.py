@@ -128,7 +128,8 @@ def _child(capacity: int) -> None:
             took = time.perf_counter() - t0
             for i, place in enumerate(places):  # a reference that copied the wrong bytes would time nothing real
                 mark = (i + 1).to_bytes(8, "little")
-                if out[place * piece:place * piece + 8] != mark or out[(place + 1) * piece - 8:(place + 1) * piece] != mark:
+                at, end = place * piece, (place + 1) * piece
+                if out[at:at + 8] != mark or out[end - 8:end] != mark:
                     raise SystemExit(f"nt_memcpy: piece {i} did not land at place {place}")
             print(repr(took), flush=True)
             continue

@@ -413,8 +413,10 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         """Per-request merged outputs (cached prefix rows + this step's rows).
 
         Any thread; consumes ``step_id`` exactly once (an unknown or already
-        consumed id raises). ``req_ids`` must be a subset of the save-time
-        requests (one string is a ``TypeError``, before the step is consumed). A hit span that resolves to absent or reused rows raises
+        consumed id raises; a step id that is no int is a ``TypeError``, as
+        is one string for ``req_ids``, before the step is consumed).
+        ``req_ids`` must be a subset of the save-time requests. A hit span
+        that resolves to absent or reused rows raises
         ``OmniPrefixCacheUnmatchError`` (never a silent miss); the step's
         staging page is released either way.
 
