@@ -11,6 +11,7 @@ import time
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 
 from manager_helpers import Part, aborted, extended, finished, quick_config, rows, save, started
@@ -227,3 +228,56 @@ def test_a_hit_taken_at_save_closes_the_open_deferred_write_it_reads(mgr):
     m.materialize(sid, ["b"])
     m.wait_idle()
     assert torch.equal(feat.commit[slots], feat.claim[slots]), "the write the hit reads did not land"
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["deferred", "eager"])
+def test_a_write_closed_while_another_thread_shuts_down_fails_at_once_and_is_said(mgr, monkeypatch, caplog, eager):
+    """REVIEW (2026-12-07, stop 53): the engine's ``new_step_starts`` closes a finished request's deferred write
+    under the lock and hands it to the flusher after it. A ``shutdown`` on another thread between the two waited
+    only for the writes still open, and stopped the flusher; the engine then queued the write behind the
+    flusher's stop and returned as if nothing happened: its future never completed, its rows never landed,
+    nothing was logged (eager mode: the engine waited out ``commit_timeout_s`` on it). Now the late hand-over
+    fails the write at once and raises "shut down", and the shutdown names the write it could not land."""
+    import logging
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="omnishm.client.manager")
+    m = mgr(eager=eager, policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 8)], BS))  # a's "feat" rows: an open deferred write
+    m.wait_idle()
+    (task,) = m._open.values()
+    closed, go_on = threading.Event(), threading.Event()
+    real_flush, engine = m._flush, {}
+
+    def held_flush(tasks):  # the engine's hand-over only, once new_step_starts closed the write
+        if tasks and threading.current_thread() is engine["thread"]:
+            closed.set()
+            assert go_on.wait(10)
+        real_flush(tasks)
+
+    monkeypatch.setattr(m, "_flush", held_flush)
+
+    def step():
+        t0 = time.monotonic()
+        try:
+            m.new_step_starts([finished("a")])
+        except RuntimeError as exc:
+            engine["raised"] = str(exc)
+        engine["took_s"] = time.monotonic() - t0
+
+    engine["thread"] = threading.Thread(target=step)
+    engine["thread"].start()
+    assert closed.wait(10)
+    stopper = threading.Thread(target=m.shutdown)
+    stopper.start()
+    stopper.join(15)
+    assert not stopper.is_alive()
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"deferred writes [{task.tid}] do not land" in w for w in said), said  # named at shutdown
+    go_on.set()
+    engine["thread"].join(15)
+    assert engine.get("raised", "").endswith("manager is shut down"), engine
+    assert engine["took_s"] < 3.0, engine  # not commit_timeout_s on a write that can never land
+    assert task.done.done() and isinstance(task.done.exception(), Exception) and task.tid not in m._closing
+    assert m._flusher.pending() == 0  # nothing was queued behind the stopped flusher

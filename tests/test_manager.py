@@ -148,11 +148,11 @@ def test_an_interrupt_after_a_save_registered_its_step_abandons_it_and_hands_ove
     real_put = m._flusher.put
     handed: list = []
 
-    def put(task) -> None:
+    def put(task) -> bool:
         handed.append(task)
         if len(handed) == 1:
             raise KeyboardInterrupt  # SIGINT in the hand-off
-        real_put(task)
+        return real_put(task)
 
     m._flusher.put = put
     m.new_step_starts([extended("a", 4, [1])])
@@ -701,11 +701,12 @@ def test_a_deferred_write_handed_over_twice_keeps_the_flusher_alive(mgr):
     real_put = m._flusher.put
     handed: list = []
 
-    def put(task) -> None:
-        real_put(task)
+    def put(task) -> bool:
+        taken = real_put(task)
         handed.append(task)
         if len(handed) == 1:
             raise KeyboardInterrupt  # after the put, before _flush took the write off its list
+        return taken
 
     m._flusher.put = put
     m.new_step_starts([extended("a", 4, [1])])

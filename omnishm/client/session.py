@@ -122,15 +122,16 @@ class SessionSide:
         finally:
             try:
                 self._stop_threads()
-                if self.is_writer and not flush:
+                if self.is_writer:  # a healthy shutdown too: a write another thread closed meanwhile is named
                     self._report_unlanded_writes()
                 self._unregister_staging()
             finally:
                 self._link.close()  # whatever failed before: the session and its writer seat must go
 
     def _report_unlanded_writes(self) -> None:
-        """Shutdown of a fatal writer, once the flusher stopped: the deferred writes still open or closed
-        and not done never land (a hit on their rows is refused). One the flusher failed said so itself."""
+        """Shutdown of a writer, once the flusher stopped: the deferred writes still open or closed and not
+        done never land (a hit on their rows is refused): those of a fatal writer, and on a healthy one
+        those another thread closed while this shutdown ran. One the flusher failed said so itself."""
         with self._lock:
             lost = sorted(t.tid for t in [*self._open.values(), *self._closing.values()] if not t.done.done())
         if lost:

@@ -548,12 +548,21 @@ class WriterSide:
         """Hand closed deferred writes to the flusher, taking each out of ``tasks`` once handed over: after
         an interrupt, what is left in the list is handed over again by the caller. A write handed over twice
         (an interrupt between the two) lands twice, the same rows under the same claim versions; one lost
-        would never land."""
+        would never land. Once another thread's shutdown stopped the flusher, the writes left fail (their
+        futures complete, the loss is logged) and ``RuntimeError`` (shut down) is raised."""
         if not tasks:
             return
         assert self._flusher is not None
         while tasks:
-            self._flusher.put(tasks[0])
+            if not self._flusher.put(tasks[0]):
+                # Another thread's shutdown stopped the flusher after this call closed them (the engine's
+                # new_step_starts racing a shutdown): they fail now, said and counted, instead of waiting on
+                # a stopped thread for good (review, 2026-12-07).
+                err = RuntimeError(f"cache {self.cache}: manager is shut down")
+                for task in tasks:
+                    self._on_task_done(task, err)
+                tasks.clear()
+                raise err
             del tasks[0]
             self.counters["deferred_flushes"] += 1
 

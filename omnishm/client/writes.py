@@ -148,8 +148,9 @@ class Flusher:
         """Why an earlier piece's outcome is unknown; the region is then never written again."""
         self._thread: SerialThread[WriteTask] = SerialThread("omnishm-flusher", self._run_task)
 
-    def put(self, task: WriteTask) -> None:
-        self._thread.put(task)
+    def put(self, task: WriteTask) -> bool:
+        """Hand ``task`` to the flusher thread; False once the flusher stopped (the task was not taken)."""
+        return self._thread.put(task)
 
     def pending(self) -> int:
         return self._thread.pending()
