@@ -12,7 +12,10 @@ SIGTERM handler raising ``SystemExit``) lands before or after it, never inside.
 ``queue.Queue.put`` runs Python code under its mutex: interrupted there it left
 the mutex held, and the next ``put`` (``stop``'s, at shutdown) waited for good,
 or it lost the wakeup of the waiting thread, and ``stop`` waited out its
-timeout (a demo killed during a step: a reader lived 30 s on).
+timeout (a demo killed during a step: a reader lived 30 s on). ``put`` and
+``stop`` hold a plain lock around that call and the stopped flag (``with``
+releases it whatever is raised inside), so no item is queued behind the
+stop, where it would never be handled: ``put`` says False instead.
 """
 
 from __future__ import annotations
