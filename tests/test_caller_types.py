@@ -153,7 +153,7 @@ def test_block_ids_without_an_order_are_refused_the_list_order_served(mgr):
     assert torch.equal(m.materialize(s, ["c"]).hidden_states["c"], expect(1, 8, 3, 8, 1))
 
 
-@pytest.mark.parametrize("kind", ["meta", "sparse", "halves"])
+@pytest.mark.parametrize("kind", ["meta", "sparse", "halves", "bool", "complex"])
 def test_a_save_refused_for_slots_it_cannot_read_leaves_no_hit_on_an_earlier_tenants_rows(mgr, kind):
     """Such slots say nothing of where vLLM put the step's tokens: their refusal cleared no slot, and a later
     hit on the block vLLM had given to the refused request served its previous tenant's rows."""
@@ -163,8 +163,8 @@ def test_a_save_refused_for_slots_it_cannot_read_leaves_no_hit_on_an_earlier_ten
     m.wait_idle()
     m.new_step_starts([finished("a"), started("b", [0])])  # vLLM gives block 0 to b
     h, mm, layout, n, pad = build([Part("b", 2, [0], 0, 4)], BS)
-    bad = {"meta": lambda s: s.to("meta"), "sparse": lambda s: s.to_sparse(),
-           "halves": lambda s: s.double() + 0.5}[kind](layout.slots)
+    bad = {"meta": lambda s: s.to("meta"), "sparse": lambda s: s.to_sparse(), "halves": lambda s: s.double() + 0.5,
+           "bool": lambda s: s != 0, "complex": lambda s: s.to(torch.complex64)}[kind](layout.slots)
     with pytest.raises(TypeError, match="write_layout.slots must be"):
         m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad,
                        write_layout=PrefixCacheWriteLayout(layout.writes, bad))
@@ -366,10 +366,59 @@ def test_the_runner_mixin_takes_the_step_id_its_manager_takes():
                                       discard_step=lambda sid: taken.append((sid, None)))
     runner._prefix_cache_step_req_ids = {3: ["a", "b"], 4: ["c"]}
     assert runner.prefix_cache_materialize(torch.tensor(3)) == "out"
-    runner.prefix_cache_discard(np.int64(4))
+    runner.prefix_cache_discard(torch.tensor(4))  # a 0-d tensor hashes by identity: it missed the table's key
     assert taken == [(3, ["a", "b"]), (4, None)] and runner._prefix_cache_step_req_ids == {}
+    runner._prefix_cache_step_req_ids = {5: ["d"]}
+    runner.prefix_cache_discard(np.int64(5))
+    assert runner._prefix_cache_step_req_ids == {}
     for bad in (True, 3.0):
         with pytest.raises(TypeError, match="a step id is the int save_outputs returned"):
             runner.prefix_cache_materialize(bad)
     with pytest.raises(TypeError, match="got the string 'ab'"):
         runner.prefix_cache_materialize(5, "ab")
+
+
+def _mirror_output(**kw):
+    return _output(**{"scheduled_cached_reqs": NS(req_ids=[], new_block_ids=[], num_computed_tokens=[]), **kw})
+
+
+def test_the_v2_block_mirror_refuses_finished_ids_as_one_string_and_reads_an_array():
+    """MUTATION (2026-12-07): finished ids given as one string dropped the one-letter requests' lists."""
+    from omnishm.client.v2_view import BlockIdMirror
+
+    mirror = BlockIdMirror()
+    mirror.update(_mirror_output(scheduled_new_reqs=[NS(req_id=r, num_computed_tokens=0, block_ids=([i],))
+                                              for i, r in enumerate(["p", "q", "pq"])]))
+    assert len(mirror) == 3
+    with pytest.raises(ValueError, match="finished_req_ids must be a collection of request ids, got the string 'pq'"):
+        mirror.update(_mirror_output(finished_req_ids="pq"))
+    assert len(mirror) == 3  # p and q kept: nothing was applied
+    mirror.update(_mirror_output(finished_req_ids=np.array(["p", "pq"])))
+    assert len(mirror) == 1
+
+
+def test_a_refused_save_naming_the_slot_past_the_pool_keeps_the_cache_serving(mgr):
+    """MUTATION (2026-12-07): a slot id just past the pool (a KV cache grown past it) is skipped by the clearing;
+    clearing it too indexed past the claim tables and turned the cache sticky-fatal."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    m.new_step_starts([finished("a"), started("b", [0])])
+    h, mm, layout, n, pad = build([Part("b", 2, [0], 0, 4)], BS)
+    slots = layout.slots.clone()
+    slots[-1] = m.config.num_slots  # one past the pool
+    with pytest.raises(OmniPrefixCacheUnmatchError):
+        m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=pad,
+                       write_layout=PrefixCacheWriteLayout(layout.writes, slots))
+    assert m._fatal is None
+    # b's block 0 held a's rows: the refusal made them absent.
+    m.new_step_starts([finished("b"), started("c", [0, 5], hit=4)])
+    s = save(m, [Part("c", 3, [0, 5], 4, 1)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent"):
+        m.materialize(s, ["c"])
+    m.new_step_starts([finished("c"), started("e", [6])])
+    m.discard_step(save(m, [Part("e", 4, [6], 0, 4)], BS))
+    m.new_step_starts([finished("e"), started("f", [6, 7], hit=4)])
+    s = save(m, [Part("f", 5, [6, 7], 4, 1)], BS)
+    assert torch.equal(m.materialize(s, ["f"]).hidden_states["f"], expect(4, 4, 5, 4, 1))

@@ -982,3 +982,36 @@ def test_no_error_reply_is_longer_than_its_bound(committer_factory):
         c.leave()
     finally:
         c.close()
+
+
+_LONG_REFUSAL = """
+import sys
+from omnishm import protocol
+from omnishm.committer.server import Committer
+dispatch = Committer.dispatch
+def long_winded(self, identity, msg):
+    if isinstance(msg, protocol.Hello) and msg.role == "reader":
+        return protocol.Refused(rid=msg.rid, reason="r" * 100_000)
+    return dispatch(self, identity, msg)
+Committer.dispatch = long_winded
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_no_refusal_reason_is_longer_than_its_bound(committer_factory):
+    handle = committer_factory(python_args=("-c", _LONG_REFUSAL))
+    c = RawClient(handle.endpoint, handle.name)
+    try:
+        reply = c.hello("reader")
+        assert isinstance(reply, protocol.Refused)
+        assert reply.reason == "r" * protocol.MAX_REPLY_TEXT + "...(100000 chars)"
+    finally:
+        c.close()
+
+
+def test_cut_text_keeps_exactly_the_limit():
+    lim = protocol.MAX_REPLY_TEXT
+    assert protocol.cut_text("x" * lim) == "x" * lim
+    assert protocol.cut_text("x" * (lim + 1)) == "x" * lim + f"...({lim + 1} chars)"
+    assert protocol.cut_text("abcdef", 3) == "abc...(6 chars)"

@@ -15,6 +15,7 @@ from omnishm.client.group_view import (
     check_prefix_cache_block_layout,
     check_prefix_cache_token_accounting,
     get_prefix_cache_group_view,
+    naming_the_cache,
 )
 from omnishm.interface import OmniPrefixCacheUnmatchError
 
@@ -248,3 +249,22 @@ def test_slots_follow_a_table_tensor_resized_in_place():
     table.zero_()
     table[0, 0], table[1, 0] = 6, 7
     assert view.step_slots_cpu([2, 2]).tolist() == [24, 25, 28, 29]
+
+
+# MUTATION (2026-12-07, stop 53): a refusal is named by the cache, and goes on unnamed when the name cannot be read.
+
+
+def _boom():
+    raise RuntimeError("no connection config")
+
+
+def test_a_refusal_goes_on_unnamed_when_the_name_cannot_be_read():
+    with pytest.raises(PrefixCacheConfigError, match="^omni prefix cache: prefix caching is off$"):
+        with naming_the_cache(_boom):
+            raise PrefixCacheConfigError("omni prefix cache: prefix caching is off")
+
+
+def test_a_refusal_is_named_once_the_name_is_read():
+    with pytest.raises(PrefixCacheConfigError, match="^omni prefix cache: cache stage1: prefix caching is off$"):
+        with naming_the_cache(lambda: "stage1"):
+            raise PrefixCacheConfigError("omni prefix cache: prefix caching is off")
