@@ -962,34 +962,6 @@ dispatch = Committer.dispatch
 def long_winded(self, identity, msg):
     if isinstance(msg, protocol.StatusRequest):
         return protocol.Error(rid=msg.rid, code="internal", message="z" * 100_000)
-    return dispatch(self, identity, msg)
-Committer.dispatch = long_winded
-from omnishm.committer.start import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def test_no_error_reply_is_longer_than_its_bound(committer_factory):
-    """Whatever a handler builds, the reply carries at most ``MAX_REPLY_TEXT`` characters of it (a real committer
-    whose status handler answers 100,000 characters)."""
-    handle = committer_factory(python_args=("-c", _LONG_REPLIES))
-    c = RawClient(handle.endpoint, handle.name)
-    try:
-        assert isinstance(c.hello("admin"), protocol.Welcome)
-        reply = c.call(protocol.StatusRequest(rid=c.next_rid()))
-        assert isinstance(reply, protocol.Error)
-        assert reply.message == "z" * protocol.MAX_REPLY_TEXT + "...(100000 chars)"
-        c.leave()
-    finally:
-        c.close()
-
-
-_LONG_REFUSAL = """
-import sys
-from omnishm import protocol
-from omnishm.committer.server import Committer
-dispatch = Committer.dispatch
-def long_winded(self, identity, msg):
     if isinstance(msg, protocol.Hello) and msg.role == "reader":
         return protocol.Refused(rid=msg.rid, reason="r" * 100_000)
     return dispatch(self, identity, msg)
@@ -999,15 +971,24 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_no_refusal_reason_is_longer_than_its_bound(committer_factory):
-    handle = committer_factory(python_args=("-c", _LONG_REFUSAL))
-    c = RawClient(handle.endpoint, handle.name)
+def test_no_error_or_refusal_is_longer_than_its_bound(committer_factory):
+    """Whatever a handler builds, the reply carries at most ``MAX_REPLY_TEXT`` characters of it: a real committer
+    whose status handler answers 100,000 characters, and whose Hello handler refuses readers with as many (only
+    the ``Error`` was pinned: mutation review, 2026-12-07)."""
+    handle = committer_factory(python_args=("-c", _LONG_REPLIES))
+    admin, reader = RawClient(handle.endpoint, handle.name), RawClient(handle.endpoint, handle.name)
     try:
-        reply = c.hello("reader")
-        assert isinstance(reply, protocol.Refused)
-        assert reply.reason == "r" * protocol.MAX_REPLY_TEXT + "...(100000 chars)"
+        assert isinstance(admin.hello("admin"), protocol.Welcome)
+        reply = admin.call(protocol.StatusRequest(rid=admin.next_rid()))
+        assert isinstance(reply, protocol.Error)
+        assert reply.message == "z" * protocol.MAX_REPLY_TEXT + "...(100000 chars)"
+        admin.leave()
+        refused = reader.hello("reader")
+        assert isinstance(refused, protocol.Refused)
+        assert refused.reason == "r" * protocol.MAX_REPLY_TEXT + "...(100000 chars)"
     finally:
-        c.close()
+        admin.close()
+        reader.close()
 
 
 def test_cut_text_keeps_exactly_the_limit():
