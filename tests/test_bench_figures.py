@@ -122,7 +122,11 @@ def test_figure_1_ratio_is_committer_over_memcpy_of_the_same_bytes_judged_at_0_8
     assert head.ratio == pytest.approx(1 / apply_s)
     assert head.met is met
     assert asked == [256] * 3 + [4] * 2  # the reference copies each figure's own bytes
-    assert rows[1].ratio == pytest.approx(1 / apply_s) and rows[1].met is None
+    # The same step against glibc's copy of its own pieces (a real child, timed): the same value, judged by no goal.
+    pieces = rows[1]
+    assert "pieces of" in pieces.name and pieces.value == head.value and pieces.reference.n == 3
+    assert pieces.ratio == pytest.approx(head.value.median / pieces.reference.median) and pieces.met is None
+    assert rows[2].ratio == pytest.approx(1 / apply_s) and rows[2].met is None
 
 
 # ---------------------------------------------------------------- figure 2
