@@ -422,3 +422,20 @@ def test_a_refused_save_naming_the_slot_past_the_pool_keeps_the_cache_serving(mg
     m.new_step_starts([finished("e"), started("f", [6, 7], hit=4)])
     s = save(m, [Part("f", 5, [6, 7], 4, 1)], BS)
     assert torch.equal(m.materialize(s, ["f"]).hidden_states["f"], expect(4, 4, 5, 4, 1))
+
+
+def test_a_caller_going_on_through_refused_saves_keeps_the_consumed_ids_bounded(mgr):
+    """REVIEW (2026-12-07, stop 53, growth): a refused save takes its step id and records it as consumed, but
+    only a read pruned that record: an engine that catches each refusal and goes on (here every step is one
+    token over the staging page) grew it by one id a step for good, 20,000 ids after 20,000 steps."""
+    m = mgr()
+    big = m.config.staging_capacity_tokens + 1
+    h, mm = torch.zeros(big, 8), {"feat": torch.zeros(big, 3)}
+    layout = PrefixCacheWriteLayout((PrefixCacheWrite("a", 0, big),), torch.arange(big, dtype=torch.int64))
+    m.new_step_starts([started("a", [0])])
+    for _ in range(5000):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="exceeds staging_capacity_tokens"):
+            m.save_outputs(h, mm, num_tokens_unpadded=big, num_tokens_padded=big, write_layout=layout)
+    assert m._next_step == 5000 and len(m._consumed) <= 4096
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="step id 4999 was already consumed"):
+        m.discard_step(4999)  # the recent ids are still told apart from ids never saved

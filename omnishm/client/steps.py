@@ -246,7 +246,7 @@ class StepLifecycle:
                                 taken[w.req_id] = HitSpan(slots=hit, cvs={})
                 except Exception:  # noqa: BLE001 - a layout refused as malformed names no request reliably
                     pass
-                self._consumed.add(step_id)
+                self._mark_consumed_locked(step_id)
             self._next_step += 1
             if self.is_writer and cleared:
                 # The hits the readers' save took are this step's plan: a refusal on the writer alone is not the
@@ -321,6 +321,15 @@ class StepLifecycle:
                                 f"batch {list(ctx.req_ids)} (reading the live batch?)", step_id=ctx.step_id,
                                 req_id=outside[0] if len(outside) == 1 else None)
 
+    def _mark_consumed_locked(self, step_id: StepId) -> None:
+        """Record ``step_id`` as consumed (under ``_lock``), so a later call with it says "already consumed",
+        not "never saved". Only recent ids are kept: past 4096, those more than 2048 behind this one go. Every
+        way a step is consumed comes here: a refused save burned ids that only a read pruned, and a caller
+        going on through refusals grew the set by one id a step (review, 2026-12-07)."""
+        self._consumed.add(step_id)
+        if len(self._consumed) > 4096:
+            self._consumed = {s for s in self._consumed if s > step_id - 2048}
+
     def _take_ctx(self, step_id: StepId, what: str, req_ids: list[ReqId] | None = None,
                   out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]] | None = None) -> StepCtx:
         """Consume ``step_id`` (exactly once). With ``req_ids`` (and ``out``), refuse requests outside
@@ -337,9 +346,7 @@ class StepLifecycle:
                 reason = "was already consumed" if step_id in self._consumed else "was never saved"
                 raise self._unmatch(f"{what}: step id {step_id} {reason} (each step id is consumed exactly once)",
                                     step_id=step_id)
-            self._consumed.add(step_id)
-            if len(self._consumed) > 4096:
-                self._consumed = {s for s in self._consumed if s > step_id - 2048}
+            self._mark_consumed_locked(step_id)
         if ctx.prefetch_taken is not None and ctx.prefetch_taken.acquire(blocking=False):
             ctx.prefetch_lock = None  # its prefetch never started and now never will: nothing to wait for
         return ctx
@@ -388,7 +395,7 @@ class StepLifecycle:
                             step_id=ctx.step_id)
         with self._lock:  # an asynchronous exception may come after the step was registered
             self._ctxs.pop(ctx.step_id, None)
-            self._consumed.add(ctx.step_id)  # a later materialize of the id says it is gone
+            self._mark_consumed_locked(ctx.step_id)  # a later materialize of the id says it is gone
             self._unpin_locked(ctx)
         if ctx.page is not None and self._pages is not None:
             for hold in ("ctx", "write"):  # each at most once; a hold already released is skipped
