@@ -82,8 +82,8 @@ def test_reader_refuses_rows_of_a_replacing_writer_claimed_after_its_publication
         w1.wait_idle()
         real_wait = r._wait_published
 
-        def wait_then_replace(step_id, deadline):
-            real_wait(step_id, deadline)
+        def wait_then_replace(step_id, deadline, **named):
+            real_wait(step_id, deadline, **named)
             if "w2" not in box:
                 w1.shutdown()
                 w2 = box["w2"] = OmniPrefixCacheManager(config, cache=handle.name, autostart=False)
@@ -510,3 +510,64 @@ def test_reader_never_copies_a_claimed_row_before_its_commit_word_matches(commit
         assert out.equal(torch.zeros((1, 8)))
     finally:
         r.shutdown()
+
+
+@pytest.mark.parametrize("how", ["writer left", "writer replaced"])
+def test_a_readers_refusal_for_its_writer_names_the_request_and_tensor(committer_factory, how):
+    """REVIEW (2026-12-07, stop 53): a reader's hit refused because its writer left or was replaced said
+    ``request=None, tensor=None``, though it was asked for one request. It names the first hit request asked
+    for and a tensor of the step now, as every refusal must. A real committer; the writer leaves by goodbye."""
+    from manager_helpers import BS
+
+    h = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "2.0")
+    config = small_config(commit_timeout_s=10.0)
+    writer = OmniPrefixCacheManager(config, cache=h.name, autostart=False)
+    reader = OmniPrefixCacheManager(config, cache=h.name, role="reader", autostart=False)
+    other = None
+    try:
+        for m in (writer, reader):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        writer.wait_idle()
+        writer.shutdown()
+        if how == "writer replaced":
+            other = OmniPrefixCacheManager(config, cache=h.name, autostart=False)
+        reader.new_step_starts([started("b", [0, 1], hit=4), started("c", [2])])
+        sid = save(reader, [Part("c", 3, [2], 0, 4), Part("b", 2, [0, 1], 4, 2)], BS)
+        why = "was replaced by writer epoch" if how == "writer replaced" else "writer left the cache"
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=why) as err:
+            reader.materialize(sid, ["c", "b"])
+        assert (err.value.req_id, err.value.key, err.value.step_id) == ("b", HIDDEN_KEY, sid), str(err.value)
+        assert f"request='b', tensor='{HIDDEN_KEY}', step_id={sid}" in str(err.value)
+    finally:
+        for m in (reader, writer, other):
+            if m is not None:
+                m.shutdown()
+
+
+def test_a_reader_that_follows_no_writer_yet_says_so_when_its_wait_ends(committer_factory):
+    """REVIEW (2026-12-07, stop 53): a reader that attached while its writer sat idle follows no writer until
+    that writer attaches again or publishes (an earlier engine's writer, killed and not yet reaped, holds the
+    seat the same way and never publishes). Its hit waits ``commit_timeout_s`` and is refused; the refusal
+    said the publication was "not this reader's", blaming the writer, where this reader follows none yet."""
+    from manager_helpers import BS
+
+    h = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "2.0")
+    writer = OmniPrefixCacheManager(small_config(), cache=h.name, autostart=False)
+    reader = None
+    try:
+        writer.new_step_starts([started("a", [0])])
+        writer.discard_step(save(writer, [Part("a", 1, [0], 0, 4)], BS))
+        writer.wait_idle()
+        reader = OmniPrefixCacheManager(small_config(commit_timeout_s=0.5), cache=h.name, role="reader",
+                                        autostart=False)
+        reader.new_step_starts([started("b", [0, 1], hit=4)])
+        sid = save(reader, [Part("b", 2, [0, 1], 4, 2)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="this reader follows no writer yet: none attached or "
+                                                              "published since it attached") as err:
+            reader.materialize(sid, ["b"])
+        assert err.value.req_id == "b" and err.value.step_id == sid
+    finally:
+        if reader is not None:
+            reader.shutdown()
+        writer.shutdown()

@@ -57,7 +57,9 @@ class ReadSide:
                 # Only hit rows come from the writer: a step without hits is this rank's own rows, and
                 # waiting for a publication it does not need would stall the engine thread on a late or
                 # stuck writer (up to commit_timeout_s every step).
-                self._wait_published(step_id, deadline)
+                # A refusal names the first hit request asked for, and a tensor of the step (review, 2026-12-07).
+                named = next((r for r in req_ids if r in ctx.hits), next(iter(ctx.hits)))
+                self._wait_published(step_id, deadline, req=named, key=next(iter(ctx.row_shapes), None))
                 self._check_same_plan(ctx)
             hidden: dict[ReqId, Any] = {}
             mm: dict[ReqId, dict[TensorName, Any]] = {}
@@ -412,16 +414,17 @@ class ReadSide:
             why = "the writer planned no hit"
         raise self._unmatch(f"ranks disagree on the step's hits ({why}); every rank must be given the same "
                             f"scheduler output and make the same calls", req_id=next(iter(ctx.hits)),
-                            step_id=ctx.step_id)
+                            key=next(iter(ctx.row_shapes), None), step_id=ctx.step_id)
 
-    def _wait_published(self, step_id: StepId, deadline: float) -> None:
+    def _wait_published(self, step_id: StepId, deadline: float, *, req: ReqId | None = None,
+                        key: TensorName | None = None) -> None:
         """Reader, any thread: wait until the writer this reader follows published ``step_id`` (its claims
         are in the table); ``_published`` says which writer that is.
 
         Raises ``OmniPrefixCacheUnmatchError`` at once when another writer took the followed writer's
         place (nothing of the followed one will come, and the new one's step ids are not this reader's),
         as soon as the followed writer has left the cache without
-        publishing ``step_id`` (``_writer_left``), and after ``commit_timeout_s``.
+        publishing ``step_id`` (``_writer_left``), and after ``commit_timeout_s``; naming ``req`` and ``key``.
         """
         since = self._follow_mark()
         while not self._published(step_id):
@@ -432,7 +435,7 @@ class ReadSide:
             if replaced:
                 raise self._unmatch(f"the writer this reader follows (epoch {self._follows}) was replaced by "
                                     f"writer epoch {replaced} before this reader read step {step_id}; a reader "
-                                    f"serves the steps of one writer only", step_id=step_id)
+                                    f"serves the steps of one writer only", req_id=req, key=key, step_id=step_id)
             left = self._writer_left(since)
             if left or time.monotonic() > deadline:
                 if self._published(step_id):  # published, then left: it counts
@@ -440,7 +443,7 @@ class ReadSide:
                 why = "left the cache (goodbye, or reaped) before publishing" if left else "did not publish"
                 raise self._unmatch(f"writer {why} step {step_id}"
                                     + ("" if left else f" within {self.config.commit_timeout_s:.1f}s")
-                                    + f" ({self._publication()})", step_id=step_id)
+                                    + f" ({self._publication()})", req_id=req, key=key, step_id=step_id)
             time.sleep(_POLL_S)
 
     def _published(self, step_id: StepId) -> bool:
@@ -490,6 +493,9 @@ class ReadSide:
             return "published none"
         if cv_epoch(word) == self._follows:
             return f"published {cv_step(word)}"
+        if not self._follows:  # (the writer may be this reader's, idle since before it attached)
+            return (f"published {cv_step(word)} of writer epoch {cv_epoch(word)}; this reader follows no writer yet: "
+                    f"none attached or published since it attached")
         return f"published {cv_step(word)} of writer epoch {cv_epoch(word)}, not this reader's"
 
     def _follow_mark(self) -> tuple[int, int] | None:
@@ -522,7 +528,7 @@ class ReadSide:
             return  # consumed before this thread got to it (``_take_ctx``): nobody waits for these rows
         try:
             deadline = self._deadline()
-            self._wait_published(ctx.step_id, deadline)
+            self._wait_published(ctx.step_id, deadline, req=next(iter(ctx.hits)), key=next(iter(ctx.row_shapes), None))
             assert ctx.prefetch_lock is not None
             for req, span in ctx.hits.items():
                 with ctx.prefetch_lock:
