@@ -274,7 +274,8 @@ def test_a_write_closed_while_another_thread_shuts_down_fails_at_once_and_is_sai
     stopper.join(15)
     assert not stopper.is_alive()
     said = [r.getMessage() for r in caplog.records]
-    assert any(f"deferred writes [{task.tid}] do not land" in w for w in said), said  # named at shutdown
+    assert any(f"deferred writes [{task.tid}] do not land: closed by another thread while this shutdown ran"
+               in w for w in said), said  # named at shutdown, with why (it said "None": review, the same day)
     go_on.set()
     engine["thread"].join(15)
     assert engine.get("raised", "").endswith("manager is shut down"), engine

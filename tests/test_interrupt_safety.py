@@ -139,6 +139,38 @@ def test_a_signal_during_put_never_keeps_a_serial_thread_from_stopping():
     assert set(returned) <= set(handled) and hits > 100, (len(returned), len(handled), hits)
 
 
+def test_a_signal_handler_that_stops_a_serial_thread_inside_its_put_returns():
+    """REVIEW (2026-12-07, stop 53): ``put`` and ``stop`` share a lock (no item is queued behind a stop). A
+    handler that shuts the manager down (vLLM's SIGTERM) may run on this thread while it is inside ``put``,
+    right after the C call; with a plain lock its ``stop`` waited for good on the lock its own thread held
+    (hung within 15 tries). Real timer signals a few microseconds into each run of puts; every item a put
+    took before the stop is handled."""
+    tries, fired = 0, []
+    try:
+        with interrupts():  # the watchdog only: this test's handler stops, it does not raise
+            for n in range(600):
+                tries += 1
+                handled: list[int] = []
+                taken: list[int] = []
+                worker = SerialThread("omnishm-test", handled.append)
+                signal.signal(signal.SIGALRM, lambda *_: (fired.append(n), worker.stop(1.0)))
+                signal.setitimer(signal.ITIMER_REAL, 1e-6 * (1 + n % 17))
+                for i in range(200):
+                    if not worker.put(i):
+                        break
+                    taken.append(i)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                worker.stop(1.0)
+                assert not worker._thread.is_alive()
+                # All taken items are handled, but for at most the last one: a handler landing a few bytecodes
+                # before the C put queues it behind the stop (the shutdown then reports such a write).
+                assert handled == taken or handled == taken[:-1], (n, len(handled), len(taken))
+    except Hung:
+        raise AssertionError(f"hung at try {tries}: a handler's stop waited on the put lock its own thread held "
+                             f"(handler fired {len(fired)} times)") from None
+    assert len(fired) > 100, len(fired)
+
+
 def test_a_signal_during_claim_or_release_never_keeps_other_threads_from_the_pages():
     """The link's thread releases pages (a step's acknowledgement) while the engine thread claims them."""
     pages = StagingPages(depth=2, capacity=4, cache="t")

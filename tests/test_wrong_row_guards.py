@@ -561,12 +561,19 @@ def test_a_reader_that_follows_no_writer_yet_says_so_when_its_wait_ends(committe
         writer.wait_idle()
         reader = OmniPrefixCacheManager(small_config(commit_timeout_s=0.5), cache=h.name, role="reader",
                                         autostart=False)
-        reader.new_step_starts([started("b", [0, 1], hit=4)])
-        sid = save(reader, [Part("b", 2, [0, 1], 4, 2)], BS)
+        reader.new_step_starts([started("b", [0, 1], hit=4), started("c", [2])])
+        sid = save(reader, [Part("b", 2, [0, 1], 4, 2), Part("c", 3, [2], 0, 4)], BS)
         with pytest.raises(OmniPrefixCacheUnmatchError, match="this reader follows no writer yet: none attached or "
                                                               "published since it attached") as err:
             reader.materialize(sid, ["b"])
         assert err.value.req_id == "b" and err.value.step_id == sid
+        # Asked for e alone (no hit of its own, but the step's plan needs the publication): no request is named,
+        # rather than d, which the caller did not ask for (review, the same day).
+        reader.new_step_starts([finished("b"), finished("c"), started("d", [0, 5], hit=4), started("e", [6])])
+        sid = save(reader, [Part("d", 4, [0, 5], 4, 1), Part("e", 5, [6], 0, 4)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="follows no writer yet") as err:
+            reader.materialize(sid, ["e"])
+        assert err.value.req_id is None and err.value.step_id == sid
     finally:
         if reader is not None:
             reader.shutdown()

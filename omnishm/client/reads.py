@@ -58,7 +58,7 @@ class ReadSide:
                 # waiting for a publication it does not need would stall the engine thread on a late or
                 # stuck writer (up to commit_timeout_s every step).
                 # A refusal names the first hit request asked for, and a tensor of the step (review, 2026-12-07).
-                named = next((r for r in req_ids if r in ctx.hits), next(iter(ctx.hits)))
+                named = next((r for r in req_ids if r in ctx.hits), None)  # only a request asked for
                 self._wait_published(step_id, deadline, req=named, key=next(iter(ctx.row_shapes), None))
                 self._check_same_plan(ctx)
             hidden: dict[ReqId, Any] = {}

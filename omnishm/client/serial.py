@@ -13,9 +13,14 @@ SIGTERM handler raising ``SystemExit``) lands before or after it, never inside.
 the mutex held, and the next ``put`` (``stop``'s, at shutdown) waited for good,
 or it lost the wakeup of the waiting thread, and ``stop`` waited out its
 timeout (a demo killed during a step: a reader lived 30 s on). ``put`` and
-``stop`` hold a plain lock around that call and the stopped flag (``with``
-releases it whatever is raised inside), so no item is queued behind the
-stop, where it would never be handled: ``put`` says False instead.
+``stop`` hold a reentrant lock around that call and the stopped flag
+(``with`` releases it whatever is raised inside), so no other thread's item
+is queued behind the stop, where it would never be handled: ``put`` says
+False instead. A handler that stops the thread from inside this thread's
+``put`` gets the lock again: it lands after the C put (the item is handled
+before the stop) or, a few bytecodes earlier, before it (the item is then
+queued behind the stop, and the shutdown reports it among the writes that
+did not land).
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ class SerialThread(Generic[T]):
         self._handle = handle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
-        # Taken around the flag and the one C call of each put and stop (a plain lock, entered as the staging
-        # pages' is): an item put after stop's _STOP was never handled, and nobody knew (review, 2026-12-07:
-        # a deferred write another thread's shutdown raced was lost without a word).
-        self._put_lock = threading.Lock()
+        # Taken around the flag and the one C call of each put and stop: an item put after stop's _STOP was
+        # never handled, and nobody knew (review, 2026-12-07: a deferred write another thread's shutdown raced
+        # was lost without a word). Reentrant: a signal handler that shuts the manager down (vLLM's SIGTERM)
+        # may run on this thread right after the C put, still inside ``put``; with a plain lock its ``stop``
+        # waited for good on the lock its own thread held (review, the same day).
+        self._put_lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         with cpus.as_helper():
             self._thread.start()

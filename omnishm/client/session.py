@@ -136,7 +136,8 @@ class SessionSide:
             lost = sorted(t.tid for t in [*self._open.values(), *self._closing.values()] if not t.done.done())
         if lost:
             logger.warning("cache %s: deferred writes %s do not land: %s", self.cache, lost,
-                           self._fatal or self._link.dead)
+                           self._fatal or self._link.dead
+                           or "closed by another thread while this shutdown ran, after the flusher stopped")
 
     def _unregister_staging(self) -> None:
         """Shutdown: unpin the staging (``device.unregister_after_drain``); what stays registered is logged."""
