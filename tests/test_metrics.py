@@ -267,6 +267,39 @@ def test_counters_made_after_the_last_heartbeat_arrive_with_the_goodbye(committe
     assert value(m, "omnishm_rows_written_total", tensor=HIDDEN_KEY) == 12
 
 
+def test_every_unmatch_error_raised_to_the_engine_is_counted_and_a_refused_saves_time_too(committer_factory):
+    """REVIEW (2026-12-07, stop 53): ``omnishm_client_unmatch_errors_total`` is documented as the
+    OmniPrefixCacheUnmatchErrors raised to the engine, but only those of ``materialize``'s reading were counted:
+    a refused hit, a refused save, an unknown step id and a staging timeout raised 4 and the export said 0. And
+    ``save_seconds`` counted successful saves only: a save that waited out its staging claim added nothing."""
+    from omnishm.client import OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError
+
+    port = free_port()
+    handle = committer_factory("--metrics-port", str(port), "--heartbeat-s", "60", "--heartbeat-timeout-s", "120")
+    writer = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=8,
+                                                      staging_depth=1, staging_claim_timeout_s=0.3),
+                                    cache=handle.name, autostart=False)
+    try:
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="not a multiple of block_size"):
+            writer.new_step_starts([started("a", [0, 1], hit=3)])  # a hit that is no whole block
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="never saved"):
+            writer.discard_step(7)
+        writer.new_step_starts([started("b", [2])])
+        held = save(writer, [Part("b", 1, [2], 0, 4)], BS)  # the one staging page, held unconsumed
+        before = writer.counters["save_seconds"]
+        writer.new_step_starts([started("c", [3])])
+        with pytest.raises(OmniPrefixCacheStagingTimeoutError):
+            save(writer, [Part("c", 2, [3], 0, 4)], BS)
+        assert writer.counters["save_seconds"] - before >= 0.3  # the claim's wait, on the engine thread
+        writer.discard_step(held)
+        assert writer.counters["unmatch_errors"] == 3
+    finally:
+        writer.shutdown()
+    m = wait_for(port, "the goodbye's counters", lambda m: value(m, "omnishm_clients", role="writer") == 0
+                 and value(m, "omnishm_client_unmatch_errors_total", role="writer") is not None)
+    assert value(m, "omnishm_client_unmatch_errors_total", role="writer") == 3
+
+
 def test_client_counters_are_checked_before_they_are_kept(committer):
     """Long names, NaN, infinities and negatives are dropped (counted); an exported counter never goes back;
     the exported names are kept first when a client sends more than MAX_COUNTERS."""

@@ -279,6 +279,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         """
         step_id = self._next_step
         usable = False
+        t0 = time.perf_counter()
         try:
             self._check_usable()  # a fatal, closed or disconnected cache takes no step id
             usable = True
@@ -295,11 +296,12 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                     self._note_interrupt("save_outputs", cut, step_id)
                     raise
             raise
+        finally:  # a refused save's time too: a claim timeout is the engine thread's longest wait here
+            self.counters["save_seconds"] += time.perf_counter() - t0
 
     def _save_outputs(self, step_id: StepId, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                       num_tokens_unpadded: int, num_tokens_padded: int, write_layout: "PrefixCacheWriteLayout"
                       ) -> StepId:
-        t0 = time.perf_counter()
         n = int(num_tokens_unpadded)
         if n > self.config.staging_capacity_tokens:
             raise self._unmatch(f"step of {n} tokens exceeds staging_capacity_tokens="
@@ -405,7 +407,6 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             self._flush(to_flush)
             raise
         self.counters["steps_saved"] += 1
-        self.counters["save_seconds"] += time.perf_counter() - t0
         return step_id
 
     def materialize(self, step_id: StepId, req_ids: Iterable[ReqId], *,
@@ -538,8 +539,10 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         return err
 
     def _note_interrupt(self, call: str, exc: BaseException, step_id: StepId | None = None) -> None:
-        """``call`` ended in ``exc`` on this thread: when that is a signal handler's exception (not an
-        ``Exception``: KeyboardInterrupt, vLLM's SIGTERM ``SystemExit``), the cache turns sticky-fatal.
+        """``call`` ended in ``exc`` on this thread: an ``OmniPrefixCacheUnmatchError`` is counted
+        (``unmatch_errors``, what every public call raises to the engine: only materialize's were, review
+        2026-12-07), and when ``exc`` is a signal handler's exception (not an ``Exception``:
+        KeyboardInterrupt, vLLM's SIGTERM ``SystemExit``), the cache turns sticky-fatal.
 
         Such an exception may cut a call at any line: a staging page claimed and not yet recorded, a
         settled step whose future was never completed, pins counted and not dropped, a save neither issued
@@ -547,6 +550,8 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         stall on a lost page or acknowledgement, or read a hit against claims its save never made (reviews,
         2026-12-06), so every later call raises instead. Shutting down still works.
         """
+        if isinstance(exc, OmniPrefixCacheUnmatchError):
+            self.counters["unmatch_errors"] += 1
         if not isinstance(exc, Exception) and not self._closed:
             self._set_fatal(f"{call} was cut short by {type(exc).__name__}: what it had changed is unknown",
                             step_id=step_id, what="interrupted")

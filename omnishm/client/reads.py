@@ -23,7 +23,7 @@ from omnishm.client.device import DONE
 from omnishm.client.rowcopy import gather_rows
 from omnishm.client.segments import KeyViews, dtype_name
 from omnishm.client.steps import HitSpan, StepCtx, as_step_id, hits_digest, request_ids
-from omnishm.interface import (HIDDEN_KEY, OmniPrefixCacheCommitterError, OmniPrefixCacheUnmatchError, ReqId,
+from omnishm.interface import (HIDDEN_KEY, OmniPrefixCacheCommitterError, ReqId,
                                StageCacheOutputs, StepId, TensorName)
 from omnishm.versions import cv_epoch, cv_step, make_cv
 
@@ -107,9 +107,6 @@ class ReadSide:
                     merged[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
                 mm[req] = merged
             return StageCacheOutputs(hidden_states=hidden, mm_outputs=mm, num_hit_tokens=hits)
-        except OmniPrefixCacheUnmatchError:
-            self.counters["unmatch_errors"] += 1
-            raise
         finally:
             self._release_ctx(ctx)
             pool = self.result_pool.stats

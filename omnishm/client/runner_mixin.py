@@ -388,7 +388,8 @@ class PrefixCacheRunnerMixin:
         runner's current ``input_batch`` (the batch the forward ran) and
         ``scheduler_output.num_scheduled_tokens``; the save-time request ids
         are remembered for ``prefix_cache_materialize``. The returned id must
-        be consumed exactly once (materialize or discard). Raises
+        be consumed exactly once (materialize or discard). A step with no token
+        scheduled saves nothing (None), whatever counts it is given. Raises
         ``OmniPrefixCacheUnmatchError`` when the token accounting or the batch
         disagree with the schedule.
         """
