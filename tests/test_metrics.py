@@ -300,6 +300,23 @@ def test_every_unmatch_error_raised_to_the_engine_is_counted_and_a_refused_saves
     assert value(m, "omnishm_client_unmatch_errors_total", role="writer") == 3
 
 
+def test_a_refused_save_cut_short_in_its_burn_counts_no_unmatch_error(committer, monkeypatch):
+    """REVIEW (2026-12-07, stop 53): a refused save is counted once its refusal is what leaves the call; an
+    interrupt in the burn that follows raises in its place, and the engine never got an unmatch error."""
+    from helpers import interrupt_once
+    from manager_helpers import quick_config
+
+    w = OmniPrefixCacheManager(quick_config(staging_capacity_tokens=8), cache=committer.name, autostart=False)
+    try:
+        w.new_step_starts([started("b", [2, 3, 4])])
+        interrupt_once(monkeypatch, w, "_forget_refused")
+        with pytest.raises(KeyboardInterrupt):
+            save(w, [Part("b", 1, [2, 3, 4], 0, 12)], BS)  # refused (too large), then cut in the burn
+        assert w.counters["unmatch_errors"] == 0
+    finally:
+        w.shutdown()
+
+
 def test_client_counters_are_checked_before_they_are_kept(committer):
     """Long names, NaN, infinities and negatives are dropped (counted); an exported counter never goes back;
     the exported names are kept first when a client sends more than MAX_COUNTERS."""

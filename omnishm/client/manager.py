@@ -286,7 +286,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             return self._save_outputs(step_id, hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded,
                                       write_layout)
         except BaseException as exc:
-            self._note_interrupt("save_outputs", exc, step_id)
+            self._note_interrupt("save_outputs", exc, step_id, count=False)  # counted once it is what leaves
             # Refused before the id was issued: it is taken all the same, unless the manager was shut down
             # meanwhile (another thread): no step follows, and its claim tables are no longer this writer's.
             if usable and self._next_step == step_id and not self._closed:
@@ -295,6 +295,8 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                 except BaseException as cut:  # an interrupt in the burn: the slots may keep their old claims
                     self._note_interrupt("save_outputs", cut, step_id)
                     raise
+            if isinstance(exc, OmniPrefixCacheUnmatchError):
+                self.counters["unmatch_errors"] += 1
             raise
         finally:  # a refused save's time too: a claim timeout is the engine thread's longest wait here
             self.counters["save_seconds"] += time.perf_counter() - t0
@@ -538,10 +540,12 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             logger.error("%s", err)
         return err
 
-    def _note_interrupt(self, call: str, exc: BaseException, step_id: StepId | None = None) -> None:
+    def _note_interrupt(self, call: str, exc: BaseException, step_id: StepId | None = None, *,
+                        count: bool = True) -> None:
         """``call`` ended in ``exc`` on this thread: an ``OmniPrefixCacheUnmatchError`` is counted
         (``unmatch_errors``, what every public call raises to the engine: only materialize's were, review
-        2026-12-07), and when ``exc`` is a signal handler's exception (not an ``Exception``:
+        2026-12-07; not with ``count=False``: a save counts its refusal once no interrupt in its burn took
+        its place), and when ``exc`` is a signal handler's exception (not an ``Exception``:
         KeyboardInterrupt, vLLM's SIGTERM ``SystemExit``), the cache turns sticky-fatal.
 
         Such an exception may cut a call at any line: a staging page claimed and not yet recorded, a
@@ -550,7 +554,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         stall on a lost page or acknowledgement, or read a hit against claims its save never made (reviews,
         2026-12-06), so every later call raises instead. Shutting down still works.
         """
-        if isinstance(exc, OmniPrefixCacheUnmatchError):
+        if count and isinstance(exc, OmniPrefixCacheUnmatchError):
             self.counters["unmatch_errors"] += 1
         if not isinstance(exc, Exception) and not self._closed:
             self._set_fatal(f"{call} was cut short by {type(exc).__name__}: what it had changed is unknown",
