@@ -433,9 +433,21 @@ def test_a_caller_going_on_through_refused_saves_keeps_the_consumed_ids_bounded(
     h, mm = torch.zeros(big, 8), {"feat": torch.zeros(big, 3)}
     layout = PrefixCacheWriteLayout((PrefixCacheWrite("a", 0, big),), torch.arange(big, dtype=torch.int64))
     m.new_step_starts([started("a", [0])])
-    for _ in range(5000):
+    for _ in range(4200):  # past 4096 once: a prune ran
         with pytest.raises(OmniPrefixCacheUnmatchError, match="exceeds staging_capacity_tokens"):
             m.save_outputs(h, mm, num_tokens_unpadded=big, num_tokens_padded=big, write_layout=layout)
-    assert m._next_step == 5000 and len(m._consumed) <= 4096
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="step id 4999 was already consumed"):
-        m.discard_step(4999)  # the recent ids are still told apart from ids never saved
+    assert m._next_step == 4200 and len(m._consumed) <= 4096
+    for sid in (4199, 4199 - 1000, 4199 - 2047):  # the last 2048 ids are still told apart from ids never saved
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=f"step id {sid} was already consumed"):
+            m.discard_step(sid)
+
+
+def test_step_ids_consumed_as_usual_keep_the_consumed_ids_bounded(mgr):
+    """MUTATION (2026-12-07, stop 53): every path that consumes a step bounds the record, the usual one too."""
+    m = mgr()
+    for _ in range(4200):
+        m.new_step_starts([])
+        m.discard_step(save(m, [], BS))
+    assert m._next_step == 4200 and len(m._consumed) <= 4096
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="step id 4000 was already consumed"):
+        m.discard_step(4000)

@@ -270,7 +270,7 @@ def test_counters_made_after_the_last_heartbeat_arrive_with_the_goodbye(committe
 def test_every_unmatch_error_raised_to_the_engine_is_counted_and_a_refused_saves_time_too(committer_factory):
     """REVIEW (2026-12-07, stop 53): ``omnishm_client_unmatch_errors_total`` is documented as the
     OmniPrefixCacheUnmatchErrors raised to the engine, but only those of ``materialize``'s reading were counted:
-    a refused hit, a refused save, an unknown step id and a staging timeout raised 4 and the export said 0. And
+    a refused hit, an unknown step id and a staging timeout raised 3 and the export said 0. And
     ``save_seconds`` counted successful saves only: a save that waited out its staging claim added nothing."""
     from omnishm.client import OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError
 

@@ -578,3 +578,27 @@ def test_a_reader_that_follows_no_writer_yet_says_so_when_its_wait_ends(committe
         if reader is not None:
             reader.shutdown()
         writer.shutdown()
+
+
+def test_a_ranks_disagree_refusal_names_request_tensor_and_step(committer):
+    """MUTATION (2026-12-07, stop 53): the plan refusal names a tensor of the step too; nothing pinned it."""
+    from manager_helpers import BS
+
+    cfg = small_config(commit_timeout_s=3.0)
+    w = OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False)
+    r = OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False)
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0]), started("x", [1])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4), Part("x", 7, [1], 0, 4)], BS))
+        w.new_step_starts([started("b", [0, 2], hit=4)])
+        r.new_step_starts([started("b", [1, 2], hit=4)])  # another block than the writer's for b's hit
+        ids = [save(m, [Part("b", 1, [0, 2], 4, 2)], BS) for m in (w, r)]
+        w.discard_step(ids[0])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"ranks disagree") as err:
+            r.materialize(ids[1], ["b"])
+        assert (err.value.req_id, err.value.key, err.value.step_id) == ("b", HIDDEN_KEY, ids[1]), str(err.value)
+        assert f"request='b', tensor='{HIDDEN_KEY}', step_id={ids[1]}" in str(err.value)
+    finally:
+        w.shutdown()
+        r.shutdown()
