@@ -275,5 +275,4 @@ def shown(value: object, limit: int = 80) -> str:
     """repr of a client-supplied value for a log line or a reply, cut to ``limit`` characters: bad input can be
     megabytes, and a reply echoing it whole could pass the peer's ``ZMQ_MAXMSGSIZE`` (the connection dropped
     instead of the error delivered)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+    return cut_text(repr(value), limit)

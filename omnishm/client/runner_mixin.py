@@ -195,6 +195,15 @@ def replica_cache_name(cache: str | None, endpoint: str | None = None, *,
     return f"{cache}-dp{rank}"
 
 
+def stage_cache_name(cache: str | None, endpoint: str | None = None, *, parallel_config: Any = None) -> str:
+    """The name the manager of this stage will use (``replica_cache_name``, then ``OMNISHM_NAME`` / the file's
+    when none is given): what the config gate's refusal names (``group_view.naming_the_cache``). Raises
+    ConfigError as those do."""
+    from omnishm.config import manager_connection
+
+    return manager_connection(cache=replica_cache_name(cache, endpoint, parallel_config=parallel_config))["cache"]
+
+
 def runner_parallel_config(runner: Any) -> Any:
     """A vLLM runner's ``ParallelConfig`` (``vllm_config.parallel_config`` or its own), or None. For a
     runner this module does not mix into (vllm-omni's); the mixin reads it like its other configs."""
@@ -274,10 +283,8 @@ class PrefixCacheRunnerMixin:
         (prefix caching off, pooling stage). Raises ``PrefixCacheConfigError`` for an unsupported stage,
         ``ValueError``/``TypeError`` for a bad override."""
         src = self._prefix_cache_config_source
-        from omnishm.config import manager_connection
-
-        with naming_the_cache(lambda: manager_connection(cache=replica_cache_name(
-                self.prefix_cache_name, self.prefix_cache_endpoint, parallel_config=src("parallel_config")))["cache"]):
+        with naming_the_cache(lambda: stage_cache_name(self.prefix_cache_name, self.prefix_cache_endpoint,
+                                                       parallel_config=src("parallel_config"))):
             config = stage_prefix_cache_config(
                 kv_cache_config=getattr(self, "kv_cache_config", None),
                 cache_config=src("cache_config"),

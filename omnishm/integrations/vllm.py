@@ -73,9 +73,14 @@ from omnishm.client.group_view import (
     stage_prefix_cache_config,
 )
 from omnishm.client.manager import OmniPrefixCacheManager
-from omnishm.client.runner_mixin import check_v1_runner, replica_cache_name, vllm_last_pp_stage, vllm_runner_role
+from omnishm.client.runner_mixin import (
+    check_v1_runner,
+    replica_cache_name,
+    stage_cache_name,
+    vllm_last_pp_stage,
+    vllm_runner_role,
+)
 from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView, is_v2_runner
-from omnishm.config import manager_connection
 from omnishm.integrations.held_results import HeldResults, decode_results, decode_tensor, encode_tensor
 from omnishm.interface import ModelCachePolicy, PrefixCacheConfig, ReqId
 
@@ -242,8 +247,7 @@ class OmniPrefixCacheRunnerHooks:
         cache (prefix caching off, pooling). Raises ``PrefixCacheConfigError`` for an unsupported stage."""
         r = self.runner
         vc = r.vllm_config
-        with naming_the_cache(lambda: manager_connection(
-                cache=replica_cache_name(self._cache_given, parallel_config=vc.parallel_config))["cache"]):
+        with naming_the_cache(lambda: stage_cache_name(self._cache_given, parallel_config=vc.parallel_config)):
             return stage_prefix_cache_config(
                 kv_cache_config=r.kv_cache_config, cache_config=r.cache_config,
                 kv_transfer_config=vc.kv_transfer_config, scheduler_config=vc.scheduler_config,

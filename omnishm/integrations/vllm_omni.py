@@ -59,9 +59,9 @@ from omnishm.client.group_view import (
     stage_prefix_cache_config,
 )
 from omnishm.client.manager import OmniPrefixCacheManager
-from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, vllm_runner_role
+from omnishm.client.runner_mixin import replica_cache_name, runner_parallel_config, stage_cache_name, vllm_runner_role
 from omnishm.client.steps import as_step_id, request_ids
-from omnishm.config import load_prefix_cache_config, manager_connection
+from omnishm.config import load_prefix_cache_config
 from omnishm.interface import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheStagingTimeoutError,
                                OmniPrefixCacheUnmatchError, ReqId, StepId)
 
@@ -147,9 +147,10 @@ class VllmOmniPrefixCacheManager:
         derived = {k: getattr(config, k) for k in _VO_FIELDS if getattr(config, k, None) is not None}
         cfg = load_prefix_cache_config(int(config.num_blocks), int(config.block_size), derived=derived)
         runner = _BUILDING.get()
-        with naming_the_cache(lambda: manager_connection(cache=replica_cache_name(
-                cache, connection.get("endpoint"),
-                parallel_config=parallel_config or runner_parallel_config(runner)))["cache"]):
+        if parallel_config is None:
+            parallel_config = runner_parallel_config(runner)
+        with naming_the_cache(lambda: stage_cache_name(cache, connection.get("endpoint"),
+                                                       parallel_config=parallel_config)):
             _gate(runner, int(config.num_blocks))
         self._view = view
         self._ours = self._own_view(view)
@@ -158,8 +159,6 @@ class VllmOmniPrefixCacheManager:
         self._hidden = True
         self._lock = threading.Lock()
         self._saved: dict[StepId, _Saved] = {}
-        if parallel_config is None:
-            parallel_config = runner_parallel_config(_BUILDING.get())
         with self._errors():
             cache = replica_cache_name(cache, connection.get("endpoint"), parallel_config=parallel_config)
             self._m = OmniPrefixCacheManager(cfg, cache=cache, role=role or vllm_runner_role(), eager=eager,
