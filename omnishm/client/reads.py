@@ -57,8 +57,9 @@ class ReadSide:
                 # Only hit rows come from the writer: a step without hits is this rank's own rows, and
                 # waiting for a publication it does not need would stall the engine thread on a late or
                 # stuck writer (up to commit_timeout_s every step).
-                # A refusal names the first hit request asked for, and a tensor of the step (review, 2026-12-07).
-                named = next((r for r in req_ids if r in ctx.hits), None)  # only a request asked for
+                # A refusal names the first hit request asked for (none when no request asked for has a hit) and
+                # a tensor of the step (review, 2026-12-07).
+                named = next((r for r in req_ids if r in ctx.hits), None)
                 self._wait_published(step_id, deadline, req=named, key=next(iter(ctx.row_shapes), None))
                 self._check_same_plan(ctx)
             hidden: dict[ReqId, Any] = {}
@@ -525,7 +526,7 @@ class ReadSide:
             return  # consumed before this thread got to it (``_take_ctx``): nobody waits for these rows
         try:
             deadline = self._deadline()
-            self._wait_published(ctx.step_id, deadline, req=next(iter(ctx.hits)), key=next(iter(ctx.row_shapes), None))
+            self._wait_published(ctx.step_id, deadline)  # a refusal here is materialize's to raise, named there
             assert ctx.prefetch_lock is not None
             for req, span in ctx.hits.items():
                 with ctx.prefetch_lock:
