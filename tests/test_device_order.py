@@ -19,7 +19,7 @@ from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, PrefixCache
 from omnishm.client import device as device_module
 from omnishm.client.adapter import PrefixCacheWriteLayout
 from omnishm.client.device import DONE, CpuOps, CudaOps
-from omnishm.interface import HIDDEN_KEY
+from omnishm.interface import HIDDEN_KEY, OmniPrefixCacheUnmatchError
 
 BS = 4
 
@@ -584,3 +584,62 @@ def test_cuda_ops_refuse_rows_on_another_device_than_theirs():
         ops.freeze(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
     with pytest.raises(ValueError, match="one CUDA device per manager"):
         ops.leftover(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
+
+
+def test_a_step_sent_after_another_threads_shutdown_stopped_the_sender_fails_its_send(committer):
+    """REVIEW (2026-12-07, stop 54): ``shutdown`` stops the sender thread before it closes the link. A save on
+    the engine thread past its shut-down check handed its step to the stopped sender, which dropped it: the
+    save returned its step id, the write's future never completed, the page stayed held, nothing was said.
+    ``shutdown``'s docstring promises that such a save "fails its send (sticky fatal)": now it does, with no
+    step id issued."""
+    ops = FakeOps()
+    m = OmniPrefixCacheManager(config(), cache=committer.name, autostart=False, device_ops=ops)
+    try:
+        m.new_step_starts([started("a", [0, 1])])
+        held, go_on, engine = threading.Event(), threading.Event(), {}
+        real_submit = m._sender.submit
+
+        def held_submit(*args, **kw):  # the engine's hand-over, held until the shutdown stopped the sender
+            held.set()
+            assert go_on.wait(10)
+            return real_submit(*args, **kw)
+
+        m._sender.submit = held_submit
+
+        def step():
+            try:
+                engine["sid"] = save(m, [Part("a", 1, [0, 1], 0, 6)], BS)
+            except Exception as exc:
+                engine["raised"] = exc
+
+        engine["thread"] = threading.Thread(target=step)
+        engine["thread"].start()
+        assert held.wait(10)
+        stopper = threading.Thread(target=m.shutdown)
+        stopper.start()
+        stopper.join(15)
+        assert not stopper.is_alive()
+        go_on.set()
+        engine["thread"].join(15)
+        assert not engine["thread"].is_alive()
+        assert "sid" not in engine, engine  # no step id for a write that is never sent
+        raised = engine["raised"]
+        assert isinstance(raised, OmniPrefixCacheUnmatchError), raised
+        assert "could not be sent" in str(raised) and "sender thread is stopped" in str(raised), raised
+        assert m._fatal is raised and not m._ctxs
+        assert m._sender._thread.pending() == 0  # nothing queued behind the stop
+    finally:
+        go_on.set()
+        m.shutdown()
+
+
+def test_step_sender_refuses_a_step_once_stopped():
+    """StepSender alone: ``submit`` after ``stop`` raises (the step would never be sent) and sends nothing."""
+    from omnishm.client.device import StepSender
+
+    sent: list[int] = []
+    sender = StepSender(lambda make, **_kw: sent.append(make(0)), grace_s=0.0)
+    sender.stop(5.0)
+    with pytest.raises(RuntimeError, match="sender thread is stopped"):
+        sender.submit(DONE, lambda rid: 1)
+    assert sent == [] and sender._thread.pending() == 0

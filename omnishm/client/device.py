@@ -326,8 +326,11 @@ class StepSender:
         self._thread: SerialThread[PendingSend] = SerialThread("omnishm-sender", self._send_after)
 
     def submit(self, event: Event, make: Callable[[int], Any], marker: int = 0) -> PendingSend:
+        """Queue the step; raises ``RuntimeError`` once ``stop`` was called (another thread's shutdown):
+        the step would never be sent, and its write's future never complete (review, 2026-12-07)."""
         item = PendingSend(event, make, marker)
-        self._thread.put(item)
+        if not self._thread.put(item):
+            raise RuntimeError("the sender thread is stopped (the manager is shut down)")
         return item
 
     def send_now(self, item: PendingSend) -> None:

@@ -390,7 +390,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             if self._prefetcher is not None and ctx.hits:
                 ctx.prefetch_taken = threading.Lock()
                 ctx.prefetch_lock = threading.Lock()
-                self._prefetcher.put(ctx)
+                self._prefetcher.put(ctx)  # refused once shut down: nothing lost, materialize reads itself
             if self.is_writer:
                 self._record_plan(step_id, ctx.hits)  # first: a published step's plan is there
                 # Tagged with this writer's epoch: a reader takes no other writer's publication for its own.
