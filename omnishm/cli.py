@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import stat
 import sys
 import uuid
@@ -37,6 +38,15 @@ def _runtime_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
     return paths.default_runtime_dir()
+
+
+def _cleanup_command(name: str, runtime_dir: Path) -> str:
+    """The ``omnishm cleanup`` command that reaches ``runtime_dir``: named unless it is the default one (the
+    advice without it, followed as printed after a committer of another dir died, removed nothing there, and
+    the next ping gave it again: review, stop 54)."""
+    if Path(runtime_dir) == paths.default_runtime_dir():
+        return f"omnishm cleanup --name {shlex.quote(name)}"
+    return f"omnishm cleanup --name {shlex.quote(name)} --runtime-dir {shlex.quote(str(runtime_dir))}"
 
 
 TARGET_KNOBS = ("name", "runtime_dir", "endpoint")
@@ -106,7 +116,7 @@ def admin_request(name: str, endpoint: str, request_factory: Callable[[int], obj
         if runtime_dir is not None and path == paths.socket_path(runtime_dir, name) \
                 and not liveness.cache_is_live(runtime_dir, name):
             raise CommitterUnavailable(f"no committer for cache {name!r}: socket {path} is left over from one that "
-                                       f"is gone (nothing holds the cache lock); `omnishm cleanup --name {name}` "
+                                       f"is gone (nothing holds the cache lock); `{_cleanup_command(name, runtime_dir)}` "
                                        f"removes what it left")
         try:
             # A client's own check (``CommitterLink``): in a shared sticky directory another user may have

@@ -161,6 +161,37 @@ def test_ping_names_a_crashed_committers_socket_and_the_command_that_removes_it(
     assert shm.list_segments(handle.name) == []
 
 
+def test_pings_cleanup_advice_for_a_committer_of_another_runtime_dir_names_the_dir_and_works_as_printed(
+        committer_factory, capsys, monkeypatch):
+    """REVIEW (2026-12-07, stop 54): for a crashed committer of a runtime dir other than the default, ping's
+    advice said ``omnishm cleanup --name N``: run as printed, it looked in the default dir, left the socket and
+    the lock files, and the next ping gave the same advice again. The advice now names the dir, and the command
+    it prints, run as printed, removes what was left."""
+    import shlex
+    import signal
+    import tempfile
+
+    handle = committer_factory()
+    assert handle.stop(signal.SIGKILL) == -signal.SIGKILL
+    elsewhere = tempfile.mkdtemp(prefix="omnishm-other-")
+    try:
+        monkeypatch.setenv("OMNISHM_RUNTIME_DIR", elsewhere)  # the default dir is now another one
+        code, _out, err = run(capsys, "ping", "--name", handle.name, "--runtime-dir", str(handle.runtime_dir))
+        assert code == 1 and "left over" in err, err
+        advised = re.search(r"`(omnishm cleanup [^`]*)`", err)
+        assert advised is not None and "--runtime-dir" in advised.group(1), err
+        argv = shlex.split(advised.group(1))
+        code, _out, err = run(capsys, *argv[1:])
+        assert code == 0, err
+        assert not paths.socket_path(handle.runtime_dir, handle.name).exists()
+        left = [f for f in os.listdir(handle.runtime_dir) if f.startswith(handle.name + ".")]
+        assert left == [], left
+        assert shm.list_segments(handle.name) == []
+        assert os.listdir(elsewhere) == []
+    finally:
+        os.rmdir(elsewhere)
+
+
 def test_ping_of_a_stopped_committer_names_its_pid_and_how_to_see_where_it_stands(committer_factory, capsys):
     """REVIEW (2026-12-06, a newcomer's walkthrough): ping and status of a committer frozen by SIGSTOP said
     "no committer ... answered", though the cache lock shows a live one: the operator went looking for a

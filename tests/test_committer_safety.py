@@ -558,6 +558,31 @@ def test_a_sockets_lock_file_someone_else_planted_is_refused_and_left_untouched(
     assert victim.read_text() == "IMPORTANT\n" and not (tmp_path / "s.sock").exists()
 
 
+@pytest.mark.parametrize("planted", ["symlink", "hardlink"])
+def test_a_cache_lock_file_someone_else_planted_is_a_refused_start_not_a_crash(committer_factory, tmp_path,
+                                                                              planted):
+    """REVIEW (2026-12-07, stop 54): the socket's lock file planted by someone else was refused (exit 2, one
+    line), but the same at the cache's own lock file (``<runtime dir>/<name>.lock``) ended the start in a
+    traceback with exit 1, which a supervisor or the autostart takes for a crash, not a refusal. Both are
+    refused alike now, and the linked file keeps its bytes."""
+    from conftest import RUNTIME_DIR
+
+    victim = tmp_path / "victim.conf"
+    victim.write_text("IMPORTANT\n")
+    name = unique_cache_name("lk")
+    lock = RUNTIME_DIR / f"{name}.lock"
+    (lock.symlink_to if planted == "symlink" else lock.hardlink_to)(victim)
+    try:
+        handle = committer_factory(name=name, wait=False)
+        assert handle.proc.wait(30) == 2, handle.log()
+        log = handle.log()
+        assert "Traceback" not in log and f"omnishm committer: lock file {lock} is" in log, log
+        assert "someone else put it there" in log, log
+        assert victim.read_text() == "IMPORTANT\n" and not (RUNTIME_DIR / f"{name}.sock").exists()
+    finally:
+        lock.unlink()
+
+
 def test_a_segment_name_someone_else_took_is_refused_as_taken_not_as_no_space(committer_factory):
     """REVIEW (2026-12-05, permissions): segment names are predictable from /dev/shm's listing, and a
     segment another user created at the next key's name made that key's open fail as ``no_space``. It is

@@ -187,7 +187,10 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
     generation = uuid.uuid4().hex[:8]
     if early.reason:  # stopped before anything was made: nothing to clean up but an autostart log
         logger.info("committer %s stopped (%s) before it started", cfg.name, early.reason)
-        lock = liveness.CacheLock.acquire(runtime_dir, cfg.name, generation)
+        try:
+            lock = liveness.CacheLock.acquire(runtime_dir, cfg.name, generation)
+        except OSError:  # a lock file not ours (a symlink, another user's): nothing of ours to clean up there
+            lock = None
         if lock is not None:  # else the log is a running committer's too (autostarts of one name share it)
             sock_lock = None
             try:
@@ -201,7 +204,17 @@ def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
                     sock_lock.release(remove=True)
                 lock.release(remove=True)
         return EXIT_OK
-    lock = liveness.CacheLock.acquire(runtime_dir, cfg.name, generation)
+    try:
+        lock = liveness.CacheLock.acquire(runtime_dir, cfg.name, generation)
+    except PermissionError as exc:  # ours: a symlink or another user's file at the lock path, named with the rule
+        # Refused as the socket's lock file is (exit 2, one line); it was a traceback with exit 1, which a
+        # supervisor or the autostart took for a crash, not a refusal (review, stop 54).
+        print(f"omnishm committer: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except OSError as exc:
+        print(f"omnishm committer: cannot take the cache lock {liveness.lock_path(runtime_dir, cfg.name)}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_REFUSED
     if lock is None:
         print(f"omnishm committer: cache {cfg.name!r} already has a running committer "
               f"({_lock_holder(runtime_dir, cfg.name)}, lock file {liveness.lock_path(runtime_dir, cfg.name)}); "
