@@ -41,6 +41,17 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+MAX_IPC_PATH_BYTES = 107
+"""Bytes of an ipc socket path: Linux's ``sockaddr_un.sun_path`` holds 108, the last a NUL (``zmq.IPC_PATH_MAX_LEN``)."""
+MIN_HEARTBEAT_S = 0.01
+"""The committer's loop looks at its clients' silence every 10 ms at the most: a shorter beat is not heard."""
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
+"""Both sides take a pause of up to a second (the GIL held elsewhere, a loaded host) for no stall of theirs
+(``Server.note_stall``, ``LinkIO``): a timeout under it reaped live clients, a writer's staging with them,
+and the writer's resume was refused for good (0.1 s beats and a 0.2 s timeout did so in 2 runs of 2: review,
+stop 54)."""
+
+
 class ConfigError(ValueError):
     """A knob value (or config file) that cannot be used; the message says which, from where, and why."""
 
@@ -62,6 +73,13 @@ def check_endpoint(endpoint: str) -> str:
     if endpoint.startswith("ipc://"):
         if len(endpoint) <= len("ipc://"):
             raise ValueError(f"endpoint {endpoint!r} has no socket path")
+        length = len(os.fsencode(endpoint[len("ipc://"):]))
+        if length > MAX_IPC_PATH_BYTES:
+            # The committer made a segment before its bind failed on it, and a client's connect raised a bare
+            # ZMQError naming neither the endpoint nor the runtime dir (review, stop 54).
+            raise ValueError(f"endpoint {endpoint!r}: its socket path is {length} bytes, over the "
+                             f"{MAX_IPC_PATH_BYTES} a unix socket address holds; use a shorter runtime dir or "
+                             f"endpoint")
         if endpoint.startswith("ipc://@"):
             # ZeroMQ's Linux abstract socket: no file, so no 0600 mode keeps other users out, and the
             # committer took "@NAME" for a file in its working directory (it removed one there).
@@ -148,9 +166,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("endpoint", "str", None, "ZeroMQ endpoint; tcp only on loopback", check=check_endpoint,
          default_doc="ipc://RUNTIME_DIR/NAME.sock"),
     Knob("heartbeat_s", "float", 1.0, "heartbeat interval the committer tells clients to use", scope="committer",
-         min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
+         min=MIN_HEARTBEAT_S, max=MAX_TIMEOUT_S),
     Knob("heartbeat_timeout_s", "float", 10.0, "reap a client silent this long (at least 2 x heartbeat_s)",
-         scope="committer", min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
+         scope="committer", min=MIN_HEARTBEAT_TIMEOUT_S, max=MAX_TIMEOUT_S),
     Knob("exit_when_idle", "bool", False,
          "exit once the last writer/reader left (after one attached), or when none attached within 60 s "
          "(an autostarted one: or once the process that started it is gone)",
@@ -277,8 +295,12 @@ def _typed(knob: Knob, raw: Any) -> Any:
         raise ValueError("expected a string")
     text = os.fspath(raw)
     if knob.type == "path":
-        if not text:
+        if not text.strip():
             raise ValueError("expected a non-empty path")
+        if text != text.strip():
+            # " " was taken as a directory named " " under the working directory, so a client started
+            # elsewhere looked for the socket in another place (review, stop 54)
+            raise ValueError("a path with leading or trailing whitespace")
         return Path(text)
     return text
 
@@ -373,6 +395,7 @@ def resolve(scope: str = "both", flags: Mapping[str, Any] | None = None, *,
         sources[knob.name] = source
     # A client's beats come a little more than heartbeat_s apart (its I/O thread wakes on a tick), so a timeout
     # of one period reaped every idle client, a writer's staging with it, and its resume was refused (review).
+    # The timeout's floor of its own (MIN_HEARTBEAT_TIMEOUT_S) is the knob's minimum.
     if "heartbeat_s" in values and "heartbeat_timeout_s" in values \
             and values["heartbeat_timeout_s"] < 2 * values["heartbeat_s"]:
         raise ConfigError(f"heartbeat_timeout_s = {values['heartbeat_timeout_s']:g} "
@@ -502,7 +525,12 @@ def load_prefix_cache_config(num_blocks: int, block_size: int, *, derived: Mappi
     for name, raw in derived.items():
         if r.sources[name] == "default" and raw is not None:
             values[name] = convert(BY_NAME[name], raw, "derived from the engine")
-    return PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size, **values)
+    try:
+        return PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size, **values)
+    except ValueError as exc:  # a rule across knobs (each one was checked alone): say where each came from
+        given = [f"{name} from {r.sources[name]}" for name in PREFIX_CACHE_KNOBS
+                 if r.sources[name] != "default" or name in derived]
+        raise ConfigError(f"{exc}" + (f" ({'; '.join(given)})" if given else "")) from None
 
 
 # ---------------------------------------------------------------- documentation

@@ -80,6 +80,12 @@ def unmatch(reason: str, *, req_id: ReqId | None = None, key: TensorName | None 
     return err
 
 
+MAX_SLOTS = 1 << 34
+"""Upper bound on ``num_blocks * block_size`` (bad input gets a clear error, never an overflow)."""
+MAX_STAGING_ROWS = 1 << 26
+"""Upper bound on a writer's staging rows, ``(staging_depth + 1) * staging_capacity_tokens``."""
+
+
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     """Sizing and flow-control knobs (mirrors KVCacheConfig).
@@ -112,6 +118,16 @@ class PrefixCacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PrefixCacheConfig.{name} must be a positive int, got {value!r}")
+        if self.num_blocks * self.block_size > MAX_SLOTS:
+            # The client's pin counts were allocated for them before the committer could refuse the layout.
+            raise ValueError(f"PrefixCacheConfig.num_blocks * block_size = {self.num_blocks * self.block_size} "
+                             f"exceeds {MAX_SLOTS} slots")
+        if (self.staging_depth + 1) * self.staging_capacity_tokens > MAX_STAGING_ROWS:
+            # Refused by the committer at attach naming neither knob, or a bare OverflowError encoding the Hello
+            # (review, stop 54).
+            raise ValueError(f"PrefixCacheConfig.(staging_depth + 1) * staging_capacity_tokens = "
+                             f"({self.staging_depth} + 1) * {self.staging_capacity_tokens} staging rows exceeds "
+                             f"{MAX_STAGING_ROWS}")
         if not isinstance(self.result_pool_bytes, int) or isinstance(self.result_pool_bytes, bool) \
                 or self.result_pool_bytes < 0:
             raise ValueError(f"PrefixCacheConfig.result_pool_bytes must be an int >= 0, got {self.result_pool_bytes!r}")

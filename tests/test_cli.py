@@ -192,6 +192,17 @@ def test_pings_cleanup_advice_for_a_committer_of_another_runtime_dir_names_the_d
         os.rmdir(elsewhere)
 
 
+def test_cleanup_of_a_runtime_dir_that_is_a_file_is_an_error_as_for_ping(capsys, tmp_path):
+    """REVIEW (2026-12-07, stop 54): ``cleanup --runtime-dir FILE`` said "0 orphaned object(s) removed" with exit 0,
+    where ping and the committer refuse the same value."""
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    code, out, err = run(capsys, "cleanup", "--runtime-dir", str(a_file))
+    assert code == 1 and f"runtime dir {a_file} is not a directory" in err, (out, err)
+    code, _out, err = run(capsys, "ping", "--runtime-dir", str(a_file), "--timeout-s", "1")
+    assert code == 1 and "Not a directory" in err, err
+
+
 def test_ping_of_a_stopped_committer_names_its_pid_and_how_to_see_where_it_stands(committer_factory, capsys):
     """REVIEW (2026-12-06, a newcomer's walkthrough): ping and status of a committer frozen by SIGSTOP said
     "no committer ... answered", though the cache lock shows a live one: the operator went looking for a
@@ -381,7 +392,9 @@ def test_ping_status_and_cleanup_of_a_runtime_dir_that_cannot_be_one_say_so_with
         wait = ("--timeout-s", "1") if cmd != "cleanup" else ()
         code, out, err = run(capsys, cmd, "--runtime-dir", str(bad), *wait)
         if cmd == "cleanup" and kind != "long":  # no runtime dir there to sweep: the segments are swept still
-            assert code == 0 and "0 orphaned object(s) removed" in out, (out, err)
+            # and the dir is named as not one (it said success: review, stop 54)
+            assert code == 1 and "0 orphaned object(s) removed" in out, (out, err)
+            assert f"omnishm cleanup: runtime dir {bad} is not a directory" in err, err
         else:
             assert code == 1 and f"omnishm {cmd}: " in err and "Traceback" not in err, (cmd, err)
 
@@ -497,7 +510,8 @@ def test_cleanup_of_a_symlink_loop_runtime_dir_still_sweeps_a_dead_cache(capsys,
     made.append(shm.segment_name(cache, "g0", liveness.OWNER))
     try:
         code, out, err = run(capsys, "cleanup", "--runtime-dir", str(loop))
-        assert code == 0 and "3 orphaned object(s) removed" in out, (out, err)
+        # swept, and the dir named as not one (stop 54)
+        assert code == 1 and "3 orphaned object(s) removed" in out and "is not a directory" in err, (out, err)
         assert shm.list_segments(cache) == []
     finally:
         for name in made:

@@ -418,7 +418,7 @@ def test_sigkilled_committer_segments_removed_by_cleanup(committer_factory):
 
 
 def test_silent_client_is_reaped_and_idle_committer_exits(committer_factory):
-    handle = committer_factory("--exit-when-idle", "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5")
+    handle = committer_factory("--exit-when-idle", "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
     writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)
     writer.open_key("k", "float16", 4)
     reader = handle.client()

@@ -83,7 +83,7 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
 
 @pytest.mark.parametrize("flags,env,file_text,message", [
     ({"heartbeat_s": "fast"}, {}, "", "bad heartbeat_s = 'fast' (from flag --heartbeat-s): expected a number"),
-    ({}, {"OMNISHM_HEARTBEAT_S": "0"}, "", "bad heartbeat_s = '0' (from env OMNISHM_HEARTBEAT_S): must be > 0"),
+    ({}, {"OMNISHM_HEARTBEAT_S": "0"}, "", "bad heartbeat_s = '0' (from env OMNISHM_HEARTBEAT_S): must be >= 0.01"),
     ({}, {"OMNISHM_HEARTBEAT_TIMEOUT_S": "nan"}, "", "heartbeat_timeout_s = 'nan' (from env "
      "OMNISHM_HEARTBEAT_TIMEOUT_S): expected a finite number"),
     ({"heartbeat_s": "inf"}, {}, "", "expected a finite number"),
@@ -124,6 +124,18 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     # little more than a period apart), a writer's staging with it, and the writer's resume was refused.
     ({"heartbeat_s": "1", "heartbeat_timeout_s": "1"}, {}, "", "is under two heartbeat_s = 1"),
     ({"heartbeat_s": "1", "heartbeat_timeout_s": "1.5"}, {}, "", "is under two heartbeat_s = 1"),
+    # REVIEW (2026-12-07, stop 54): beats of 1 us and a 2 us timeout passed every check, and the committer reaped
+    # every client, a live writer's staging with it (0.1 s beats, 0.2 s timeout: in 2 runs of 2).
+    ({"heartbeat_s": "0.000001", "heartbeat_timeout_s": "0.000002"}, {}, "", "must be >= 0.01"),
+    ({"heartbeat_s": "0.1", "heartbeat_timeout_s": "0.2"}, {}, "",
+     "bad heartbeat_timeout_s = '0.2' (from flag --heartbeat-timeout-s): must be >= 1"),
+    # A runtime dir of whitespace was a directory " " under whatever directory a process started in.
+    ({}, {"OMNISHM_RUNTIME_DIR": " "}, "", "bad runtime_dir = ' ' (from env OMNISHM_RUNTIME_DIR): expected a "
+                                           "non-empty path"),
+    ({}, {"OMNISHM_RUNTIME_DIR": "/tmp/x "}, "", "a path with leading or trailing whitespace"),
+    # A socket path over sun_path's 107 bytes: the committer failed its bind after it made a segment.
+    ({"endpoint": "ipc:///tmp/" + "d" * 98 + ".sock"}, {}, "", "its socket path is 108 bytes, over the 107 a unix "
+                                                              "socket address holds"),
 ])
 def test_bad_values_raise_clear_errors(tmp_path, flags, env, file_text, message):
     env = dict(env)
@@ -140,6 +152,47 @@ def test_the_bounds_themselves_are_taken():
     assert knobs.resolve("both", env={"OMNISHM_NAME": "n" * 64})["name"] == "n" * 64
     assert knobs.resolve("committer", env={"OMNISHM_METRICS_PORT": "65535"})["metrics_port"] == 65535
     assert knobs.resolve("client", env={"OMNISHM_COMMIT_TIMEOUT_S": "1e6"})["commit_timeout_s"] == 1e6
+    beats = knobs.resolve("committer", {"heartbeat_s": "0.01", "heartbeat_timeout_s": "1"})
+    assert (beats["heartbeat_s"], beats["heartbeat_timeout_s"]) == (0.01, 1.0)
+    longest = "ipc:///tmp/" + "d" * 97 + ".sock"  # 107 bytes of path
+    assert knobs.resolve("both", {"endpoint": longest})["endpoint"] == longest
+
+
+def test_staging_and_slots_past_what_a_committer_takes_are_refused_before_attach_naming_the_knobs():
+    """REVIEW (2026-12-07, stop 54): ``OMNISHM_STAGING_DEPTH=1e20`` raised a bare ``OverflowError`` encoding the
+    Hello; 1e12 was refused by the committer at attach naming neither knob. A slot count past the committer's
+    bound allocated the client's pin counts before anything refused it."""
+    from omnishm.interface import MAX_SLOTS, MAX_STAGING_ROWS, PrefixCacheConfig
+
+    for value in (10**20, 10**12):
+        with pytest.raises(ConfigError) as exc:
+            knobs.load_prefix_cache_config(16, 4, env={"OMNISHM_STAGING_DEPTH": str(value)})
+        assert f"exceeds {MAX_STAGING_ROWS}" in str(exc.value), exc.value
+        assert "staging_depth from env OMNISHM_STAGING_DEPTH" in str(exc.value), exc.value
+    with pytest.raises(ConfigError, match="staging_capacity_tokens from keyword staging_capacity_tokens="):
+        knobs.load_prefix_cache_config(16, 4, staging_capacity_tokens=MAX_STAGING_ROWS)
+    cap = MAX_STAGING_ROWS // 5
+    assert knobs.load_prefix_cache_config(16, 4, staging_depth=4, staging_capacity_tokens=cap).staging_depth == 4
+    with pytest.raises(ValueError, match=f"exceeds {MAX_SLOTS} slots"):
+        PrefixCacheConfig(num_blocks=MAX_SLOTS, block_size=2)
+    assert PrefixCacheConfig(num_blocks=MAX_SLOTS // 16, block_size=16).num_slots == MAX_SLOTS
+
+
+def test_a_runtime_dir_whose_socket_path_is_too_long_is_a_config_error_naming_it(tmp_path):
+    """REVIEW (2026-12-07, stop 54): a client given such a runtime dir raised a bare ``zmq.ZMQError: File name too
+    long``, naming neither the dir nor the endpoint. It is a ``ConfigError`` naming both now, before anything is
+    made (the dir, an autostarted committer)."""
+    from manager_helpers import small_config
+
+    from omnishm.client import OmniPrefixCacheManager
+
+    long_dir = tmp_path / ("d" * 110)
+    with pytest.raises(ConfigError) as exc:
+        OmniPrefixCacheManager(small_config(), cache="toolong", runtime_dir=long_dir, autostart=True,
+                               connect_timeout_s=5)
+    assert f"runtime_dir {str(long_dir)!r} for cache 'toolong'" in str(exc.value), exc.value
+    assert "over the 107 a unix socket address holds" in str(exc.value), exc.value
+    assert not long_dir.exists()
 
 
 def test_the_config_flag_names_the_file_over_omnishm_config(tmp_path, monkeypatch):

@@ -71,7 +71,7 @@ def test_a_client_that_went_silent_is_told_so_not_that_the_committer_was_lost(co
     """The link's I/O thread stalls past the committer's heartbeat timeout (here: its socket lock is held, as a
     frozen process would): the committer reaps the session and refuses the resume. The committer never went
     away, so the error says this client went silent and names the committer as still running."""
-    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5")
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
     link = CommitterLink(cache=handle.name, role=protocol.ROLE_WRITER, endpoint=handle.endpoint, layout=LAYOUT,
                          staging_rows=8, reconnect_timeout_s=10.0)  # a writer: its staging is gone once reaped
     try:

@@ -190,7 +190,7 @@ def test_a_reaped_writers_failed_writes_are_counted_and_a_reaped_readers_step_wr
     writer's ("this writer's session was reaped"), its tids counted as failed writes. The reader's gets
     ``no_session`` now, counted as such."""
     port = free_port()
-    h = committer_factory("--metrics-port", str(port), "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5")
+    h = committer_factory("--metrics-port", str(port), "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
     w = Writer(h.endpoint, h.name, protocol.Layout(num_blocks=NUM_BLOCKS, block_size=BS), 8)
     reader = RawClient(h.endpoint, h.name)
     try:

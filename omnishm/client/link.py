@@ -68,6 +68,7 @@ from omnishm import paths, shm
 from omnishm.client.attach import CONNECTED, DEAD, LinkAttach
 from omnishm.client.link_io import LinkIO
 from omnishm.client.committer_process import AutostartedCommitter
+from omnishm.config import ConfigError, check_endpoint
 from omnishm.interface import OmniPrefixCacheCommitterError
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,11 @@ class CommitterLink(LinkIO, LinkAttach):
         self.client_id = uuid.uuid4().hex
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else paths.default_runtime_dir()
         self.endpoint = endpoint or paths.ipc_endpoint(self.runtime_dir, cache)
+        if endpoint is None:  # one given was checked as a knob; this one is the runtime dir's
+            try:
+                check_endpoint(self.endpoint)
+            except ValueError as exc:
+                raise ConfigError(f"runtime_dir {str(self.runtime_dir)!r} for cache {cache!r}: {exc}") from None
         sock_path = paths.ipc_path(self.endpoint)
         if sock_path is not None:
             if os.path.realpath(sock_path.parent) == os.path.realpath(self.runtime_dir):  # however spelled

@@ -20,6 +20,8 @@ import numpy as np
 from omnishm import liveness, protocol, shm
 from omnishm.committer import meta
 from omnishm.committer.apply import GATHER_BYTES, RUN_BYTES, StepApply
+# The client refuses a config past these before it attaches (``PrefixCacheConfig``); the committer, any client.
+from omnishm.interface import MAX_SLOTS, MAX_STAGING_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +32,6 @@ MAX_KEYS = 64
 MAX_WIDTH = 1 << 24
 MAX_ROW_DIMS = 63
 """A row shape's dims at most: torch's 64 dims of a tensor, less the token dim."""
-MAX_SLOTS = 1 << 34
-"""Upper bound on ``num_blocks * block_size`` (bad input gets a clear error, never an overflow)."""
-MAX_STAGING_ROWS = 1 << 26
-
 
 
 class WriterRecord(NamedTuple):
