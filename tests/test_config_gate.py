@@ -118,6 +118,8 @@ def test_sizing_falls_back_to_max_model_len_and_num_blocks_override():
     assert (cfg.num_blocks, cfg.staging_capacity_tokens) == (10, 512)
     cfg = stage_prefix_cache_config(**gate_kwargs(parallel_config=None, speculative_config=None))
     assert cfg.num_blocks == 64
+    fcfs = SimpleNamespace(max_num_batched_tokens=2048, policy="fcfs")  # vLLM's default policy passes
+    assert stage_prefix_cache_config(**gate_kwargs(scheduler_config=fcfs)).staging_capacity_tokens == 2048
 
 
 def test_off_or_pooling_gives_none_before_any_refusal():
@@ -138,6 +140,12 @@ REFUSALS = [
      "--kv-transfer-config"),
     ("speculative", dict(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3)),
      "--speculative-config"),
+    # REVIEW (2026-12-07, stop 54): a request preempted in the step that scheduled it left blocks vLLM cached
+    # with nothing computed for them; its resume hit them and was served an earlier request's rows.
+    ("priority", dict(scheduler_config=SimpleNamespace(max_num_batched_tokens=2048, policy="priority")),
+     "--scheduling-policy fcfs"),
+    ("priority_enum", dict(scheduler_config=SimpleNamespace(policy=SimpleNamespace(value="priority"))),
+     "scheduling_policy='priority'"),
     ("kv_sharing_fast_prefill", dict(cache_config=with_cache(kv_sharing_fast_prefill=True)),
      "--kv-sharing-fast-prefill"),
     ("dcp", dict(parallel_config=SimpleNamespace(decode_context_parallel_size=2)),

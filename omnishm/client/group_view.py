@@ -408,7 +408,7 @@ def stage_prefix_cache_config(*, kv_cache_config: object, cache_config: object, 
     Returns None when the stage does not run an omni prefix cache
     (``enable_prefix_caching`` off, or a pooling stage that never saves).
     Otherwise refuses, in this order, kv_consumer / kv_both, speculative
-    decoding, KV-sharing fast prefill, decode/prefill context parallel, sub-block prefix matching,
+    decoding, priority scheduling, KV-sharing fast prefill, decode/prefill context parallel, sub-block prefix matching,
     other than exactly one full-attention KV group, and a block-size mismatch
     (all ``PrefixCacheConfigError``), then sizes the config from the scheduler
     (``PrefixCacheConfig.from_vllm_config``; ``num_blocks`` defaults to
@@ -425,6 +425,16 @@ def stage_prefix_cache_config(*, kv_cache_config: object, cache_config: object, 
         raise PrefixCacheConfigError(
             f"omni prefix cache: speculative decoding (method={method!r}) schedules draft tokens whose "
             f"outputs are not per-slot prompt rows; remove --speculative-config {_DISABLE_HINT}")
+    policy = getattr(scheduler_config, "policy", None)
+    if getattr(policy, "value", policy) == "priority":
+        # vLLM 0.32's priority scheduler may preempt a request it already scheduled in the step, after
+        # ``allocate_slots`` put its new full blocks in the prefix cache: nothing is ever computed for them, yet
+        # they stay cached, and a later hit on them (the request's own resume) was served an earlier tenant's
+        # rows with no error (review, stop 54, in a real engine). vLLM's own KV for them is stale too.
+        raise PrefixCacheConfigError(
+            "omni prefix cache: scheduling_policy='priority' may preempt a request vLLM already scheduled in "
+            "the same step, leaving its new blocks in the prefix cache with nothing computed for them; a hit "
+            f"on them would be served rows of an earlier request; use --scheduling-policy fcfs {_DISABLE_HINT}")
     if getattr(cache_config, "kv_sharing_fast_prefill", False) is True:
         raise PrefixCacheConfigError(
             "omni prefix cache: kv_sharing_fast_prefill lets the KV-sharing layers skip prompt tokens, so "

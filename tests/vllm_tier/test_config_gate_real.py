@@ -84,3 +84,19 @@ def test_kv_producer_allowed():
     from vllm.config import KVTransferConfig
 
     assert _gate(transfer=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer")) is not None
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_scheduling_refused_fcfs_passes(policy):
+    """REVIEW (2026-12-07, stop 54): vLLM's priority scheduler may preempt a request it already scheduled in the
+    step, leaving its new blocks in the prefix cache with nothing computed for them; the request's resume hit
+    them and omnishm served an earlier request's rows. The gate reads the policy off vLLM's own config."""
+    from vllm.config import SchedulerConfig
+
+    sched = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, max_model_len=512,
+                            is_encoder_decoder=False, policy=policy)
+    if policy == "fcfs":
+        assert _gate(sched=sched) is not None
+    else:
+        with pytest.raises(PrefixCacheConfigError, match="--scheduling-policy fcfs"):
+            _gate(sched=sched)
