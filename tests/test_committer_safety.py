@@ -1021,3 +1021,25 @@ def test_cut_text_keeps_exactly_the_limit():
     assert protocol.cut_text("x" * lim) == "x" * lim
     assert protocol.cut_text("x" * (lim + 1)) == "x" * lim + f"...({lim + 1} chars)"
     assert protocol.cut_text("abcdef", 3) == "abc...(6 chars)"
+
+
+# MUTATION D10 (committer/start.py: the cache lock's non-permission OSError no longer caught): a directory at
+# ``<runtime dir>/<name>.lock`` (another program's, or a mistaken mkdir) makes the lock's open fail with EISDIR,
+# an OSError that is no PermissionError. It must be a refused start (exit 2, one line naming the lock file), not
+# a traceback with exit 1 that a supervisor or the autostart takes for a crash; and nothing is left behind. (stop 54)
+def test_a_directory_at_the_cache_lock_path_is_a_refused_start_not_a_crash(committer_factory):
+    from conftest import RUNTIME_DIR
+
+    name = unique_cache_name("lkdir")
+    lock = RUNTIME_DIR / f"{name}.lock"
+    lock.mkdir()
+    try:
+        handle = committer_factory(name=name, wait=False)
+        assert handle.proc.wait(30) == 2, handle.log()
+        log = handle.log()
+        assert "Traceback" not in log, log
+        assert f"omnishm committer: cannot take the cache lock {lock}" in log, log
+        assert lock.is_dir() and not (RUNTIME_DIR / f"{name}.sock").exists()
+        assert shm.list_segments(name) == [], shm.list_segments(name)
+    finally:
+        lock.rmdir()

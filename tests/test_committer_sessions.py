@@ -399,3 +399,20 @@ def test_a_stopping_committer_tells_a_new_client_to_retry(committer_factory):
         assert handle.proc.wait(20) == 0, handle.log()
     finally:
         c.close()
+
+
+# MUTATION S5 (SessionTable.credit over live sessions only): a committer's loop stall was not credited to an
+# adopted writer's placeholder, so after an adopting restart that stalled, the writer's seat was reaped early and
+# its resume refused for good (every unacknowledged write lost). Placeholders are credited like sessions. (stop 54)
+def test_a_stall_is_credited_to_an_adopted_writers_placeholder():
+    t = SessionTable()
+    seat = Session(identity=b"", client_id="w", role=protocol.ROLE_WRITER, pid=1, uid=0, attached_at=100.0,
+                   last_seen=100.0, adopted=True)
+    reader = Session(identity=b"r", client_id="r", role=protocol.ROLE_READER, pid=1, uid=0, attached_at=100.0,
+                     last_seen=100.0)
+    t.add(seat)
+    t.add(reader)
+    t.credit(8.0, 112.0)  # the loop stood still 8 s of the 12 s since the adoption
+    assert seat.last_seen == 108.0 and reader.last_seen == 108.0
+    assert t.expired(112.0, 10.0) == []  # 4 s of real silence: neither is reaped
+    assert seat in t.expired(118.5, 10.0)

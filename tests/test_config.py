@@ -379,3 +379,19 @@ def test_a_misspelt_override_is_refused_naming_it():
     with pytest.raises(knobs.ConfigError, match="unknown knob.*heartbeat_sec"):
         knobs.resolve("committer", {"heartbeat_sec": "1"}, env={})
     assert knobs.client_settings(env={}, staging_depth=8).prefix_cache["staging_depth"] == 8
+
+
+# MUTATION D5 (interface.PrefixCacheConfig: ``staging_depth * cap`` for ``(staging_depth + 1) * cap``): the
+# writer's Hello carries ``staging_depth * cap + cap`` rows (``OmniPrefixCacheManager``), so a config whose rows
+# pass the mutated bound but exceed MAX_STAGING_ROWS got past the config and was refused by the committer at
+# attach naming neither knob. The exact boundary must be accepted, one more row refused. (stop 54)
+def test_the_staging_bound_counts_the_extra_page():
+    from omnishm.interface import MAX_STAGING_ROWS, PrefixCacheConfig
+
+    half = MAX_STAGING_ROWS // 2
+    ok = PrefixCacheConfig(num_blocks=16, block_size=4, staging_depth=1, staging_capacity_tokens=half)
+    assert (ok.staging_depth + 1) * ok.staging_capacity_tokens == MAX_STAGING_ROWS  # exactly the bound: taken
+    with pytest.raises(ValueError, match=f"exceeds {MAX_STAGING_ROWS}"):
+        PrefixCacheConfig(num_blocks=16, block_size=4, staging_depth=1, staging_capacity_tokens=half + 1)
+    with pytest.raises(ConfigError, match="staging_capacity_tokens"):
+        knobs.load_prefix_cache_config(16, 4, staging_depth=1, staging_capacity_tokens=half + 1)

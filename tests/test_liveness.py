@@ -326,7 +326,8 @@ def test_another_version_is_refused():
 def test_cleanup_given_a_file_as_its_runtime_dir_still_sweeps_dead_segments(tmp_path, capsys):
     """REVIEW (2026-12-06): ``omnishm cleanup --runtime-dir FILE`` exited 1 ("Not a directory") as soon as any
     dead generation existed: ``cache_is_live`` caught only a missing lock file. A runtime dir that is a file
-    holds no lock, and the segments are swept still (the owner lock still guards a live committer's)."""
+    holds no lock, and the segments are swept still (the owner lock still guards a live committer's). Since stop 54
+    the command then names the dir as not one, with exit 1, as ping and the committer refuse it."""
     from omnishm import cli
 
     bad = tmp_path / "a-file"
@@ -334,7 +335,9 @@ def test_cleanup_given_a_file_as_its_runtime_dir_still_sweeps_dead_segments(tmp_
     cache = unique_cache_name("notdir")
     shm.Segment.create(shm.segment_name(cache, "g0", "ctl"), 64).close()
     try:
-        assert cli.main(["cleanup", "--runtime-dir", str(bad), "--name", cache]) == 0, capsys.readouterr()
+        assert cli.main(["cleanup", "--runtime-dir", str(bad), "--name", cache]) == 1
+        out, err = capsys.readouterr()
+        assert "1 orphaned object(s) removed" in out and "is not a directory" in err, (out, err)
         assert shm.list_segments(cache) == []
     finally:
         for name in shm.list_segments(cache):
@@ -591,3 +594,32 @@ def test_a_sweeper_killed_while_it_holds_a_lock_file_it_made_leaves_one_the_next
     assert liveness.CacheLock.holder(path) is not None, f"left {path.read_bytes()!r}"
     assert orphans.sweep(tmp_path) == [str(path)]
     assert list(tmp_path.iterdir()) == []
+
+
+# MUTATION L8 (liveness.lock_held without its S_ISREG check): another program's lock *directory* named like a
+# cache's lock file, held with flock by that program, read as a live committer (cache_is_live True), so
+# ``ping``/autostart blamed a committer that does not exist and a start-up sweep never took the dir for
+# abandoned. Only a plain file can be a committer's lock. (stop 54)
+_DIR_LOCK_HOLDER = r"""
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+sys.stdout.write("held\n"); sys.stdout.flush()
+sys.stdin.read()  # hold until the test closes our stdin
+"""
+
+
+def test_a_flocked_lock_directory_of_another_program_is_no_live_committer(tmp_path):
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    (runtime / "somecache.lock").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", _DIR_LOCK_HOLDER, str(runtime / "somecache.lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # the other program holds its lock now
+        assert liveness.lock_held(runtime / "somecache.lock") is False
+        assert liveness.cache_is_live(runtime, "somecache") is False
+        assert orphans.abandoned(runtime) is True
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
