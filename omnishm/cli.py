@@ -344,19 +344,21 @@ def run_external(name: str, argv: list[str]) -> int:
 
     module, help_text = EXTERNAL_COMMANDS[name]
     # The module imports torch (seconds): a Ctrl-C or SIGTERM then stops it cleanly. Only those two: the
-    # demo's own handler (demo/launch.py) takes the same two once it runs.
+    # command's own handler (``early_stop.InterruptOnce``) takes the same two once it runs. Kept in place until
+    # then, and handed to it: the demo imported torch after this was gone, and a signal there killed it with the
+    # default action or was lost in the import (review, stop 54).
     early = EarlyStop((signal.SIGTERM, signal.SIGINT))
     try:
         mod = importlib.import_module(module)
+        if early.reason:
+            print(f"omnishm {name}: stopped ({early.reason}) before it started", file=sys.stderr)
+            return 130
+        parser = argparse.ArgumentParser(prog=f"omnishm {name}", description=help_text)
+        if hasattr(mod, "add_arguments"):
+            mod.add_arguments(parser)
+        return int(mod.cli_main(parser.parse_args(argv), early=early) or 0)
     finally:
         early.restore()
-    if early.reason:
-        print(f"omnishm {name}: stopped ({early.reason}) before it started", file=sys.stderr)
-        return 130
-    parser = argparse.ArgumentParser(prog=f"omnishm {name}", description=help_text)
-    if hasattr(mod, "add_arguments"):
-        mod.add_arguments(parser)
-    return int(mod.cli_main(parser.parse_args(argv)) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -214,6 +214,33 @@ def catches_signal(pid: int, sig: int) -> bool:
     return _signal_mask_has(pid, sig, "SigCgt")
 
 
+def maps_library(pid: int, name: str) -> bool:
+    """Whether process ``pid`` has a file whose path contains ``name`` mapped (a shared library it is loading)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return name in f.read()
+    except OSError:
+        return False
+
+
+def children_running(pid: int, needle: str) -> list[int]:
+    """Pids of the children of ``pid`` whose command line contains ``needle``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and needle in cmdline:
+            found.append(int(entry))
+    return found
+
+
 def ignores_signal(pid: int, sig: int) -> bool:
     """Whether process ``pid`` ignores ``sig``."""
     return _signal_mask_has(pid, sig, "SigIgn")

@@ -6,9 +6,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import posix_ipc
@@ -341,3 +343,60 @@ def test_the_quick_geometries_take_the_paths_the_normal_run_times(quick, monkeyp
     assert wf.BS >= min_run, f"figure 1: blocks of {wf.BS} rows, runs of {min_run} rows: the scatter path"
     assert got["2"].hit_tokens * got["2"].width * bf16 >= MIN_POOLED_BYTES, "figure 2: the hit is not pooled"
     assert got["3"].hit_tokens * got["3"].width * bf16 >= RUN_COPY_MIN_BYTES, "figure 3: the hit is index_select"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_bench_loads_torch_exits_130_with_one_line(sig):
+    """REVIEW (2026-12-07, stop 54): ``omnishm bench`` loaded torch after the start-up catcher was gone and had no
+    handler of its own: Ctrl-C ended in a traceback (or was lost in the import, and the run went on to exit 0),
+    SIGTERM killed it with 143 and no message. It now exits 130 with one line, its committers stopped."""
+    from helpers import maps_library
+
+    proc = subprocess.Popen([sys.executable, "-m", "omnishm", "bench", "--quick", "--only", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while not maps_library(proc.pid, "libtorch"):  # busy poll: the moment torch starts to load
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and f"omnishm bench: interrupted ({sig.name})" in err, err
+
+
+def test_figure_4s_echo_server_dies_with_a_killed_bench():
+    """REVIEW (2026-12-07, stop 54): figure 4's echo server had no death signal, unlike the bench's committers: a
+    bench SIGKILLed (or SIGTERMed) during figure 4 left it waiting in ``recv`` for good, holding the caller's
+    stderr pipe open, so a caller reading that pipe never saw its end."""
+    from helpers import children_running
+
+    proc = subprocess.Popen([sys.executable, "-m", "omnishm", "bench", "--quick", "--only", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    echo: list[int] = []
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not echo:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            echo = children_running(proc.pid, "omnishm.bench.echo")
+        children = children_running(proc.pid, "")  # the echo server and figure 4's committer
+        proc.kill()
+        proc.wait(30)
+        assert proc.stderr is not None
+        proc.stderr.read()  # returns once every holder of the pipe (the echo server too) is gone
+        deadline = time.monotonic() + 30
+        while any(liveness.proc_identity(pid) is not None for pid in children):
+            assert time.monotonic() < deadline, f"{children} outlived the killed bench"
+            time.sleep(0.05)
+    finally:
+        for pid in children or echo:
+            if liveness.proc_identity(pid) is not None:
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    Cleanup().close()  # the next run: it removes the dir the killed one left

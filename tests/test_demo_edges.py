@@ -100,7 +100,7 @@ def test_a_rank_still_running_at_the_deadline_is_killed_and_reported_timed_out(c
 def test_a_second_signal_does_not_cut_the_cleanup_the_first_started():
     """``InterruptOnce``: the first SIGINT or SIGTERM raises KeyboardInterrupt, a later one is ignored, so the
     demo's bounded cleanup and its report run to their end (README: exit 130 with the report)."""
-    from omnishm.demo.launch import InterruptOnce
+    from omnishm.committer.early_stop import InterruptOnce
 
     io = InterruptOnce()
     try:

@@ -141,7 +141,11 @@ def format_table(rows: list[Any]) -> str:
     return "\n".join(lines)
 
 
-def cli_main(args: argparse.Namespace) -> int:
+def cli_main(args: argparse.Namespace, early: Any = None) -> int:
+    """Run the benchmark. ``early`` (an ``EarlyStop``): the caller's record of a stop signal that came before
+    this installs ``InterruptOnce``; the run then stops as if it came once it has (exit 130). A Ctrl-C or
+    SIGTERM stops the run, its committers and children (``Cleanup.close``), and exits 130 with one line; it
+    ended in a traceback (Ctrl-C) or the default action's 143 with no message (SIGTERM) before (review, stop 54)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     only = {f.strip() for f in args.only.split(",") if f.strip()}
     if not only:  # "--only ," or "--only ''" would run nothing and report success
@@ -154,15 +158,27 @@ def cli_main(args: argparse.Namespace) -> int:
     if args.forward_threads < 1:
         print(f"omnishm bench: --forward-threads must be >= 1, got {args.forward_threads}", file=sys.stderr)
         return 2
-    if args.device == "cuda":
-        import torch
+    # Imported while the caller's record-only handler is in place (seconds): a signal in an import was lost there.
+    import torch
 
-        if not torch.cuda.is_available():
-            print("omnishm bench: --device cuda needs a CUDA device, and torch sees none", file=sys.stderr)
-            return 2
+    from omnishm.bench import manager_figures, memory, overhead, write_figures  # noqa: F401  (run's, imported now)
+    from omnishm.committer.early_stop import InterruptOnce
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("omnishm bench: --device cuda needs a CUDA device, and torch sees none", file=sys.stderr)
+        return 2
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
-    rows, errors = run(args.quick, only, args.seed, args.device, args.forward_threads)
+    interrupts = InterruptOnce()  # a second signal does not cut the committers' stop short
+    try:
+        interrupts.raise_pending(early)
+        rows, errors = run(args.quick, only, args.seed, args.device, args.forward_threads)
+    except KeyboardInterrupt as exc:  # run's Cleanup.close has stopped every committer and child by now
+        print(f"omnishm bench: interrupted ({exc or 'SIGINT'}); its committers and child processes stopped",
+              file=sys.stderr)
+        return 130
+    finally:
+        interrupts.restore()
     doc = {"date": started.isoformat(timespec="seconds"), "mode": "quick" if args.quick else "normal",
            "goals_judged": not args.quick, "device": args.device, "forward_threads": args.forward_threads,
            "seconds": round(time.monotonic() - t0, 1), "machine": _machine(),

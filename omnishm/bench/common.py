@@ -228,6 +228,13 @@ def _stop_with_bench(bench: int) -> None:
         os._exit(1)
 
 
+def dies_with_bench() -> Callable[[], None]:
+    """``preexec_fn`` of every child process of the bench (``_stop_with_bench`` of this process): none outlives a
+    bench killed mid-figure. Figure 4's echo server had none, and outlived it waiting for good, holding the
+    caller's stderr pipe open (review, stop 54)."""
+    return functools.partial(_stop_with_bench, os.getpid())
+
+
 class ProcessCommitter:
     """A real committer subprocess (``python -m omnishm.committer --prefault``) that stops with the bench."""
 
@@ -242,7 +249,7 @@ class ProcessCommitter:
                 [sys.executable, "-m", "omnishm.committer", "--name", self.name, "--runtime-dir",
                  str(self.runtime_dir), "--prefault", "--heartbeat-timeout-s", "120", "--log-level", "WARNING"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=functools.partial(_stop_with_bench, os.getpid()))
+                preexec_fn=dies_with_bench())
         cleanup.procs.append(self.proc)
         self._wait_ready()
 

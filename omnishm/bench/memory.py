@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from omnishm.bench.common import Cleanup, ProcessCommitter, Row, Stats, close_all, fmt_bytes, smaps_rollup
+from omnishm.bench.common import (Cleanup, ProcessCommitter, Row, Stats, close_all, dies_with_bench, fmt_bytes,
+                                  smaps_rollup)
 
 
 @dataclass
@@ -36,7 +37,7 @@ BS = 16
 class Worker:
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "omnishm.bench.memory"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, preexec_fn=dies_with_bench())
 
     def call(self, **req: Any) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None

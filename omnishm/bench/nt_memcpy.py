@@ -57,8 +57,11 @@ class NonTemporalMemcpy:
         if not differs and not always:
             return None
         env = {**os.environ, stores.ENV: tunables} if differs and tunables is not None else dict(os.environ)
+        from omnishm.bench.common import dies_with_bench  # common imports this module
+
         proc = subprocess.Popen([sys.executable, "-m", "omnishm.bench.nt_memcpy", str(capacity)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+                                preexec_fn=dies_with_bench())
         child = cls(proc)
         if child._ask("ready") != "ready":
             child.close()

@@ -18,7 +18,8 @@ import torch
 from omnishm import protocol as P
 import zmq
 
-from omnishm.bench.common import Cleanup, Memcpy, ProcessCommitter, RawWriter, Row, Stats, step_write
+from omnishm.bench.common import (Cleanup, Memcpy, ProcessCommitter, RawWriter, Row, Stats, dies_with_bench,
+                                  step_write)
 from omnishm.bench.nt_memcpy import NonTemporalMemcpy
 from omnishm.versions import make_cv
 
@@ -218,7 +219,9 @@ def figure_control(cleanup: Cleanup, size: ControlSize, rng: np.random.Generator
     with ProcessCommitter(cleanup, "control") as com:
         w = RawWriter(com.endpoint, com.name, layout, staging_rows=tasks * per_task)
         echo_ep = f"ipc://{cleanup.runtime_dir / (com.name + '-echo.sock')}"
-        echo = subprocess.Popen([sys.executable, "-m", "omnishm.bench.echo", echo_ep], stdin=subprocess.DEVNULL)
+        with open(cleanup.runtime_dir / (com.name + "-echo.log"), "wb") as echo_log:  # not the caller's pipes
+            echo = subprocess.Popen([sys.executable, "-m", "omnishm.bench.echo", echo_ep], stdin=subprocess.DEVNULL,
+                                    stdout=echo_log, stderr=subprocess.STDOUT, preexec_fn=dies_with_bench())
         cleanup.procs.append(echo)
         e = None
         try:

@@ -73,4 +73,40 @@ class EarlyStop:
         restore(self._old)
 
 
-__all__ = ["EarlyStop", "STOP_SIGNALS", "install", "restore", "stop_signals"]
+class InterruptOnce:
+    """The first SIGINT or SIGTERM raises ``KeyboardInterrupt`` in the main thread; later ones are ignored.
+
+    The handler of ``omnishm demo`` (and its ranks) and ``omnishm bench`` once they run. So the bounded cleanup
+    the first one started runs to its end instead of the process dying where it stands: a rank's manager
+    shutdown (the last acknowledgement, the Goodbye), the demo's stop of its ranks and its report of what was
+    left, the bench's stop of its committers and children. Ctrl-C reaches the ranks and the demo together, and
+    ``RankGroup.stop`` then sends SIGTERM. ``fired`` is the signal once one came (0 before); ``restore`` puts
+    the previous handlers back. Main thread only.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.fired = 0
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if not self.fired:
+            self.fired = signum
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def raise_pending(self, early: EarlyStop | None) -> None:
+        """Raise, as if it came now, a stop signal ``early`` remembered before this handler was installed
+        (``omnishm.cli.run_external`` keeps one in place while the command imports torch and checks its
+        options). Such a signal killed the demo with the default action (143, no message) or, as Ctrl-C in an
+        import, ended in a traceback or was lost and the run went on to exit 0 (review, stop 54)."""
+        if early is not None and early.reason and not self.fired:
+            self.fired = int(signal.Signals[early.reason])
+            raise KeyboardInterrupt(early.reason)
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+__all__ = ["EarlyStop", "InterruptOnce", "STOP_SIGNALS", "install", "restore", "stop_signals"]

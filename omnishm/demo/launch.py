@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from omnishm.committer.early_stop import InterruptOnce
 from omnishm.demo.rank import RankOptions, RankResult, run_rank
 from omnishm.liveness import die_with_parent
 
@@ -21,33 +22,6 @@ ABORT_WAIT_S = 2.0
 STACK_DUMP_WAIT_S = 2.0
 """How long ``RankGroup.wait`` gives a rank that outlived its deadline to write its threads' stacks (SIGUSR1)
 before it kills it."""
-
-
-class InterruptOnce:
-    """The first SIGINT or SIGTERM raises ``KeyboardInterrupt`` in the main thread; later ones are ignored.
-
-    So the bounded cleanup the first one started runs to its end instead of
-    the process dying where it stands: a rank's manager shutdown (the last
-    acknowledgement, the Goodbye), the demo's stop of its ranks and its report
-    of what was left. Ctrl-C reaches the ranks and the demo together, and
-    ``RankGroup.stop`` then sends SIGTERM. ``fired`` is the signal once one
-    came (0 before); ``restore`` puts the previous handlers back. Main thread only.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.fired = 0
-        self._old = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        if not self.fired:
-            self.fired = signum
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    def restore(self) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from omnishm import liveness, paths, shm
 from omnishm.config import ConfigError, manager_connection, resolve, seconds_argument
-from omnishm.demo.launch import InterruptOnce, RankGroup
+from omnishm.committer.early_stop import EarlyStop, InterruptOnce
+from omnishm.demo.launch import RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
 
 
@@ -106,7 +107,9 @@ def summarize(opts: RankOptions, results: list[RankResult], leaked: list[str], s
     }
 
 
-def cli_main(args: argparse.Namespace) -> int:
+def cli_main(args: argparse.Namespace, early: EarlyStop | None = None) -> int:
+    """Run the demo. ``early``: the caller's record of a stop signal that came before ``InterruptOnce`` is in
+    place (``omnishm.cli.run_external``); the demo then stops as if it came once it is (exit 130)."""
     opts = RankOptions(cache=shm.check_cache_name(args.name), tp=args.tp, seed=args.seed, steps=args.steps,
                        duration_s=args.duration_s, num_blocks=args.num_blocks, block_size=args.block_size,
                        max_batched_tokens=args.max_batched_tokens, width=args.hidden_size,
@@ -183,6 +186,7 @@ def cli_main(args: argparse.Namespace) -> int:
     interrupts = InterruptOnce()
     group: RankGroup | None = None
     try:
+        interrupts.raise_pending(early)
         group = RankGroup(opts)
         results = group.start().wait(args.timeout_s, on_progress)
         if not args.json and tty:
