@@ -223,10 +223,20 @@ class CacheLock:
         """``(generation, pid)`` a committer wrote into lock file ``path``; None when it is gone or reads
         otherwise (not a committer's: a shared runtime dir holds other programs' locks too)."""
         try:
-            with open(path, "rb") as f:
-                parts = f.read(256).split()
+            # Non-blocking, no link followed, a plain file only: a fifo at the name hung ping, status, cleanup and
+            # a committer's start (after it took its own lock, deaf to SIGTERM) until someone wrote to it
+            # (review, stop 54), as ``lock_held`` already knew.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            parts = os.read(fd, 256).split()
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         if len(parts) != 2 or not parts[1].isdigit():
             return None
         return parts[0].decode(errors="replace"), int(parts[1])

@@ -623,3 +623,28 @@ def test_a_flocked_lock_directory_of_another_program_is_no_live_committer(tmp_pa
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+def test_a_fifo_at_a_lock_path_hangs_nothing(committer_factory, capsys):
+    """REVIEW (2026-12-07, stop 54): ``CacheLock.holder`` opened a lock file with a blocking ``open``: a fifo at
+    ``NAME.lock`` (or at a ``<socket>.lock`` in a shared sticky directory, where another user can make one) hung
+    ``ping`` and ``status`` past their ``--timeout-s``, ``cleanup``, and a committer's start in its sweep, after it
+    had taken its own lock, deaf to SIGTERM, until someone wrote to the fifo. A fifo holds no committer's record."""
+    from omnishm import cli
+
+    fifo_name = unique_cache_name("fifo")
+    fifo = RUNTIME_DIR / f"{fifo_name}.lock"
+    os.mkfifo(fifo, 0o600)
+    try:
+        assert liveness.CacheLock.holder(fifo) is None
+        assert liveness.cache_is_live(RUNTIME_DIR, fifo_name) is False
+        handle = committer_factory()  # its start sweeps the dir's dead caches, reading every lock file
+        assert handle.proc.poll() is None and fifo.exists()  # not a committer's: passed over
+        t0 = time.monotonic()
+        assert cli.main(["ping", "--name", fifo_name, "--timeout-s", "2"]) == 1
+        assert cli.main(["cleanup"]) == 0  # every lock file of the dir is read
+        assert cli.main(["cleanup", "--name", fifo_name]) == 0
+        assert time.monotonic() - t0 < 30
+        capsys.readouterr()
+    finally:
+        fifo.unlink(missing_ok=True)
