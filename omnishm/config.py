@@ -73,6 +73,10 @@ def check_endpoint(endpoint: str) -> str:
     if endpoint.startswith("ipc://"):
         if len(endpoint) <= len("ipc://"):
             raise ValueError(f"endpoint {endpoint!r} has no socket path")
+        if endpoint[len("ipc://"):] != endpoint[len("ipc://"):].strip():
+            # "ipc:// " bound a socket named " " in the working directory, as a runtime dir " " did (review,
+            # stop 54)
+            raise ValueError(f"endpoint {endpoint!r}: its socket path has leading or trailing whitespace")
         length = len(os.fsencode(endpoint[len("ipc://"):]))
         if length > MAX_IPC_PATH_BYTES:
             # The committer made a segment before its bind failed on it, and a client's connect raised a bare
@@ -521,15 +525,15 @@ def load_prefix_cache_config(num_blocks: int, block_size: int, *, derived: Mappi
                           f"(those are {', '.join(PREFIX_CACHE_KNOBS)})")
     r = resolve("client", overrides, env=env, config_file=config_file, names=PREFIX_CACHE_KNOBS,
                 given_as="keyword")
-    values = dict(r.values)
+    values, sources = dict(r.values), dict(r.sources)
     for name, raw in derived.items():
         if r.sources[name] == "default" and raw is not None:
-            values[name] = convert(BY_NAME[name], raw, "derived from the engine")
+            sources[name] = "derived from the engine"
+            values[name] = convert(BY_NAME[name], raw, sources[name])
     try:
         return PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size, **values)
     except ValueError as exc:  # a rule across knobs (each one was checked alone): say where each came from
-        given = [f"{name} from {r.sources[name]}" for name in PREFIX_CACHE_KNOBS
-                 if r.sources[name] != "default" or name in derived]
+        given = [f"{name} from {sources[name]}" for name in PREFIX_CACHE_KNOBS if sources[name] != "default"]
         raise ConfigError(f"{exc}" + (f" ({'; '.join(given)})" if given else "")) from None
 
 

@@ -151,16 +151,23 @@ class PrefixCacheConfig:
         ``max_num_batched_tokens`` (falling back to ``max_model_len``), and the
         depth is how many unconsumed step ids may exist, not ``max_num_seqs``.
         """
-        capacity = getattr(scheduler_config, "max_num_batched_tokens", None)
-        if not capacity:
-            capacity = getattr(model_config, "max_model_len", None)
-        if not capacity:
-            capacity = getattr(scheduler_config, "max_model_len", None)
+        capacity = staging_capacity_from_vllm(scheduler_config, model_config)
         kwargs: dict[str, Any] = {"num_blocks": int(num_blocks), "block_size": int(block_size)}
         if capacity:
-            kwargs["staging_capacity_tokens"] = int(capacity)
+            kwargs["staging_capacity_tokens"] = capacity
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def staging_capacity_from_vllm(scheduler_config: Any = None, model_config: Any = None) -> int | None:
+    """A staging page's tokens for a vLLM stage (``PrefixCacheConfig.from_vllm_config``'s rule):
+    ``max_num_batched_tokens``, else ``max_model_len``; None when neither is known."""
+    capacity = getattr(scheduler_config, "max_num_batched_tokens", None)
+    if not capacity:
+        capacity = getattr(model_config, "max_model_len", None)
+    if not capacity:
+        capacity = getattr(scheduler_config, "max_model_len", None)
+    return int(capacity) if capacity else None
 
 
 def _refuse_one_string(keys: Any, what: str) -> None:

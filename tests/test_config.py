@@ -136,6 +136,9 @@ def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     # A socket path over sun_path's 107 bytes: the committer failed its bind after it made a segment.
     ({"endpoint": "ipc:///tmp/" + "d" * 98 + ".sock"}, {}, "", "its socket path is 108 bytes, over the 107 a unix "
                                                               "socket address holds"),
+    # ... and one of whitespace bound a socket named " " in the working directory
+    ({}, {"OMNISHM_ENDPOINT": "ipc:// "}, "", "its socket path has leading or trailing whitespace"),
+    ({"endpoint": "ipc:///tmp/x.sock "}, {}, "", "its socket path has leading or trailing whitespace"),
 ])
 def test_bad_values_raise_clear_errors(tmp_path, flags, env, file_text, message):
     env = dict(env)
@@ -395,3 +398,17 @@ def test_the_staging_bound_counts_the_extra_page():
         PrefixCacheConfig(num_blocks=16, block_size=4, staging_depth=1, staging_capacity_tokens=half + 1)
     with pytest.raises(ConfigError, match="staging_capacity_tokens"):
         knobs.load_prefix_cache_config(16, 4, staging_depth=1, staging_capacity_tokens=half + 1)
+
+
+def test_a_runtime_dir_whose_socket_path_is_too_long_is_refused_before_it_is_made(tmp_path):
+    """REVIEW (2026-12-07, stop 54): the committer refused such a dir (exit 2) after it had made it, and the demo
+    made it, started its ranks, and reported them FAILED with exit 1 where other config errors exit 2."""
+    long_dir = tmp_path / ("d" * 110)
+    for argv in (["-m", "omnishm.committer", "--name", "toolong", "--runtime-dir", str(long_dir)],
+                 ["-m", "omnishm", "demo", "--tp", "1", "--steps", "2", "--name", "toolong"]):
+        env = {**os.environ, "OMNISHM_RUNTIME_DIR": str(long_dir)}
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "over the 107 a unix socket address holds" in proc.stderr and "Traceback" not in proc.stderr, \
+            proc.stderr
+        assert not long_dir.exists(), argv

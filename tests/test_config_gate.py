@@ -220,3 +220,20 @@ def test_individual_checks_accept_groups_or_config():
     check_prefix_cache_kv_groups([group(FullAttentionSpec(32), role=SimpleNamespace(value="default"))])
     with pytest.raises(PrefixCacheConfigError, match="kv_cache_groups"):
         check_prefix_cache_kv_groups(None)
+
+
+def test_the_staging_bound_is_judged_on_the_final_config_not_on_the_derived_capacity_alone(monkeypatch):
+    """REVIEW (2026-12-07, stop 54): the gate built a config from the engine's capacity with the default depth
+    first, so a capacity that ``OMNISHM_STAGING_DEPTH=1`` makes legal was refused with a bare ValueError; and a
+    refusal said a value derived from the engine came "from default"."""
+    from omnishm.config import ConfigError
+    from omnishm.interface import MAX_STAGING_ROWS
+
+    big = SimpleNamespace(max_num_batched_tokens=MAX_STAGING_ROWS // 4, max_num_seqs=8)  # 5 pages: over
+    monkeypatch.setenv("OMNISHM_STAGING_DEPTH", "1")
+    cfg = stage_prefix_cache_config(**gate_kwargs(scheduler_config=big))
+    assert (cfg.staging_depth, cfg.staging_capacity_tokens) == (1, MAX_STAGING_ROWS // 4)
+    monkeypatch.delenv("OMNISHM_STAGING_DEPTH")
+    with pytest.raises(ConfigError) as exc:
+        stage_prefix_cache_config(**gate_kwargs(scheduler_config=big))
+    assert "staging_capacity_tokens from derived from the engine" in str(exc.value), exc.value

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from omnishm.interface import PrefixCacheConfig, ReqId, unmatch
+from omnishm.interface import PrefixCacheConfig, ReqId, staging_capacity_from_vllm, unmatch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from vllm.v1.worker.gpu_input_batch import InputBatch
@@ -411,7 +411,7 @@ def stage_prefix_cache_config(*, kv_cache_config: object, cache_config: object, 
     decoding, priority scheduling, KV-sharing fast prefill, decode/prefill context parallel, sub-block prefix matching,
     other than exactly one full-attention KV group, and a block-size mismatch
     (all ``PrefixCacheConfigError``), then sizes the config from the scheduler
-    (``PrefixCacheConfig.from_vllm_config``; ``num_blocks`` defaults to
+    (``PrefixCacheConfig.from_vllm_config``'s rule; ``num_blocks`` defaults to
     ``kv_cache_config.num_blocks``). One place, so no runner silently skips a
     refusal another one has.
     """
@@ -461,13 +461,13 @@ def stage_prefix_cache_config(*, kv_cache_config: object, cache_config: object, 
         raise PrefixCacheConfigError(
             f"omni prefix cache: kv_cache_config.num_blocks is {num_blocks!r}; run the gate after "
             f"KV-cache init {_DISABLE_HINT}")
-    sized = PrefixCacheConfig.from_vllm_config(num_blocks=num_blocks, block_size=block_size,
-                                               scheduler_config=scheduler_config, model_config=model_config)
-    # OMNISHM_* variables and the TOML file beat what we derived from vLLM (omnishm.config).
+    # OMNISHM_* variables and the TOML file beat what we derived from vLLM (omnishm.config). No config is built
+    # from the derived value alone: its default depth refused a capacity an OMNISHM_STAGING_DEPTH made legal
+    # (review, stop 54).
     from omnishm.config import load_prefix_cache_config
 
-    return load_prefix_cache_config(num_blocks, block_size,
-                                    derived={"staging_capacity_tokens": sized.staging_capacity_tokens})
+    return load_prefix_cache_config(num_blocks, block_size, derived={
+        "staging_capacity_tokens": staging_capacity_from_vllm(scheduler_config, model_config)})
 
 
 def get_prefix_cache_group_view(input_batch: "InputBatch | Any", block_size: int,

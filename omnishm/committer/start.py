@@ -34,6 +34,7 @@ from omnishm.committer.config import (
     EXIT_REFUSED,
     CommitterConfig,
     build_parser,
+    check_endpoint,
     config_from_args,
     setup_logging,
 )
@@ -170,6 +171,9 @@ def _enable_stack_dumps() -> Callable[[], None] | None:
 def _start(args: argparse.Namespace, early: EarlyStop, warned: _Warned) -> int:
     try:
         shm.check_cache_name(args.name)
+        # The endpoint first: a socket path too long to bind left the runtime dir made for it (review, stop 54).
+        check_endpoint(args.endpoint or paths.ipc_endpoint(Path(args.runtime_dir) if args.runtime_dir else None,
+                                                           args.name))
         runtime_dir = paths.ensure_runtime_dir(args.runtime_dir)
         cfg = config_from_args(args, runtime_dir)
     except (ValueError, PermissionError) as exc:  # PermissionError: ours, naming the dir and the rule

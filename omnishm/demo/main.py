@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from omnishm import liveness, paths, shm
-from omnishm.config import ConfigError, manager_connection, resolve, seconds_argument
+from omnishm.config import ConfigError, check_endpoint, manager_connection, resolve, seconds_argument
 from omnishm.committer.early_stop import EarlyStop, InterruptOnce
 from omnishm.demo.launch import RankGroup
 from omnishm.demo.rank import RankOptions, RankResult
@@ -140,9 +140,11 @@ def cli_main(args: argparse.Namespace, early: EarlyStop | None = None) -> int:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
     try:  # what every rank's manager checks: else each rank failed, and then the demo's own check raised
+        # The socket path first: one too long to bind failed every rank after the dir was made (review, stop 54).
+        check_endpoint(opts.endpoint or paths.ipc_endpoint(_runtime_dir(opts), opts.cache))
         runtime_dir = paths.ensure_runtime_dir(_runtime_dir(opts))
         live = liveness.cache_is_live(runtime_dir, opts.cache)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"omnishm demo: {exc}", file=sys.stderr)
         return 2
     if live:
