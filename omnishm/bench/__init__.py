@@ -22,7 +22,10 @@ import platform
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omnishm.committer.early_stop import EarlyStop
 
 FIGURES = ("1", "2", "3", "4", "5", "6")
 
@@ -141,7 +144,7 @@ def format_table(rows: list[Any]) -> str:
     return "\n".join(lines)
 
 
-def cli_main(args: argparse.Namespace, early: Any = None) -> int:
+def cli_main(args: argparse.Namespace, early: EarlyStop | None = None) -> int:
     """Run the benchmark. ``early`` (an ``EarlyStop``): the caller's record of a stop signal that came before
     this installs ``InterruptOnce``; the run then stops as if it came once it has (exit 130). A Ctrl-C or
     SIGTERM stops the run, its committers and children (``Cleanup.close``), and exits 130 with one line; it

@@ -17,8 +17,9 @@ timeout (a demo killed during a step: a reader lived 30 s on). ``put`` and
 (``with`` releases it whatever is raised inside), so no other thread's item
 is queued behind the stop, where it would never be handled: ``put`` says
 False instead (the flusher fails the write, the sender raises and the save
-fails its send, the prefetcher leaves the read to ``materialize``). A handler that stops the thread from inside this thread's
-``put`` gets the lock again: it lands after the C put (the item is handled
+fails its send, the prefetcher leaves the read to ``materialize``). A
+handler that stops the thread from inside this thread's ``put`` gets the
+lock again: it lands after the C put (the item is handled
 before the stop) or, a few bytecodes earlier, before it (the item is then
 queued behind the stop, and the shutdown reports it among the writes that
 did not land).
