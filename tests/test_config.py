@@ -412,3 +412,42 @@ def test_a_runtime_dir_whose_socket_path_is_too_long_is_refused_before_it_is_mad
         assert "over the 107 a unix socket address holds" in proc.stderr and "Traceback" not in proc.stderr, \
             proc.stderr
         assert not long_dir.exists(), argv
+
+
+# Mutation review (stop 54): check_endpoint's whitespace rule is "leading or trailing"; only trailing was tested
+# (``ipc:// `` and ``ipc:///tmp/x.sock ``), so a check that ran ``rstrip`` passed the suite. ``ipc:// /tmp/x.sock``
+# names a socket `` /tmp/x.sock`` relative to the working directory.
+@pytest.mark.parametrize("endpoint", ["ipc:// /tmp/x.sock", "ipc://   x.sock"])
+def test_an_ipc_path_with_leading_whitespace_is_refused(endpoint):
+    from omnishm.config import check_endpoint
+
+    with pytest.raises(ValueError, match="leading or trailing whitespace"):
+        check_endpoint(endpoint)
+    with pytest.raises(ConfigError, match="leading or trailing whitespace"):
+        knobs.resolve("both", {}, env={"OMNISHM_ENDPOINT": endpoint})
+
+
+def test_a_committer_given_one_exits_2_before_it_makes_anything(tmp_path):
+    rt = tmp_path / "rt"
+    proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", "lws", "--runtime-dir", str(rt),
+                           "--endpoint", "ipc:// " + str(tmp_path / "c.sock")], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "leading or trailing whitespace" in proc.stderr and "Traceback" not in proc.stderr
+    assert not rt.exists() and not (tmp_path / " ").exists()
+
+
+# Mutation review (stop 54): the committer checks the socket path of the runtime dir it was *given by flag* before
+# it makes that dir. The suite gave the long dir through OMNISHM_RUNTIME_DIR as well, so a check of the default
+# dir's socket (``paths.ipc_endpoint(None, ...)``) passed it, and a ``--runtime-dir`` too long for a socket was
+# made, and left, before the refusal.
+def test_a_runtime_dir_flag_whose_socket_path_is_too_long_is_refused_before_it_is_made(tmp_path):
+    long_dir = tmp_path / ("d" * 110)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMNISHM_RUNTIME_DIR", "OMNISHM_ENDPOINT")}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path / "xdg")  # the default dir: short, and not the one given
+    proc = subprocess.run([sys.executable, "-m", "omnishm.committer", "--name", "toolongflag", "--runtime-dir",
+                           str(long_dir)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "over the 107 a unix socket address holds" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not long_dir.exists()
+    assert not (tmp_path / "xdg").exists()

@@ -243,3 +243,31 @@ def test_a_lockstep_rank_that_fails_mid_run_stops_its_peers_at_the_next_meeting_
     assert results[1].failure == "RuntimeError: reader broke", results[1]
     assert results[0].failure == "BrokenBarrierError: ", results[0]
     assert elapsed < 30, elapsed
+
+
+# Mutation review (stop 54): ``InterruptOnce.raise_pending`` must count the remembered signal as the first one,
+# so a signal during the cleanup it started (the demo's stop of its ranks and report, the bench's stop of its
+# committers) is ignored, as one after a signal caught by the handler itself is. Without ``fired`` set there, a
+# second Ctrl-C cut that cleanup short (a traceback, no report).
+@pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_after_a_remembered_one_does_not_cut_the_cleanup_short(first):
+    from omnishm.committer.early_stop import EarlyStop, InterruptOnce
+
+    early = EarlyStop((signal.SIGTERM, signal.SIGINT))
+    try:
+        signal.raise_signal(first)  # while "the command imports torch": only remembered
+        assert early.reason == first.name
+        io = InterruptOnce()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                io.raise_pending(early)
+            assert io.fired == first
+            try:  # during the cleanup: ignored
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGTERM)
+            except KeyboardInterrupt:
+                pytest.fail("a second signal interrupted the cleanup the remembered one started")
+        finally:
+            io.restore()
+    finally:
+        early.restore()

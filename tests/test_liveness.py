@@ -648,3 +648,26 @@ def test_a_fifo_at_a_lock_path_hangs_nothing(committer_factory, capsys):
         capsys.readouterr()
     finally:
         fifo.unlink(missing_ok=True)
+
+
+# Mutation review (stop 54): ``CacheLock.holder`` now reads with ``os.open``; it must close the descriptor on
+# every path (a record, a fifo, a short file). Dropping the ``finally: os.close`` passed the suite, and every call
+# then leaked one descriptor (a client's refused attach names the holder, a sweep reads every lock of the dir).
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_holder_leaks_no_descriptor(tmp_path: Path):
+    good = tmp_path / "good.lock"
+    good.write_bytes(b"gen1 %d" % os.getpid())
+    bad = tmp_path / "bad.lock"
+    bad.write_bytes(b"not a record at all")
+    fifo = tmp_path / "fifo.lock"
+    os.mkfifo(fifo, 0o600)
+    assert liveness.CacheLock.holder(good) == ("gen1", os.getpid())
+    before = _open_fds()
+    for _ in range(50):
+        assert liveness.CacheLock.holder(good) == ("gen1", os.getpid())
+        assert liveness.CacheLock.holder(bad) is None
+        assert liveness.CacheLock.holder(fifo) is None
+    assert _open_fds() == before

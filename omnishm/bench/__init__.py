@@ -172,8 +172,9 @@ def cli_main(args: argparse.Namespace, early: EarlyStop | None = None) -> int:
         return 2
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
-    interrupts = InterruptOnce()  # a second signal does not cut the committers' stop short
+    interrupts: InterruptOnce | None = None
     try:
+        interrupts = InterruptOnce()  # a second signal does not cut the committers' stop short
         interrupts.raise_pending(early)
         rows, errors = run(args.quick, only, args.seed, args.device, args.forward_threads)
     except KeyboardInterrupt as exc:  # run's Cleanup.close has stopped every committer and child by now
@@ -181,7 +182,8 @@ def cli_main(args: argparse.Namespace, early: EarlyStop | None = None) -> int:
               file=sys.stderr)
         return 130
     finally:
-        interrupts.restore()
+        if interrupts is not None:
+            interrupts.restore()
     doc = {"date": started.isoformat(timespec="seconds"), "mode": "quick" if args.quick else "normal",
            "goals_judged": not args.quick, "device": args.device, "forward_threads": args.forward_threads,
            "seconds": round(time.monotonic() - t0, 1), "machine": _machine(),

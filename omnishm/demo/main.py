@@ -185,9 +185,10 @@ def cli_main(args: argparse.Namespace, early: EarlyStop | None = None) -> int:
 
     # A second signal must not cut the bounded cleanup short (STOP_TIMEOUT_S, then _wait_for_cleanup's
     # timeout), or the report of what was left would be lost.
-    interrupts = InterruptOnce()
+    interrupts: InterruptOnce | None = None
     group: RankGroup | None = None
     try:
+        interrupts = InterruptOnce()  # inside: a signal as it goes in raises here, and is handled below
         interrupts.raise_pending(early)
         group = RankGroup(opts)
         results = group.start().wait(args.timeout_s, on_progress)
@@ -204,7 +205,8 @@ def cli_main(args: argparse.Namespace, early: EarlyStop | None = None) -> int:
               + (f": {leaked}" if leaked else ""), file=sys.stderr)
         return 130
     finally:
-        interrupts.restore()
+        if interrupts is not None:
+            interrupts.restore()
     summary = summarize(opts, results, leaked, time.perf_counter() - t0)
     if args.json:
         print(json.dumps(summary, indent=2))
