@@ -400,3 +400,27 @@ def test_figure_4s_echo_server_dies_with_a_killed_bench():
             proc.kill()
             proc.wait()
     Cleanup().close()  # the next run: it removes the dir the killed one left
+
+
+def test_a_terminals_ctrl_c_to_the_bench_prints_one_line_and_no_workers_traceback():
+    """REVIEW (2026-12-07, stop 54): a terminal's Ctrl-C goes to the whole process group. Figure 5's workers (and
+    figure 1's ``memcpy`` child) write to the bench's stderr, and each printed a KeyboardInterrupt traceback
+    beside the bench's one line. They ignore SIGINT now; the bench stops them itself."""
+    from helpers import children_running, maps_library
+
+    proc = subprocess.Popen([sys.executable, "-m", "omnishm", "bench", "--quick", "--only", "5"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)  # its own process group, as a terminal's job
+    try:
+        deadline = time.monotonic() + 120
+        # A worker running Python code (loading torch): with SIGINT not ignored, it raises there.
+        while not any(maps_library(w, "libtorch") for w in children_running(proc.pid, "omnishm.bench.memory")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "omnishm bench: interrupted (SIGINT)" in err, err

@@ -228,11 +228,19 @@ def _stop_with_bench(bench: int) -> None:
         os._exit(1)
 
 
-def dies_with_bench() -> Callable[[], None]:
+def dies_with_bench(*, deaf_to_ctrl_c: bool = False) -> Callable[[], None]:
     """``preexec_fn`` of every child process of the bench (``_stop_with_bench`` of this process): none outlives a
     bench killed mid-figure. Figure 4's echo server had none, and outlived it waiting for good, holding the
-    caller's stderr pipe open (review, stop 54)."""
-    return functools.partial(_stop_with_bench, os.getpid())
+    caller's stderr pipe open (review, stop 54). ``deaf_to_ctrl_c``: the child ignores SIGINT (Python keeps it
+    ignored), for a worker the bench stops itself that writes to the bench's stderr: a terminal's Ctrl-C, sent
+    to the whole process group, printed a traceback of each beside the bench's one line (review, stop 54)."""
+    return functools.partial(_child_of_bench, os.getpid(), deaf_to_ctrl_c)
+
+
+def _child_of_bench(bench: int, deaf_to_ctrl_c: bool) -> None:
+    _stop_with_bench(bench)
+    if deaf_to_ctrl_c:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class ProcessCommitter:

@@ -37,7 +37,8 @@ BS = 16
 class Worker:
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "omnishm.bench.memory"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, preexec_fn=dies_with_bench())
+                                     stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=dies_with_bench(deaf_to_ctrl_c=True))
 
     def call(self, **req: Any) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None

@@ -61,7 +61,7 @@ class NonTemporalMemcpy:
 
         proc = subprocess.Popen([sys.executable, "-m", "omnishm.bench.nt_memcpy", str(capacity)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
-                                preexec_fn=dies_with_bench())
+                                preexec_fn=dies_with_bench(deaf_to_ctrl_c=True))
         child = cls(proc)
         if child._ask("ready") != "ready":
             child.close()
