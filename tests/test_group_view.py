@@ -268,3 +268,17 @@ def test_a_refusal_is_named_once_the_name_is_read():
     with pytest.raises(PrefixCacheConfigError, match="^omni prefix cache: cache stage1: prefix caching is off$"):
         with naming_the_cache(lambda: "stage1"):
             raise PrefixCacheConfigError("omni prefix cache: prefix caching is off")
+
+
+def test_a_knob_refusal_the_gate_reads_is_named_too():
+    """REVIEW (2026-12-07, stop 54): a bad ``OMNISHM_*`` knob, or a rule across knobs (the staging bound), is a
+    ``ConfigError`` from the gate's ``load_prefix_cache_config``; it named no cache, so a pipeline's operator
+    could not tell which stage was refused. It is named, and stays a ``ConfigError``."""
+    from omnishm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^cache stage1: bad staging_depth = '0' \(from env"):
+        with naming_the_cache(lambda: "stage1"):
+            raise ConfigError("bad staging_depth = '0' (from env OMNISHM_STAGING_DEPTH): must be >= 1")
+    with pytest.raises(ConfigError, match=r"^bad staging_depth"):
+        with naming_the_cache(_boom):
+            raise ConfigError("bad staging_depth = '0' (from env OMNISHM_STAGING_DEPTH): must be >= 1")

@@ -450,3 +450,32 @@ def test_the_hooks_refuse_an_unsupported_stage_at_kv_cache_init(committer, monke
     step(runner, so(new=[("A", 8, 0, [0, 1])], counts={"A": 8}))
     assert h.manager is not None and h.stats()["saves"] == 1
     h.uninstall()
+
+
+def test_a_bad_knob_the_gate_reads_at_kv_cache_init_names_the_cache(committer, monkeypatch):
+    """REVIEW (2026-12-07, stop 54): a rule across the gate's ``OMNISHM_*`` knobs (the staging bound) refused with
+    a ``ConfigError`` that named no cache, where every gate refusal names it."""
+    from omnishm.config import ConfigError
+    from omnishm.interface import MAX_STAGING_ROWS
+
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    # Each knob alone is good (read when the hooks are made); the two together pass the staging bound.
+    monkeypatch.setenv("OMNISHM_STAGING_CAPACITY_TOKENS", str(MAX_STAGING_ROWS))
+
+    class Runner(FakeV1Runner):
+        def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+            self.kv_cache_config = kv_cache_config
+
+    runner = Runner()
+    cfg = runner.kv_cache_config
+    del runner.kv_cache_config  # what the worker's runner has before initialize_kv_cache
+    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    h.install()
+    try:
+        with pytest.raises(ConfigError, match=f"^cache {committer.name}: PrefixCacheConfig.\\(staging_depth "
+                                              r"\+ 1\) \* staging_capacity_tokens .* \(staging_capacity_tokens "
+                                              r"from env OMNISHM_STAGING_CAPACITY_TOKENS\)"):
+            runner.initialize_kv_cache(cfg)
+        assert h.manager is None
+    finally:
+        h.uninstall()

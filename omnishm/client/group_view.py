@@ -76,13 +76,17 @@ class PrefixCacheConfigError(ValueError):
 
 @contextlib.contextmanager
 def naming_the_cache(cache: Callable[[], str | None]) -> Iterator[None]:
-    """A ``PrefixCacheConfigError`` raised inside is raised again with ``cache()``'s name in its message: in a
+    """A ``PrefixCacheConfigError`` (or ``ConfigError``: a bad ``OMNISHM_*`` knob the gate read, or a rule across
+    knobs such as the staging bound; it named no cache either, review, stop 54) raised inside is raised again,
+    of the same type, with ``cache()``'s name in its message: in a
     thinker/talker pipeline each stage has its cache, and a refusal that named none did not say which stage
     was refused (review, 2026-12-07; README, "Every error names the cache"). ``cache`` is called only then;
     if it raises or gives None, the error goes on as it was."""
+    from omnishm.config import ConfigError  # the gate's OMNISHM_* knobs and cross-knob rules (stop 54)
+
     try:
         yield
-    except PrefixCacheConfigError as exc:
+    except (PrefixCacheConfigError, ConfigError) as exc:
         try:
             name = cache()
         except Exception:  # noqa: BLE001 - the refusal is the error to raise, named or not
@@ -90,8 +94,8 @@ def naming_the_cache(cache: Callable[[], str | None]) -> Iterator[None]:
         if not name:
             raise
         text, lead = str(exc), "omni prefix cache: "
-        rest = text[len(lead):] if text.startswith(lead) else text
-        raise PrefixCacheConfigError(f"{lead}cache {name}: {rest}").with_traceback(exc.__traceback__) from None
+        named = f"{lead}cache {name}: {text[len(lead):]}" if text.startswith(lead) else f"cache {name}: {text}"
+        raise type(exc)(named).with_traceback(exc.__traceback__) from None
 
 
 # ---------------------------------------------------------------------------
