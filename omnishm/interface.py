@@ -122,7 +122,7 @@ class PrefixCacheConfig:
             # The client's pin counts were allocated for them before the committer could refuse the layout.
             raise ValueError(f"PrefixCacheConfig.num_blocks * block_size = {self.num_blocks * self.block_size} "
                              f"exceeds {MAX_SLOTS} slots")
-        if (self.staging_depth + 1) * self.staging_capacity_tokens > MAX_STAGING_ROWS:
+        if self.staging_rows > MAX_STAGING_ROWS:
             # Refused by the committer at attach naming neither knob, or a bare OverflowError encoding the Hello
             # (review, stop 54).
             raise ValueError(f"PrefixCacheConfig.(staging_depth + 1) * staging_capacity_tokens = "
@@ -141,6 +141,11 @@ class PrefixCacheConfig:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def staging_rows(self) -> int:
+        """A writer's staging rows: ``staging_depth`` pages of one step each, plus the deferred writes' page."""
+        return (self.staging_depth + 1) * self.staging_capacity_tokens
 
     @classmethod
     def from_vllm_config(cls, *, num_blocks: int, block_size: int, scheduler_config: Any = None,

@@ -517,7 +517,7 @@ def test_a_readers_refusal_for_its_writer_names_the_request_and_tensor(committer
     """REVIEW (2026-12-07, stop 53): a reader's hit refused because its writer left or was replaced said
     ``request=None, tensor=None``, though it was asked for one request. It names the first hit request asked
     for and a tensor of the step now, as every refusal must. A real committer; the writer leaves by goodbye."""
-    from manager_helpers import BS
+    from manager_helpers import BS, one_applied_step
 
     h = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "2.0")
     config = small_config(commit_timeout_s=10.0)
@@ -526,9 +526,7 @@ def test_a_readers_refusal_for_its_writer_names_the_request_and_tensor(committer
     other = None
     try:
         for m in (writer, reader):
-            m.new_step_starts([started("a", [0])])
-            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-        writer.wait_idle()
+            one_applied_step(m)
         writer.shutdown()
         if how == "writer replaced":
             other = OmniPrefixCacheManager(config, cache=h.name, autostart=False)

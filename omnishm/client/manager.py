@@ -151,7 +151,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             "result_blocks_faulted")}
         self.result_pool = ResultPool(config.result_pool_bytes)
         cap = config.staging_capacity_tokens
-        staging_rows = config.staging_depth * cap + cap if self.is_writer else 0
+        staging_rows = config.staging_rows if self.is_writer else 0
         self._link = CommitterLink(
             cache=cache, role=role, endpoint=endpoint, autostart=autostart, connect_timeout_s=connect_timeout_s,
             request_timeout_s=config.commit_timeout_s, runtime_dir=Path(runtime_dir) if runtime_dir else None,
