@@ -10,7 +10,9 @@ finished ids reported one step late, as vLLM does.
 
 Ground truth: the output row of a token depends only on the token prefix that
 ends at it (a rolling hash), exactly like a causal model's hidden state, so
-any rank and any replay produce the same rows.
+any rank and any replay produce the same rows. Every row carries its token tag
+and every hit its tokens, as the vLLM integration gives them, so the writer's
+token check (``client/tokens.py``) runs wherever the simulation does.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
+from omnishm.client.tokens import token_tags
 
 if TYPE_CHECKING:
     from omnishm.client.manager import OmniPrefixCacheManager
@@ -144,6 +148,8 @@ class SimStep:
     hashes: dict[str, list[int]]
     hit_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """The blocks of each request's hit (requests with one only): its hit rows are their slots."""
+    prompts: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    """Each request's tokens (the engine's live list: later steps append to it) and prompt length."""
 
     @property
     def num_tokens(self) -> int:
@@ -338,8 +344,10 @@ class SimEngine:
             kind = PrefixCacheEventKind.RESUMED if req.started else PrefixCacheEventKind.STARTED
             self.resumed_hits += kind == PrefixCacheEventKind.RESUMED and hit > 0
             req.started = True
+            # The hit's tokens, as vLLM's scheduler output carries them: the writer checks its rows against them.
             events.append(PrefixCacheRequestEvent(kind, req.req_id, num_computed_tokens=hit,
-                                                  block_ids=tuple(req.blocks)))
+                                                  block_ids=tuple(req.blocks),
+                                                  token_ids=tuple(req.tokens) if hit else None))
             self.running.append(req)
             batch.append((req, hit, count))
             written.update(self._written_blocks(req, count))
@@ -354,9 +362,10 @@ class SimEngine:
         return set(req.blocks[first:last + 1])
 
     def _outputs(self, events, batch) -> SimStep:
-        writes, slot_parts, rows = [], [], []
+        writes, slot_parts, rows, tags = [], [], [], []
         mm_rows: dict[str, list[torch.Tensor]] = {key: [] for key in self.mm_keys}
         positions: dict[str, tuple[int, int, int]] = {}
+        prompts: dict[str, tuple[list[int], int]] = {}
         hashes: dict[str, list[int]] = {}
         hit_blocks: dict[str, tuple[int, ...]] = {}
         start = 0
@@ -365,6 +374,9 @@ class SimEngine:
             pos = torch.arange(req.num_computed, req.num_computed + count, dtype=torch.int64)
             blocks = torch.tensor(req.blocks, dtype=torch.int64)
             slot_parts.append(blocks[pos // self.bs] * self.bs + pos % self.bs)
+            # Every row's token is known here, generated ones too (vLLM's integration tags prompt rows only).
+            tags.append(token_tags(np.asarray(req.tokens[req.num_computed:req.num_computed + count]), pos.numpy()))
+            prompts[req.req_id] = (req.tokens, req.prompt_len)
             hs = prefix_hashes(req.tokens[:req.num_computed + count])
             hashes[req.req_id] = hs
             rows.append(truth_rows(hs[req.num_computed:], self.width))
@@ -380,8 +392,10 @@ class SimEngine:
         hidden = torch.cat(rows) if rows else torch.empty((0, self.width))
         mm = {key: torch.cat(parts) for key, parts in mm_rows.items()} if batch else {}
         return SimStep(step=PrefixCacheStep(tuple(events), num_sched),
-                       layout=PrefixCacheWriteLayout(tuple(writes), slots), hidden=hidden, mm=mm,
-                       positions=positions, hashes=hashes, hit_blocks=hit_blocks)
+                       layout=PrefixCacheWriteLayout(tuple(writes), slots,
+                                                     np.concatenate(tags) if tags else None),
+                       hidden=hidden, mm=mm, positions=positions, hashes=hashes, hit_blocks=hit_blocks,
+                       prompts=prompts)
 
     def advance(self, sim_step: SimStep) -> None:
         """After the forward: account computed tokens, decode, finish, abort."""

@@ -109,6 +109,9 @@ class NewRequest:
     req_id: str
     num_computed_tokens: int
     block_ids: tuple[list[int], ...]
+    prompt_token_ids: Any = None
+    """The request's tokens (the simulation's: the whole request, not the prompt alone; a hit's are the
+    ones read)."""
 
 
 @dataclass
@@ -119,6 +122,7 @@ class CachedRequests:
     resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,13 +170,15 @@ def scheduler_output(step: PrefixCacheStep) -> SchedulerOutput:
         if ev.kind in (K.FINISHED, K.ABORTED):
             finished.add(ev.req_id)
         elif ev.kind in (K.STARTED, K.REPLACED):
-            new.append(NewRequest(ev.req_id, ev.num_computed_tokens, (list(ev.block_ids),)))
+            new.append(NewRequest(ev.req_id, ev.num_computed_tokens, (list(ev.block_ids),), ev.token_ids))
         else:
             cached.req_ids.append(ev.req_id)
             cached.num_computed_tokens.append(ev.num_computed_tokens)
             cached.new_block_ids.append((list(ev.block_ids),) if ev.block_ids or ev.kind is K.RESUMED else None)
             if ev.kind is K.RESUMED:
                 cached.resumed_req_ids.add(ev.req_id)
+                if ev.token_ids is not None:
+                    cached.all_token_ids[ev.req_id] = ev.token_ids
     counts = dict(step.num_scheduled_tokens)
     return SchedulerOutput(new, cached, counts, sum(counts.values()), finished)
 
@@ -196,6 +202,9 @@ class InputBatch:
         self.req_ids: list[str] = []
         self.req_id_to_index: dict[str, int] = {}
         self.num_computed_tokens_cpu = np.zeros(max_reqs, dtype=np.int32)
+        # vLLM's CPU token ids and prompt lengths: omnishm's group view tags the step's prompt rows from them.
+        self.token_ids_cpu = np.zeros((max_reqs, max_blocks * block_size), dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_reqs, dtype=np.int32)
 
     def update(self, step: "SimStep", blocks: dict[str, list[int]]) -> None:
         """The batch of ``step``, in its write layout's order; ``blocks``: each request's block list."""
@@ -204,7 +213,11 @@ class InputBatch:
         for row, rid in enumerate(self.req_ids):
             ids = blocks[rid]
             self.table[row, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-            self.num_computed_tokens_cpu[row] = step.positions[rid][1]
+            _, first, count = step.positions[rid]
+            self.num_computed_tokens_cpu[row] = first
+            tokens, prompt_len = step.prompts[rid]
+            self.token_ids_cpu[row, first:first + count] = tokens[first:first + count]
+            self.num_prompt_tokens[row] = prompt_len
 
 
 class VllmOmniOwnCache:

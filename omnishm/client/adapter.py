@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from omnishm.interface import ReqId, unmatch
@@ -142,6 +143,11 @@ class PrefixCacheRequestEvent:
     req_id: ReqId
     num_computed_tokens: int = 0
     block_ids: tuple[int, ...] = ()
+    token_ids: Sequence[int] | None = field(default=None, compare=False, repr=False)
+    """Optional, for a prefix hit: the request's token ids from position 0 (vLLM's prompt token ids, or all
+    its tokens for a resumed request), kept as given (not copied). The writer checks the hit's rows were
+    computed for these tokens (``client/tokens.py``); None: not checked. Only STARTED, REPLACED and RESUMED
+    events may carry them."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, PrefixCacheEventKind):
@@ -158,8 +164,14 @@ class PrefixCacheRequestEvent:
         if blocks and not (all(type(b) is int for b in blocks) and min(blocks) >= 0):
             blocks = tuple(_nonneg_int(b, f"{self.req_id}: block id") for b in blocks)
         object.__setattr__(self, "block_ids", blocks)
-        if self.kind in _END_KINDS and (self.num_computed_tokens or blocks):
+        if self.kind in _END_KINDS and (self.num_computed_tokens or blocks or self.token_ids is not None):
             raise ValueError(f"{self.kind.name} event for {self.req_id} must carry only the id")
+        if self.token_ids is not None:
+            if self.kind is PrefixCacheEventKind.EXTENDED:
+                raise ValueError(f"EXTENDED event for {self.req_id} carries no token ids (only a hit's are checked)")
+            if isinstance(self.token_ids, (str, bytes)) or not hasattr(self.token_ids, "__len__"):
+                raise ValueError(f"{self.req_id}: token_ids must be a sequence of token ids, got "
+                                 f"{type(self.token_ids).__name__}")
 
 
 @dataclass(frozen=True)
@@ -219,6 +231,10 @@ class PrefixCacheWriteLayout:
 
     writes: tuple[PrefixCacheWrite, ...]
     slots: torch.Tensor
+    token_tags: np.ndarray | None = None
+    """Optional: one int64 per row, ``tokens.token_tags`` of the row's token id and its position in its
+    request, 0 where unknown (None: all unknown). The writer keeps them per slot and checks later hits
+    against them (``client/tokens.py``); readers ignore them."""
 
     def __post_init__(self) -> None:
         if type(self.writes) is not tuple:
@@ -312,24 +328,34 @@ class PrefixCacheSchedulerAdapter:
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             rid = new.req_id
             blocks = _group_blocks(new.block_ids, g, rid)
+            # A hit's tokens, for the writer's check of its rows (client/tokens.py): the V2 runner's resumed
+            # request carries all its tokens in prefill_token_ids, the prompt's come first in either.
+            tokens = None
+            if new.num_computed_tokens:
+                tokens = getattr(new, "prefill_token_ids", None)
+                if tokens is None:
+                    tokens = getattr(new, "prompt_token_ids", None)
             if rid in preempted:
                 # vLLM's V2 model runner re-sends a resumed request as new (after
                 # reporting it in preempted_req_ids): a resume, not a replacement.
                 preempted.discard(rid)
                 resumed.append(PrefixCacheRequestEvent(PrefixCacheEventKind.RESUMED, rid,
-                                                       new.num_computed_tokens, blocks))
+                                                       new.num_computed_tokens, blocks, tokens))
                 continue
             kind = PrefixCacheEventKind.REPLACED if rid in live else PrefixCacheEventKind.STARTED
-            events.append(PrefixCacheRequestEvent(kind, rid, new.num_computed_tokens, blocks))
+            events.append(PrefixCacheRequestEvent(kind, rid, new.num_computed_tokens, blocks, tokens))
             live.add(rid)
 
-        for rid, is_resumed, per_group, computed in self._cached_rows(
-                getattr(scheduler_output, "scheduled_cached_reqs", None)):
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        for rid, is_resumed, per_group, computed in self._cached_rows(cached):
             if is_resumed:
                 if per_group is None:
                     raise ValueError(f"{rid}: resumed request without block ids")
+                # vLLM 0.32's V1 runner gets a resumed request's tokens in all_token_ids (older ones: none).
+                every = getattr(cached, "all_token_ids", None) if computed else None
+                tokens = every.get(rid) if isinstance(every, abc.Mapping) else None
                 resumed.append(PrefixCacheRequestEvent(PrefixCacheEventKind.RESUMED, rid, computed,
-                                                       _group_blocks(per_group, g, rid)))
+                                                       _group_blocks(per_group, g, rid), tokens))
             else:
                 extended.append(PrefixCacheRequestEvent(PrefixCacheEventKind.EXTENDED, rid, computed,
                                                         _group_blocks(per_group, g, rid)))
@@ -450,4 +476,5 @@ class PrefixCacheSchedulerAdapter:
         slots = group_view.step_slots_cpu(counts)
         if int(slots.numel()) != start:  # a view that disagrees with its own counts is a bug upstream
             raise unmatch(f"group view returned {int(slots.numel())} slots for {start} tokens")
-        return PrefixCacheWriteLayout(tuple(writes), slots)
+        tagger = getattr(group_view, "step_token_tags_cpu", None)  # a view that knows no tokens has none
+        return PrefixCacheWriteLayout(tuple(writes), slots, tagger(counts) if tagger is not None else None)

@@ -28,8 +28,10 @@ import sys
 from array import array
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from omnishm.client.tokens import token_tags
 from omnishm.interface import PrefixCacheConfig, ReqId, staging_capacity_from_vllm, unmatch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -231,6 +233,45 @@ class FullAttentionGroupView:
                     f"({limit} blocks, block_size {bs})", req_id=rid)
             extend_slots(out, tab[row], pos, end, bs)
         return torch.frombuffer(out, dtype=torch.int64)
+
+    def step_token_tags_cpu(self, counts: Sequence[int]) -> np.ndarray | None:
+        """This step's row tags (``client/tokens.py``), one int64 per row in ``step_slots_cpu``'s order, from the
+        batch's CPU token ids: the tag of each prompt token given as an id, 0 for every other row (a generated
+        token: under async scheduling the runner's CPU copy of a step's sampled input may not be written yet;
+        a prompt embedding: no id). None when no row of the step has a known token (a decode step) or the
+        batch keeps no token ids. ``counts`` as ``step_slots_cpu`` took them (a list, in batch order)."""
+        batch = self.input_batch
+        token_ids = getattr(batch, "token_ids_cpu", None)
+        prompt_len = getattr(batch, "num_prompt_tokens", None)
+        if token_ids is None or prompt_len is None:
+            return None
+        rows = self._rows()[1]
+        if not rows:
+            return None
+        # Plain ints of the batch's rows (in vLLM's condensed batch, about its request count): a decode step,
+        # the common case, then finds no prompt row in about 2 us for 64 requests (16 us indexing numpy).
+        top = rows[-1] + 1
+        computed = batch.num_computed_tokens_cpu[:top].tolist()
+        prompt_end = prompt_len[:top].tolist()
+        spans: list[tuple[int, int, int, int]] = []  # (step row, batch row, first position, end of prompt rows)
+        at = 0
+        for row, n in zip(rows, counts):
+            if n:
+                pos = computed[row]
+                end = min(pos + n, prompt_end[row])
+                if end > pos:
+                    spans.append((at, row, pos, end))
+                at += n
+        if not spans:
+            return None
+        is_ids = getattr(batch, "is_token_ids", None)  # vLLM 0.32: False where the prompt gave an embedding
+        out = np.zeros(at, dtype=np.int64)
+        for start, row, pos, end in spans:
+            ids = np.asarray(token_ids[row, pos:end], dtype=np.int64)
+            if is_ids is not None:
+                ids = np.where(np.asarray(is_ids[row, pos:end], dtype=bool), ids, -1)
+            out[start:start + end - pos] = token_tags(ids, np.arange(pos, end, dtype=np.int64))
+        return out
 
 
 # ---------------------------------------------------------------------------

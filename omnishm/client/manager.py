@@ -45,7 +45,8 @@ from omnishm.client.result_pool import ResultPool
 from omnishm.client.segments import KeyViews, StagingPages, row_width
 from omnishm.client.serial import SerialThread
 from omnishm.client.session import SessionSide
-from omnishm.client.steps import HitSpan, StepCtx, StepLifecycle, as_step_id
+from omnishm.client.steps import HitSpan, PendingHit, StepCtx, StepLifecycle, as_step_id
+from omnishm.client.tokens import SlotTokens, hit_token_tags
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.config import manager_connection
@@ -122,7 +123,9 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._pinned: dict[StepId, StepCtx] = {}
         self._consumed: set[StepId] = set()
         self._live: set[ReqId] = set()
-        self._pending_hits: dict[ReqId, torch.Tensor] = {}
+        self._pending_hits: dict[ReqId, PendingHit] = {}
+        self._slot_tokens = SlotTokens(config.num_slots) if self.is_writer else None
+        """Writer: what each slot's rows were computed for (``client/tokens.py``); engine thread only."""
         self._keys: dict[TensorName, KeyViews] = {}
         self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
         self._step_sources: dict[tuple[TensorName, StepId], RowSource] = {}  # immediate keys, by (key, step)
@@ -148,7 +151,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             "steps_saved", "hit_tokens", "hit_rows_served", "rows_served", "cow_rescues", "unmatch_errors",
             "save_seconds", "materialize_seconds", "staging_waits", "deferred_flushes", "budget_flushes",
             "prefetch_used", "prefetch_dropped", "staging_pages_in_use", "result_blocks_reused",
-            "result_blocks_faulted")}
+            "result_blocks_faulted", "token_checked_rows", "token_mismatches")}
         self.result_pool = ResultPool(config.result_pool_bytes)
         cap = config.staging_capacity_tokens
         staging_rows = config.staging_rows if self.is_writer else 0
@@ -211,7 +214,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._check_usable()
         step = self._translator.translate_step(events, num_scheduled_tokens)
         bs = self.config.block_size
-        planned: dict[ReqId, torch.Tensor | None] = {}
+        planned: dict[ReqId, PendingHit] = {}
         refused: list[tuple[ReqId, str]] = []
         # An id that finishes and is added again in this step (the adapter emits FINISHED first) is a
         # new request: its STARTED carries a real prefix hit, not a live request re-entering.
@@ -232,7 +235,9 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                     refused.append((ev.req_id, why))
                     continue
                 blocks = torch.as_tensor(list(ev.block_ids[:ev.num_computed_tokens // bs]), dtype=torch.int64)
-                planned[ev.req_id] = (blocks[:, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1)
+                tags = hit_token_tags(ev.token_ids, ev.num_computed_tokens) if self.is_writer else None
+                planned[ev.req_id] = PendingHit(
+                    (blocks[:, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1), tags)
         to_flush: list[WriteTask] = []
         with self._lock:
             for ev in step.events:
@@ -246,10 +251,10 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                     replaced = ev.kind == EventKind.REPLACED or (
                         ev.kind == EventKind.STARTED and ev.req_id in self._live)
                     self._live.add(ev.req_id)
-                    slots = None if replaced else planned.get(ev.req_id)
-                    if slots is not None:
-                        self._pending_hits[ev.req_id] = slots
-                        to_flush.extend(self._close_hit_writes_locked(slots))
+                    hit = None if replaced else planned.get(ev.req_id)
+                    if hit is not None:
+                        self._pending_hits[ev.req_id] = hit
+                        to_flush.extend(self._close_hit_writes_locked(hit.slots))
                     else:
                         self._pending_hits.pop(ev.req_id, None)
         handed = list(to_flush) if self.eager else []
@@ -364,8 +369,13 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                 ctx.step_rows[key] = data.reshape(n, row_width(ctx.row_shapes[key]))
             to_flush: list[WriteTask] = []
             cvs: list[int] = []
+            refused: dict[ReqId, str] = {}
             if self.is_writer and writes:
                 cvs = self._store_claims(step_id, counts, slots, slot_list, slots_np, immediate, deferred)
+                assert self._slot_tokens is not None
+                self._slot_tokens.record(slot_list if slot_list is not None else slots_np, write_layout.token_tags)
+                if self._pending_hits:  # after this step's tags: vLLM may hit blocks this step computes
+                    refused = self._check_hit_tokens(writes, step_id)
             with self._lock:
                 if self.is_writer and writes:
                     to_flush = self._register_writes_locked(ctx, writes, cvs, slots, slot_list, immediate, deferred)
@@ -374,11 +384,12 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                         hit = self._pending_hits.pop(w.req_id, None)
                         if hit is None:
                             continue
-                        span = HitSpan(slots=hit, cvs={key: kv.claim[hit].clone() for key, kv in self._keys.items()})
+                        span = HitSpan(slots=hit.slots, refused=refused.get(w.req_id),
+                                       cvs={key: kv.claim[hit.slots].clone() for key, kv in self._keys.items()})
                         ctx.hits[w.req_id] = span
-                        self._pin_count[hit] += 1
+                        self._pin_count[hit.slots] += 1
                         if self.is_writer:
-                            to_flush.extend(self._close_hit_writes_locked(hit))
+                            to_flush.extend(self._close_hit_writes_locked(hit.slots))
                 self._ctxs[step_id] = ctx
                 if ctx.hits:  # only steps with hits pin slots (copy-on-write checks them)
                     self._pinned[step_id] = ctx

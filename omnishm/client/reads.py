@@ -234,6 +234,8 @@ class ReadSide:
     def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId,
                   deadline: float) -> None:
         """A hit's rows of ``key`` into ``out``; waits for rows still landing until ``deadline`` (monotonic)."""
+        if span.refused is not None:  # the writer found them computed for other tokens (client/tokens.py)
+            raise self._unmatch(span.refused, req_id=req, key=key, step_id=ctx.step_id)
         if self.is_writer:
             kv = self._keys.get(key)
             planned = span.cvs.get(key)
@@ -286,7 +288,7 @@ class ReadSide:
         if bool(((cvs == 0) | ((cvs >> 48) != self._epoch)).any()):
             # 0: never written; another epoch: written by an earlier writer this engine never saw.
             raise self._unmatch("hit span resolves to absent rows (never written by this writer, or cleared by a "
-                                "refused save)", req_id=req, key=key, step_id=step_id)
+                                "refused save or a hit's token check)", req_id=req, key=key, step_id=step_id)
         # Seqlock: committed BEFORE the copy (a row still landing may be copied half old, half new, and
         # be committed by the time a check after the copy runs), and still claimed after it.
         ok = (kv.commit[slots] == cvs) & (kv.claim[slots] == cvs)
@@ -367,7 +369,8 @@ class ReadSide:
             claim = kv.claim[slots].clone()
             if bool((claim == 0).any()):
                 raise self._unmatch("hit span resolves to absent rows (never written, or cleared by a refused "
-                                    "save)", req_id=req, key=key, step_id=step_id)
+                                    "save or by the writer's token check of a hit)", req_id=req, key=key,
+                                    step_id=step_id)
             bad_epoch = (claim >> 48) != epoch
             later = ((claim >> 16) & 0xFFFFFFFF) > step_id
             if bool((bad_epoch | later).any()):

@@ -15,12 +15,13 @@ failed after it issued the id (``_abandon_step``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +30,8 @@ from omnishm import protocol as P
 from omnishm.client.writes import RowSource
 from omnishm.interface import ReqId, StepId, TensorName
 from omnishm.versions import make_cv
+
+logger = logging.getLogger(__name__)
 
 
 def as_step_id(step_id: Any, what: str) -> StepId:
@@ -54,12 +57,22 @@ def request_ids(req_ids: Iterable[ReqId]) -> Iterable[ReqId]:
     return req_ids
 
 
+class PendingHit(NamedTuple):
+    """A prefix hit ``new_step_starts`` registered, until the request's save takes it."""
+
+    slots: torch.Tensor
+    tags: np.ndarray | None = None
+    """Writer: the tags the hit's rows must have (``tokens.hit_token_tags``); None: not checked."""
+
+
 @dataclass
 class HitSpan:
     """One request's prefix hit: its slots and, per key, the claim versions it must read."""
 
     slots: torch.Tensor
     cvs: dict[TensorName, torch.Tensor]
+    refused: str | None = None
+    """Writer: why the hit's rows are not the request's (``_check_hit_tokens``); its read raises with it."""
 
 
 @dataclass
@@ -132,7 +145,8 @@ class StepLifecycle:
         later step's claims as its own. Raises ``TypeError`` for slots that are not a 1-D integer
         tensor, ``OmniPrefixCacheUnmatchError`` for a layout that disagrees with the token counts
         or with itself: a negative count, a request twice, writes not contiguous from row 0 in batch
-        order (claim versions follow the writes' order, rows their ``token_start``).
+        order (claim versions follow the writes' order, rows their ``token_start``). Token tags that
+        are not None or one int64 per row are a ``TypeError``.
         """
         slots = write_layout.slots
         if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES or slots.dim() != 1 \
@@ -143,6 +157,12 @@ class StepLifecycle:
         if padded < n or slots.numel() != n:
             raise self._unmatch(f"token accounting: unpadded={n}, padded={padded}, layout rows={slots.numel()}",
                                 step_id=step_id)
+        tags = getattr(write_layout, "token_tags", None)
+        if tags is not None and not (isinstance(tags, np.ndarray) and tags.dtype == np.int64
+                                     and tags.shape == (n,)):
+            got = (f"{tags.dtype} of shape {tags.shape}" if isinstance(tags, np.ndarray) else type(tags).__name__)
+            raise TypeError(f"write_layout.token_tags must be None or an int64 numpy array of one tag per row "
+                            f"({n}), got {got}")
         writes = []
         seen: set[ReqId] = set()
         row = 0
@@ -178,6 +198,36 @@ class StepLifecycle:
         if bad:
             return f"prefix hit names block id {bad[0]} outside 0..{self.config.num_blocks - 1}"
         return ""
+
+    def _check_hit_tokens(self, writes: list[Any], step_id: StepId) -> dict[ReqId, str]:
+        """Writer, engine thread, in a save after its claims and tags are stored: the hits this save takes
+        whose rows were computed for other tokens (``client/tokens.py``), with why. Their wrong slots become
+        absent (copy-on-write first, as for a refused save's), so a reader's read of them raises too. No lock:
+        the tag table and the claim tables are the engine thread's."""
+        refused: dict[ReqId, str] = {}
+        tokens = self._slot_tokens
+        for w in writes:
+            hit = self._pending_hits.get(w.req_id)
+            if hit is None or hit.tags is None or tokens is None:
+                continue
+            slots_np = hit.slots.numpy()
+            compared, bad = tokens.check(slots_np, hit.tags)
+            self.counters["token_checked_rows"] += compared
+            if not len(bad):
+                continue
+            first = int(bad[0])
+            wrong = torch.from_numpy(slots_np[bad])
+            self._rescue_before_claim(wrong)
+            for kv in self._keys.values():
+                kv.claim_np[wrong.numpy()] = 0
+            tokens.forget(wrong.numpy())
+            self.counters["token_mismatches"] += len(bad)
+            refused[w.req_id] = (
+                f"prefix hit of {len(hit.slots)} tokens: {len(bad)} of its rows were computed for other tokens "
+                f"(first at position {first}, slot {int(slots_np[first])}): vLLM hit blocks it never computed "
+                f"for this prompt; those slots are now absent")
+            logger.warning("cache %s: step %s, request %r: %s", self.cache, step_id, w.req_id, refused[w.req_id])
+        return refused
 
     def _check_slots(self, slots: torch.Tensor, n: int, step_id: StepId
                      ) -> tuple[torch.Tensor, list[int] | None, np.ndarray | None]:
@@ -243,7 +293,7 @@ class StepLifecycle:
                         if w.num_tokens > 0:  # what a save takes (a 0-token request's hit waits for its next)
                             hit = self._pending_hits.pop(w.req_id, None)
                             if hit is not None:
-                                taken[w.req_id] = HitSpan(slots=hit, cvs={})
+                                taken[w.req_id] = HitSpan(slots=hit.slots, cvs={})
                 except Exception:  # noqa: BLE001 - a layout refused as malformed names no request reliably
                     pass
                 self._mark_consumed_locked(step_id)

@@ -1,0 +1,240 @@
+"""The writer's token check of prefix hits (``client/tokens.py``): a hit whose rows were computed for other
+tokens raises on every rank, never serves them. Real committer, real shared memory."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from manager_helpers import BS, Part, build, expect, quick_config, started
+from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
+from omnishm.client.adapter import PrefixCacheEventKind as K
+from omnishm.client.adapter import PrefixCacheRequestEvent as E
+from omnishm.client.adapter import PrefixCacheSchedulerAdapter, PrefixCacheWriteLayout
+from omnishm.client.group_view import FullAttentionGroupView
+from omnishm.client.tokens import hit_token_tags, token_tags
+
+PROMPT = list(range(100, 140))  # request a's tokens; position p holds 100 + p
+
+
+def tags_of(tokens, first: int, count: int) -> np.ndarray:
+    return token_tags(np.asarray(tokens[first:first + count], dtype=np.int64),
+                      np.arange(first, first + count, dtype=np.int64))
+
+
+def save_tagged(m, parts: list[Part], tokens: dict[str, list[int] | None]) -> int:
+    """``manager_helpers.save`` with each part's rows tagged with its request's tokens (None: unknown)."""
+    h, mm, layout, n, pad = build(parts, BS)
+    tags = np.concatenate([tags_of(tokens[p.req], p.first, p.count) if tokens.get(p.req) is not None
+                           else np.zeros(p.count, dtype=np.int64) for p in parts])
+    layout = replace(layout, token_tags=tags)
+    return m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
+
+
+def hit_event(req: str, blocks, hit: int, tokens) -> E:
+    return E(K.STARTED, req, num_computed_tokens=hit, block_ids=tuple(blocks), token_ids=tokens)
+
+
+def test_tags_are_distinct_for_distinct_tokens_and_positions_and_zero_only_for_unknown():
+    tokens = np.repeat(np.arange(0, 300, dtype=np.int64), 300)
+    positions = np.tile(np.arange(0, 300, dtype=np.int64), 300)
+    tags = token_tags(tokens, positions)
+    assert len(np.unique(tags)) == len(tags) and (tags & 1).all()
+    assert (token_tags(np.array([-1, 5]), np.array([0, 1])) == [0, token_tags(np.array([5]), np.array([1]))[0]]).all()
+    assert hit_token_tags(None, 8) is None and hit_token_tags([], 8) is None
+    assert (hit_token_tags(PROMPT, 8) == tags_of(PROMPT, 0, 8)).all()
+    assert len(hit_token_tags(PROMPT[:5], 8)) == 5  # ids past the ones given are not compared
+
+
+def test_a_hit_on_rows_of_the_same_tokens_is_served(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1, 2])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1, 2], 0, 10)], {"a": PROMPT}))
+    m.new_step_starts([hit_event("b", [0, 1, 5], 8, PROMPT[:8] + [7, 7, 7])])
+    sid = save_tagged(m, [Part("b", 1, [0, 1, 5], 8, 3)], {"b": PROMPT[:8] + [7, 7, 7]})
+    out = m.materialize(sid, ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 8, 1, 8, 3)) and out.num_hit_tokens["b"] == 8
+    assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 8
+
+
+def test_a_hit_on_rows_computed_for_other_tokens_raises_and_the_slots_become_absent(mgr):
+    """The fault of vLLM's priority scheduling (stop 54): vLLM hits blocks it never computed for this prompt,
+    whose slots still hold an earlier request's rows. The writer raises, naming the request, the tensor, the
+    step and the first wrong position, instead of serving them; the slots are absent from then on."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1, 2])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1, 2], 0, 10)], {"a": PROMPT}))
+    other = PROMPT[:5] + [9, 9, 9]  # same first block and first token of block 1, then other tokens
+    m.new_step_starts([hit_event("c", [0, 1, 5], 8, other + [1])])
+    sid = save_tagged(m, [Part("c", 3, [0, 1, 5], 8, 1)], {"c": other + [1]})
+    with pytest.raises(OmniPrefixCacheUnmatchError) as err:
+        m.materialize(sid, ["c"])
+    text = str(err.value)
+    assert "'c'" in text and f"step_id={sid}" in text and "3 of its rows were computed for other tokens" in text \
+        and "first at position 5, slot 5" in text, text
+    assert m.counters["token_mismatches"] == 3
+    # Slots 5..7 are absent now; block 0 and slot 4 kept a's rows, and a hit on block 0 alone is served.
+    m.new_step_starts([hit_event("d", [0, 6], 4, PROMPT[:5])])
+    sid = save_tagged(m, [Part("d", 1, [0, 6], 4, 1)], {"d": PROMPT[:5]})
+    assert torch.equal(m.materialize(sid, ["d"]).hidden_states["d"], expect(1, 4, 1, 4, 1))
+    m.new_step_starts([hit_event("e", [0, 1, 7], 8, PROMPT)])
+    sid = save_tagged(m, [Part("e", 1, [0, 1, 7], 8, 1)], {"e": PROMPT})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
+        m.materialize(sid, ["e"])
+
+
+def test_a_hit_on_blocks_the_same_step_computes_is_checked_against_that_steps_tokens(mgr):
+    """vLLM hits blocks computed in the same step (two identical prompts scheduled together): the step's own
+    tags are recorded before its hits are checked, so the hit is served, and a wrong one still raises."""
+    m = mgr()
+    m.new_step_starts([started("a", [3, 4])])
+    m.discard_step(save_tagged(m, [Part("a", 9, [3, 4], 0, 8)], {"a": [5] * 8}))  # the slots' earlier tenant
+    m.new_step_starts([started("a2", [3, 4]), hit_event("b", [3, 4, 6], 8, PROMPT[:9])])
+    sid = save_tagged(m, [Part("a2", 1, [3, 4], 0, 8), Part("b", 1, [3, 4, 6], 8, 1)],
+                      {"a2": PROMPT, "b": PROMPT})
+    out = m.materialize(sid, ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 8, 1, 8, 1))
+    m.new_step_starts([started("a3", [8, 9]), hit_event("c", [8, 9, 10], 8, [1] * 9)])
+    sid = save_tagged(m, [Part("a3", 1, [8, 9], 0, 8), Part("c", 1, [8, 9, 10], 8, 1)],
+                      {"a3": PROMPT, "c": [1] * 9})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="first at position 0, slot 32"):
+        m.materialize(sid, ["c"])
+
+
+@pytest.mark.parametrize("known", ["writer", "hit"])
+def test_rows_or_hits_without_tokens_are_not_checked(mgr, known):
+    """A position unknown on either side is not compared: rows saved without tags (generated tokens, an
+    integration that knows no tokens) and hits that carry no token ids are served as before."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT if known == "writer" else None}))
+    m.new_step_starts([hit_event("b", [0, 2], 4, [1, 2, 3, 4] if known == "hit" else None)])
+    sid = save_tagged(m, [Part("b", 1, [0, 2], 4, 1)], {"b": PROMPT})
+    assert torch.equal(m.materialize(sid, ["b"]).hidden_states["b"], expect(1, 4, 1, 4, 1))
+    assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 0
+
+
+def test_a_reader_raises_where_its_writer_found_other_tokens(committer):
+    """Readers keep no tags: the writer makes the wrong slots absent before it publishes the step, so a
+    reader's read of them raises too, never serves the rows."""
+    made = []
+    try:
+        w = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
+        made.append(w)
+        r = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False, role="reader")
+        made.append(r)
+        for m in (w, r):
+            m.new_step_starts([started("a", [0, 1])])
+            m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
+        w.wait_idle()
+        sids = []
+        for m in (w, r):
+            m.new_step_starts([hit_event("c", [0, 1, 3], 8, [0] * 9)])
+            sids.append(save_tagged(m, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": [0] * 9}))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="computed for other tokens"):
+            w.materialize(sids[0], ["c"])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows") as err:
+            r.materialize(sids[1], ["c"])
+        assert "'c'" in str(err.value) and f"step_id={sids[1]}" in str(err.value)
+    finally:
+        for m in reversed(made):
+            m.shutdown()
+
+
+def test_token_tags_that_are_not_one_int64_per_row_are_refused(mgr):
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    h, mm, layout, n, pad = build([Part("a", 1, [0], 0, 4)], BS)
+    for bad in (np.zeros(4, dtype=np.int32), np.zeros(3, dtype=np.int64), [0, 0, 0, 0]):
+        with pytest.raises(TypeError, match="token_tags"):
+            m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad,
+                           write_layout=PrefixCacheWriteLayout(layout.writes, layout.slots, bad))
+
+
+def _batch(prompt_len, computed, token_ids, is_ids=None):
+    """A V1-shaped input batch of two requests, a (blocks 0..3) and b (blocks 4..7), block size 4."""
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.array([4, 4]))
+    batch = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_cpu=np.array(computed, dtype=np.int32),
+                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=token_ids,
+                            num_prompt_tokens=np.array(prompt_len, dtype=np.int32))
+    if is_ids is not None:
+        batch.is_token_ids = is_ids
+    return batch
+
+
+def test_the_group_view_tags_prompt_tokens_given_as_ids_only():
+    ids = np.arange(32, dtype=np.int32).reshape(2, 16) + 100
+    view = FullAttentionGroupView(_batch([6, 10], [4, 0], ids), BS)
+    # a: positions 4..7, prompt ends at 6 (6 and 7 are generated); b: positions 0..2, all prompt.
+    got = view.step_token_tags_cpu([4, 3])
+    want = np.concatenate([tags_of(ids[0], 4, 2), [0, 0], tags_of(ids[1], 0, 3)])
+    assert got.dtype == np.int64 and (got == want).all()
+    is_ids = np.ones((2, 16), dtype=bool)
+    is_ids[1, 1] = False  # an embedding at b's position 1
+    got = FullAttentionGroupView(_batch([6, 10], [4, 0], ids, is_ids), BS).step_token_tags_cpu([4, 3])
+    assert got[5] == 0 and got[4] == want[4] and got[6] == want[6]
+    assert view.step_token_tags_cpu([0, 0]) is None  # nothing to tag
+    assert FullAttentionGroupView(_batch([6, 10], [6, 10], ids), BS).step_token_tags_cpu([1, 1]) is None  # decode
+    no_ids = _batch([6, 10], [4, 0], ids)
+    del no_ids.token_ids_cpu
+    assert FullAttentionGroupView(no_ids, BS).step_token_tags_cpu([4, 3]) is None
+    layout = PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": 4, "b": 3})
+    assert (layout.token_tags == want).all()
+
+
+def test_the_adapter_gives_a_hits_token_ids_from_vllms_scheduler_output():
+    """STARTED: the prompt's ids (V2: prefill_token_ids first); RESUMED (V1): ``all_token_ids``; no hit: none."""
+    new = [SimpleNamespace(req_id="h", num_computed_tokens=8, block_ids=([0, 1, 2],), prompt_token_ids=PROMPT),
+           SimpleNamespace(req_id="n", num_computed_tokens=0, block_ids=([3],), prompt_token_ids=[1, 2])]
+    cached = SimpleNamespace(req_ids=["r"], resumed_req_ids={"r"}, new_block_ids=[([4, 5],)],
+                             num_computed_tokens=[4], all_token_ids={"r": [7] * 9})
+    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                         num_scheduled_tokens={"h": 2, "n": 2, "r": 1})
+    got = {ev.req_id: ev.token_ids for ev in PrefixCacheSchedulerAdapter().translate_scheduler_output(so).events}
+    assert got == {"h": PROMPT, "n": None, "r": [7] * 9}
+    v2 = SimpleNamespace(req_id="v", num_computed_tokens=4, block_ids=([0, 1],), prompt_token_ids=[1] * 4,
+                         prefill_token_ids=[2] * 6)
+    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[v2], scheduled_cached_reqs=None,
+                         num_scheduled_tokens={"v": 2})
+    assert PrefixCacheSchedulerAdapter().translate_scheduler_output(so).events[0].token_ids == [2] * 6
+    with pytest.raises(ValueError, match="only the id"):
+        E(K.FINISHED, "x", token_ids=[1])
+    with pytest.raises(ValueError, match="sequence of token ids"):
+        E(K.STARTED, "x", num_computed_tokens=4, block_ids=(0,), token_ids="abcd")
+
+
+def test_the_simulated_engine_checks_every_hit_and_a_hit_given_other_tokens_raises(committer_factory):
+    """``omnishm.sim`` tags every row and gives each hit its tokens, so the randomized tests, the demo and the
+    benchmarks run with the check on (a wrong tag there fails them as a refusal). Here: hits are compared
+    position by position and served, and the first hit whose event is given another first token raises."""
+    from omnishm.interface import PrefixCacheConfig
+    from omnishm.sim import SimEngine
+
+    cfg = PrefixCacheConfig(num_blocks=40, block_size=16, staging_capacity_tokens=96, staging_depth=4,
+                            staging_claim_timeout_s=5.0, commit_timeout_s=10.0)
+    eng = SimEngine(num_blocks=40, block_size=16, max_batched_tokens=96, width=16, mm_width=4, seed=5)
+    with OmniPrefixCacheManager(cfg, cache=committer_factory().name, autostart=False) as m:
+        for _ in range(300):
+            eng.top_up(3)
+            st = eng.schedule()
+            hit = next((ev for ev in st.step.events if ev.token_ids is not None), None)
+            if hit is not None and m.counters["token_checked_rows"] > 500:
+                wrong = replace(hit, token_ids=(hit.token_ids[0] + 1, *hit.token_ids[1:]))
+                st.step = replace(st.step, events=tuple(wrong if ev is hit else ev for ev in st.step.events))
+                sid = st.run(m)
+                with pytest.raises(OmniPrefixCacheUnmatchError, match="first at position 0"):
+                    m.materialize(sid, [hit.req_id])
+                break
+            sid = st.run(m)
+            out = m.materialize(sid, st.layout.req_ids)
+            for r in st.layout.req_ids:
+                assert torch.equal(out.hidden_states[r], eng.expected(st, r))
+            eng.advance(st)
+        else:
+            pytest.fail(f"no hit after {m.counters['token_checked_rows']} compared positions")
+    assert m.counters["token_mismatches"] == 1
