@@ -278,12 +278,21 @@ class StepLifecycle:
         another step's claims as its own step's. The writer first makes the layout's slots absent
         (``_forget_refused``, also on a fatal cache), then publishes the step so that its readers' waits
         for it end at once; not when the slots could not be cleared (its readers then wait out their
-        bound and raise, rather than read the slots' previous tenant for a same-step hit).
+        bound and raise, rather than read the slots' previous tenant for a same-step hit). The hits its
+        readers take are checked against their tokens first (``_check_hit_tokens``).
         """
         cleared = not self.is_writer
         try:
             if self.is_writer:
                 self._forget_refused(write_layout)
+                # The readers' save takes this step's hits: they are checked as a save's are, or a wrong one
+                # would be served there (review, stop 55). The layout's own slots are unknown by now.
+                if self._pending_hits:
+                    try:
+                        writes = [w for w in write_layout.writes if w.num_tokens > 0]
+                    except Exception:  # noqa: BLE001 - a malformed layout names no request reliably
+                        writes = []
+                    self._check_hit_tokens(writes, step_id)
                 cleared = True
         finally:
             taken: dict[ReqId, HitSpan] = {}

@@ -6,9 +6,9 @@ never computed holds the rows of the slot's previous tenant, and omnishm served 
 no error: vLLM 0.32's priority scheduler did it (stop 54; the gate refuses that policy since, docs/CLIENT.md
 §3). This module is the safety net for that class of fault, whatever causes it next.
 
-- **The tag.** A row's tag is a 64-bit mix of its token id and its position in its request
-  (``token_tags``): a bijection of the pair, made odd, so two distinct (token, position) pairs of any real
-  vocabulary and context length never share a tag, and 0 is free to mean "unknown".
+- **The tag.** A row's tag is its token id and its position in its request, packed in 64 bits
+  (``token_tags``; position + 1 in the high half): exact, so two distinct (token, position) pairs never
+  share a tag, and 0 is free to mean "unknown".
 - **Recorded by the writer**, for every slot it claims, on the engine thread (``SlotTokens.record``): the
   tag of the row's token where the integration knows it, else 0. The vLLM integration knows prompt tokens
   given as ids (``FullAttentionGroupView.step_token_tags_cpu``); generated tokens are 0, since under async
@@ -37,31 +37,25 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SlotTokens", "token_tags", "hit_token_tags"]
+__all__ = ["SlotTokens", "token_tag", "token_tags", "hit_token_tags"]
 
-_K = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_ONE = np.uint64(1)
+_POSITION = 32
+"""A tag is ``(position + 1) << 32 | token id``: the position in the high half, plus one so a known tag is
+never 0."""
+
+
+def token_tag(token_id: int, position: int) -> int:
+    """The tag of one row (plain Python, for small steps); 0 for a negative (unknown) token id."""
+    return ((position + 1) << _POSITION) | token_id if token_id >= 0 else 0
 
 
 def token_tags(token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """The int64 tag of each (token id, position) pair; 0 where the token id is negative (unknown).
 
-    ``token + position * K`` (wrapping) is one-to-one for token ids under 2**32 and positions under 2**20
-    (K is odd and no small multiple of it is small), and splitmix64's finaliser is a bijection, so distinct
-    pairs get distinct values; the low bit set makes a known tag never 0. Vectorised: about 6 passes over
-    the arrays."""
+    Exact: the pair itself, packed (``token_tag``), for token ids under 2**32 (vLLM's are int32) and
+    positions under 2**31 - 1, so distinct pairs never share a tag and no hash can collide."""
     tokens = np.asarray(token_ids, dtype=np.int64)
-    x = tokens.astype(np.uint64) + np.asarray(positions, dtype=np.int64).astype(np.uint64) * _K
-    x ^= x >> _S30
-    x *= _M1
-    x ^= x >> _S27
-    x *= _M2
-    x ^= x >> _S31
-    x |= _ONE
-    out = x.view(np.int64)
+    out = ((np.asarray(positions, dtype=np.int64) + 1) << _POSITION) | tokens
     unknown = tokens < 0
     if unknown.any():
         out[unknown] = 0
@@ -70,15 +64,18 @@ def token_tags(token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def hit_token_tags(token_ids: Sequence[int] | Any, hit: int) -> np.ndarray | None:
     """The tags a hit of ``hit`` tokens must find, from the request's own token ids (position 0 first), or
-    None when there are none to compare (no ids given). Ids past the ones given are not compared."""
+    None when there are none to compare: no ids given, or ids that are no list of int64 numbers (a None in
+    them, an int past 2**63, not one dimension). Never raises: only the writer computes these, and a raise
+    in ``new_step_starts`` lost the step's other events on it alone (review, stop 55). Ids past the ones
+    given are not compared."""
     if token_ids is None:
         return None
-    ids = token_ids[:hit]
-    if not len(ids):
+    try:
+        arr = np.asarray(token_ids[:hit], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError, IndexError, KeyError):
         return None
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.ndim != 1:
-        return None  # not a token list (an integration's bug): nothing that can be compared
+    if arr.ndim != 1 or not len(arr):
+        return None
     return token_tags(arr, np.arange(len(arr), dtype=np.int64))
 
 

@@ -193,6 +193,8 @@ class WriterSide:
                 index = slots.numpy()
                 for kv in self._keys.values():
                     kv.claim_np[index] = 0
+                if self._slot_tokens is not None:
+                    self._slot_tokens.forget(index)
             except BaseException as exc:
                 self._set_fatal(f"the slots of a refused save could not be made absent: {exc!r}")
                 raise
