@@ -225,11 +225,13 @@ class VllmOmniPrefixCacheManager:
             if counts[r] > 0:
                 writes.append(PrefixCacheWrite(r, start, counts[r]))
             start += counts[r]
+        tags = None  # rows' token tags (client/tokens.py): known through omnishm's own view of the batch only
         if n <= 0:
             slots = torch.empty(0, dtype=torch.int64)
         elif self._ours is not None and self._ours.batch_req_ids == order:
             with self._errors():
                 slots = self._ours.step_slots_cpu([counts[r] for r in order])
+                tags = self._ours.step_token_tags_cpu([counts[r] for r in order])
         else:
             slots = self._view.step_slots_cpu(order, counts)
         rows: dict[str, torch.Tensor] = {}
@@ -250,7 +252,7 @@ class VllmOmniPrefixCacheManager:
         leftover, event = _snapshot(leftover)
         with self._errors():
             sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=n, num_tokens_padded=padded,
-                                       write_layout=PrefixCacheWriteLayout(tuple(writes), slots))
+                                       write_layout=PrefixCacheWriteLayout(tuple(writes), slots, tags))
         empty = {key: v.new_empty((0, *v.shape[1:]), device="cpu") for key, v in rows.items()}
         if hidden is not None:
             empty[HIDDEN_KEY] = hidden.new_empty((0, *hidden.shape[1:]), device="cpu")

@@ -50,12 +50,15 @@ def prefix_rows(tokens: list[int]) -> torch.Tensor:
 
 class FakeBatch:
     """Duck-typed InputBatch for the group views (omnishm's and vllm-omni's): req_ids and their index,
-    computed counts, CPU block table."""
+    computed counts, CPU block table, and the CPU token ids and prompt lengths that omnishm's view tags prompt
+    rows from (the writer's token check)."""
 
     def __init__(self, max_reqs: int, max_blocks: int) -> None:
         self.req_ids: list[str | None] = []
         self.req_id_to_index: dict[str, int] = {}
         self.num_computed_tokens_cpu = np.zeros(max_reqs, dtype=np.int32)
+        self.token_ids_cpu = np.zeros((max_reqs, max_blocks * BLOCK), dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_reqs, dtype=np.int32)
         table = torch.zeros((max_reqs, max_blocks), dtype=torch.int32)
         self.block_table = BlockTables([SimpleNamespace(block_table=SimpleNamespace(cpu=table), block_size=BLOCK)])
         self.table = table
@@ -69,6 +72,7 @@ class FakeRunner:
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}  # prompt + generated, what the engine knows
+        self.prompt_len: dict[str, int] = {}
 
     def update_states(self, so) -> None:
         for rid in so.finished_req_ids:
@@ -77,6 +81,7 @@ class FakeRunner:
         for new in so.scheduled_new_reqs:
             self.blocks[new.req_id] = list(new.block_ids[0])
             self.computed[new.req_id] = new.num_computed_tokens
+            self.prompt_len[new.req_id] = len(new.prompt_token_ids)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
@@ -94,6 +99,9 @@ class FakeRunner:
             blocks = self.blocks[rid]
             self.batch.table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             self.batch.num_computed_tokens_cpu[row] = self.computed[rid]
+            known = self.tokens[rid]
+            self.batch.token_ids_cpu[row, :len(known)] = known
+            self.batch.num_prompt_tokens[row] = self.prompt_len[rid]
 
     def forward(self, so) -> torch.Tensor:
         parts = []
@@ -227,9 +235,12 @@ def test_real_scheduler_outputs_drive_the_cache(vllm_config, seed):
                     runner.tokens[rid].extend(toks)
             counts["steps"] += 1
         assert manager.unconsumed_step_ids() == []
+        # The writer compared the hits' prompt rows with what it saved (no prompt row left unchecked).
+        counts["token_checked_rows"] = int(manager.counters["token_checked_rows"])
+        assert manager.counters["token_mismatches"] == 0
     TIER_COUNTS["scheduler_rows"] += counts["rows"]
     TIER_COUNTS["scheduler_steps"] += counts["steps"]
     print(f"scheduler tier seed {seed}: {counts}")
-    assert counts["hits"] > 10 and counts["hit_rows"] > 300, counts
+    assert counts["hits"] > 10 and counts["hit_rows"] > 300 and counts["token_checked_rows"] > 300, counts
     assert counts["rows_saved"] > NUM_BLOCKS * BLOCK, counts  # freed blocks were handed out again
     assert counts["aborted"] > 0 and counts["preempted"] > 0, counts

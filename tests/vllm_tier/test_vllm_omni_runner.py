@@ -187,6 +187,9 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
                 if rid in scheduler.requests:
                     tokens[rid].extend(toks)
             counts["steps"] += 1
+        # The drop-in's writer compared the hits' prompt rows too (omnishm's view of the same batch tags them).
+        counts["token_checked_rows"] = int(ours.omni_prefix_cache._m.counters["token_checked_rows"])
+        assert ours.omni_prefix_cache._m.counters["token_mismatches"] == 0
     finally:
         for r in (ours, theirs):
             if r.omni_prefix_cache is not None:
@@ -195,5 +198,6 @@ def test_vllm_omni_runner_on_omnishm_matches_its_own_cache(vllm_config, monkeypa
     TIER_COUNTS["scheduler_steps"] += counts["steps"]
     print(f"vllm-omni runner on omnishm: {counts}")
     assert counts["hit_rows"] > 300 and counts["aborted"] > 0 and counts["preempted"] > 0, counts
+    assert counts["token_checked_rows"] > 300, counts
     assert counts["resumed"] > 0, counts  # V1 resumes reached both caches (neither counts them as hits)
     assert len(gated) == 1 and gated[0] is not None  # the drop-in passed omnishm's gate on the real configs
