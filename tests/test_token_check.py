@@ -313,3 +313,30 @@ def test_a_large_batch_finds_its_prompt_rows_or_none(prefill_row):
         want = np.zeros(n, dtype=np.int64)
         want[prefill_row] = tags_of(ids[prefill_row], 2, 1)[0]
         assert (got == want).all()
+
+
+def test_the_v2_view_tags_prompt_rows_from_the_prompts_its_mirror_kept():
+    """vLLM's V2 runner keeps no CPU token ids the hooks can read: the mirror keeps each new request's prompt
+    ids from its scheduler output, and the view tags the step's prompt rows from them (0 past the prompt, at
+    embedding positions, and for a request whose prompt came without ids)."""
+    from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView
+
+    def new(rid, prompt, is_ids=None):
+        return SimpleNamespace(req_id=rid, block_ids=([0, 1, 2, 3],), prompt_token_ids=prompt,
+                               prompt_is_token_ids=is_ids)
+
+    mirror = BlockIdMirror()
+    mirror.update(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=None,
+                                  scheduled_new_reqs=[new("a", PROMPT[:6]), new("b", [7] * 5, [True, False] * 2 + [True]),
+                                                      new("c", None)],
+                                  scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
+    counts = np.array([4, 3, 2], dtype=np.int32)
+    batch = SimpleNamespace(req_ids=["a", "b", "c"], num_scheduled_tokens=counts,
+                            query_start_loc_np=np.concatenate([[0], np.cumsum(counts)]),
+                            num_computed_tokens_np=np.array([4, 0, 0], dtype=np.int32))
+    got = V2StepGroupView(batch, mirror, BS).step_token_tags_cpu([4, 3, 2])
+    b = tags_of([7] * 5, 0, 3)
+    assert got.tolist() == [*tags_of(PROMPT, 4, 2), 0, 0, b[0], 0, b[2], 0, 0]
+    mirror.update(SimpleNamespace(finished_req_ids={"a", "b"}, preempted_req_ids=None, scheduled_new_reqs=[],
+                                  scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
+    assert mirror.prompt("a") is None and mirror.prompt("b") is None

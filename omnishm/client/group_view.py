@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from omnishm.client.tokens import token_tag, token_tags
+from omnishm.client.tokens import row_tags
 from omnishm.interface import PrefixCacheConfig, ReqId, staging_capacity_from_vllm, unmatch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -51,8 +51,6 @@ __all__ = [
 ]
 
 _DISABLE_HINT = "or disable the omni prefix cache for this stage"
-_SMALL_STEP_ROWS = 256
-"""Steps of at most this many rows get their token tags in plain Python (``step_token_tags_cpu``)."""
 _SMALL_BATCH_REQS = 64
 """Batches of more requests than this look for prompt rows with numpy first (``step_token_tags_cpu``)."""
 
@@ -275,24 +273,8 @@ class FullAttentionGroupView:
         if not spans:
             return None
         is_ids = getattr(batch, "is_token_ids", None)  # vLLM 0.32: False where the prompt gave an embedding
-        if at <= _SMALL_STEP_ROWS:
-            # Plain Python: right after the forward each numpy call on small arrays costs tens of microseconds of
-            # cold code (a vectorised version took 117 us a step in figure 6's hooks arm, 37 rows a step).
-            small = array("q", bytes(8 * at))
-            for start, row, pos, end in spans:
-                ids = token_ids[row, pos:end].tolist()
-                known = is_ids[row, pos:end].tolist() if is_ids is not None else None
-                for k, token in enumerate(ids):
-                    if known is None or known[k]:
-                        small[start + k] = token_tag(token, pos + k)
-            return np.frombuffer(small, dtype=np.int64)
-        out = np.zeros(at, dtype=np.int64)
-        for start, row, pos, end in spans:
-            ids = np.asarray(token_ids[row, pos:end], dtype=np.int64)
-            if is_ids is not None:
-                ids = np.where(np.asarray(is_ids[row, pos:end], dtype=bool), ids, -1)
-            out[start:start + end - pos] = token_tags(ids, np.arange(pos, end, dtype=np.int64))
-        return out
+        return row_tags(at, [(start, pos, token_ids[row, pos:end], None if is_ids is None else is_ids[row, pos:end])
+                             for start, row, pos, end in spans])
 
 
 # ---------------------------------------------------------------------------

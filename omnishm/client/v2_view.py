@@ -24,10 +24,12 @@ from __future__ import annotations
 from array import array
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from omnishm.client.adapter import id_collection
 from omnishm.client.group_view import extend_slots
+from omnishm.client.tokens import row_tags
 from omnishm.interface import ReqId, unmatch
 
 __all__ = ["BlockIdMirror", "V2StepGroupView", "is_v2_runner"]
@@ -48,6 +50,10 @@ class BlockIdMirror:
 
     def __init__(self) -> None:
         self._blocks: dict[ReqId, list[int]] = {}
+        self._prompts: dict[ReqId, tuple[Sequence[int], Sequence[bool] | None]] = {}
+        """Each live request's prompt token ids and which of them are ids (vLLM 0.32's ``prompt_is_token_ids``;
+        None: all), as its scheduler output gave them (kept, not copied; none for a prompt of embeddings or a
+        request seeded from the runner): the rows the view tags (``client/tokens.py``)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -57,10 +63,17 @@ class BlockIdMirror:
         so = scheduler_output
         for rid in id_collection(so.finished_req_ids, "finished_req_ids"):
             self._blocks.pop(rid, None)
+            self._prompts.pop(rid, None)
         for rid in id_collection(getattr(so, "preempted_req_ids", None), "preempted_req_ids"):
             self._blocks.pop(rid, None)  # re-sent as new, with all its block ids, when it resumes
+            self._prompts.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self._blocks[new.req_id] = [int(b) for b in new.block_ids[0]]
+            prompt = getattr(new, "prompt_token_ids", None)
+            if prompt is not None:
+                self._prompts[new.req_id] = (prompt, getattr(new, "prompt_is_token_ids", None))
+            else:
+                self._prompts.pop(new.req_id, None)
         cached = so.scheduled_cached_reqs
         resumed = set(id_collection(getattr(cached, "resumed_req_ids", None), "resumed_req_ids"))
         for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
@@ -87,6 +100,10 @@ class BlockIdMirror:
         for rid, idx in index.items():
             self._blocks[rid] = [int(b) for b in table[idx, :int(counts[idx])].tolist()]
         return len(index)
+
+    def prompt(self, rid: ReqId) -> tuple[Sequence[int], Sequence[bool] | None] | None:
+        """The request's prompt token ids and which are ids (None: all), or None when the mirror has none."""
+        return self._prompts.get(rid)
 
     def blocks(self, rid: ReqId) -> list[int]:
         """The request's block ids; ``OmniPrefixCacheUnmatchError`` when the mirror has none for it."""
@@ -142,3 +159,22 @@ class V2StepGroupView:
                               f"blocks (block_size {bs})", req_id=rid)
             extend_slots(out, blocks, pos, end, bs)
         return torch.frombuffer(out, dtype=torch.int64) if out else torch.empty(0, dtype=torch.int64)
+
+    def step_token_tags_cpu(self, num_scheduled_tokens: Sequence[int]) -> np.ndarray | None:
+        """This step's row tags (``client/tokens.py``) in ``step_slots_cpu``'s order, from the prompt token ids
+        the mirror kept: each prompt row's tag, 0 for generated tokens and for requests without ids. None when
+        no row of the step is a known prompt row. Call after ``step_slots_cpu`` checked the counts."""
+        computed = self.input_batch.num_computed_tokens_np
+        spans = []
+        at = 0
+        for i, (rid, n) in enumerate(zip(self.batch_req_ids, num_scheduled_tokens)):
+            n = int(n)
+            known = self.mirror.prompt(rid) if n else None
+            if known is not None:
+                prompt, is_ids = known
+                pos = int(computed[i])
+                end = min(pos + n, len(prompt))
+                if end > pos:
+                    spans.append((at, pos, prompt[pos:end], None if is_ids is None else is_ids[pos:end]))
+            at += n
+        return row_tags(at, spans) if spans else None

@@ -41,6 +41,9 @@ def test_v2_runner_hits_aborts_and_preemption_keep_every_row_exact(tiny_model_di
     out = json.loads(lines[-1])
     print(proc.stdout[-2000:])
     assert out["ok"] and out["runner"] == "vllm.v1.worker.cpu.model_runner.CPUModelRunner", out
+    # Hits on the V2 runner are checked token by token (none refused, or the scenario would have raised).
+    assert out["prefix_hits_full_partial_and_batched"]["token_checked_rows"] > 0, out
+    assert out["preempted_requests_resume_and_hit_again"]["token_checked_rows"] > 0, out
     for scenario in ("prefix_hits_full_partial_and_batched", "aborts_and_early_finish",
                      "preempted_requests_resume_and_hit_again", "warm_up_while_serving"):
         assert out[scenario]["mismatches"] == 0 and out[scenario]["requests"] > 0, out

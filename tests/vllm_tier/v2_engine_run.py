@@ -115,7 +115,9 @@ def main(model_dir: str, cache: str) -> None:
             try:
                 out[scenario.__name__] = scenario(h)
             finally:
-                h.end()
+                final = h.end()
+            # The writer's token check ran on the V2 runner too (its view tags prompt rows from the mirror).
+            out[scenario.__name__]["token_checked_rows"] = final.get("manager", {}).get("token_checked_rows", 0)
         out["ok"] = True
         print(json.dumps(out), flush=True)
     finally:
