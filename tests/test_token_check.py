@@ -118,9 +118,10 @@ def test_rows_or_hits_without_tokens_are_not_checked(mgr, known):
     assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 0
 
 
-def test_a_reader_raises_where_its_writer_found_other_tokens(committer):
-    """Readers keep no tags: the writer makes the wrong slots absent before it publishes the step, so a
-    reader's read of them raises too, never serves the rows."""
+@pytest.fixture
+def pair(committer):
+    """A writer and a reader of the module's committer, where request a saved its 8 tagged rows (blocks 0-1)
+    and the committer applied them; both shut down at teardown."""
     made = []
     try:
         w = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
@@ -131,55 +132,50 @@ def test_a_reader_raises_where_its_writer_found_other_tokens(committer):
             m.new_step_starts([started("a", [0, 1])])
             m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
         w.wait_idle()
-        sids = []
-        for m in (w, r):
-            m.new_step_starts([hit_event("c", [0, 1, 3], 8, [0] * 9)])
-            sids.append(save_tagged(m, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": [0] * 9}))
-        with pytest.raises(OmniPrefixCacheUnmatchError, match="computed for other tokens"):
-            w.materialize(sids[0], ["c"])
-        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows") as err:
-            r.materialize(sids[1], ["c"])
-        assert "'c'" in str(err.value) and f"step_id={sids[1]}" in str(err.value)
+        yield w, r
     finally:
         for m in reversed(made):
             m.shutdown()
 
 
-def test_a_save_only_the_writer_refuses_still_checks_the_hits_its_readers_take(committer):
+def test_a_reader_raises_where_its_writer_found_other_tokens(pair):
+    """Readers keep no tags: the writer makes the wrong slots absent before it publishes the step, so a
+    reader's read of them raises too, never serves the rows."""
+    w, r = pair
+    sids = []
+    for m in (w, r):
+        m.new_step_starts([hit_event("c", [0, 1, 3], 8, [0] * 9)])
+        sids.append(save_tagged(m, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": [0] * 9}))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="computed for other tokens"):
+        w.materialize(sids[0], ["c"])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows") as err:
+        r.materialize(sids[1], ["c"])
+    assert "'c'" in str(err.value) and f"step_id={sids[1]}" in str(err.value)
+
+
+def test_a_save_only_the_writer_refuses_still_checks_the_hits_its_readers_take(pair):
     """REVIEW (stop 55): a save the writer alone refuses (a staging timeout) is burned, and the readers' save of
     the same step takes its hits; the burn took them unchecked, so the wrong slots kept their earlier tenant's
     claims and the reader served a's rows for c. The burn checks them as a save does."""
     from omnishm.client import OmniPrefixCacheStagingTimeoutError
 
-    made = []
+    w, r = pair
+
+    def timed_out(step_id, *a, **kw):
+        raise OmniPrefixCacheStagingTimeoutError(f"cache {w.cache}: no free staging page (simulated)")
+
+    for m in (w, r):
+        m.new_step_starts([hit_event("c", [0, 1, 3], 8, [0] * 9)])
+    real_claim, w._pages.claim = w._pages.claim, timed_out
     try:
-        w = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False)
-        made.append(w)
-        r = OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False, role="reader")
-        made.append(r)
-        for m in (w, r):
-            m.new_step_starts([started("a", [0, 1])])
-            m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
-        w.wait_idle()
-
-        def timed_out(step_id, *a, **kw):
-            raise OmniPrefixCacheStagingTimeoutError(f"cache {w.cache}: no free staging page (simulated)")
-
-        for m in (w, r):
-            m.new_step_starts([hit_event("c", [0, 1, 3], 8, [0] * 9)])
-        real_claim, w._pages.claim = w._pages.claim, timed_out
-        try:
-            with pytest.raises(OmniPrefixCacheStagingTimeoutError):
-                save_tagged(w, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": [0] * 9})
-        finally:
-            w._pages.claim = real_claim
-        sid = save_tagged(r, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": [0] * 9})
-        assert w.counters["token_mismatches"] == 8
-        with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
-            r.materialize(sid, ["c"])
+        with pytest.raises(OmniPrefixCacheStagingTimeoutError):
+            save_tagged(w, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": [0] * 9})
     finally:
-        for m in reversed(made):
-            m.shutdown()
+        w._pages.claim = real_claim
+    sid = save_tagged(r, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": [0] * 9})
+    assert w.counters["token_mismatches"] == 8
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
+        r.materialize(sid, ["c"])
 
 
 @pytest.mark.parametrize("odd", [[2 ** 64] * 8, [1, None] * 4, np.zeros((2, 4), dtype=np.int64)])
