@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from manager_helpers import BS, Part, build, expect, finished, quick_config, started
+from manager_helpers import BS, Part, build, expect, finished, quick_config, save, started
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheRequestEvent as E
@@ -336,3 +336,158 @@ def test_the_v2_view_tags_prompt_rows_from_the_prompts_its_mirror_kept():
     mirror.update(SimpleNamespace(finished_req_ids={"a", "b"}, preempted_req_ids=None, scheduled_new_reqs=[],
                                   scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
     assert mirror.prompt("a") is None and mirror.prompt("b") is None
+
+
+def test_a_hit_position_whose_id_is_unknown_is_not_compared(mgr):
+    """Mutation review (stop 55): a negative id in the hit's tokens is unknown,
+    never a mismatch; the rows are served and that position is not counted."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
+    ids = PROMPT[:9]
+    ids[2] = -1
+    m.new_step_starts([hit_event("b", [0, 1, 2], 8, ids)])
+    sid = save_tagged(m, [Part("b", 1, [0, 1, 2], 8, 1)], {"b": PROMPT})
+    assert torch.equal(m.materialize(sid, ["b"]).hidden_states["b"], expect(1, 8, 1, 8, 1))
+    assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 7
+
+
+def test_rows_saved_without_tags_forget_the_slots_earlier_tags(mgr):
+    """Mutation review (stop 55): a's tagged rows are overwritten by x's untagged ones; a
+    hit on x's rows with x's tokens must be served (unknown rows are not compared), not refused as a's."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
+    m.new_step_starts([finished("a"), started("x", [0, 1])])
+    m.discard_step(save(m, [Part("x", 2, [0, 1], 0, 8)], BS))  # layout.token_tags is None
+    m.new_step_starts([finished("x"), hit_event("b", [0, 1, 2], 8, [7] * 9)])
+    sid = save_tagged(m, [Part("b", 2, [0, 1, 2], 8, 1)], {"b": [7] * 9})
+    assert torch.equal(m.materialize(sid, ["b"]).hidden_states["b"], expect(2, 8, 2, 8, 1))
+    assert m.counters["token_mismatches"] == 0
+
+
+def test_a_refused_hit_rescues_the_rows_an_earlier_pending_read_planned(mgr):
+    """Mutation review (stop 55): b's legitimate hit on a's rows is
+    saved and not yet read when c's wrong hit on the same slots makes them absent; b's read still gets them."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
+    m.new_step_starts([hit_event("b", [0, 1, 2], 8, PROMPT[:9])])
+    late = save_tagged(m, [Part("b", 1, [0, 1, 2], 8, 1)], {"b": PROMPT})  # not consumed yet
+    other = PROMPT[:5] + [9, 9, 9, 9]
+    m.new_step_starts([hit_event("c", [0, 1, 3], 8, other)])
+    sid = save_tagged(m, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": other})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="computed for other tokens"):
+        m.materialize(sid, ["c"])
+    out = m.materialize(late, ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 8, 1, 8, 1))
+    assert m.counters["cow_rescues"] > 0
+
+
+def _big_batch(n_rows: int, is_ids=None):
+    """Two requests of prompts of n_rows tokens, both prefilling positions 0..n_rows-1 (a step of 2*n_rows
+    rows); block size 4."""
+    nb = -(-n_rows // BS)
+    table = torch.arange(2 * nb, dtype=torch.int32).reshape(2, nb)
+    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.array([nb, nb]))
+    ids = (np.arange(2 * nb * BS, dtype=np.int32).reshape(2, nb * BS) + 1000)
+    batch = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_cpu=np.array([0, 0], dtype=np.int32),
+                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=ids,
+                            num_prompt_tokens=np.array([n_rows - 10, n_rows], dtype=np.int32))
+    if is_ids is not None:
+        batch.is_token_ids = is_ids
+    return batch, ids
+
+
+@pytest.mark.parametrize("n_rows", [20, 200])  # a step of 40 rows (plain Python) and of 400 (numpy)
+def test_a_steps_tags_are_alike_on_the_small_and_the_large_path(n_rows):
+    """Mutation review (stop 55): both
+    paths give each prompt row the tag of its (token, position), 0 for generated rows and embeddings."""
+    nb = -(-n_rows // BS)
+    is_ids = np.ones((2, nb * BS), dtype=bool)
+    is_ids[1, 3] = False  # an embedding at b's position 3
+    batch, ids = _big_batch(n_rows, is_ids)
+    got = FullAttentionGroupView(batch, BS).step_token_tags_cpu([n_rows, n_rows])
+    want = np.concatenate([tags_of(ids[0], 0, n_rows - 10), np.zeros(10, dtype=np.int64), tags_of(ids[1], 0, n_rows)])
+    want[n_rows + 3] = 0
+    assert got.dtype == np.int64 and got.shape == want.shape and (got == want).all()
+
+
+def test_a_v2_request_resumed_as_new_carries_its_tokens():
+    """Mutation review (stop 55): vLLM's V2 runner re-sends a preempted request as new; its RESUMED event keeps the hit's
+    token ids (prefill_token_ids, else prompt_token_ids) so its hit is checked."""
+    ad = PrefixCacheSchedulerAdapter()
+    first = SimpleNamespace(req_id="p", num_computed_tokens=0, block_ids=([0, 1],), prompt_token_ids=[1] * 8)
+    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[first], scheduled_cached_reqs=None,
+                         num_scheduled_tokens={"p": 8})
+    ad.translate_scheduler_output(so)
+    back = SimpleNamespace(req_id="p", num_computed_tokens=8, block_ids=([0, 1, 2],), prompt_token_ids=[1] * 8,
+                           prefill_token_ids=[1] * 8 + [5, 6])
+    so = SimpleNamespace(finished_req_ids=set(), preempted_req_ids={"p"}, scheduled_new_reqs=[back],
+                         scheduled_cached_reqs=None, num_scheduled_tokens={"p": 2})
+    evs = ad.translate_scheduler_output(so).events
+    assert [ev.kind for ev in evs] == [K.RESUMED] and evs[0].token_ids == [1] * 8 + [5, 6]
+
+
+def test_slots_a_check_made_absent_are_no_longer_known(mgr):
+    """Mutation review (stop 55): a later hit on them is refused as absent rows, not
+    counted again as rows computed for other tokens (token_mismatches counts each wrong row once)."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
+    other = PROMPT[:5] + [9, 9, 9, 9]
+    m.new_step_starts([hit_event("c", [0, 1, 3], 8, other)])
+    sid = save_tagged(m, [Part("c", 3, [0, 1, 3], 8, 1)], {"c": other})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="computed for other tokens"):
+        m.materialize(sid, ["c"])
+    assert m.counters["token_mismatches"] == 3
+    m.new_step_starts([hit_event("f", [0, 1, 4], 8, other)])
+    sid = save_tagged(m, [Part("f", 3, [0, 1, 4], 8, 1)], {"f": other})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
+        m.materialize(sid, ["f"])
+    assert m.counters["token_mismatches"] == 3
+
+
+def test_every_wrong_slot_of_a_refused_hit_becomes_absent(mgr):
+    """Mutation review (stop 55): c's hit is wrong at positions 6 and 9 (blocks 1 and
+    2); both slots become absent, so an unchecked hit on block 2 alone raises instead of serving a's rows."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1, 2])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1, 2], 0, 12)], {"a": PROMPT}))
+    other = list(PROMPT[:13])
+    other[6], other[9] = 1, 1
+    m.new_step_starts([hit_event("c", [0, 1, 2, 3], 12, other)])
+    sid = save_tagged(m, [Part("c", 3, [0, 1, 2, 3], 12, 1)], {"c": other})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="2 of its rows were computed for other tokens"):
+        m.materialize(sid, ["c"])
+    m.new_step_starts([hit_event("e", [2, 5], 4, None)])
+    sid = save(m, [Part("e", 4, [2, 5], 4, 1)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
+        m.materialize(sid, ["e"])
+
+
+def test_a_refused_saves_slots_are_no_longer_known(mgr):
+    """Mutation review (stop 55): z's save over a's slots is refused on the writer (a
+    staging timeout), so the slots are absent and unknown; a later hit on them raises as absent rows and
+    no row is counted as computed for other tokens."""
+    from omnishm.client import OmniPrefixCacheStagingTimeoutError
+
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
+    m.new_step_starts([finished("a"), started("z", [0, 1])])
+
+    def timed_out(step_id, *a, **kw):
+        raise OmniPrefixCacheStagingTimeoutError(f"cache {m.cache}: no free staging page (simulated)")
+
+    real_claim, m._pages.claim = m._pages.claim, timed_out
+    try:
+        with pytest.raises(OmniPrefixCacheStagingTimeoutError):
+            save_tagged(m, [Part("z", 2, [0, 1], 0, 8)], {"z": [7] * 8})
+    finally:
+        m._pages.claim = real_claim
+    m.new_step_starts([finished("z"), hit_event("b", [0, 1, 2], 8, [7] * 9)])
+    sid = save_tagged(m, [Part("b", 2, [0, 1, 2], 8, 1)], {"b": [7] * 9})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
+        m.materialize(sid, ["b"])
+    assert m.counters["token_mismatches"] == 0
