@@ -491,3 +491,50 @@ def test_a_refused_saves_slots_are_no_longer_known(mgr):
     with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
         m.materialize(sid, ["b"])
     assert m.counters["token_mismatches"] == 0
+
+
+def test_reader_ranks_tag_no_rows(committer_factory, monkeypatch):
+    """Docs review (stop 55): readers keep no tags, yet every rank tagged each step (tens of microseconds a step
+    on a reader's engine thread, thrown away). Only the writer's layouts carry tags: here the vllm-omni drop-in's
+    writer and reader on the same simulated steps, and ``build_write_layout(token_tags=False)``, which the
+    vLLM hooks and the runner mixin pass on a reader."""
+    from omnishm.bench.vllm_omni_arm import InputBatch, scheduler_output
+    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, load_prefix_cache
+    from omnishm.sim import SimEngine
+
+    tagged = {"writer": 0, "reader": 0}
+    real = FullAttentionGroupView.step_token_tags_cpu
+    role = []
+
+    def counting(self, counts):
+        out = real(self, counts)
+        tagged[role[-1]] += 0 if out is None else len(out)
+        return out
+
+    monkeypatch.setattr(FullAttentionGroupView, "step_token_tags_cpu", counting)
+    vo, _ = load_prefix_cache(standin=True)
+    cfg = vo.PrefixCacheConfig(num_blocks=64, block_size=16, staging_capacity_tokens=128, staging_depth=2,
+                               staging_claim_timeout_s=10.0)
+    name = committer_factory().name
+    eng = SimEngine(num_blocks=64, block_size=16, max_batched_tokens=128, width=16, mm_width=4, seed=3)
+    batches = {r: InputBatch(16, 64, 16) for r in tagged}
+    made = {r: VllmOmniPrefixCacheManager(cfg, vo.FullAttentionGroupView(batches[r], 16), cache=name,
+                                          autostart=False, role=r) for r in tagged}
+    try:
+        for _ in range(20):
+            eng.top_up(3)
+            st = eng.schedule()
+            blocks = {q.req_id: q.blocks for q in eng.running}
+            for r, m in made.items():
+                m.new_step_starts(scheduler_output(st.step))
+                batches[r].update(st, blocks)
+                role.append(r)
+                m.materialize(m.save_outputs(st.hidden, dict(st.mm), num_tokens_unpadded=st.num_tokens,
+                                             num_tokens_padded=st.num_tokens), list(st.layout.req_ids))
+            eng.advance(st)
+    finally:
+        made["reader"].shutdown()
+        made["writer"].shutdown()
+    assert tagged["writer"] > 100 and tagged["reader"] == 0, tagged
+    view = FullAttentionGroupView(_batch([6, 10], [4, 0], np.zeros((2, 16), dtype=np.int32)), BS)
+    assert PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": 4, "b": 3}, token_tags=False).token_tags is None

@@ -445,8 +445,8 @@ class PrefixCacheSchedulerAdapter:
         return PrefixCacheStep(tuple(events), clean)
 
     @staticmethod
-    def build_write_layout(group_view: "FullAttentionGroupView",
-                           num_scheduled_tokens: Mapping[ReqId, int]) -> PrefixCacheWriteLayout:
+    def build_write_layout(group_view: "FullAttentionGroupView", num_scheduled_tokens: Mapping[ReqId, int], *,
+                           token_tags: bool = True) -> PrefixCacheWriteLayout:
         """Write layout of this step's outputs, in the batch order of ``group_view``.
 
         Call after the forward, before the next ``_update_states`` (the batch
@@ -454,7 +454,9 @@ class PrefixCacheSchedulerAdapter:
         ``num_scheduled_tokens`` and vice versa (else
         ``OmniPrefixCacheUnmatchError``: the outputs would be attributed to the
         wrong requests). Requests with 0 tokens get no write. Slots come from
-        ``group_view.step_slots_cpu`` (CPU block table, vectorised).
+        ``group_view.step_slots_cpu`` (CPU block table, vectorised); the rows' token tags from
+        ``group_view.step_token_tags_cpu`` where the view has it, unless ``token_tags`` is False (a reader
+        rank: only the writer keeps and checks them).
         """
         req_ids = group_view.batch_req_ids
         batch = set(req_ids)
@@ -476,5 +478,5 @@ class PrefixCacheSchedulerAdapter:
         slots = group_view.step_slots_cpu(counts)
         if int(slots.numel()) != start:  # a view that disagrees with its own counts is a bug upstream
             raise unmatch(f"group view returned {int(slots.numel())} slots for {start} tokens")
-        tagger = getattr(group_view, "step_token_tags_cpu", None)  # a view that knows no tokens has none
+        tagger = getattr(group_view, "step_token_tags_cpu", None) if token_tags else None  # (a view may know none)
         return PrefixCacheWriteLayout(tuple(writes), slots, tagger(counts) if tagger is not None else None)

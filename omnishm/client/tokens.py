@@ -66,19 +66,19 @@ def token_tags(token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def hit_token_tags(token_ids: Sequence[int] | Any, hit: int) -> np.ndarray | None:
     """The tags a hit of ``hit`` tokens must find, from the request's own token ids (position 0 first), or
-    None when there are none to compare: no ids given, or ids that are no list of int64 numbers (a None in
-    them, an int past 2**63, not one dimension). Never raises: only the writer computes these, and a raise
+    None when there are none to compare: no ids given, or ids that are no one-dimensional list of integers (a
+    None, a float or a string in them, an int past 2**63). Never raises: only the writer computes these, and a raise
     in ``new_step_starts`` lost the step's other events on it alone (review, stop 55). Ids past the ones
     given are not compared."""
     if token_ids is None:
         return None
     try:
-        arr = np.asarray(token_ids[:hit], dtype=np.int64)
+        arr = np.asarray(token_ids[:hit])
     except (TypeError, ValueError, OverflowError, IndexError, KeyError):
         return None
-    if arr.ndim != 1 or not len(arr):
-        return None
-    return token_tags(arr, np.arange(len(arr), dtype=np.int64))
+    if arr.dtype.kind not in "iu" or arr.ndim != 1 or not len(arr):
+        return None  # floats or strings would be cut to numbers and compared (docs review, stop 55)
+    return token_tags(arr.astype(np.int64), np.arange(len(arr), dtype=np.int64))
 
 
 SMALL_STEP_ROWS = 256

@@ -225,13 +225,15 @@ class VllmOmniPrefixCacheManager:
             if counts[r] > 0:
                 writes.append(PrefixCacheWrite(r, start, counts[r]))
             start += counts[r]
-        tags = None  # rows' token tags (client/tokens.py): known through omnishm's own view of the batch only
+        tags = None  # rows' token tags (client/tokens.py): known through omnishm's own view of the batch only,
+        # and kept by the writer only
         if n <= 0:
             slots = torch.empty(0, dtype=torch.int64)
         elif self._ours is not None and self._ours.batch_req_ids == order:
             with self._errors():
                 slots = self._ours.step_slots_cpu([counts[r] for r in order])
-                tags = self._ours.step_token_tags_cpu([counts[r] for r in order])
+                if self._m.is_writer:
+                    tags = self._ours.step_token_tags_cpu([counts[r] for r in order])
         else:
             slots = self._view.step_slots_cpu(order, counts)
         rows: dict[str, torch.Tensor] = {}
