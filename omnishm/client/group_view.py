@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from omnishm.client.tokens import row_tags
+from omnishm.client.tokens import FEW_RUNS, row_tags, run_index, scatter_tags
 from omnishm.interface import PrefixCacheConfig, ReqId, staging_capacity_from_vllm, unmatch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -273,6 +273,13 @@ class FullAttentionGroupView:
         if not spans:
             return None
         is_ids = getattr(batch, "is_token_ids", None)  # vLLM 0.32: False where the prompt gave an embedding
+        if len(spans) > FEW_RUNS:  # many new prompts: gather every run's ids from the batch in one index
+            runs = np.array(spans, dtype=np.int64)
+            lens = runs[:, 3] - runs[:, 2]
+            positions = run_index(runs[:, 2], lens)
+            batch_rows = np.repeat(runs[:, 1], lens)
+            return scatter_tags(at, runs[:, 0], positions, lens, token_ids[batch_rows, positions],
+                                None if is_ids is None else is_ids[batch_rows, positions])
         return row_tags(at, [(start, pos, token_ids[row, pos:end], None if is_ids is None else is_ids[row, pos:end])
                              for start, row, pos, end in spans])
 

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SlotTokens", "row_tags", "token_tag", "token_tags", "hit_token_tags"]
+__all__ = ["SlotTokens", "hit_token_tags", "row_tags", "run_index", "scatter_tags", "token_tag", "token_tags"]
 
 _POSITION = 32
 """A tag is ``(position + 1) << 32 | token id``: the position in the high half, plus one so a known tag is
@@ -85,12 +86,46 @@ SMALL_STEP_ROWS = 256
 """Steps of at most this many rows are tagged in plain Python (``row_tags``)."""
 
 
+FEW_RUNS = 8
+"""Steps of more known runs than this are tagged with a fixed number of numpy calls (``run_index``): one set
+of calls a run cost 1.2-1.6 ms for a step admitting 256 short prompts (real-engine review, stop 55)."""
+
+
+def run_index(firsts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """For runs of ``lens[i]`` items from ``firsts[i]``: every item's index (``firsts[i] + k``), in run order."""
+    offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(firsts, lens) + offsets
+
+
+def scatter_tags(rows: int, starts: np.ndarray, positions: np.ndarray, lens: np.ndarray, ids: np.ndarray,
+                 known: np.ndarray | None) -> np.ndarray:
+    """A step's ``rows`` tags from many runs at once: run ``i`` covers rows ``starts[i]..+lens[i]``; ``positions``,
+    ``ids`` and ``known`` (None: all) hold its items flat, in run order."""
+    ids = ids.astype(np.int64)
+    if known is not None:
+        ids[~known.astype(bool)] = -1
+    out = np.zeros(rows, dtype=np.int64)
+    out[run_index(starts, lens)] = token_tags(ids, positions)
+    return out
+
+
 def row_tags(rows: int, spans: list[tuple[int, int, Any, Any]]) -> np.ndarray:
     """A step's ``rows`` tags (0 where unknown) from its known runs: ``(first row, first position, token ids,
     known)`` each, ``token ids`` a sequence or array of the run's ids and ``known`` None (all known) or one bool
-    per id. A step of up to ``SMALL_STEP_ROWS`` rows is tagged in plain Python: right after the forward each
-    numpy call on small arrays costs tens of microseconds of cold code (a vectorised version took 117 us a
-    step inside figure 6's hooks arm, 37 rows a step)."""
+    per id. Many runs (over ``FEW_RUNS``) go through ``scatter_tags``. A step of up to ``SMALL_STEP_ROWS`` rows
+    is tagged in plain Python: right after the forward each numpy call on small arrays costs tens of
+    microseconds of cold code (a vectorised version took 117 us a step inside figure 6's hooks arm, 37 rows a
+    step)."""
+    if len(spans) > FEW_RUNS:
+        lens = np.array([len(ids) for _, _, ids, _ in spans], dtype=np.int64)
+        flat = np.fromiter(chain.from_iterable(ids for _, _, ids, _ in spans), dtype=np.int64, count=int(lens.sum()))
+        known = None
+        if any(k is not None for _, _, _, k in spans):
+            known = np.fromiter(chain.from_iterable(k if k is not None else [True] * len(ids)
+                                                    for _, _, ids, k in spans), dtype=bool, count=len(flat))
+        starts = np.array([start for start, _, _, _ in spans], dtype=np.int64)
+        firsts = np.array([pos for _, pos, _, _ in spans], dtype=np.int64)
+        return scatter_tags(rows, starts, run_index(firsts, lens), lens, flat, known)
     if rows <= SMALL_STEP_ROWS:
         small = array("q", bytes(8 * rows))
         for start, pos, ids, known in spans:
