@@ -380,6 +380,8 @@ def test_the_demo_checks_the_hit_count_it_reports(committer, monkeypatch):
     opts = RankOptions(cache=committer.name, tp=1, steps=60, autostart=False, num_blocks=64, preempt_rate=0.2)
     clean = run_rank(0, opts)
     assert clean.mismatches == 0 and clean.hit_tokens > 0, clean
+    # The sim tags every row, so the writer compared every hit row it served (the token check, stop 55).
+    assert clean.token_checked_rows >= clean.hit_tokens, clean
     monkeypatch.setattr(OmniPrefixCacheManager, "materialize", blocks_not_tokens)
     broken = run_rank(0, opts)
     assert broken.mismatches > 0, broken

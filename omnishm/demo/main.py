@@ -95,6 +95,7 @@ def summarize(opts: RankOptions, results: list[RankResult], leaked: list[str], s
         "tp": opts.tp, "steps": writer.steps, "requests": writer.requests,
         "preemptions": writer.preemptions, "resumed_hits": writer.resumed_hits,
         "hit_tokens": sum(r.hit_tokens for r in results),
+        "token_checked_rows": writer.token_checked_rows,
         "rows_served": sum(r.rows_served for r in results),
         "rows_checked": sum(r.rows_checked for r in results),
         "mismatches": sum(r.mismatches for r in results),
@@ -258,7 +259,8 @@ def format_table(s: dict) -> str:
     rows = [
         ("TP ranks", s["tp"]), ("steps", s["steps"]), ("requests finished", s["requests"]),
         ("preempted (resumed with a hit)", f"{s['preemptions']} ({s['resumed_hits']})"),
-        ("hit tokens (all ranks)", s["hit_tokens"]), ("rows served", s["rows_served"]),
+        ("hit tokens (all ranks)", s["hit_tokens"]), ("hit rows token-checked (writer)", s["token_checked_rows"]),
+        ("rows served", s["rows_served"]),
         ("rows checked", s["rows_checked"]), ("mismatches", s["mismatches"]),
         ("errors raised", s["errors"] or 0), ("failed ranks", s["failures"] or 0),
         ("bytes in the shared mirror", _mib(s["mirror_bytes"])),

@@ -95,6 +95,8 @@ class RankResult:
     preemptions: int = 0
     resumed_hits: int = 0
     """Of the rank's simulated scheduler: preempted requests, and those scheduled again with a hit."""
+    token_checked_rows: int = 0
+    """Writer: hit rows whose token and position it compared with what their slot holds (``client/tokens.py``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,6 +239,7 @@ def run_rank(rank: int, opts: RankOptions, progress: Any = None, barrier: Any = 
             m.wait_idle()
             result.lost_writes, result.pool_rows_verified = _verify_pool(m, last_hash, opts.width)
         result.mirror_bytes = sum(int(kv.pool.numel() * kv.pool.element_size()) for kv in m._keys.values())
+        result.token_checked_rows = int(m.counters["token_checked_rows"])
         result.rss_bytes, result.shared_bytes = _statm()
 
     try:
