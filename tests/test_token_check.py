@@ -4,7 +4,6 @@ tokens raises on every rank, never serves them. Real committer, real shared memo
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,9 +13,8 @@ from manager_helpers import BS, Part, build, expect, finished, quick_config, sav
 from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheRequestEvent as E
-from omnishm.client.adapter import PrefixCacheSchedulerAdapter, PrefixCacheWriteLayout
-from omnishm.client.group_view import FullAttentionGroupView
-from omnishm.client.tokens import hit_token_tags, token_tags
+from omnishm.client.adapter import PrefixCacheWriteLayout
+from omnishm.client.tokens import token_tags
 
 PROMPT = list(range(100, 140))  # request a's tokens; position p holds 100 + p
 
@@ -37,17 +35,6 @@ def save_tagged(m, parts: list[Part], tokens: dict[str, list[int] | None]) -> in
 
 def hit_event(req: str, blocks, hit: int, tokens) -> E:
     return E(K.STARTED, req, num_computed_tokens=hit, block_ids=tuple(blocks), token_ids=tokens)
-
-
-def test_tags_are_distinct_for_distinct_tokens_and_positions_and_zero_only_for_unknown():
-    tokens = np.repeat(np.arange(0, 300, dtype=np.int64), 300)
-    positions = np.tile(np.arange(0, 300, dtype=np.int64), 300)
-    tags = token_tags(tokens, positions)
-    assert len(np.unique(tags)) == len(tags) and (tags != 0).all()
-    assert (token_tags(np.array([-1, 5]), np.array([0, 1])) == [0, token_tags(np.array([5]), np.array([1]))[0]]).all()
-    assert hit_token_tags(None, 8) is None and hit_token_tags([], 8) is None
-    assert (hit_token_tags(PROMPT, 8) == tags_of(PROMPT, 0, 8)).all()
-    assert len(hit_token_tags(PROMPT[:5], 8)) == 5  # ids past the ones given are not compared
 
 
 def test_a_hit_on_rows_of_the_same_tokens_is_served(mgr):
@@ -203,59 +190,6 @@ def test_token_tags_that_are_not_one_int64_per_row_are_refused(mgr):
                            write_layout=PrefixCacheWriteLayout(layout.writes, layout.slots, bad))
 
 
-def _batch(prompt_len, computed, token_ids, is_ids=None):
-    """A V1-shaped input batch of two requests, a (blocks 0..3) and b (blocks 4..7), block size 4."""
-    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
-    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.array([4, 4]))
-    batch = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_cpu=np.array(computed, dtype=np.int32),
-                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=token_ids,
-                            num_prompt_tokens=np.array(prompt_len, dtype=np.int32))
-    if is_ids is not None:
-        batch.is_token_ids = is_ids
-    return batch
-
-
-def test_the_group_view_tags_prompt_tokens_given_as_ids_only():
-    ids = np.arange(32, dtype=np.int32).reshape(2, 16) + 100
-    view = FullAttentionGroupView(_batch([6, 10], [4, 0], ids), BS)
-    # a: positions 4..7, prompt ends at 6 (6 and 7 are generated); b: positions 0..2, all prompt.
-    got = view.step_token_tags_cpu([4, 3])
-    want = np.concatenate([tags_of(ids[0], 4, 2), [0, 0], tags_of(ids[1], 0, 3)])
-    assert got.dtype == np.int64 and (got == want).all()
-    is_ids = np.ones((2, 16), dtype=bool)
-    is_ids[1, 1] = False  # an embedding at b's position 1
-    got = FullAttentionGroupView(_batch([6, 10], [4, 0], ids, is_ids), BS).step_token_tags_cpu([4, 3])
-    assert got[5] == 0 and got[4] == want[4] and got[6] == want[6]
-    assert view.step_token_tags_cpu([0, 0]) is None  # nothing to tag
-    assert FullAttentionGroupView(_batch([6, 10], [6, 10], ids), BS).step_token_tags_cpu([1, 1]) is None  # decode
-    no_ids = _batch([6, 10], [4, 0], ids)
-    del no_ids.token_ids_cpu
-    assert FullAttentionGroupView(no_ids, BS).step_token_tags_cpu([4, 3]) is None
-    layout = PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": 4, "b": 3})
-    assert (layout.token_tags == want).all()
-
-
-def test_the_adapter_gives_a_hits_token_ids_from_vllms_scheduler_output():
-    """STARTED: the prompt's ids (V2: prefill_token_ids first); RESUMED (V1): ``all_token_ids``; no hit: none."""
-    new = [SimpleNamespace(req_id="h", num_computed_tokens=8, block_ids=([0, 1, 2],), prompt_token_ids=PROMPT),
-           SimpleNamespace(req_id="n", num_computed_tokens=0, block_ids=([3],), prompt_token_ids=[1, 2])]
-    cached = SimpleNamespace(req_ids=["r"], resumed_req_ids={"r"}, new_block_ids=[([4, 5],)],
-                             num_computed_tokens=[4], all_token_ids={"r": [7] * 9})
-    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                         num_scheduled_tokens={"h": 2, "n": 2, "r": 1})
-    got = {ev.req_id: ev.token_ids for ev in PrefixCacheSchedulerAdapter().translate_scheduler_output(so).events}
-    assert got == {"h": PROMPT, "n": None, "r": [7] * 9}
-    v2 = SimpleNamespace(req_id="v", num_computed_tokens=4, block_ids=([0, 1],), prompt_token_ids=[1] * 4,
-                         prefill_token_ids=[2] * 6)
-    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[v2], scheduled_cached_reqs=None,
-                         num_scheduled_tokens={"v": 2})
-    assert PrefixCacheSchedulerAdapter().translate_scheduler_output(so).events[0].token_ids == [2] * 6
-    with pytest.raises(ValueError, match="only the id"):
-        E(K.FINISHED, "x", token_ids=[1])
-    with pytest.raises(ValueError, match="sequence of token ids"):
-        E(K.STARTED, "x", num_computed_tokens=4, block_ids=(0,), token_ids="abcd")
-
-
 def test_the_simulated_engine_checks_every_hit_and_a_hit_given_other_tokens_raises(committer_factory):
     """``omnishm.sim`` tags every row and gives each hit its tokens, so the randomized tests, the demo and the
     benchmarks run with the check on (a wrong tag there fails them as a refusal). Here: hits are compared
@@ -286,56 +220,6 @@ def test_the_simulated_engine_checks_every_hit_and_a_hit_given_other_tokens_rais
         else:
             pytest.fail(f"no hit after {m.counters['token_checked_rows']} compared positions")
     assert m.counters["token_mismatches"] == 1
-
-
-@pytest.mark.parametrize("prefill_row", [None, 0, 99])
-def test_a_large_batch_finds_its_prompt_rows_or_none(prefill_row):
-    """Batches of over 64 requests look for prompt rows with numpy first (a decode step of 1024 requests took
-    169 us in the loop: review, stop 55); a batch with one prompt row anywhere still gets its tags."""
-    n = 100
-    table = torch.arange(n * 4, dtype=torch.int32).reshape(n, 4)
-    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.full(n, 4))
-    computed = np.full(n, 10, dtype=np.int32)
-    if prefill_row is not None:
-        computed[prefill_row] = 2
-    ids = np.arange(n * 16, dtype=np.int32).reshape(n, 16)
-    batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_computed_tokens_cpu=computed,
-                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=ids,
-                            num_prompt_tokens=np.full(n, 8, dtype=np.int32))
-    got = FullAttentionGroupView(batch, BS).step_token_tags_cpu([1] * n)
-    if prefill_row is None:
-        assert got is None
-    else:
-        want = np.zeros(n, dtype=np.int64)
-        want[prefill_row] = tags_of(ids[prefill_row], 2, 1)[0]
-        assert (got == want).all()
-
-
-def test_the_v2_view_tags_prompt_rows_from_the_prompts_its_mirror_kept():
-    """vLLM's V2 runner keeps no CPU token ids the hooks can read: the mirror keeps each new request's prompt
-    ids from its scheduler output, and the view tags the step's prompt rows from them (0 past the prompt, at
-    embedding positions, and for a request whose prompt came without ids)."""
-    from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView
-
-    def new(rid, prompt, is_ids=None):
-        return SimpleNamespace(req_id=rid, block_ids=([0, 1, 2, 3],), prompt_token_ids=prompt,
-                               prompt_is_token_ids=is_ids)
-
-    mirror = BlockIdMirror()
-    mirror.update(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=None,
-                                  scheduled_new_reqs=[new("a", PROMPT[:6]), new("b", [7] * 5, [True, False] * 2 + [True]),
-                                                      new("c", None)],
-                                  scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
-    counts = np.array([4, 3, 2], dtype=np.int32)
-    batch = SimpleNamespace(req_ids=["a", "b", "c"], num_scheduled_tokens=counts,
-                            query_start_loc_np=np.concatenate([[0], np.cumsum(counts)]),
-                            num_computed_tokens_np=np.array([4, 0, 0], dtype=np.int32))
-    got = V2StepGroupView(batch, mirror, BS).step_token_tags_cpu([4, 3, 2])
-    b = tags_of([7] * 5, 0, 3)
-    assert got.tolist() == [*tags_of(PROMPT, 4, 2), 0, 0, b[0], 0, b[2], 0, 0]
-    mirror.update(SimpleNamespace(finished_req_ids={"a", "b"}, preempted_req_ids=None, scheduled_new_reqs=[],
-                                  scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
-    assert mirror.prompt("a") is None and mirror.prompt("b") is None
 
 
 def test_a_hit_position_whose_id_is_unknown_is_not_compared(mgr):
@@ -382,51 +266,6 @@ def test_a_refused_hit_rescues_the_rows_an_earlier_pending_read_planned(mgr):
     out = m.materialize(late, ["b"])
     assert torch.equal(out.hidden_states["b"], expect(1, 8, 1, 8, 1))
     assert m.counters["cow_rescues"] > 0
-
-
-def _big_batch(n_rows: int, is_ids=None):
-    """Two requests of prompts of n_rows tokens, both prefilling positions 0..n_rows-1 (a step of 2*n_rows
-    rows); block size 4."""
-    nb = -(-n_rows // BS)
-    table = torch.arange(2 * nb, dtype=torch.int32).reshape(2, nb)
-    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.array([nb, nb]))
-    ids = (np.arange(2 * nb * BS, dtype=np.int32).reshape(2, nb * BS) + 1000)
-    batch = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_cpu=np.array([0, 0], dtype=np.int32),
-                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=ids,
-                            num_prompt_tokens=np.array([n_rows - 10, n_rows], dtype=np.int32))
-    if is_ids is not None:
-        batch.is_token_ids = is_ids
-    return batch, ids
-
-
-@pytest.mark.parametrize("n_rows", [20, 200])  # a step of 40 rows (plain Python) and of 400 (numpy)
-def test_a_steps_tags_are_alike_on_the_small_and_the_large_path(n_rows):
-    """Mutation review (stop 55): both
-    paths give each prompt row the tag of its (token, position), 0 for generated rows and embeddings."""
-    nb = -(-n_rows // BS)
-    is_ids = np.ones((2, nb * BS), dtype=bool)
-    is_ids[1, 3] = False  # an embedding at b's position 3
-    batch, ids = _big_batch(n_rows, is_ids)
-    got = FullAttentionGroupView(batch, BS).step_token_tags_cpu([n_rows, n_rows])
-    want = np.concatenate([tags_of(ids[0], 0, n_rows - 10), np.zeros(10, dtype=np.int64), tags_of(ids[1], 0, n_rows)])
-    want[n_rows + 3] = 0
-    assert got.dtype == np.int64 and got.shape == want.shape and (got == want).all()
-
-
-def test_a_v2_request_resumed_as_new_carries_its_tokens():
-    """Mutation review (stop 55): vLLM's V2 runner re-sends a preempted request as new; its RESUMED event keeps the hit's
-    token ids (prefill_token_ids, else prompt_token_ids) so its hit is checked."""
-    ad = PrefixCacheSchedulerAdapter()
-    first = SimpleNamespace(req_id="p", num_computed_tokens=0, block_ids=([0, 1],), prompt_token_ids=[1] * 8)
-    so = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[first], scheduled_cached_reqs=None,
-                         num_scheduled_tokens={"p": 8})
-    ad.translate_scheduler_output(so)
-    back = SimpleNamespace(req_id="p", num_computed_tokens=8, block_ids=([0, 1, 2],), prompt_token_ids=[1] * 8,
-                           prefill_token_ids=[1] * 8 + [5, 6])
-    so = SimpleNamespace(finished_req_ids=set(), preempted_req_ids={"p"}, scheduled_new_reqs=[back],
-                         scheduled_cached_reqs=None, num_scheduled_tokens={"p": 2})
-    evs = ad.translate_scheduler_output(so).events
-    assert [ev.kind for ev in evs] == [K.RESUMED] and evs[0].token_ids == [1] * 8 + [5, 6]
 
 
 def test_slots_a_check_made_absent_are_no_longer_known(mgr):
@@ -491,92 +330,3 @@ def test_a_refused_saves_slots_are_no_longer_known(mgr):
     with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
         m.materialize(sid, ["b"])
     assert m.counters["token_mismatches"] == 0
-
-
-def test_reader_ranks_tag_no_rows(committer_factory, monkeypatch):
-    """Docs review (stop 55): readers keep no tags, yet every rank tagged each step (tens of microseconds a step
-    on a reader's engine thread, thrown away). Only the writer's layouts carry tags: here the vllm-omni drop-in's
-    writer and reader on the same simulated steps, and ``build_write_layout(token_tags=False)``, which the
-    vLLM hooks and the runner mixin pass on a reader."""
-    from omnishm.bench.vllm_omni_arm import InputBatch, scheduler_output
-    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, load_prefix_cache
-    from omnishm.sim import SimEngine
-
-    tagged = {"writer": 0, "reader": 0}
-    real = FullAttentionGroupView.step_token_tags_cpu
-    role = []
-
-    def counting(self, counts):
-        out = real(self, counts)
-        tagged[role[-1]] += 0 if out is None else len(out)
-        return out
-
-    monkeypatch.setattr(FullAttentionGroupView, "step_token_tags_cpu", counting)
-    vo, _ = load_prefix_cache(standin=True)
-    cfg = vo.PrefixCacheConfig(num_blocks=64, block_size=16, staging_capacity_tokens=128, staging_depth=2,
-                               staging_claim_timeout_s=10.0)
-    name = committer_factory().name
-    eng = SimEngine(num_blocks=64, block_size=16, max_batched_tokens=128, width=16, mm_width=4, seed=3)
-    batches = {r: InputBatch(16, 64, 16) for r in tagged}
-    made = {r: VllmOmniPrefixCacheManager(cfg, vo.FullAttentionGroupView(batches[r], 16), cache=name,
-                                          autostart=False, role=r) for r in tagged}
-    try:
-        for _ in range(20):
-            eng.top_up(3)
-            st = eng.schedule()
-            blocks = {q.req_id: q.blocks for q in eng.running}
-            for r, m in made.items():
-                m.new_step_starts(scheduler_output(st.step))
-                batches[r].update(st, blocks)
-                role.append(r)
-                m.materialize(m.save_outputs(st.hidden, dict(st.mm), num_tokens_unpadded=st.num_tokens,
-                                             num_tokens_padded=st.num_tokens), list(st.layout.req_ids))
-            eng.advance(st)
-    finally:
-        made["reader"].shutdown()
-        made["writer"].shutdown()
-    assert tagged["writer"] > 100 and tagged["reader"] == 0, tagged
-    view = FullAttentionGroupView(_batch([6, 10], [4, 0], np.zeros((2, 16), dtype=np.int32)), BS)
-    assert PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": 4, "b": 3}, token_tags=False).token_tags is None
-
-
-@pytest.mark.parametrize("view", ["v1", "v2"])
-@pytest.mark.parametrize("prompt", [3, 40])  # a step of 24 short new prompts (plain Python rows), of long ones
-def test_a_step_of_many_new_prompts_is_tagged_in_one_pass_alike(view, prompt):
-    """Real-engine review (stop 55): a step admitting many short prompts spent 1.2-1.6 ms tagging them, one set
-    of numpy calls a prompt. Over ``FEW_RUNS`` runs the tags come from one gather; they must equal each row's
-    (token, position), with generated rows, embeddings and requests beside them left at 0."""
-    from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView
-
-    rng = np.random.default_rng(prompt)
-    n = 24
-    ids = rng.integers(0, 50_000, (n, 64)).astype(np.int32)
-    is_ids = rng.random((n, 64)) > 0.1
-    plen = rng.integers(1, prompt + 1, n).astype(np.int32)
-    computed = np.where(np.arange(n) % 5 == 0, plen, 0).astype(np.int32)  # every 5th request decodes
-    counts = [1 if c else int(p) for c, p in zip(computed, plen)]
-    if view == "v1":
-        table = torch.zeros((n, 16), dtype=torch.int32)
-        bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.full(n, 16))
-        batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_computed_tokens_cpu=computed,
-                                block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=ids,
-                                num_prompt_tokens=plen, is_token_ids=is_ids)
-        got = FullAttentionGroupView(batch, BS).step_token_tags_cpu(counts)
-    else:
-        mirror = BlockIdMirror()
-        mirror.update(SimpleNamespace(
-            finished_req_ids=set(), preempted_req_ids=None,
-            scheduled_new_reqs=[SimpleNamespace(req_id=f"r{i}", block_ids=(list(range(16)),),
-                                                prompt_token_ids=ids[i, :plen[i]].tolist(),
-                                                prompt_is_token_ids=is_ids[i, :plen[i]].tolist()) for i in range(n)],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
-        c = np.array(counts, dtype=np.int32)
-        batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_scheduled_tokens=c,
-                                query_start_loc_np=np.concatenate([[0], np.cumsum(c)]), num_computed_tokens_np=computed)
-        got = V2StepGroupView(batch, mirror, BS).step_token_tags_cpu(counts)
-    want = []
-    for i in range(n):
-        for p in range(computed[i], computed[i] + counts[i]):
-            known = p < plen[i] and is_ids[i, p]
-            want.append(tags_of(ids[i], p, 1)[0] if known else 0)
-    assert got.dtype == np.int64 and got.tolist() == want
