@@ -215,6 +215,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("result_pool_bytes", "int", _pcc_default("result_pool_bytes"),
          "free pre-faulted host memory kept for materialize's results (0: fresh pages every call)",
          scope="client", min=0),
+    Knob("token_check", "bool", _pcc_default("token_check"),
+         "the writer checks each prefix hit's rows against the hit request's token ids and raises on rows "
+         "computed for other tokens (off: it serves what the slots hold)", scope="client"),
     Knob("helper_sched", "str", "inherit",
          "scheduling policy of omnishm's threads in a client's process: inherit (the policy of the thread that "
          "builds the manager) or batch (SCHED_BATCH: a thread the engine thread wakes does not preempt it; for "
@@ -234,7 +237,8 @@ KNOBS: tuple[Knob, ...] = (
 VLLM_KNOBS = ("vllm_held_bytes", "vllm_capture_raw", "vllm_omni")
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 PREFIX_CACHE_KNOBS = ("staging_depth", "staging_capacity_tokens", "staging_claim_timeout_s", "gpu_staging_bytes",
-                      "copy_chunk_bytes", "commit_timeout_s", "reconnect_timeout_s", "result_pool_bytes")
+                      "copy_chunk_bytes", "commit_timeout_s", "reconnect_timeout_s", "result_pool_bytes",
+                      "token_check")
 
 
 def knobs(scope: str) -> list[Knob]:

@@ -111,6 +111,9 @@ class PrefixCacheConfig:
     """How long a client tries to resume with a restarted committer before every call fails."""
     result_pool_bytes: int = 1 << 30
     """Free, pre-faulted host memory kept for materialize's results (0: allocate fresh each call)."""
+    token_check: bool = True
+    """The writer checks each prefix hit's rows against the hit request's tokens (``client/tokens.py``); off: it
+    keeps no tags and serves what the slots hold, as before stop 55 (for a vLLM whose token ids it misreads)."""
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "staging_capacity_tokens", "staging_depth",
@@ -131,6 +134,8 @@ class PrefixCacheConfig:
         if not isinstance(self.result_pool_bytes, int) or isinstance(self.result_pool_bytes, bool) \
                 or self.result_pool_bytes < 0:
             raise ValueError(f"PrefixCacheConfig.result_pool_bytes must be an int >= 0, got {self.result_pool_bytes!r}")
+        if not isinstance(self.token_check, bool):
+            raise ValueError(f"PrefixCacheConfig.token_check must be a bool, got {self.token_check!r}")
         for name in ("staging_claim_timeout_s", "commit_timeout_s", "reconnect_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \

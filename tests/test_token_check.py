@@ -45,7 +45,7 @@ def test_a_hit_on_rows_of_the_same_tokens_is_served(mgr):
     sid = save_tagged(m, [Part("b", 1, [0, 1, 5], 8, 3)], {"b": PROMPT[:8] + [7, 7, 7]})
     out = m.materialize(sid, ["b"])
     assert torch.equal(out.hidden_states["b"], expect(1, 8, 1, 8, 3)) and out.num_hit_tokens["b"] == 8
-    assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 8
+    assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 8 and m.keeps_token_tags
 
 
 def test_a_hit_on_rows_computed_for_other_tokens_raises_and_the_slots_become_absent(mgr):
@@ -330,3 +330,20 @@ def test_a_refused_saves_slots_are_no_longer_known(mgr):
     with pytest.raises(OmniPrefixCacheUnmatchError, match="absent rows"):
         m.materialize(sid, ["b"])
     assert m.counters["token_mismatches"] == 0
+
+
+def test_the_check_can_be_turned_off(mgr, monkeypatch):
+    """``token_check=False`` (``OMNISHM_TOKEN_CHECK=0``): the writer keeps no tags and serves what the slots hold,
+    for a vLLM whose token ids it would misread; the integrations then build no tags either."""
+    from omnishm.config import load_prefix_cache_config
+
+    monkeypatch.setenv("OMNISHM_TOKEN_CHECK", "0")
+    assert load_prefix_cache_config(num_blocks=16, block_size=BS).token_check is False
+    m = mgr(token_check=False)
+    assert not m.keeps_token_tags
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
+    m.new_step_starts([hit_event("c", [0, 1, 3], 8, [0] * 9)])
+    sid = save_tagged(m, [Part("c", 1, [0, 1, 3], 8, 1)], {"c": [0] * 9})
+    assert torch.equal(m.materialize(sid, ["c"]).hidden_states["c"], expect(1, 8, 1, 8, 1))
+    assert m.counters["token_checked_rows"] == 0

@@ -124,7 +124,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._consumed: set[StepId] = set()
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, PendingHit] = {}
-        self._slot_tokens = SlotTokens(config.num_slots) if self.is_writer else None
+        self._slot_tokens = SlotTokens(config.num_slots) if self.is_writer and config.token_check else None
         """Writer: what each slot's rows were computed for (``client/tokens.py``); engine thread only."""
         self._keys: dict[TensorName, KeyViews] = {}
         self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
@@ -188,6 +188,12 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
     def policy(self) -> ModelCachePolicy:
         return self._policy
 
+    @property
+    def keeps_token_tags(self) -> bool:
+        """Whether this manager keeps and checks its rows' token tags (``client/tokens.py``): the writer, with
+        ``token_check`` on. Integrations build a write layout's tags only then."""
+        return self._slot_tokens is not None
+
     def new_step_starts(self, events: "PrefixCacheStep | Iterable[Any]", *,
                         num_scheduled_tokens: Mapping[ReqId, int] | None = None) -> None:
         """Handle one scheduler step. Engine thread only, exactly once per real step.
@@ -235,7 +241,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                     refused.append((ev.req_id, why))
                     continue
                 blocks = torch.as_tensor(list(ev.block_ids[:ev.num_computed_tokens // bs]), dtype=torch.int64)
-                tags = hit_token_tags(ev.token_ids, ev.num_computed_tokens) if self.is_writer else None
+                tags = hit_token_tags(ev.token_ids, ev.num_computed_tokens) if self._slot_tokens is not None else None
                 planned[ev.req_id] = PendingHit(
                     (blocks[:, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1), tags)
         to_flush: list[WriteTask] = []
@@ -372,10 +378,11 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             refused: dict[ReqId, str] = {}
             if self.is_writer and writes:
                 cvs = self._store_claims(step_id, counts, slots, slot_list, slots_np, immediate, deferred)
-                assert self._slot_tokens is not None
-                self._slot_tokens.record(slot_list if slot_list is not None else slots_np, write_layout.token_tags)
-                if self._pending_hits:  # after this step's tags: vLLM may hit blocks this step computes
-                    refused = self._check_hit_tokens(writes, step_id)
+                if self._slot_tokens is not None:
+                    self._slot_tokens.record(slot_list if slot_list is not None else slots_np,
+                                             write_layout.token_tags)
+                    if self._pending_hits:  # after this step's tags: vLLM may hit blocks this step computes
+                        refused = self._check_hit_tokens(writes, step_id)
             with self._lock:
                 if self.is_writer and writes:
                     to_flush = self._register_writes_locked(ctx, writes, cvs, slots, slot_list, immediate, deferred)

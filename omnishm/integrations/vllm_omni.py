@@ -232,7 +232,7 @@ class VllmOmniPrefixCacheManager:
         elif self._ours is not None and self._ours.batch_req_ids == order:
             with self._errors():
                 slots = self._ours.step_slots_cpu([counts[r] for r in order])
-                if self._m.is_writer:
+                if self._m.keeps_token_tags:
                     tags = self._ours.step_token_tags_cpu([counts[r] for r in order])
         else:
             slots = self._view.step_slots_cpu(order, counts)
