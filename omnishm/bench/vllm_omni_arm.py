@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -109,7 +110,7 @@ class NewRequest:
     req_id: str
     num_computed_tokens: int
     block_ids: tuple[list[int], ...]
-    prompt_token_ids: Any = None
+    prompt_token_ids: Sequence[int] | None = None
     """The request's tokens (the simulation's: the whole request, not the prompt alone; a hit's are the
     ones read)."""
 
@@ -122,7 +123,7 @@ class CachedRequests:
     resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
-    all_token_ids: dict[str, Any] = field(default_factory=dict)
+    all_token_ids: dict[str, Sequence[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -146,8 +146,8 @@ class PrefixCacheRequestEvent:
     token_ids: Sequence[int] | None = field(default=None, compare=False, repr=False)
     """Optional, for a prefix hit: the request's token ids from position 0 (vLLM's prompt token ids, or all
     its tokens for a resumed request), kept as given (not copied). The writer checks the hit's rows were
-    computed for these tokens (``client/tokens.py``); None: not checked. Only STARTED, REPLACED and RESUMED
-    events may carry them."""
+    computed for these tokens (``client/tokens.py``); None: not checked. Only STARTED and RESUMED events,
+    the ones that carry a hit, may carry them."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, PrefixCacheEventKind):
@@ -167,8 +167,9 @@ class PrefixCacheRequestEvent:
         if self.kind in _END_KINDS and (self.num_computed_tokens or blocks or self.token_ids is not None):
             raise ValueError(f"{self.kind.name} event for {self.req_id} must carry only the id")
         if self.token_ids is not None:
-            if self.kind is PrefixCacheEventKind.EXTENDED:
-                raise ValueError(f"EXTENDED event for {self.req_id} carries no token ids (only a hit's are checked)")
+            if self.kind not in (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.RESUMED):
+                raise ValueError(f"{self.kind.name} event for {self.req_id} carries no token ids (only a hit's are "
+                                 f"checked, and only STARTED and RESUMED events carry one)")
             if isinstance(self.token_ids, (str, bytes)) or not hasattr(self.token_ids, "__len__"):
                 raise ValueError(f"{self.req_id}: token_ids must be a sequence of token ids, got "
                                  f"{type(self.token_ids).__name__}")
@@ -233,8 +234,8 @@ class PrefixCacheWriteLayout:
     slots: torch.Tensor
     token_tags: np.ndarray | None = None
     """Optional: one int64 per row, ``tokens.token_tags`` of the row's token id and its position in its
-    request, 0 where unknown (None: all unknown). The writer keeps them per slot and checks later hits
-    against them (``client/tokens.py``); readers ignore them."""
+    request, 0 where unknown (None: all unknown). Their form is checked on every rank, so the ranks refuse a
+    save alike; the writer keeps them per slot and checks later hits against them (``client/tokens.py``)."""
 
     def __post_init__(self) -> None:
         if type(self.writes) is not tuple:
@@ -343,7 +344,8 @@ class PrefixCacheSchedulerAdapter:
                                                        new.num_computed_tokens, blocks, tokens))
                 continue
             kind = PrefixCacheEventKind.REPLACED if rid in live else PrefixCacheEventKind.STARTED
-            events.append(PrefixCacheRequestEvent(kind, rid, new.num_computed_tokens, blocks, tokens))
+            events.append(PrefixCacheRequestEvent(kind, rid, new.num_computed_tokens, blocks,
+                                                  tokens if kind is PrefixCacheEventKind.STARTED else None))
             live.add(rid)
 
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)

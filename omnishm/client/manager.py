@@ -46,7 +46,7 @@ from omnishm.client.segments import KeyViews, StagingPages, row_width
 from omnishm.client.serial import SerialThread
 from omnishm.client.session import SessionSide
 from omnishm.client.steps import HitSpan, PendingHit, StepCtx, StepLifecycle, as_step_id
-from omnishm.client.tokens import SlotTokens, hit_token_tags
+from omnishm.client.tokens import SlotTokens, hits_token_tags
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.config import manager_connection
@@ -221,6 +221,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         step = self._translator.translate_step(events, num_scheduled_tokens)
         bs = self.config.block_size
         planned: dict[ReqId, PendingHit] = {}
+        to_tag: list[tuple[ReqId, Any, int]] = []
         refused: list[tuple[ReqId, str]] = []
         # An id that finishes and is added again in this step (the adapter emits FINISHED first) is a
         # new request: its STARTED carries a real prefix hit, not a live request re-entering.
@@ -241,9 +242,13 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                     refused.append((ev.req_id, why))
                     continue
                 blocks = torch.as_tensor(list(ev.block_ids[:ev.num_computed_tokens // bs]), dtype=torch.int64)
-                tags = hit_token_tags(ev.token_ids, ev.num_computed_tokens) if self._slot_tokens is not None else None
-                planned[ev.req_id] = PendingHit(
-                    (blocks[:, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1), tags)
+                slots = (blocks[:, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1)
+                planned[ev.req_id] = PendingHit(slots)
+                if self._slot_tokens is not None:
+                    to_tag.append((ev.req_id, ev.token_ids, ev.num_computed_tokens))
+        if to_tag:  # the writer's expected tags of the step's hits, in one pass (client/tokens.py)
+            for (req, _, _), tags in zip(to_tag, hits_token_tags([(ids, hit) for _, ids, hit in to_tag])):
+                planned[req] = planned[req]._replace(tags=tags)
         to_flush: list[WriteTask] = []
         with self._lock:
             for ev in step.events:

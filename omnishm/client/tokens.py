@@ -22,8 +22,10 @@ no error: vLLM 0.32's priority scheduler did it (stop 54; the gate refuses that 
   ``OmniPrefixCacheUnmatchError`` naming the first wrong position.
 
 What it does not catch: a row whose token and position match but whose earlier tokens differ (the tag has
-no chain: a chained one needs every earlier token of both requests, which the writer does not keep), rows
-of generated tokens and of prompt embeddings (unknown), and a hit on rows an earlier writer of the cache
+no chain: a chained one needs every earlier token of both requests, which the writer does not keep); the
+multimodal placeholder rows of another image or clip at the same positions (every image's placeholder has
+the same token id; vLLM tells them apart by the items' hashes, which the tag does not hold); rows of
+generated tokens and of prompt embeddings (unknown); and a hit on rows an earlier writer of the cache
 claimed (unknown to this writer: its table starts empty). A wrong row of those kinds needs vLLM to hit a
 block it never computed *and* that block's previous tenant to hold the same token at the same position.
 
@@ -34,38 +36,44 @@ lives in the writer's private memory, as 8 bytes a slot, touched only where writ
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SlotTokens", "hit_token_tags", "row_tags", "run_index", "scatter_tags", "token_tag", "token_tags"]
+__all__ = ["SlotTokens", "hit_token_tags", "hits_token_tags", "row_tags", "run_index", "scatter_tags", "token_tag",
+           "token_tags"]
 
 _POSITION = 32
 """A tag is ``(position + 1) << 32 | token id``: the position in the high half, plus one so a known tag is
 never 0."""
 
 
+_MAX_ID = 1 << _POSITION
+"""Token ids at or past this would reach the position half: unknown (vLLM's are int32)."""
+
+
 def token_tag(token_id: int, position: int) -> int:
-    """The tag of one row (plain Python, for small steps); 0 for a negative (unknown) token id."""
-    return ((position + 1) << _POSITION) | token_id if token_id >= 0 else 0
+    """The tag of one row (plain Python, for small steps); 0 for an unknown token id (negative, or 2**32 or
+    more, which would reach the position half: review, stop 55)."""
+    return ((position + 1) << _POSITION) | token_id if 0 <= token_id < _MAX_ID else 0
 
 
 def token_tags(token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """The int64 tag of each (token id, position) pair; 0 where the token id is negative (unknown).
+    """The int64 tag of each (token id, position) pair; 0 where the token id is unknown (negative, or 2**32 or
+    more).
 
     Exact: the pair itself, packed (``token_tag``), for token ids under 2**32 (vLLM's are int32) and
     positions under 2**31 - 1, so distinct pairs never share a tag and no hash can collide."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     out = ((np.asarray(positions, dtype=np.int64) + 1) << _POSITION) | tokens
-    unknown = tokens < 0
+    unknown = (tokens < 0) | (tokens >= _MAX_ID)
     if unknown.any():
         out[unknown] = 0
     return out
 
 
-def hit_token_tags(token_ids: Sequence[int] | Any, hit: int) -> np.ndarray | None:
+def hit_token_tags(token_ids: Any, hit: int) -> np.ndarray | None:
     """The tags a hit of ``hit`` tokens must find, from the request's own token ids (position 0 first), or
     None when there are none to compare: no ids given, or ids that are no one-dimensional list of integers (a
     None, a float or a string in them, a Python int past 2**63). An unsigned array's values past 2**63 wrap
@@ -76,7 +84,7 @@ def hit_token_tags(token_ids: Sequence[int] | Any, hit: int) -> np.ndarray | Non
         return None
     try:
         arr = np.asarray(token_ids[:hit])
-    except (TypeError, ValueError, OverflowError, IndexError, KeyError):
+    except Exception:  # noqa: BLE001 - any container numpy cannot read (a sparse tensor: NotImplementedError)
         return None
     if arr.dtype.kind not in "iu" or arr.ndim != 1 or not len(arr):
         return None  # floats or strings would be cut to numbers and compared (docs review, stop 55)
@@ -84,7 +92,8 @@ def hit_token_tags(token_ids: Sequence[int] | Any, hit: int) -> np.ndarray | Non
 
 
 SMALL_STEP_ROWS = 256
-"""Steps of at most this many rows are tagged in plain Python (``row_tags``)."""
+"""Steps of at most this many rows are tagged in plain Python (``row_tags``): the bound the save's slot
+bookkeeping uses too (``steps._SMALL_STEP``), for the same reason."""
 
 
 FEW_RUNS = 8
@@ -110,7 +119,32 @@ def scatter_tags(rows: int, starts: np.ndarray, positions: np.ndarray, lens: np.
     return out
 
 
-def row_tags(rows: int, spans: list[tuple[int, int, Any, Any]]) -> np.ndarray:
+def hits_token_tags(hits: list[tuple[Any, int]]) -> list[np.ndarray | None]:
+    """``hit_token_tags`` of each ``(token ids, hit)``, in order. More than ``FEW_RUNS`` hits are tagged in one
+    pass (a step admitting 256 requests that each hit a block spent 0.86 ms tagging them one by one: review,
+    stop 55); if their ids together are no list of integers, each is tagged alone, so one request's odd ids
+    leave the others checked."""
+    if len(hits) <= FEW_RUNS:
+        return [hit_token_tags(ids, hit) for ids, hit in hits]
+    try:
+        runs = [ids[:hit] if ids is not None else () for ids, hit in hits]
+        lens = np.array([len(run) for run in runs], dtype=np.int64)
+        flat = np.asarray(list(chain.from_iterable(runs)))
+    except Exception:  # noqa: BLE001 - some request's ids are no sequence: each is judged alone
+        return [hit_token_tags(ids, hit) for ids, hit in hits]
+    if flat.dtype.kind not in "iu" or flat.ndim != 1 or len(flat) != int(lens.sum()):
+        return [hit_token_tags(ids, hit) for ids, hit in hits]
+    tags = token_tags(flat.astype(np.int64), run_index(np.zeros(len(runs), dtype=np.int64), lens))
+    ends = np.cumsum(lens).tolist()
+    return [tags[end - n:end] if n else None for end, n in zip(ends, lens.tolist())]
+
+
+Run = tuple[int, int, Any, Any]
+"""One known run of a step's rows for ``row_tags``: (first row, first position, token ids, known: None or one
+bool per id); ids and masks are lists or numpy arrays."""
+
+
+def row_tags(rows: int, spans: list[Run]) -> np.ndarray:
     """A step's ``rows`` tags (0 where unknown) from its known runs: ``(first row, first position, token ids,
     known)`` each, ``token ids`` a sequence or array of the run's ids and ``known`` None (all known) or one bool
     per id. Many runs (over ``FEW_RUNS``) go through ``scatter_tags``. A step of up to ``SMALL_STEP_ROWS`` rows

@@ -165,7 +165,7 @@ class V2StepGroupView:
         the mirror kept: each prompt row's tag, 0 for generated tokens and for requests without ids. None when
         no row of the step is a known prompt row. Call after ``step_slots_cpu`` checked the counts."""
         computed = self.input_batch.num_computed_tokens_np
-        spans = []
+        spans: list[tuple[int, int, Sequence[int], Sequence[bool] | None]] = []
         at = 0
         for i, (rid, n) in enumerate(zip(self.batch_req_ids, num_scheduled_tokens)):
             n = int(n)

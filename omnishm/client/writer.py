@@ -148,56 +148,13 @@ class WriterSide:
                                 f"shape {kv.row_shape}", key=key, step_id=self._next_step)
         return kv
 
-    def _forget_refused(self, write_layout: Any) -> None:
-        """Writer, engine thread: the slots of a refused save become absent in every key.
-
-        vLLM's KV cache holds the refused step's tokens all the same, and a later hit on them must raise
-        ("absent"), not serve the rows of their previous tenant, whose claims still hold. Copy-on-write
-        first keeps the rows that planned reads need. Every slot id the layout names is cleared, also past
-        its row count: a slot cleared needlessly costs a later hit a refusal, one left out a wrong row.
-        Slot ids outside the pool are skipped; slots that cannot be read as slot ids (no tensor of numbers,
-        not whole numbers, on the meta device, sparse) clear every slot. The slots are cleared also on a
-        fatal cache and when the rescue failed (the cache then turns sticky-fatal): its readers may still
-        read the refused step. Raises only when the
-        slots could not be cleared (or on an interrupt); the caller must then not publish the step.
-        """
-        try:
-            slots = torch.as_tensor(getattr(write_layout, "slots", None))
-            if slots.dtype is torch.bool or slots.is_complex():
-                raise TypeError(f"slots of {slots.dtype}")
-            slots = slots.reshape(-1).to("cpu")
-            if slots.is_floating_point() and not bool((slots == slots.round()).all()):
-                raise TypeError("slots that are not whole numbers")
-            slots = slots.to(torch.int64)
-            # A slot id outside the pool (vLLM's padding slot -1, a KV cache grown past the pool) holds no
-            # row of the pool: nothing to clear there.
-            slots = slots[(slots >= 0) & (slots < self.config.num_slots)]
-        except Exception as exc:  # noqa: BLE001 - unreadable slots: every slot is cleared instead
-            # They say nothing of where vLLM put this step's tokens, and whichever slots those are still
-            # hold their previous tenant's claims: a later hit there served that tenant's rows (a layout on
-            # the meta device or sparse; review, 2026-12-07). The whole cache's rows become absent.
-            logger.warning("cache %s: a refused save's slots could not be read (%r); every slot is cleared, so "
-                           "no later hit can read rows vLLM has given to another request", self.cache, exc)
-            slots = torch.arange(self.config.num_slots, dtype=torch.int64)
-        if not len(slots) or not self._keys:
-            return
-        try:
-            if self._fatal is None:  # a fatal cache serves no later read of its own: nothing to keep
-                self._rescue_before_claim(slots)
-        except Exception as exc:  # noqa: BLE001 - the refusal is what the caller hears; the cache is fatal
-            self._set_fatal(f"copy-on-write before clearing a refused save's slots failed: {exc!r}")
-        finally:
-            # Also when the rescue failed or the cache is fatal: its readers may still read the refused
-            # step, and an absent slot only ever makes a read raise.
-            try:
-                index = slots.numpy()
-                for kv in self._keys.values():
-                    kv.claim_np[index] = 0
-                if self._slot_tokens is not None:
-                    self._slot_tokens.forget(index)
-            except BaseException as exc:
-                self._set_fatal(f"the slots of a refused save could not be made absent: {exc!r}")
-                raise
+    def _make_absent(self, slots: np.ndarray) -> None:
+        """Writer, engine thread: the rows at ``slots`` (pool slot ids) are absent in every key (a later read
+        raises) and their token tags unknown. Copy-on-write is the caller's, before."""
+        for kv in self._keys.values():
+            kv.claim_np[slots] = 0
+        if self._slot_tokens is not None:
+            self._slot_tokens.forget(slots)
 
     def _store_claims(self, step_id: StepId, counts: list[int], slots: torch.Tensor, slot_list: list[int] | None,
                       slots_np: np.ndarray | None, immediate: dict, deferred: dict) -> list[int]:

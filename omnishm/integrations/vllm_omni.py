@@ -206,7 +206,7 @@ class VllmOmniPrefixCacheManager:
         except (ValueError, TypeError) as exc:  # a malformed output; the adapter's state is unchanged
             raise self._vo.OmniPrefixCacheUnmatchError(f"scheduler output: {exc}") from exc
         # vllm-omni registers hits of scheduled_new_reqs only: a resumed request gets this step's rows.
-        events = tuple(dataclasses.replace(ev, kind=PrefixCacheEventKind.REPLACED)
+        events = tuple(dataclasses.replace(ev, kind=PrefixCacheEventKind.REPLACED, token_ids=None)
                        if ev.kind is PrefixCacheEventKind.RESUMED else ev for ev in step.events)
         # vLLM can schedule a negative span (vllm-omni's runner skips such a step after this call): none.
         self._num_scheduled = {r: max(int(c), 0) for r, c in step.num_scheduled_tokens.items()}
@@ -230,10 +230,11 @@ class VllmOmniPrefixCacheManager:
         if n <= 0:
             slots = torch.empty(0, dtype=torch.int64)
         elif self._ours is not None and self._ours.batch_req_ids == order:
+            ordered = [counts[r] for r in order]
             with self._errors():
-                slots = self._ours.step_slots_cpu([counts[r] for r in order])
+                slots = self._ours.step_slots_cpu(ordered)
                 if self._m.keeps_token_tags:
-                    tags = self._ours.step_token_tags_cpu([counts[r] for r in order])
+                    tags = self._ours.step_token_tags_cpu(ordered)
         else:
             slots = self._view.step_slots_cpu(order, counts)
         rows: dict[str, torch.Tensor] = {}
