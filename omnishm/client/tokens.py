@@ -77,9 +77,9 @@ def hit_token_tags(token_ids: Any, hit: int) -> np.ndarray | None:
     """The tags a hit of ``hit`` tokens must find, from the request's own token ids (position 0 first), or
     None when there are none to compare: no ids given, or ids that are no one-dimensional list of integers (a
     None, a float or a string in them, a Python int past 2**63). An unsigned array's values past 2**63 wrap
-    negative, so those positions are unknown and not compared. Never raises: only the writer computes these, and a raise
-    in ``new_step_starts`` lost the step's other events on it alone (review, stop 55). Ids past the ones
-    given are not compared."""
+    negative, so those positions are unknown and not compared. Never raises: only the writer computes these,
+    and a raise in ``new_step_starts`` lost the step's other events on it alone (review, stop 55). Ids past
+    the ones given are not compared."""
     if token_ids is None:
         return None
     try:
