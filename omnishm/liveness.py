@@ -223,15 +223,14 @@ class CacheLock:
         """``(generation, pid)`` a committer wrote into lock file ``path``; None when it is gone or reads
         otherwise (not a committer's: a shared runtime dir holds other programs' locks too)."""
         try:
-            # Non-blocking, no link followed, a plain file only: a fifo at the name hung ping, status, cleanup and
-            # a committer's start (after it took its own lock, deaf to SIGTERM) until someone wrote to it
-            # (review, stop 54), as ``lock_held`` already knew.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # A fifo at the name hung ping, status, cleanup and a committer's start (after it took its own lock,
+            # deaf to SIGTERM) until someone wrote to it (review, stop 54).
+            fd = _open_plain_file(path)
         except OSError:
             return None
+        if fd is None:
+            return None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
             parts = os.read(fd, 256).split()
         except OSError:
             return None
@@ -381,6 +380,21 @@ def endpoint_served(endpoint: str) -> bool:
     return sock is not None and lock_held(socket_lock_path(sock))
 
 
+def _open_plain_file(path: Path) -> int | None:
+    """``path`` opened read-only, non-blocking (a fifo must not hang the open), no link followed; None (nothing
+    left open) when it is no plain file: only a plain file can be a committer's lock (``_open_own_file``).
+    Raises the open's OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
 def lock_held(path: Path) -> bool:
     """True when some process holds lock file ``path`` (a cache's lock, or a socket's: ``socket_lock_path``).
 
@@ -391,16 +405,16 @@ def lock_held(path: Path) -> bool:
     read-only and non-blocking: a ``flock`` needs no write access, and a fifo must not hang the open. Raises
     OSError only for other errors of the open (an I/O error)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = _open_plain_file(path)
     except (FileNotFoundError, NotADirectoryError, PermissionError):  # no lock of ours there; a runtime dir
         return False  # that is a file holds none
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # a link, or a runtime dir that is a symlink loop (review, stop 51)
             return False
         raise
+    if fd is None:
+        return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
