@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -221,6 +223,25 @@ def maps_library(pid: int, name: str) -> bool:
             return name in f.read()
     except OSError:
         return False
+
+
+def signal_when(argv: list[str], ready: Callable[[int], bool], sig: int, timeout_s: float,
+                **popen: Any) -> tuple[int, str]:
+    """Start ``argv`` (stdout and stderr piped), send it ``sig`` the moment ``ready(pid)`` holds (a busy poll:
+    the window it aims at may be milliseconds), and return its exit status and stderr. The process is killed if
+    it is still running at the end; the poll fails if it exits first or ``timeout_s`` passes."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
 
 
 def children_running(pid: int, needle: str) -> list[int]:

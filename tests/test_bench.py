@@ -350,21 +350,12 @@ def test_a_signal_while_the_bench_loads_torch_exits_130_with_one_line(sig):
     """REVIEW (2026-12-07, stop 54): ``omnishm bench`` loaded torch after the start-up catcher was gone and had no
     handler of its own: Ctrl-C ended in a traceback (or was lost in the import, and the run went on to exit 0),
     SIGTERM killed it with 143 and no message. It now exits 130 with one line, its committers stopped."""
-    from helpers import maps_library
+    from helpers import maps_library, signal_when
 
-    proc = subprocess.Popen([sys.executable, "-m", "omnishm", "bench", "--quick", "--only", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while not maps_library(proc.pid, "libtorch"):  # busy poll: the moment torch starts to load
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        proc.send_signal(sig)
-        _out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err
+    # Signalled the moment torch starts to load.
+    code, err = signal_when([sys.executable, "-m", "omnishm", "bench", "--quick", "--only", "5"],
+                            lambda pid: maps_library(pid, "libtorch"), sig, 120, cwd=REPO)
+    assert code == 130, err
     assert "Traceback" not in err and f"omnishm bench: interrupted ({sig.name})" in err, err
 
 

@@ -18,7 +18,7 @@ from omnishm import shm
 from omnishm.liveness import proc_identity
 
 from conftest import REPO, RUNTIME_DIR, unique_cache_name
-from helpers import catches_signal, maps_library
+from helpers import catches_signal, maps_library, signal_when
 
 SMALL = ("--tp", "2", "--duration-s", "120", "--num-blocks", "64", "--block-size", "8",
          "--max-batched-tokens", "64", "--hidden-size", "32", "--mm-width", "8")
@@ -299,19 +299,10 @@ def test_a_sigterm_while_the_demo_imports_stops_it_with_130_and_nothing_started(
     first = subprocess.run([sys.executable, "-c", _CATCHER_FIRST, "demo", "--help"], capture_output=True, text=True,
                            timeout=START_TIMEOUT_S)
     assert first.returncode == 0 and first.stdout.split()[:1] == ["False"], first.stdout + first.stderr  # no torch yet
-    proc = subprocess.Popen([sys.executable, "-m", "omnishm", "demo", "--tp", "1", "--steps", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not catches_signal(proc.pid, signal.SIGTERM):  # busy poll: stop it the moment it can be stopped
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=START_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err
+    # Stopped the moment it can be stopped.
+    code, err = signal_when([sys.executable, "-m", "omnishm", "demo", "--tp", "1", "--steps", "2"],
+                            lambda pid: catches_signal(pid, signal.SIGTERM), signal.SIGTERM, START_TIMEOUT_S)
+    assert code == 130, err
     assert "Traceback" not in err
 
 
@@ -321,20 +312,11 @@ def test_a_signal_while_the_demo_loads_torch_after_its_modules_exits_130_with_it
     loaded torch afterwards (seconds) before its own handler went in. A SIGTERM there killed it with 143 and no
     message; a Ctrl-C ended in a traceback, or was lost in the import and the demo ran on to exit 0. The catcher
     now stays until the demo's handler is in, which takes the signal it remembered."""
-    proc = subprocess.Popen([sys.executable, "-m", "omnishm", "demo", "--tp", "1", "--steps", "2",
-                             "--name", unique_cache_name("dsig")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not maps_library(proc.pid, "libtorch"):  # busy poll: the moment torch starts to load
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        proc.send_signal(sig)
-        _out, err = proc.communicate(timeout=START_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err
+    # Signalled the moment torch starts to load.
+    code, err = signal_when([sys.executable, "-m", "omnishm", "demo", "--tp", "1", "--steps", "2", "--name",
+                             unique_cache_name("dsig")], lambda pid: maps_library(pid, "libtorch"), sig,
+                            START_TIMEOUT_S)
+    assert code == 130, err
     assert "Traceback" not in err and "omnishm demo: interrupted; ranks stopped, leaked segments 0" in err, err
 
 
