@@ -27,7 +27,7 @@ import torch
 
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
-from omnishm.client.tokens import token_tags
+from omnishm.client.tokens import prefix_chains, token_tags
 
 if TYPE_CHECKING:
     from omnishm.client.manager import OmniPrefixCacheManager
@@ -375,7 +375,9 @@ class SimEngine:
             blocks = torch.tensor(req.blocks, dtype=torch.int64)
             slot_parts.append(blocks[pos // self.bs] * self.bs + pos % self.bs)
             # Every row's token is known here, generated ones too (vLLM's integration tags prompt rows only).
-            tags.append(token_tags(np.asarray(req.tokens[req.num_computed:req.num_computed + count]), pos.numpy()))
+            ids = np.asarray(req.tokens[:req.num_computed + count], dtype=np.int64)
+            tags.append(np.stack([token_tags(ids[req.num_computed:], pos.numpy()),
+                                  prefix_chains(ids)[req.num_computed:]], axis=1))
             prompts[req.req_id] = (req.tokens, req.prompt_len)
             hs = prefix_hashes(req.tokens[:req.num_computed + count])
             hashes[req.req_id] = hs

@@ -14,21 +14,33 @@ from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheRequestEvent as E
 from omnishm.client.adapter import PrefixCacheWriteLayout
-from omnishm.client.tokens import token_tags
+from omnishm.client.tokens import _CHAIN_BASE, token_tags
 
 PROMPT = list(range(100, 140))  # request a's tokens; position p holds 100 + p
 
 
-def tags_of(tokens, first: int, count: int) -> np.ndarray:
-    return token_tags(np.asarray(tokens[first:first + count], dtype=np.int64),
-                      np.arange(first, first + count, dtype=np.int64))
+def tags_of(tokens, first: int, count: int, known=None) -> np.ndarray:
+    """The ``count x 2`` tags of positions ``first..`` of ``tokens`` (``known``: None, or one bool per token),
+    computed here in plain Python from their definition (``client/tokens.py``), not with its code."""
+    out = np.zeros((count, 2), dtype=np.int64)
+    chain, chained = 0, True
+    for p, t in enumerate(tokens[:first + count]):
+        t = int(t)
+        ok = 0 <= t < 1 << 32 and (known is None or bool(known[p]))
+        chained = chained and ok
+        if chained:
+            chain = (chain + (t + 1) * pow(_CHAIN_BASE, p, 1 << 64)) % (1 << 64)
+        if p >= first:
+            out[p - first] = ((p + 1) << 32 | t if ok else 0,
+                              (chain - (1 << 64) if chain >= 1 << 63 else chain) if chained else 0)
+    return out
 
 
 def save_tagged(m, parts: list[Part], tokens: dict[str, list[int] | None]) -> int:
     """``manager_helpers.save`` with each part's rows tagged with its request's tokens (None: unknown)."""
     h, mm, layout, n, pad = build(parts, BS)
     tags = np.concatenate([tags_of(tokens[p.req], p.first, p.count) if tokens.get(p.req) is not None
-                           else np.zeros(p.count, dtype=np.int64) for p in parts])
+                           else np.zeros((p.count, 2), dtype=np.int64) for p in parts])
     layout = replace(layout, token_tags=tags)
     return m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
 
@@ -46,6 +58,50 @@ def test_a_hit_on_rows_of_the_same_tokens_is_served(mgr):
     out = m.materialize(sid, ["b"])
     assert torch.equal(out.hidden_states["b"], expect(1, 8, 1, 8, 3)) and out.num_hit_tokens["b"] == 8
     assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 8 and m.keeps_token_tags
+
+
+TEMPLATE = [1, 2, 3, 4] + PROMPT[4:]  # another prompt of the same length: other first block, same tokens after
+
+
+def test_a_hit_on_rows_of_the_same_tokens_after_other_earlier_tokens_raises(mgr):
+    """The chain: b's block 3 holds rows of PROMPT's tokens 4 to 7 at positions 4 to 7, but computed after
+    other first tokens (two filled-in templates of one length), so they are not c's rows. The exact tags match
+    there; the chains do not. c's hit on a's block 0 and b's block 3 raises, naming the chain; a hit on a's own
+    blocks is served."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1]), started("b", [2, 3])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8), Part("b", 2, [2, 3], 0, 8)],
+                               {"a": PROMPT, "b": TEMPLATE}))
+    m.new_step_starts([hit_event("c", [0, 3, 5], 8, PROMPT[:9])])
+    sid = save_tagged(m, [Part("c", 3, [0, 3, 5], 8, 1)], {"c": PROMPT})
+    with pytest.raises(OmniPrefixCacheUnmatchError,
+                       match=r"4 of its rows were computed for other tokens \(first at position 4, slot 12 \(the "
+                             r"same token there, after other earlier tokens\)\).*request='c'.*step_id=1"):
+        m.materialize(sid, ["c"])
+    assert m.counters["token_mismatches"] == 4 and m.counters["token_checked_rows"] == 8
+    m.new_step_starts([hit_event("d", [0, 1, 6], 8, PROMPT[:9])])
+    sid = save_tagged(m, [Part("d", 3, [0, 1, 6], 8, 1)], {"d": PROMPT})
+    assert torch.equal(m.materialize(sid, ["d"]).hidden_states["d"], expect(1, 8, 3, 8, 1))
+
+
+def test_exact_tags_without_a_chain_are_compared_alone(mgr):
+    """A layout may give one exact tag a row (an integration that knows no chain): those rows' chains are
+    unknown, so only their (token, position) pairs are compared, and b's block 3 passes for c's (the limit
+    such an integration keeps). A hit given other tokens is still refused."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1]), started("b", [2, 3])])
+    h, mm, layout, n, pad = build([Part("a", 1, [0, 1], 0, 8), Part("b", 2, [2, 3], 0, 8)], BS)
+    exact = np.concatenate([tags_of(PROMPT, 0, 8)[:, 0], tags_of(TEMPLATE, 0, 8)[:, 0]])
+    m.discard_step(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad,
+                                  write_layout=replace(layout, token_tags=exact)))
+    m.new_step_starts([hit_event("c", [0, 3, 5], 8, PROMPT[:9])])
+    sid = save_tagged(m, [Part("c", 3, [0, 3, 5], 8, 1)], {"c": PROMPT})
+    assert torch.equal(m.materialize(sid, ["c"]).hidden_states["c"][4:8], expect(2, 8, 3, 8, 1)[4:8])
+    assert m.counters["token_checked_rows"] == 8 and m.counters["token_mismatches"] == 0
+    m.new_step_starts([hit_event("e", [2, 6], 4, PROMPT[:5])])
+    sid = save_tagged(m, [Part("e", 3, [2, 6], 4, 1)], {"e": PROMPT})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"first at position 0, slot 8\)"):
+        m.materialize(sid, ["e"])
 
 
 def test_a_hit_on_rows_computed_for_other_tokens_raises_and_the_slots_become_absent(mgr):
@@ -184,7 +240,8 @@ def test_token_tags_that_are_not_one_int64_per_row_are_refused(mgr):
     m = mgr()
     m.new_step_starts([started("a", [0])])
     h, mm, layout, n, pad = build([Part("a", 1, [0], 0, 4)], BS)
-    for bad in (np.zeros(4, dtype=np.int32), np.zeros(3, dtype=np.int64), [0, 0, 0, 0]):
+    for bad in (np.zeros(4, dtype=np.int32), np.zeros(3, dtype=np.int64), [0, 0, 0, 0], np.zeros((4, 3), np.int64),
+                np.zeros((3, 2), dtype=np.int64), np.zeros((2, 2, 2), dtype=np.int64)):
         with pytest.raises(TypeError, match="token_tags"):
             m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad,
                            write_layout=PrefixCacheWriteLayout(layout.writes, layout.slots, bad))
@@ -219,7 +276,8 @@ def test_the_simulated_engine_checks_every_hit_and_a_hit_given_other_tokens_rais
             eng.advance(st)
         else:
             pytest.fail(f"no hit after {m.counters['token_checked_rows']} compared positions")
-    assert m.counters["token_mismatches"] == 1
+    # The first token differs, so every row of the hit was computed after other tokens (the chain).
+    assert m.counters["token_mismatches"] == hit.num_computed_tokens
 
 
 def test_a_hit_position_whose_id_is_unknown_is_not_compared(mgr):
@@ -289,7 +347,8 @@ def test_slots_a_check_made_absent_are_no_longer_known(mgr):
 
 def test_every_wrong_slot_of_a_refused_hit_becomes_absent(mgr):
     """Mutation review (stop 55): c's hit is wrong at positions 6 and 9 (blocks 1 and
-    2); both slots become absent, so an unchecked hit on block 2 alone raises instead of serving a's rows."""
+    2), so rows 6 to 11 were computed after other tokens; all those slots become absent, so an unchecked hit
+    on block 2 alone raises instead of serving a's rows."""
     m = mgr()
     m.new_step_starts([started("a", [0, 1, 2])])
     m.discard_step(save_tagged(m, [Part("a", 1, [0, 1, 2], 0, 12)], {"a": PROMPT}))
@@ -297,7 +356,8 @@ def test_every_wrong_slot_of_a_refused_hit_becomes_absent(mgr):
     other[6], other[9] = 1, 1
     m.new_step_starts([hit_event("c", [0, 1, 2, 3], 12, other)])
     sid = save_tagged(m, [Part("c", 3, [0, 1, 2, 3], 12, 1)], {"c": other})
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="2 of its rows were computed for other tokens"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="6 of its rows were computed for other tokens "
+                       r"\(first at position 6, slot 6\)"):
         m.materialize(sid, ["c"])
     m.new_step_starts([hit_event("e", [2, 5], 4, None)])
     sid = save(m, [Part("e", 4, [2, 5], 4, 1)], BS)
@@ -367,9 +427,10 @@ def test_the_hits_of_one_step_are_checked_together_and_each_refusal_names_its_ow
     logged = {r.getMessage().split("request ")[1][:3]: r.getMessage() for r in caplog.records
               if "computed for other tokens" in r.getMessage()}
     assert set(logged) == {"'c'", "'d'"}, logged
-    assert "1 of its rows" in logged["'c'"] and "2 of its rows were computed for other tokens (first at position 2, " \
+    # c differs at position 4 only, yet rows 4 to 7 were computed after another token 4 (the chain).
+    assert "4 of its rows" in logged["'c'"] and "2 of its rows were computed for other tokens (first at position 2, " \
         "slot 2)" in logged["'d'"]
-    assert m.counters["token_mismatches"] == 1 + 2 and m.counters["token_checked_rows"] == 12 + 8 + 4
+    assert m.counters["token_mismatches"] == 4 + 2 and m.counters["token_checked_rows"] == 12 + 8 + 4
 
 
 def test_token_ids_past_2_32_or_in_a_container_numpy_cannot_read_are_unknown():
@@ -380,5 +441,5 @@ def test_token_ids_past_2_32_or_in_a_container_numpy_cannot_read_are_unknown():
 
     big = np.array([(1 << 32) + 5, 5], dtype=np.int64)
     assert token_tags(big, np.array([0, 1])).tolist()[0] == 0 and token_tag((1 << 32) + 5, 0) == 0
-    assert token_tag(5, 0) == tags_of([5], 0, 1)[0] != 0
+    assert token_tag(5, 0) == tags_of([5], 0, 1)[0][0] != 0
     assert hit_token_tags(torch.tensor([1, 2, 3, 4]).to_sparse(), 4) is None

@@ -18,7 +18,7 @@ from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheRequestEvent as E
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter
 from omnishm.client.group_view import FullAttentionGroupView
-from omnishm.client.tokens import FEW_RUNS, hit_token_tags, row_tags, token_tag, token_tags
+from omnishm.client.tokens import FEW_RUNS, hit_token_tags, row_tags, token_tags
 from test_token_check import PROMPT, tags_of
 
 import test_runner_mixin as trm
@@ -53,12 +53,13 @@ def test_the_group_view_tags_prompt_tokens_given_as_ids_only():
     view = FullAttentionGroupView(_batch([6, 10], [4, 0], ids), BS)
     # a: positions 4..7, prompt ends at 6 (6 and 7 are generated); b: positions 0..2, all prompt.
     got = view.step_token_tags_cpu([4, 3])
-    want = np.concatenate([tags_of(ids[0], 4, 2), [0, 0], tags_of(ids[1], 0, 3)])
-    assert got.dtype == np.int64 and (got == want).all()
+    want = np.concatenate([tags_of(ids[0], 4, 2), np.zeros((2, 2), dtype=np.int64), tags_of(ids[1], 0, 3)])
+    assert got.dtype == np.int64 and got.shape == (7, 2) and (got == want).all()
     is_ids = np.ones((2, 16), dtype=bool)
-    is_ids[1, 1] = False  # an embedding at b's position 1
+    is_ids[1, 1] = False  # an embedding at b's position 1: unknown there, and no chain from there on
     got = FullAttentionGroupView(_batch([6, 10], [4, 0], ids, is_ids), BS).step_token_tags_cpu([4, 3])
-    assert got[5] == 0 and got[4] == want[4] and got[6] == want[6]
+    assert got[5].tolist() == [0, 0] and (got[4] == want[4]).all() and got[6].tolist() == [want[6][0], 0]
+    assert (got[4:] == tags_of(ids[1], 0, 3, known=is_ids[1])).all()
     assert view.step_token_tags_cpu([0, 0]) is None  # nothing to tag
     assert FullAttentionGroupView(_batch([6, 10], [6, 10], ids), BS).step_token_tags_cpu([1, 1]) is None  # decode
     no_ids = _batch([6, 10], [4, 0], ids)
@@ -107,7 +108,7 @@ def test_a_large_batch_finds_its_prompt_rows_or_none(prefill_row):
     if prefill_row is None:
         assert got is None
     else:
-        want = np.zeros(n, dtype=np.int64)
+        want = np.zeros((n, 2), dtype=np.int64)
         want[prefill_row] = tags_of(ids[prefill_row], 2, 1)[0]
         assert (got == want).all()
 
@@ -132,8 +133,9 @@ def test_the_v2_view_tags_prompt_rows_from_the_prompts_its_mirror_kept():
                             query_start_loc_np=np.concatenate([[0], np.cumsum(counts)]),
                             num_computed_tokens_np=np.array([4, 0, 0], dtype=np.int32))
     got = V2StepGroupView(batch, mirror, BS).step_token_tags_cpu([4, 3, 2])
-    b = tags_of([7] * 5, 0, 3)
-    assert got.tolist() == [*tags_of(PROMPT, 4, 2), 0, 0, b[0], 0, b[2], 0, 0]
+    b = tags_of([7] * 5, 0, 3, known=[True, False] * 2 + [True]).tolist()
+    assert b[1] == [0, 0] and b[2][1] == 0  # unknown at the embedding; no chain after it
+    assert got.tolist() == [*tags_of(PROMPT, 4, 2).tolist(), [0, 0], [0, 0], *b, [0, 0], [0, 0]]
     mirror.update(SimpleNamespace(finished_req_ids={"a", "b"}, preempted_req_ids=None, scheduled_new_reqs=[],
                                   scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
     assert mirror.prompt("a") is None and mirror.prompt("b") is None
@@ -163,8 +165,8 @@ def test_a_steps_tags_are_alike_on_the_small_and_the_large_path(n_rows):
     is_ids[1, 3] = False  # an embedding at b's position 3
     batch, ids = _big_batch(n_rows, is_ids)
     got = FullAttentionGroupView(batch, BS).step_token_tags_cpu([n_rows, n_rows])
-    want = np.concatenate([tags_of(ids[0], 0, n_rows - 10), np.zeros(10, dtype=np.int64), tags_of(ids[1], 0, n_rows)])
-    want[n_rows + 3] = 0
+    want = np.concatenate([tags_of(ids[0], 0, n_rows - 10), np.zeros((10, 2), dtype=np.int64),
+                           tags_of(ids[1], 0, n_rows, known=is_ids[1])])
     assert got.dtype == np.int64 and got.shape == want.shape and (got == want).all()
 
 
@@ -269,12 +271,8 @@ def test_a_step_of_many_new_prompts_is_tagged_in_one_pass_alike(view, prompt):
     for i in range(n):
         for p in range(computed[i], computed[i] + counts[i]):
             known = p < plen[i] and is_ids[i, p]
-            want.append(tags_of(ids[i], p, 1)[0] if known else 0)
+            want.append(tags_of(ids[i], p, 1, known=is_ids[i])[0].tolist() if known else [0, 0])
     assert got.dtype == np.int64 and got.tolist() == want
-
-
-def _tags(ids, first):
-    return token_tags(np.asarray(ids, dtype=np.int64), np.arange(first, first + len(ids), dtype=np.int64))
 
 
 # hit_token_tags' dtype check (M8, M10) -------------------------------------------------------------
@@ -290,17 +288,17 @@ def test_hit_ids_of_any_integer_dtype_are_compared(dtype):
     """An unsigned or narrow integer array of ids (numpy arrays of a tokenizer's ids) is checked, not skipped."""
     ids = np.arange(100, 108, dtype=dtype)
     got = hit_token_tags(ids, 6)
-    assert got is not None and got.dtype == np.int64 and got.tolist() == _tags(range(100, 106), 0).tolist()
+    assert got is not None and got.dtype == np.int64 and got.tolist() == tags_of(range(100, 106), 0, 6).tolist()
 
 
 # row_tags' many-runs path with runs of mixed 'known' (M11, M12) ------------------------------------
 
 def _reference(rows, spans):
-    out = [0] * rows
+    """``row_tags``' result computed from the definition: run (start, pos, prompt ids from 0, known) writes
+    positions pos.. at rows start..."""
+    out = [[0, 0]] * rows
     for start, pos, ids, known in spans:
-        for k, t in enumerate(ids):
-            if known is None or known[k]:
-                out[start + k] = token_tag(int(t), pos + k)
+        out[start:start + len(ids) - pos] = tags_of(list(ids), pos, len(ids) - pos, known=known).tolist()
     return out
 
 
@@ -310,10 +308,10 @@ def test_many_runs_where_only_some_carry_a_known_mask_are_tagged_like_few(n_runs
     None run's rows are tagged, every masked-out row is 0."""
     spans, at = [], 0
     for i in range(n_runs):
-        ids = list(range(1000 + 10 * i, 1000 + 10 * i + 3 + i % 4))
+        ids = list(range(1000 + 10 * i, 1000 + 10 * i + i + 3 + i % 4))  # positions i.. are the run's
         known = None if i % 2 else [k % 3 != 1 for k in range(len(ids))]
         spans.append((at + 1, i, ids, known))  # a generated row (0) before each run
-        at += 1 + len(ids)
+        at += 1 + len(ids) - i
     got = row_tags(at, spans)
     assert got.dtype == np.int64 and got.tolist() == _reference(at, spans)
 
@@ -338,7 +336,7 @@ def test_the_v2_view_tags_many_prompts_with_and_without_is_ids_masks():
                             num_computed_tokens_np=np.zeros(n, dtype=np.int32))
     got = V2StepGroupView(batch, mirror, 8).step_token_tags_cpu(counts.tolist())
     want = _reference(5 * n, [(5 * i, 0, prompts[i], masks[i]) for i in range(n)])
-    assert got.tolist() == want and all(want[5 * i + 4] for i in range(1, n, 2))
+    assert got.tolist() == want and all(want[5 * i + 4][1] for i in range(1, n, 2))
 
 
 # the one-gather paths are taken (performance contract; M6, M7, M16) --------------------------------
@@ -386,7 +384,7 @@ def test_the_v1_view_gathers_many_prompt_runs_from_the_batch_in_one_index(monkey
 
     monkeypatch.setattr(gv, "row_tags", no_per_run)
     got = gv.FullAttentionGroupView(batch, 4).step_token_tags_cpu([3] * n)
-    assert got.tolist() == np.concatenate([_tags(ids[i, :3], 0) for i in range(n)]).tolist()
+    assert got.tolist() == np.concatenate([tags_of(ids[i], 0, 3) for i in range(n)]).tolist()
 
 
 # BlockIdMirror's prompts (M19, M21) and the V2 view's None (M22) -------------------------------------
@@ -435,8 +433,12 @@ def _ids(max_reqs, width):
     return np.tile(np.arange(width, dtype=np.int32) + 300, (max_reqs, 1))
 
 
+def _held(table, slots):
+    return np.stack([table.tags[slots], table.chains[slots]], axis=1).tolist()
+
+
 def _want(first, count):
-    return token_tags(np.arange(first, first + count, dtype=np.int64) + 300, np.arange(first, first + count))
+    return tags_of(list(range(300, 300 + first + count)), first, count)
 
 
 @pytest.fixture
@@ -473,7 +475,7 @@ def test_the_hooks_tag_the_writers_rows_and_the_reader_tags_none(committer, monk
         w, wr = made["writer"]
         r, rr = made["reader"]
         slots = np.array([12, 13, 14, 15, 20, 21, 22, 23])  # blocks 3, 5 at block size 4: positions 0..7
-        assert w.manager._slot_tokens.tags[slots].tolist() == _want(0, 8).tolist()
+        assert _held(w.manager._slot_tokens, slots) == _want(0, 8).tolist()
         assert id(wr.input_batch) in counted and id(rr.input_batch) not in counted
     finally:
         for h, _ in made.values():
@@ -495,7 +497,7 @@ def test_the_runner_mixin_tags_the_writers_rows_and_the_reader_tags_none(committ
             assert r.prefix_cache_manager.role == role
         w = made["writer"].prefix_cache_manager
         slots = np.array([20, 21, 22, 23, 8, 9])
-        assert w._slot_tokens.tags[slots].tolist() == _want(0, 6).tolist()
+        assert _held(w._slot_tokens, slots) == _want(0, 6).tolist()
         assert id(made["writer"].input_batch) in counted and id(made["reader"].input_batch) not in counted
     finally:
         for r in made.values():
@@ -521,3 +523,65 @@ def test_many_hits_are_tagged_in_one_pass_as_each_alone():
                                                                          g.tolist() == w.tolist())
                                              for g, w in zip(got, want)), (got, want)
     assert want[9] is None and want[3] is None and want[0] is not None
+
+
+# the chain: every path sums the prompt from position 0 ----------------------------------------------
+
+@pytest.mark.parametrize("shape", ["small", "large", "many"])
+def test_a_run_that_continues_a_prompt_chains_from_position_0_on_every_path(shape):
+    """A chunk of a prompt (positions from ``num_computed``) gets the chains of the whole prompt up to each row,
+    on the plain-Python path (at most 256 rows), the numpy path (more) and the many-runs gather; an id vLLM
+    cannot know (an embedding) before the chunk leaves the chunk's rows without a chain, but with their tags."""
+    n, plen, first, count = {"small": (2, 40, 12, 20), "large": (2, 600, 100, 300), "many": (12, 40, 9, 20)}[shape]
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 50_000, (n, plen)).astype(np.int32)
+    is_ids = np.ones((n, plen), dtype=bool)
+    is_ids[1, 3] = False  # request 1: an embedding before its chunk
+    nb = -(-plen // BS)
+    table = torch.arange(n * nb, dtype=torch.int32).reshape(n, nb)
+    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.full(n, nb))
+    batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_computed_tokens_cpu=np.full(n, first, np.int32),
+                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=ids,
+                            num_prompt_tokens=np.full(n, plen, dtype=np.int32), is_token_ids=is_ids)
+    got = FullAttentionGroupView(batch, BS).step_token_tags_cpu([count] * n)
+    want = np.concatenate([tags_of(ids[i], first, count, known=is_ids[i]) for i in range(n)])
+    assert (got == want).all()
+    assert (got[count:2 * count, 1] == 0).all() and (got[count:2 * count, 0] != 0).all()
+    assert (got[:count, 1] != 0).all()
+
+
+def test_an_unknown_id_before_a_run_leaves_it_without_a_chain_and_ids_past_2_32_too():
+    """``row_tags``: a negative id or one of 2**32 or more before the run (or in it) ends the chain there; the
+    rows' exact tags stay known where their own id is."""
+    prompt = [5, -1, 7, 8, 9, 10]
+    got = row_tags(4, [(0, 2, prompt, None)])
+    assert got[:, 1].tolist() == [0] * 4 and got[:, 0].tolist() == tags_of(prompt, 2, 4)[:, 0].tolist() != [0] * 4
+    big = [5, 6, 1 << 32, 8]
+    got = row_tags(4, [(0, 0, big, None)])
+    assert got[:2, 1].all() and got[2:].tolist() == [[0, 0], [got[3, 0], 0]] and got[3, 0]
+    assert (got == tags_of(big, 0, 4)).all()
+
+
+def test_chains_tell_prefixes_apart_that_differ_at_one_position_and_are_alike_after():
+    """Two filled-in templates of one length: alike from position 4 on, so their exact tags are alike there and
+    their chains are not, at every position after the difference; alike prompts have alike chains."""
+    a = hit_token_tags(PROMPT, 40)
+    b = hit_token_tags([1, 2, 3, 4] + PROMPT[4:], 40)
+    assert (a[4:, 0] == b[4:, 0]).all() and (a[:, 1] != b[:, 1]).all()
+    assert (hit_token_tags(list(PROMPT), 40) == a).all() and (tok.prefix_chains(np.array(PROMPT)) == a[:, 1]).all()
+    for p in range(40):  # one token other than PROMPT's at position p: every chain from p on differs
+        c = list(PROMPT)
+        c[p] += 1
+        chains = hit_token_tags(c, 40)[:, 1]
+        assert (chains[:p] == a[:p, 1]).all() and (chains[p:] != a[p:, 1]).all()
+
+
+def test_the_v2_mirror_makes_a_prompt_an_array_once_and_drops_ids_that_are_no_integers():
+    from omnishm.client.v2_view import BlockIdMirror
+
+    m = BlockIdMirror()
+    m.update(_so([_new("a", [1, 2, 3]), _new("f", [1.0, 2.0]), _new("s", ["x", "y"])]))
+    first = m.prompt("a")
+    assert isinstance(first[0], np.ndarray) and first[0].dtype == np.int64 and first[0].tolist() == [1, 2, 3]
+    assert m.prompt("a")[0] is first[0]  # kept as an array
+    assert m.prompt("f") is None and m.prompt("s") is None

@@ -217,7 +217,9 @@ class InputBatch:
             _, first, count = step.positions[rid]
             self.num_computed_tokens_cpu[row] = first
             tokens, prompt_len = step.prompts[rid]
-            self.token_ids_cpu[row, first:first + count] = tokens[first:first + count]
+            # vLLM keeps a row's whole prompt there (its add_request; condense and swaps move whole rows), and
+            # the tags' chains read it from position 0: this fake's rows change requests step by step.
+            self.token_ids_cpu[row, :first + count] = tokens[:first + count]
             self.num_prompt_tokens[row] = prompt_len
 
 

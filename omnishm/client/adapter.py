@@ -233,8 +233,9 @@ class PrefixCacheWriteLayout:
     writes: tuple[PrefixCacheWrite, ...]
     slots: torch.Tensor
     token_tags: np.ndarray | None = None
-    """Optional: one int64 per row, ``tokens.token_tags`` of the row's token id and its position in its
-    request, 0 where unknown (None: all unknown). Their form is checked on every rank, so the ranks refuse a
+    """Optional: ``rows x 2`` int64, each row's exact tag (``tokens.token_tags`` of its token id and its position
+    in its request) and its chain (``tokens.prefix_chains`` of its request's tokens up to it), 0 where unknown
+    (None: all unknown); or one exact tag a row (no chain). Their form is checked on every rank, so the ranks refuse a
     save alike; the writer keeps them per slot and checks later hits against them (``client/tokens.py``)."""
 
     def __post_init__(self) -> None:

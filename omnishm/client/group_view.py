@@ -237,8 +237,8 @@ class FullAttentionGroupView:
         return torch.frombuffer(out, dtype=torch.int64)
 
     def step_token_tags_cpu(self, counts: Sequence[int]) -> np.ndarray | None:
-        """This step's row tags (``client/tokens.py``), one int64 per row in ``step_slots_cpu``'s order, from the
-        batch's CPU token ids: the tag of each prompt token given as an id, 0 for every other row (a generated
+        """This step's row tags (``client/tokens.py``), ``rows x 2`` int64 in ``step_slots_cpu``'s order, from the
+        batch's CPU token ids: the tags of each prompt token given as an id, 0 for every other row (a generated
         token: under async scheduling the runner's CPU copy of a step's sampled input may not be written yet;
         a prompt embedding: no id). None when no row of the step has a known token (a decode step) or the
         batch keeps no token ids. ``counts`` as ``step_slots_cpu`` took them (a list, in batch order)."""
@@ -275,12 +275,12 @@ class FullAttentionGroupView:
         is_ids = getattr(batch, "is_token_ids", None)  # vLLM 0.32: False where the prompt gave an embedding
         if len(spans) > FEW_RUNS:  # many new prompts: gather every run's ids from the batch in one index
             runs = np.array(spans, dtype=np.int64)
-            lens = runs[:, 3] - runs[:, 2]
-            positions = run_index(runs[:, 2], lens)
-            batch_rows = np.repeat(runs[:, 1], lens)
-            return scatter_tags(at, runs[:, 0], positions, lens, token_ids[batch_rows, positions],
+            ends = runs[:, 3]
+            positions = run_index(np.zeros(len(runs), dtype=np.int64), ends)  # from 0: the chain needs them
+            batch_rows = np.repeat(runs[:, 1], ends)
+            return scatter_tags(at, runs[:, 0], runs[:, 2], ends, token_ids[batch_rows, positions],
                                 None if is_ids is None else is_ids[batch_rows, positions])
-        return row_tags(at, [(start, pos, token_ids[row, pos:end], None if is_ids is None else is_ids[row, pos:end])
+        return row_tags(at, [(start, pos, token_ids[row, :end], None if is_ids is None else is_ids[row, :end])
                              for start, row, pos, end in spans])
 
 

@@ -148,7 +148,7 @@ class StepLifecycle:
         tensor, ``OmniPrefixCacheUnmatchError`` for a layout that disagrees with the token counts
         or with itself: a negative count, a request twice, writes not contiguous from row 0 in batch
         order (claim versions follow the writes' order, rows their ``token_start``). Token tags that
-        are not None or one int64 per row are a ``TypeError``.
+        are not None, one int64 per row or two per row (tag and chain) are a ``TypeError``.
         """
         slots = write_layout.slots
         if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES or slots.dim() != 1 \
@@ -161,10 +161,10 @@ class StepLifecycle:
                                 step_id=step_id)
         tags = getattr(write_layout, "token_tags", None)
         if tags is not None and not (isinstance(tags, np.ndarray) and tags.dtype == np.int64
-                                     and tags.shape == (n,)):
+                                     and tags.shape in ((n,), (n, 2))):
             got = (f"{tags.dtype} of shape {tags.shape}" if isinstance(tags, np.ndarray) else type(tags).__name__)
             raise TypeError(f"write_layout.token_tags must be None or an int64 numpy array of one tag per row "
-                            f"({n}), got {got}")
+                            f"({n},) or one tag and chain per row ({n}, 2), got {got}")
         writes = []
         seen: set[ReqId] = set()
         row = 0
@@ -219,20 +219,24 @@ class StepLifecycle:
             return {}
         ends = np.cumsum([len(s) for s in slots])
         owner = np.searchsorted(ends, bad, side="right")  # the hit each wrong row belongs to
-        wrong = np.concatenate(slots)[bad]
-        self._rescue_before_claim(torch.from_numpy(wrong))
-        self._make_absent(wrong)
-        self.counters["token_mismatches"] += len(bad)
         refused: dict[ReqId, str] = {}
         for i in np.unique(owner).tolist():
             req, hit = checked[i]
             mine = bad[owner == i] - (ends[i] - len(slots[i]))
             first = int(mine[0])
+            slot = int(slots[i][first])
+            how = (" (the same token there, after other earlier tokens)"
+                   if tokens.chain_only(slot, hit.tags[first]) else "")  # (before the slots are forgotten)
             refused[req] = (
                 f"prefix hit of {len(hit.slots)} tokens: {len(mine)} of its rows were computed for other tokens "
-                f"(first at position {first}, slot {int(slots[i][first])}): vLLM hit blocks it never computed "
+                f"(first at position {first}, slot {slot}{how}): vLLM hit blocks it never computed "
                 f"for this prompt; those slots are now absent")
-            logger.warning("cache %s: step %s, request %r: %s", self.cache, step_id, req, refused[req])
+        wrong = np.concatenate(slots)[bad]
+        self._rescue_before_claim(torch.from_numpy(wrong))
+        self._make_absent(wrong)
+        self.counters["token_mismatches"] += len(bad)
+        for req, why in refused.items():
+            logger.warning("cache %s: step %s, request %r: %s", self.cache, step_id, req, why)
         return refused
 
     def _check_slots(self, slots: torch.Tensor, n: int, step_id: StepId

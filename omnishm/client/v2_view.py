@@ -52,8 +52,9 @@ class BlockIdMirror:
         self._blocks: dict[ReqId, list[int]] = {}
         self._prompts: dict[ReqId, tuple[Sequence[int], Sequence[bool] | None]] = {}
         """Each live request's prompt token ids and which of them are ids (vLLM 0.32's ``prompt_is_token_ids``;
-        None: all), as its scheduler output gave them (kept, not copied; none for a prompt of embeddings or a
-        request seeded from the runner): the rows the view tags (``client/tokens.py``)."""
+        None: all), as its scheduler output gave them (kept, not copied, until ``prompt`` makes them arrays; none
+        for a prompt of embeddings or a request seeded from the runner): the rows the view tags
+        (``client/tokens.py``)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -102,8 +103,23 @@ class BlockIdMirror:
         return len(index)
 
     def prompt(self, rid: ReqId) -> tuple[Sequence[int], Sequence[bool] | None] | None:
-        """The request's prompt token ids and which are ids (None: all), or None when the mirror has none."""
-        return self._prompts.get(rid)
+        """The request's prompt token ids and which are ids (None: all), or None when the mirror has none or
+        its ids are no list of integers. Made numpy arrays on first use and kept so: each chunk's tags need
+        the prompt from position 0 (the chain), and a list made an array again each step cost O(prompt)."""
+        known = self._prompts.get(rid)
+        if known is None or isinstance(known[0], np.ndarray):
+            return known
+        try:
+            ids = np.asarray(known[0])
+            is_ids = None if known[1] is None else np.asarray(known[1], dtype=bool)
+        except Exception:  # noqa: BLE001 - ids numpy cannot read are not compared (tokens.hit_token_tags)
+            ids = is_ids = None
+        if ids is None or ids.dtype.kind not in "iu" or ids.ndim != 1 or \
+                (is_ids is not None and is_ids.shape != ids.shape):
+            self._prompts.pop(rid, None)
+            return None
+        self._prompts[rid] = known = (ids.astype(np.int64, copy=False), is_ids)
+        return known
 
     def blocks(self, rid: ReqId) -> list[int]:
         """The request's block ids; ``OmniPrefixCacheUnmatchError`` when the mirror has none for it."""
@@ -161,9 +177,10 @@ class V2StepGroupView:
         return torch.frombuffer(out, dtype=torch.int64) if out else torch.empty(0, dtype=torch.int64)
 
     def step_token_tags_cpu(self, num_scheduled_tokens: Sequence[int]) -> np.ndarray | None:
-        """This step's row tags (``client/tokens.py``) in ``step_slots_cpu``'s order, from the prompt token ids
-        the mirror kept: each prompt row's tag, 0 for generated tokens and for requests without ids. None when
-        no row of the step is a known prompt row. Call after ``step_slots_cpu`` checked the counts."""
+        """This step's row tags (``client/tokens.py``, ``rows x 2``) in ``step_slots_cpu``'s order, from the
+        prompt token ids the mirror kept: each prompt row's tags, 0 for generated tokens and for requests
+        without ids. None when no row of the step is a known prompt row. Call after ``step_slots_cpu`` checked
+        the counts."""
         computed = self.input_batch.num_computed_tokens_np
         spans: list[tuple[int, int, Sequence[int], Sequence[bool] | None]] = []
         at = 0
@@ -175,6 +192,6 @@ class V2StepGroupView:
                 pos = int(computed[i])
                 end = min(pos + n, len(prompt))
                 if end > pos:
-                    spans.append((at, pos, prompt[pos:end], None if is_ids is None else is_ids[pos:end]))
+                    spans.append((at, pos, prompt[:end], None if is_ids is None else is_ids[:end]))
             at += n
         return row_tags(at, spans) if spans else None
