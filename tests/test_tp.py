@@ -51,6 +51,26 @@ def test_writer_and_two_reader_processes_serve_identical_exact_rows(committer_fa
         assert r.role == "reader" and r.hit_tokens == writer.hit_tokens
 
 
+def test_a_reader_serves_requests_without_a_hit_with_no_wait_on_its_writer(committer):
+    """Review (stop 56): a reader's materialize of requests without a hit waited for its writer's publication
+    whenever another request of the step had a hit, and refused its own rows when the writer was late. Here the
+    writer never saves the steps (commit_timeout_s 3 s): e's rows are served; a read of f's hit still waits and raises,
+    naming f."""
+    with OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg(), cache=committer.name, role="reader", autostart=False) as r:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        w.wait_idle()
+        r.new_step_starts([started("d", [0, 2], hit=4), started("e", [3])])
+        sid = save(r, [Part("d", 4, [0, 2], 4, 2), Part("e", 5, [3], 0, 3)], BS)
+        assert torch.equal(r.materialize(sid, ["e"]).hidden_states["e"], expect(5, 0, 5, 0, 3))
+        r.new_step_starts([started("f", [0, 4], hit=4)])
+        sid = save(r, [Part("d", 6, [0, 2], 6, 1), Part("f", 6, [0, 4], 4, 1)], BS)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"did not publish step 2.*request='f'"):
+            r.materialize(sid, ["d", "f"])
+
+
 def test_reader_reads_same_step_hits_and_stays_exact_when_slots_are_reused_next_step(committer):
     with OmniPrefixCacheManager(cfg(), cache=committer.name, autostart=False) as w, \
             OmniPrefixCacheManager(cfg(), cache=committer.name, role="reader", autostart=False) as r:

@@ -53,15 +53,15 @@ class ReadSide:
         try:  # at once: a consumed step's page and pins go back whatever is raised from here on
             nkeys = len(ctx.step_rows)
             deadline = self._deadline()  # one bound for every wait of this call, not one per wait
-            if not self.is_writer and ctx.hits:
-                # Only hit rows come from the writer: a step without hits is this rank's own rows, and
-                # waiting for a publication it does not need would stall the engine thread on a late or
-                # stuck writer (up to commit_timeout_s every step).
-                # A refusal names the first hit request asked for (none when no request asked for has a hit) and
-                # a tensor of the step (review, 2026-12-07).
-                named = next((r for r in req_ids if r in ctx.hits), None)
+            named = next((r for r in req_ids if r in ctx.hits), None) if ctx.hits else None
+            if not self.is_writer and named is not None:
+                # Only hit rows come from the writer: requests without a hit are this rank's own rows, and
+                # waiting for a publication they do not need would stall the engine thread on a late or
+                # stuck writer (up to commit_timeout_s every step), then refuse rows it had. So a reader
+                # waits only when a request asked for has a hit (review, stop 56: it waited when any
+                # request of the step had one). A refusal names that request and a tensor of the step.
                 self._wait_published(step_id, deadline, req=named, key=next(iter(ctx.row_shapes), None))
-                self._check_same_plan(ctx)
+                self._check_same_plan(ctx, named)
             hidden: dict[ReqId, Any] = {}
             mm: dict[ReqId, dict[TensorName, Any]] = {}
             hits: dict[ReqId, int] = {}
@@ -201,34 +201,36 @@ class ReadSide:
     @staticmethod
     def _check_out_buffers(ctx: StepCtx, req_ids: list[ReqId],
                            out: Mapping[ReqId, Mapping[TensorName, torch.Tensor]]) -> None:
-        """Refuse a wrong ``out`` buffer before the step id is consumed (``TypeError``, ``ValueError``)."""
+        """Refuse a wrong ``out`` buffer before the step id is consumed (``TypeError``, ``ValueError``, naming the
+        step, the request and the tensor)."""
+        at = f"materialize(step {ctx.step_id}) out"
         if not isinstance(out, Mapping):
-            raise TypeError(f"materialize out must map request ids to {{name: tensor}}, got {type(out).__name__}")
+            raise TypeError(f"{at} must map request ids to {{name: tensor}}, got {type(out).__name__}")
         for req in req_ids:
             span = ctx.hits.get(req)
             rows = (len(span.slots) if span is not None else 0) + ctx.spans[req][1]
             bufs = out.get(req, {})
             if not isinstance(bufs, Mapping):
-                raise TypeError(f"materialize out[{req!r}] must map tensor names to tensors, got {type(bufs).__name__}")
+                raise TypeError(f"{at}[{req!r}] must map tensor names to tensors, got {type(bufs).__name__}")
             for key, given in bufs.items():
                 step_rows = ctx.step_rows.get(key)
                 if step_rows is None:
-                    raise ValueError(f"materialize out[{req!r}] names {key!r}, which this step did not save")
+                    raise ValueError(f"{at}[{req!r}] names {key!r}, which this step did not save")
                 if not isinstance(given, torch.Tensor):
-                    raise TypeError(f"materialize out[{req!r}][{key!r}] must be a tensor, got {type(given).__name__}")
+                    raise TypeError(f"{at}[{req!r}][{key!r}] must be a tensor, got {type(given).__name__}")
                 shape = (rows, *ctx.row_shapes[key])
                 if tuple(given.shape) != shape or given.dtype != step_rows.dtype or not given.is_contiguous() \
                         or given.device.type != "cpu":
-                    raise ValueError(f"materialize out[{req!r}][{key!r}] must be a contiguous CPU tensor "
+                    raise ValueError(f"{at}[{req!r}][{key!r}] must be a contiguous CPU tensor "
                                      f"{shape} {step_rows.dtype}, got {tuple(given.shape)} {given.dtype} "
                                      f"on {given.device}")
                 # torch refuses these writes only once the step is consumed (review): say so before
                 if given.requires_grad and torch.is_grad_enabled():  # under no_grad torch writes it
-                    raise ValueError(f"materialize out[{req!r}][{key!r}] requires grad: rows cannot be copied "
+                    raise ValueError(f"{at}[{req!r}][{key!r}] requires grad: rows cannot be copied "
                                      f"into it with grad enabled (call materialize under torch.no_grad(), or pass "
                                      f"a tensor that does not require grad)")
                 if given.is_inference() and not torch.is_inference_mode_enabled():
-                    raise ValueError(f"materialize out[{req!r}][{key!r}] was made under torch.inference_mode and "
+                    raise ValueError(f"{at}[{req!r}][{key!r}] was made under torch.inference_mode and "
                                      f"this thread is not in it: torch refuses to write it here")
 
     def _read_hit(self, ctx: StepCtx, span: HitSpan, key: TensorName, out: torch.Tensor, req: ReqId,
@@ -392,12 +394,13 @@ class ReadSide:
                     else f"within {self.config.commit_timeout_s:.1f}s"), req_id=req, key=key, step_id=step_id)
             time.sleep(_POLL_S)
 
-    def _check_same_plan(self, ctx: StepCtx) -> None:
+    def _check_same_plan(self, ctx: StepCtx, req: ReqId) -> None:
         """Reader, the thread of ``materialize``, before any hit row is served: raise
         ``OmniPrefixCacheUnmatchError`` unless the writer it follows planned the same hits for this step
         (``P.CTL_HITS_RING``). The step is published (``_wait_published``), so the writer recorded its plan
         before: what differs is the ranks' calls (another scheduler output, step ids that drifted apart), and
-        the slots this rank planned may hold other requests' rows."""
+        the slots this rank planned may hold other requests' rows. ``req``: the hit request asked for that the
+        error names."""
         at = 2 * (ctx.step_id % P.CTL_HITS_RING)
         ring = self._hits_ring
         marker, digest, again = ring[at], ring[at + 1], ring[at]
@@ -414,7 +417,7 @@ class ReadSide:
         else:
             why = "the writer planned no hit"
         raise self._unmatch(f"ranks disagree on the step's hits ({why}); every rank must be given the same "
-                            f"scheduler output and make the same calls", req_id=next(iter(ctx.hits)),
+                            f"scheduler output and make the same calls", req_id=req,
                             key=next(iter(ctx.row_shapes), None), step_id=ctx.step_id)
 
     def _wait_published(self, step_id: StepId, deadline: float, *, req: ReqId | None = None,
