@@ -354,7 +354,7 @@ def test_materialize_refuses_bad_out_buffers_before_consuming_the_step(mgr, out)
     m = mgr()
     m.new_step_starts([started("a", [0])])
     sid = save(m, [Part("a", 1, [0], 0, 4)], BS)
-    with pytest.raises((TypeError, ValueError), match=r"materialize out"):
+    with pytest.raises((TypeError, ValueError), match=r"materialize\(step \d+\) out"):
         m.materialize(sid, ["a"], out=out(torch.empty(4, MM_WIDTH)))
     assert torch.equal(m.materialize(sid, ["a"]).hidden_states["a"], rows(1, range(4)))
     m.new_step_starts([finished("a")])

@@ -218,6 +218,21 @@ def test_held_rows_over_the_bound_drop_raw_rows_before_results():
     assert sorted(held.take("done")) == ["A", "B"] and held.take("raw") == {}
 
 
+def test_a_held_result_larger_than_the_bound_is_dropped_alone():
+    """Review (stop 56): one result over the whole bound evicted every held result first, then itself. It is
+    dropped alone now (counted, warned), and the results that fit stay."""
+    from omnishm.integrations.held_results import HeldResults
+
+    t = rows(1, range(4))
+    one = t.numel() * t.element_size()
+    held = HeldResults(3 * one)
+    held.hold("done", "A", (t.clone(), 0))
+    held.hold("raw", "A", t.clone())
+    held.hold("done", "big", (rows(1, range(16)), 0))
+    assert held.stats() == {"held_bytes": 2 * one, "results_dropped": 1}
+    assert sorted(held.take("done")) == ["A"] and sorted(held.take("raw")) == ["A"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
 def test_held_rows_cross_the_rpc_wire_with_their_dtype_and_shape(dtype):
     """``omnishm_take_results`` ships each prompt's rows [P, H] as plain types (``encode_tensor``) and the caller

@@ -44,8 +44,13 @@ class HeldResults:
         with self._lock:
             table = self._tables[name]
             old = table.pop(rid, None)
-            self._held += _nbytes(value) - (_nbytes(old) if old is not None else 0)
-            table[rid] = value
+            self._held -= _nbytes(old) if old is not None else 0
+            if _nbytes(value) > self.bound:
+                # It could never fit: drop it alone, not every result that fits first (review, stop 56).
+                dropped = 1
+            else:
+                self._held += _nbytes(value)
+                table[rid] = value
             while self._held > self.bound:
                 victims = self._tables["raw"] or self._tables["done"]
                 self._held -= _nbytes(victims.pop(next(iter(victims))))
