@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from omnishm import protocol, shm
 from omnishm.client.link import CommitterLink
 from omnishm.liveness import proc_identity
@@ -324,10 +326,10 @@ NO_META_FOR_SOME_WRITERS = """
 import sys
 from omnishm.committer import pool
 record = pool.CachePool.set_writer_epoch
-def set_writer_epoch(self, epoch, client_id=None, staging_rows=0):
+def set_writer_epoch(self, epoch, client_id=None, staging_rows=0, *process):
     if client_id is not None and client_id.startswith("nometa"):
         return False  # what a metadata save that failed (disk full, EIO) returns
-    return record(self, epoch, client_id, staging_rows)
+    return record(self, epoch, client_id, staging_rows, *process)
 pool.CachePool.set_writer_epoch = set_writer_epoch
 from omnishm.committer.start import main
 sys.exit(main(sys.argv[1:]))
@@ -416,3 +418,58 @@ def test_a_stall_is_credited_to_an_adopted_writers_placeholder():
     assert seat.last_seen == 108.0 and reader.last_seen == 108.0
     assert t.expired(112.0, 10.0) == []  # 4 s of real silence: neither is reaped
     assert seat in t.expired(118.5, 10.0)
+
+
+_SEATED_WRITER = """
+import sys, time
+from omnishm import protocol
+from omnishm.client.link import CommitterLink
+link = CommitterLink(cache=sys.argv[1], role="writer", endpoint=sys.argv[2],
+                     layout=protocol.Layout(num_blocks=8, block_size=4), staging_rows=4, reconnect_timeout_s=20.0)
+link.request(lambda rid: protocol.OpenKey(rid=rid, key="k", dtype="float32", width=4))
+first = link.welcome.committer_pid
+print("ready", link.client_id, link.welcome.epoch, flush=True)
+sys.stdin.readline()  # the test has killed the committer, started another and tried the seat
+until = time.monotonic() + 20
+while link.dead is None and link.welcome.committer_pid == first and time.monotonic() < until:
+    time.sleep(0.02)
+print("DEAD" if link.dead else "RESUMED", link.welcome.epoch, link.dead or "", flush=True)
+link.close()
+"""
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_another_live_process_cannot_take_a_live_writers_seat_after_a_restart(committer_factory, resume):
+    """Review (stop 56): a restart keeps the seat of each writer the dead committer knew, and that seat had no
+    process: a Hello (plain or a resume) from another live process naming the writer's client id took it, its
+    epoch and its staging, and the live writer's own resume was then refused. The metadata records each
+    writer's process now: the other process is refused (``resume_taken``) while the writer lives, and the writer
+    resumes its seat with its epoch."""
+    first = committer_factory(*ARGS)
+    w = subprocess.Popen([sys.executable, "-c", _SEATED_WRITER, first.name, first.endpoint], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    raw = None
+    try:
+        ready, wid, epoch = w.stdout.readline().split()
+        assert ready == "ready"
+        os.kill(w.pid, signal.SIGSTOP)  # the writer has not noticed the restart yet
+        first.stop(signal.SIGKILL)
+        second = committer_factory(*ARGS, name=first.name)  # adopts the cache: the writer holds its lock
+        raw = RawClient(second.endpoint, second.name)
+        raw.client_id = wid  # a client id taken by mistake (a copied config; `omnishm status` prints it)
+        staging = [s for s in shm.list_segments(first.name) if ".stage." in s]
+        extra = dict(resume=True, resume_generation=staging[0].split(".")[2], resume_epoch=int(epoch),
+                     resume_staging=staging) if resume else {}
+        reply = raw.hello(protocol.ROLE_WRITER, LAYOUT, 4, **extra)
+        assert isinstance(reply, protocol.Refused) and f"belongs to process {w.pid}, which is alive" in reply.reason, \
+            reply
+        os.kill(w.pid, signal.SIGCONT)
+        out, _ = w.communicate("go\n", timeout=60)
+        assert out.split()[:2] == ["RESUMED", epoch], out
+    finally:
+        if raw is not None:
+            raw.close()
+        if w.poll() is None:
+            os.kill(w.pid, signal.SIGCONT)
+            w.kill()
+            w.wait()

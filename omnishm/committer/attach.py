@@ -182,7 +182,8 @@ class Attach:
             declared = self.pool.declare_specs(msg.layout) if msg.layout is not None else []
             self.epoch += 1  # never handed out again, even when refused below
             session.epoch = self.epoch
-            if not self.pool.set_writer_epoch(self.epoch, msg.client_id, session.staging_rows):  # saves the specs
+            if not self.pool.set_writer_epoch(self.epoch, msg.client_id, session.staging_rows,  # saves the specs
+                                              session.pid, session.started):
                 self.pool.forget_specs(declared)
                 self.pool.drop_client(msg.client_id)
                 return self.refuse(msg, f"cache {self.name} cannot record this writer's epoch in its metadata (see "
@@ -206,15 +207,35 @@ class Attach:
         if msg.staging_rows != seat.staging_rows:
             return self.refuse(msg, f"writer {msg.client_id} was recorded with staging_rows={seat.staging_rows}, "
                                     f"its Hello says {msg.staging_rows}", "staging")
+        taken = self._seat_taken(msg, seat)
+        if taken is not None:
+            return taken
         refused = self._make_staging(msg, seat.staging_rows)
         if refused is not None:
             return refused
         self.sessions.rekey(seat, identity, time.monotonic())
+        recorded_pid = seat.pid
         seat.pid, seat.started = msg.pid, confirmed_start(msg)
-        self.pool.set_writer_epoch(seat.epoch, seat.client_id, seat.staging_rows)  # recorded: publishes the word
-        logger.info("committer %s: writer client %s attached (pid %d, epoch %d, recorded before the restart)",
-                    self.name, msg.client_id, msg.pid, seat.epoch)
+        self.pool.set_writer_epoch(seat.epoch, seat.client_id, seat.staging_rows,  # recorded: publishes the word
+                                   seat.pid, seat.started)
+        logger.info("committer %s: writer client %s attached (pid %d, epoch %d, recorded before the restart%s)",
+                    self.name, msg.client_id, msg.pid, seat.epoch,
+                    f" by pid {recorded_pid}" if recorded_pid else "")
         return self.welcome(msg.rid, seat)
+
+    def _seat_taken(self, msg: protocol.Hello, session: Session) -> protocol.Refused | None:
+        """The refusal when ``session`` (live, or a writer's seat an adopting restart kept) belongs to another
+        live process than the one ``msg`` comes from, else None. A client id is printed by `omnishm status` and
+        logged, and one taken by mistake (a copied config, a stale id) moved the session and its staging away
+        from its writer, whose next call got no_session (review, 2026-12-06); after a restart it took the
+        seat's epoch too, so two processes wrote under one epoch (review, stop 56). Within one process the id
+        is the only name a session has; a link resuming after a lost socket is always its own session's."""
+        if process_gone(session) or session.started is None \
+                or (msg.pid, confirmed_start(msg)) == (session.pid, session.started):
+            return None
+        return self.refuse(msg, f"cannot resume {session.role} {msg.client_id}: its session belongs to "
+                                f"process {session.pid}, which is alive, and this Hello comes from pid "
+                                f"{msg.pid}; a client id names one client", "resume_taken")
 
     def _make_staging(self, msg: protocol.Hello, rows: int) -> protocol.Refused | None:
         """The writer's staging of ``rows`` rows for every key that lacks one; the refusal when one cannot be
@@ -262,15 +283,9 @@ class Attach:
         if session is not None and session.role != msg.role:
             return self.refuse(msg, f"cannot resume: client {msg.client_id} was a {session.role}, not a "
                                     f"{shown(msg.role, 20)}", "resume_role")
-        if session is not None and not process_gone(session) and session.started is not None \
-                and (msg.pid, confirmed_start(msg)) != (session.pid, session.started):
-            # Another live process's session: a client id is printed by `omnishm status` and logged, and one
-            # taken by mistake (a copied config, a stale id) moved the session and its staging away from its
-            # writer, whose next call got no_session (review, 2026-12-06). Within one process the id is the
-            # only name a session has; a link resuming after a lost socket is always its own session's.
-            return self.refuse(msg, f"cannot resume {session.role} {msg.client_id}: its session belongs to "
-                                    f"process {session.pid}, which is alive, and this Hello comes from pid "
-                                    f"{msg.pid}; a client id names one client", "resume_taken")
+        taken = self._seat_taken(msg, session) if session is not None else None
+        if taken is not None:  # another live process's session
+            return taken
         if msg.role == protocol.ROLE_WRITER:
             if session is None:
                 why = self.sessions.reaped_ids.get(msg.client_id, "unknown to this committer")
@@ -297,7 +312,8 @@ class Attach:
             self.sessions.rekey(session, identity, now)
             session.pid, session.started = msg.pid, confirmed_start(msg)
         if session.role == protocol.ROLE_WRITER:
-            self.pool.set_writer_epoch(session.epoch, session.client_id, session.staging_rows)
+            self.pool.set_writer_epoch(session.epoch, session.client_id, session.staging_rows, session.pid,
+                                       session.started)
         logger.info("committer %s: %s client %s resumed (pid %d%s)", self.name, msg.role, msg.client_id, msg.pid,
                     f", epoch {session.epoch}" if session.epoch else "")
         return self.welcome(msg.rid, session, resumed=True)

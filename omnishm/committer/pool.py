@@ -40,6 +40,10 @@ class WriterRecord(NamedTuple):
     epoch: int
     staging_rows: int
     """The rows of its staging segment for each key (``ensure_staging`` makes one per key)."""
+    pid: int = 0
+    started: str | None = None
+    """The process it said Hello from, where confirmed (``attach.confirmed_start``): after a restart another
+    live process cannot take its seat by naming its client id (review, stop 56). 0 and None: not known."""
 
 
 def shape_text(shape: tuple[int, ...]) -> str:
@@ -265,9 +269,10 @@ class CachePool(StepApply):
             return protocol.Layout(0, 0, {})
         return protocol.Layout(self.layout.num_blocks, self.layout.block_size, dict(self.key_specs))
 
-    def set_writer_epoch(self, epoch: int, client_id: str | None = None, staging_rows: int = 0) -> bool:
-        """Record the attached writer (epoch and staging rows) for a restart, then publish its epoch
-        (control word).
+    def set_writer_epoch(self, epoch: int, client_id: str | None = None, staging_rows: int = 0, pid: int = 0,
+                         started: str | None = None) -> bool:
+        """Record the attached writer (epoch, staging rows and its process) for a restart, then publish its
+        epoch (control word).
 
         Returns False, publishing nothing, when the metadata cannot be saved: an
         epoch a restart does not know could be handed out again, and the same
@@ -276,7 +281,7 @@ class CachePool(StepApply):
         assert self.ctl is not None
         previous_max = self.max_epoch
         self.max_epoch = max(self.max_epoch, epoch)
-        record = WriterRecord(epoch, staging_rows)
+        record = WriterRecord(epoch, staging_rows, pid if started is not None else 0, started)
         if client_id is not None and self.writers.get(client_id) != record:
             before = self.writers.get(client_id)
             self.writers[client_id] = record
@@ -416,7 +421,8 @@ class CachePool(StepApply):
         # The welcomed writers, from their sessions, not from the staging that exists: a writer has none
         # before its first key, and a new key's is created after the key is recorded. Staging of a writer
         # not welcomed yet (a crash inside its Hello) is named nowhere, so an adoption unlinks it.
-        doc["writers"] = {cid: {"rows": w.staging_rows, "epoch": w.epoch} for cid, w in self.writers.items()}
+        doc["writers"] = {cid: {"rows": w.staging_rows, "epoch": w.epoch, "pid": w.pid, "started": w.started}
+                          for cid, w in self.writers.items()}
         return doc
 
     def save_meta(self) -> bool:
@@ -520,7 +526,10 @@ class CachePool(StepApply):
                 for state in pool.keys.values():
                     state.staging.pop(cid, None)
                 continue
-            pool.writers[cid] = WriterRecord(epoch, rows)
+            # Its process, when recorded (metadata of before stop 56 has none): anything odd is not known.
+            pid, started = info.get("pid"), info.get("started")
+            known = type(pid) is int and pid > 0 and isinstance(started, str) and 0 < len(started) <= 64
+            pool.writers[cid] = WriterRecord(epoch, rows, pid if known else 0, started if known else None)
         keep = set(pool.segment_names())
         for stray in shm.list_segments(name):
             parsed = shm.parse_segment_name(stray)

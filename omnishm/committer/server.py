@@ -147,9 +147,10 @@ class Committer(Attach):
             # The writers the dead committer knew: placeholders until they resume, reaped if they do not.
             for client_id, record in self.pool.writers.items():
                 self.sessions.add(Session(identity=b"", client_id=client_id,
-                                          role=protocol.ROLE_WRITER, pid=0, uid=os.geteuid(),
+                                          role=protocol.ROLE_WRITER, pid=record.pid, uid=os.geteuid(),
                                           attached_at=self.started, last_seen=self.started,
-                                          staging_rows=record.staging_rows, epoch=record.epoch, adopted=True))
+                                          staging_rows=record.staging_rows, epoch=record.epoch, adopted=True,
+                                          started=record.started))
         self.stopping = False
         self.stop_reason = ""
         self.queue_depth = 0
