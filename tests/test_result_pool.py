@@ -216,3 +216,36 @@ def test_a_pool_with_no_room_hands_out_plain_tensors_for_large_results_too():
     del t
     assert off.free_bytes == 0
     assert off.stats["unpooled"] == 1 and off.stats["faulted"] == 0 and off.stats["dropped"] == 0
+
+
+def test_a_closed_pool_lets_go_of_its_free_blocks_and_of_each_block_returned_later():
+    """Review (stop 56): a shut-down manager's pool held up to ``max_free_bytes`` of free blocks for the manager's
+    life. ``close`` (the manager's shutdown) lets go of them, and of a block whose result dies later; ``empty``
+    still works, unpooled."""
+    pool = ResultPool(64 * MIB, min_bytes=0)
+    free = pool.empty((1024,), torch.float32)
+    held = pool.empty((2048,), torch.float32)
+    del free
+    gc.collect()
+    assert pool.free_bytes > 0
+    pool.close()
+    assert pool.free_bytes == 0
+    del held
+    gc.collect()
+    assert pool.free_bytes == 0 and not pool._returned
+    out = pool.empty((16,), torch.float32)
+    assert out.shape == (16,) and pool.stats["unpooled"] == 1
+
+
+def test_a_managers_shutdown_closes_its_result_pool(committer):
+    bs = 4
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=bs, staging_capacity_tokens=32, staging_depth=2)
+    m = OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False)
+    m.result_pool = ResultPool(64 * MIB, min_bytes=0)
+    m.new_step_starts([started("a", [0, 1])])
+    out = m.materialize(save(m, [Part("a", 1, [0, 1], 0, 8)], bs), ["a"])
+    del out
+    gc.collect()
+    assert m.result_pool.free_bytes > 0
+    m.shutdown()
+    assert m.result_pool.free_bytes == 0

@@ -10,6 +10,8 @@ req_ids / num_computed_tokens_cpu / CPU block table) and sets execute_model_stat
 """
 from __future__ import annotations
 
+import gc
+
 from types import SimpleNamespace
 
 import pytest
@@ -336,6 +338,24 @@ def _worker_after_one_step(committer, monkeypatch) -> "_Worker":
     return worker
 
 
+def test_uninstall_lets_go_of_its_shut_down_manager_and_keeps_its_stats(committer, monkeypatch):
+    """Review (stop 56): hooks kept their shut-down manager, and with it its views of the cache's segments, whose
+    pages a stopped committer's unlink cannot free until their last unmap (LIMITS.md, trap 11). ``uninstall``
+    lets it go; ``stats`` still reports its last counters."""
+    import weakref
+
+    worker = _worker_after_one_step(committer, monkeypatch)
+    hooks = worker._omnishm_hooks_or_none()
+    gone = weakref.ref(hooks.manager)
+    stats = hooks.uninstall()
+    assert hooks.manager is None and stats["manager"]["steps_saved"] == 1 and stats["role"] == "writer"
+    assert hooks.stats()["manager"] == stats["manager"] and hooks.stats()["client_id"] == stats["client_id"]
+    worker.omnishm_shutdown()
+    del worker, hooks
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_shutdown_an_interrupt_cut_short_is_finished_by_the_next_one(committer, monkeypatch):
     """REVIEW (2026-12-06): ``omnishm_shutdown`` let the hooks go before their manager's shutdown. Cut short
     by Ctrl-C in the goodbye's wait, the next call found no hooks: the link went on heartbeating, and the
@@ -358,6 +378,7 @@ def test_an_install_after_a_shutdown_cut_short_gives_working_hooks(committer, mo
     worker = _worker_after_one_step(committer, monkeypatch)
     runner = worker.model_runner
     old = worker._omnishm_hooks_or_none()
+    manager = old.manager
     real = type(old.manager)._join_previous_write
 
     def cut_short(self, *args):
@@ -370,7 +391,7 @@ def test_an_install_after_a_shutdown_cut_short_gives_working_hooks(committer, mo
     try:
         assert worker.omnishm_install() and worker._omnishm_hooks_or_none() is not old
         step(runner, so(new=[("B", 8, 0, [2, 3])], counts={"B": 8}))
-        assert old.manager._shut_down  # the retire was finished
+        assert manager._shut_down and old.manager is None  # the retire was finished; the manager let go
     finally:
         worker.omnishm_shutdown()
 

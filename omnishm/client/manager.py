@@ -493,6 +493,11 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         and raises ``RuntimeError`` (shut down), and one that got its page meanwhile raises the same before it
         issues its step id; neither takes effect, as no call does after this one. A save already past that point
         when the link closes fails its send (sticky fatal): shut down from the engine thread where it can.
+
+        The result pool's free blocks go here (``ResultPool.close``). The manager's views of the cache's
+        segments go with the manager object, not here (a call in flight on another thread may still read
+        them, and no view is ever unmapped under a reader: ``omnishm/shm.py``): drop it, as the vLLM hooks'
+        ``uninstall`` does, for a stopped committer's segments to give their pages back (LIMITS.md, trap 11).
         """
         self._closed = True
         if os.getpid() != self._pid:

@@ -67,6 +67,7 @@ class ResultPool:
         self._free: list[np.ndarray] = []  # oldest return first: the first evicted when over the cap
         self._free_bytes = 0
         self._returned: collections.deque[np.ndarray] = collections.deque()
+        self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()
         """``reused``, ``faulted`` (new blocks), ``unpooled`` (small or pool off), ``dropped`` (over the cap)."""
 
@@ -101,7 +102,19 @@ class ResultPool:
         """The finalizer of a block's last view, on whichever thread dropped it: forget the address before the
         block can be handed out again (dict and deque operations are atomic), then file it."""
         _BLOCK_BYTES.pop(address, None)
-        self._returned.append(block)
+        if not self._closed:  # a closed pool keeps nothing: the block goes with this last reference
+            self._returned.append(block)
+
+    def close(self) -> None:
+        """Let go of every free block now, and of each block still in use once its tensors die (the manager's
+        shutdown: a pool of a shut-down manager held up to ``max_free_bytes`` for the manager's life, review,
+        stop 56). Later ``empty`` calls still work, unpooled. Any thread."""
+        with self._lock:
+            self._closed = True
+            self.max_free_bytes = 0
+            dropped, self._free, self._free_bytes = self._free + list(self._returned), [], 0
+            self._returned.clear()
+        del dropped  # unmapped here, after the lock (see _drain_returned)
 
     @property
     def free_bytes(self) -> int:

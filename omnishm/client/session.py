@@ -127,6 +127,7 @@ class SessionSide:
                 self._unregister_staging()
             finally:
                 self._link.close()  # whatever failed before: the session and its writer seat must go
+                self.result_pool.close()  # the threads that take blocks have stopped
 
     def _report_unlanded_writes(self) -> None:
         """Shutdown of a writer, once the flusher stopped: the deferred writes still open or closed and not

@@ -170,6 +170,7 @@ class OmniPrefixCacheRunnerHooks:
         (``OmniPrefixCacheWorkerExtension``), so what they completed is still taken after their shutdown."""
         self.manager: OmniPrefixCacheManager | None = None
         self.disabled = False
+        self._last_manager_stats: dict[str, Any] = {}  # of the manager ``uninstall`` let go
         self._adapter = PrefixCacheSchedulerAdapter()
         self._block_size = 0
         self._num_blocks = 0
@@ -229,7 +230,8 @@ class OmniPrefixCacheRunnerHooks:
             runner.initialize_kv_cache = initialize_kv_cache
 
     def uninstall(self) -> dict[str, Any]:
-        """Shut the manager down (flush, detach) and remove the wrapper; returns final stats. Idempotent."""
+        """Shut the manager down (flush, detach) and remove the wrapper; returns final stats. Idempotent. A
+        manager shut down is let go, its last stats kept: its segment views go with it (LIMITS.md, trap 11)."""
         try:
             if self.manager is not None:
                 self.manager.shutdown()
@@ -238,7 +240,15 @@ class OmniPrefixCacheRunnerHooks:
                 if getattr(self.runner.__dict__.get(name), "__omnishm_hooks__", False):
                     del self.runner.__dict__[name]
             self._orig_execute = self._orig_init_kv = None
+        if self.manager is not None and self.manager.shut_down:
+            self._last_manager_stats = self._manager_stats(self.manager)
+            self.manager = None
         return self.stats()
+
+    @staticmethod
+    def _manager_stats(m: OmniPrefixCacheManager) -> dict[str, Any]:
+        # role: "writer" on TP rank 0 of the last PP stage; client_id as the committer's status lists it
+        return {"manager": dict(m.counters), "num_slots": m.config.num_slots, "role": m.role, "client_id": m.client_id}
 
     # ------------------------------------------------------------------ engine thread
 
@@ -455,11 +465,7 @@ class OmniPrefixCacheRunnerHooks:
         out["cache"] = self.cache
         out["pid"] = os.getpid()
         out["runner"] = "v2" if self._mirror is not None else "v1"  # the model runner family the hooks follow
-        if self.manager is not None:
-            out["manager"] = dict(self.manager.counters)
-            out["num_slots"] = self.manager.config.num_slots
-            out["role"] = self.manager.role  # "writer" on TP rank 0 of the last PP stage, else "reader"
-            out["client_id"] = self.manager.client_id  # as the committer's status lists it
+        out.update(self._manager_stats(self.manager) if self.manager is not None else self._last_manager_stats)
         return out
 
 
