@@ -16,7 +16,7 @@ import pytest
 from omnishm import protocol, shm
 from omnishm.committer import meta
 from omnishm.committer import pool as pool_mod
-from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, CachePool, KeyState, PoolError
+from omnishm.committer.pool import MAX_KEY_NAME, MAX_KEYS, CachePool, KeyState, PoolError, WriterRecord
 
 from conftest import unique_cache_name
 from helpers import Writer
@@ -196,3 +196,20 @@ def test_a_recorded_writer_without_a_valid_epoch_is_not_adopted(pool):
     pool.meta_seq = meta.write(pool.ctl_seg.mmap, doc, pool.meta_seq + 1)
     adopted = CachePool.adopt(pool.name, pool.generation)
     assert set(adopted.writers) == {"good"} and adopted.writers["good"].epoch == 3
+
+
+@pytest.mark.parametrize("pid,started", [(True, "123"), (0, "123"), (-4, "123"),
+                                         (4242, ""), (4242, "9" * 65), (4242.0, "123"), ("4242", "123"),
+                                         (1 << 70, "123")])
+def test_a_malformed_recorded_process_is_adopted_as_unknown(pool, pid, started):
+    """Mutation review (stop 56): a writer's recorded process is adopted only as a pid in 1..2**31-1 and a
+    start time of 1 to 64 characters, else as unknown (a pid past 2**64 stopped the restarted committer at
+    its first status reply, which could not encode it)."""
+    _key_h(pool)
+    assert pool.set_writer_epoch(3, "odd", 4) and pool.set_writer_epoch(3, "good", 4, 4242, "123")
+    doc = pool.meta_doc()
+    doc["writers"]["odd"].update(pid=pid, started=started)
+    pool.meta_seq = meta.write(pool.ctl_seg.mmap, doc, pool.meta_seq + 1)
+    adopted = CachePool.adopt(pool.name, pool.generation)
+    assert adopted.writers["odd"] == WriterRecord(3, 4, 0, None)
+    assert adopted.writers["good"] == WriterRecord(3, 4, 4242, "123")

@@ -473,3 +473,43 @@ def test_another_live_process_cannot_take_a_live_writers_seat_after_a_restart(co
             os.kill(w.pid, signal.SIGCONT)
             w.kill()
             w.wait()
+
+
+def _hello_as_owner(handle, pid: int):
+    raw = RawClient(handle.endpoint, handle.name)
+    raw.client_id = "seat-owner"
+    return raw, raw.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=pid, started=proc_identity(pid))
+
+
+def test_a_seat_taken_back_by_a_plain_hello_keeps_its_process_over_a_second_restart(committer_factory):
+    """Mutation review (stop 56): a writer taking its seat back with a plain Hello after a restart is recorded
+    with its process again, so after a second restart another live process is still refused."""
+    first = committer_factory(*ARGS)
+    holder = CommitterLink(cache=first.name, role="reader", endpoint=first.endpoint, layout=LAYOUT,
+                           reconnect_timeout_s=30.0)  # keeps the cache attached across the restarts
+    raws = []
+    try:
+        raw, welcome = _hello_as_owner(first, os.getpid())
+        raws.append(raw)
+        assert isinstance(welcome, protocol.Welcome), welcome
+        epoch = welcome.epoch
+        first.stop(signal.SIGKILL)
+        second = committer_factory(*ARGS, name=first.name)
+        raw, again = _hello_as_owner(second, os.getpid())  # this same process: its seat, through a plain Hello
+        raws.append(raw)
+        assert isinstance(again, protocol.Welcome) and again.epoch == epoch, again
+        second.stop(signal.SIGKILL)
+        third = committer_factory(*ARGS, name=first.name)
+        other = os.getppid()  # another live process, its start time confirmed
+        raw, taken = _hello_as_owner(third, other)
+        raws.append(raw)
+        assert isinstance(taken, protocol.Refused) and f"belongs to process {os.getpid()}, which is alive" \
+            in taken.reason, taken
+        raw, mine = _hello_as_owner(third, os.getpid())
+        raws.append(raw)
+        assert isinstance(mine, protocol.Welcome) and mine.epoch == epoch, mine
+        raw.goodbye()
+    finally:
+        for raw in raws:
+            raw.close()
+        holder.close()

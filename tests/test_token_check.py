@@ -443,3 +443,20 @@ def test_token_ids_past_2_32_or_in_a_container_numpy_cannot_read_are_unknown():
     assert token_tags(big, np.array([0, 1])).tolist()[0] == 0 and token_tag((1 << 32) + 5, 0) == 0
     assert token_tag(5, 0) == tags_of([5], 0, 1)[0][0] != 0
     assert hit_token_tags(torch.tensor([1, 2, 3, 4]).to_sparse(), 4) is None
+
+
+def test_exact_only_tags_replace_the_slots_earlier_chains(mgr):
+    """Mutation review (stop 56): a's chained rows overwritten by x's rows given one exact tag a row: their chains
+    are unknown now, not a's, so a hit with x's tokens is served (a stale chain refused x's own rows)."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": PROMPT}))
+    m.new_step_starts([finished("a"), started("x", [0, 1])])
+    h, mm, layout, n, pad = build([Part("x", 2, [0, 1], 0, 8)], BS)
+    exact = tags_of(TEMPLATE, 0, 8)[:, 0].copy()  # one exact tag a row: x's chains unknown
+    m.discard_step(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad,
+                                  write_layout=replace(layout, token_tags=exact)))
+    m.new_step_starts([finished("x"), hit_event("b", [0, 1, 2], 8, TEMPLATE[:9])])
+    sid = save_tagged(m, [Part("b", 3, [0, 1, 2], 8, 1)], {"b": TEMPLATE})
+    assert torch.equal(m.materialize(sid, ["b"]).hidden_states["b"], expect(2, 8, 3, 8, 1))
+    assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 8

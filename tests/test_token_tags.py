@@ -199,8 +199,8 @@ def test_reader_ranks_tag_no_rows(committer_factory, monkeypatch):
     real = FullAttentionGroupView.step_token_tags_cpu
     role = []
 
-    def counting(self, counts):
-        out = real(self, counts)
+    def counting(self, counts, chains=None):
+        out = real(self, counts, chains)
         tagged[role[-1]] += 0 if out is None else len(out)
         return out
 
@@ -297,7 +297,7 @@ def _reference(rows, spans):
     """``row_tags``' result computed from the definition: run (start, pos, prompt ids from 0, known) writes
     positions pos.. at rows start..."""
     out = [[0, 0]] * rows
-    for start, pos, ids, known in spans:
+    for start, pos, ids, known, _ in spans:
         out[start:start + len(ids) - pos] = tags_of(list(ids), pos, len(ids) - pos, known=known).tolist()
     return out
 
@@ -310,7 +310,7 @@ def test_many_runs_where_only_some_carry_a_known_mask_are_tagged_like_few(n_runs
     for i in range(n_runs):
         ids = list(range(1000 + 10 * i, 1000 + 10 * i + i + 3 + i % 4))  # positions i.. are the run's
         known = None if i % 2 else [k % 3 != 1 for k in range(len(ids))]
-        spans.append((at + 1, i, ids, known))  # a generated row (0) before each run
+        spans.append((at + 1, i, ids, known, None))  # a generated row (0) before each run
         at += 1 + len(ids) - i
     got = row_tags(at, spans)
     assert got.dtype == np.int64 and got.tolist() == _reference(at, spans)
@@ -335,14 +335,14 @@ def test_the_v2_view_tags_many_prompts_with_and_without_is_ids_masks():
                             query_start_loc_np=np.concatenate([[0], np.cumsum(counts)]),
                             num_computed_tokens_np=np.zeros(n, dtype=np.int32))
     got = V2StepGroupView(batch, mirror, 8).step_token_tags_cpu(counts.tolist())
-    want = _reference(5 * n, [(5 * i, 0, prompts[i], masks[i]) for i in range(n)])
+    want = _reference(5 * n, [(5 * i, 0, prompts[i], masks[i], None) for i in range(n)])
     assert got.tolist() == want and all(want[5 * i + 4][1] for i in range(1, n, 2))
 
 
 # the one-gather paths are taken (performance contract; M6, M7, M16) --------------------------------
 
 def _spans(n):
-    return [(4 * i, 0, [1, 2, 3, 4], None) for i in range(n)]
+    return [(4 * i, 0, [1, 2, 3, 4], None, None) for i in range(n)]
 
 
 def test_over_few_runs_row_tags_gathers_once_and_up_to_few_runs_it_does_not(monkeypatch):
@@ -362,7 +362,7 @@ def test_a_step_admitting_256_short_prompts_is_tagged_in_one_gather(monkeypatch)
     calls = []
     real = tok.scatter_tags
     monkeypatch.setattr(tok, "scatter_tags", lambda *a: calls.append(1) or real(*a))
-    spans = [(8 * i, 0, list(range(i, i + 8)), None) for i in range(256)]
+    spans = [(8 * i, 0, list(range(i, i + 8)), None, None) for i in range(256)]
     assert row_tags(8 * 256, spans).tolist() == _reference(8 * 256, spans) and calls == [1]
 
 
@@ -446,9 +446,9 @@ def counted(monkeypatch):
     tagged = []
     real = FullAttentionGroupView.step_token_tags_cpu
 
-    def counting(self, counts):
+    def counting(self, counts, chains=None):
         tagged.append(id(self.input_batch))
-        return real(self, counts)
+        return real(self, counts, chains)
 
     monkeypatch.setattr(FullAttentionGroupView, "step_token_tags_cpu", counting)
     return tagged
@@ -554,10 +554,10 @@ def test_an_unknown_id_before_a_run_leaves_it_without_a_chain_and_ids_past_2_32_
     """``row_tags``: a negative id or one of 2**32 or more before the run (or in it) ends the chain there; the
     rows' exact tags stay known where their own id is."""
     prompt = [5, -1, 7, 8, 9, 10]
-    got = row_tags(4, [(0, 2, prompt, None)])
+    got = row_tags(4, [(0, 2, prompt, None, None)])
     assert got[:, 1].tolist() == [0] * 4 and got[:, 0].tolist() == tags_of(prompt, 2, 4)[:, 0].tolist() != [0] * 4
     big = [5, 6, 1 << 32, 8]
-    got = row_tags(4, [(0, 0, big, None)])
+    got = row_tags(4, [(0, 0, big, None, None)])
     assert got[:2, 1].all() and got[2:].tolist() == [[0, 0], [got[3, 0], 0]] and got[3, 0]
     assert (got == tags_of(big, 0, 4)).all()
 
@@ -585,3 +585,137 @@ def test_the_v2_mirror_makes_a_prompt_an_array_once_and_drops_ids_that_are_no_in
     assert isinstance(first[0], np.ndarray) and first[0].dtype == np.int64 and first[0].tolist() == [1, 2, 3]
     assert m.prompt("a")[0] is first[0]  # kept as an array
     assert m.prompt("f") is None and m.prompt("s") is None
+
+
+# PromptChains: a run continuing a prompt starts from where its request's tags got to ------------------------
+
+def _chunk_batch(n, plen, computed, ids, is_ids=None):
+    nb = -(-plen // BS)
+    table = torch.arange(n * nb, dtype=torch.int32).reshape(n, nb)
+    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.full(n, nb))
+    batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_computed_tokens_cpu=np.array(computed, np.int32),
+                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=ids,
+                            num_prompt_tokens=np.full(n, plen, dtype=np.int32))
+    if is_ids is not None:
+        batch.is_token_ids = is_ids
+    return batch
+
+
+@pytest.mark.parametrize("view", ["v1", "v2"])
+@pytest.mark.parametrize("n,count", [(2, 20), (2, 300), (12, 20)])  # small, large and many-runs paths
+def test_chunks_take_their_chain_from_the_writers_prompt_chains_not_from_the_prompt(monkeypatch, view, n, count):
+    """Review (stop 56): each run summed its prompt from position 0 every step (23-45 ms for a step of 16 runs
+    deep in 30k-token prompts). With the writer's ``PromptChains`` a request's next chunk starts where its last
+    ended: no run of the second and third chunks sums earlier ids, and every tag equals the definition's.
+    Request 1 has an embedding in its first chunk: no chain in its later chunks, as without the cache."""
+    from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView
+
+    plen = 3 * count
+    rng = np.random.default_rng(n + count)
+    ids = rng.integers(0, 50_000, (n, plen)).astype(np.int32)
+    is_ids = np.ones((n, plen), dtype=bool)
+    is_ids[1, 3] = False
+    chains = tok.PromptChains()
+    if view == "v2":
+        mirror = BlockIdMirror()
+        mirror.update(_so([SimpleNamespace(req_id=f"r{i}", block_ids=([0],), prompt_token_ids=ids[i].tolist(),
+                                           prompt_is_token_ids=is_ids[i].tolist()) for i in range(n)]))
+    summed = []
+    real = tok.chain_before
+    for chunk in range(3):
+        monkeypatch.setattr(tok, "chain_before", lambda *a: summed.append(a[2]) or real(*a))
+        import omnishm.client.group_view as gv
+        monkeypatch.setattr(gv, "chain_before", tok.chain_before)
+        computed = [chunk * count] * n
+        if view == "v1":
+            got = FullAttentionGroupView(_chunk_batch(n, plen, computed, ids, is_ids), BS).step_token_tags_cpu(
+                [count] * n, chains)
+        else:
+            c = np.full(n, count, dtype=np.int32)
+            batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_scheduled_tokens=c,
+                                    query_start_loc_np=np.concatenate([[0], np.cumsum(c)]),
+                                    num_computed_tokens_np=np.array(computed, dtype=np.int32))
+            got = V2StepGroupView(batch, mirror, BS).step_token_tags_cpu([count] * n, chains)
+        want = np.concatenate([tags_of(ids[i], chunk * count, count, known=is_ids[i]) for i in range(n)])
+        assert (got == want).all(), chunk
+        assert (got[count:2 * count, 1] == 0).all() if chunk else True
+    assert [p for p in summed if p] == [] and len(chains) == n
+
+
+def test_a_miss_or_a_stale_entry_sums_the_prompt_and_a_hit_seeds_the_requests_first_run(committer_factory):
+    """``PromptChains`` is a cache only: an entry at another position is not used (the run sums its prompt), and
+    the manager seeds a hit's chain, forgets a request that finishes and starts a new lifetime on STARTED."""
+    from omnishm.client import OmniPrefixCacheManager
+    from manager_helpers import quick_config
+
+    chains = tok.PromptChains()
+    prompt = np.arange(100, 140, dtype=np.int64)
+    chains.note("a", 8, 12345)  # a stale entry: at position 8, the run starts at 12
+    got = row_tags(4, [(0, 12, prompt[:16], None, chains.before("a", 12))])
+    assert chains.before("a", 12) is None and (got == tags_of(prompt, 12, 4)).all()
+    chains.note("b", 4, 0)  # an unknown chain: the run has none either
+    assert chains.before("b", 4) == tok.UNKNOWN
+    assert (row_tags(4, [(0, 4, prompt[:8], None, tok.UNKNOWN)])[:, 1] == 0).all()
+    name = committer_factory().name
+    with OmniPrefixCacheManager(quick_config(), cache=name, autostart=False) as m, \
+            OmniPrefixCacheManager(quick_config(), cache=name, autostart=False, role="reader") as r:
+        pc = m.prompt_chains
+        assert r.prompt_chains is None  # readers tag nothing
+        m.new_step_starts([E(K.STARTED, "h", num_computed_tokens=8, block_ids=(0, 1), token_ids=prompt.tolist())])
+        assert pc.before("h", 8) == int(tags_of(prompt, 7, 1)[0, 1]) & ((1 << 64) - 1)
+        pc.note("h", 12, 99)
+        m.new_step_starts([E(K.STARTED, "h", num_computed_tokens=0, block_ids=(2,)), E(K.STARTED, "g", block_ids=(3,))])
+        assert pc.before("h", 12) is None  # a STARTED of it: its entry is gone
+        pc.note("g", 4, 7)
+        m.new_step_starts([E(K.FINISHED, "g")])
+        assert pc.before("g", 4) is None and len(pc) == 0
+
+
+def test_prompt_chains_start_over_past_their_limit(monkeypatch):
+    monkeypatch.setattr(tok.PromptChains, "LIMIT", 4)
+    chains = tok.PromptChains()
+    for i in range(4):
+        chains.note(i, 8, 7)
+    chains.note(0, 12, 9)  # an entry of a request it holds: no start over
+    assert len(chains) == 4 and chains.before(0, 12) == 9
+    chains.note("new", 4, 5)
+    assert len(chains) == 1 and chains.before("new", 4) == 5
+
+
+def test_the_v2_mirror_checks_a_prompt_given_as_a_numpy_array_too():
+    """Review (stop 56): a prompt already a numpy array was taken as checked: float or 2-D ids raised out of the
+    save. They are dropped like a list of them."""
+    from omnishm.client.v2_view import BlockIdMirror
+
+    m = BlockIdMirror()
+    m.update(_so([_new("f", np.array([1.0, 2.0])), _new("d", np.array([[1, 2], [3, 4]])),
+                  _new("i", np.array([5, 6], dtype=np.int32))]))
+    assert m.prompt("f") is None and m.prompt("d") is None and m.prompt("i")[0].tolist() == [5, 6]
+
+
+def _mirror_of(prompt, is_ids):
+    from omnishm.client.v2_view import BlockIdMirror
+
+    m = BlockIdMirror()
+    m.update(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=None,
+                             scheduled_new_reqs=[SimpleNamespace(req_id="b", block_ids=([0, 1],),
+                                                                 prompt_token_ids=prompt,
+                                                                 prompt_is_token_ids=is_ids)],
+                             scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
+    return m
+
+
+@pytest.mark.parametrize("is_ids", [[True, False], [True] * 7, [[True] * 5]])
+def test_a_mask_of_another_shape_than_the_ids_leaves_the_request_untagged(is_ids):
+    """Mutation review (stop 56): a ``prompt_is_token_ids`` that is not one bool per id leaves the request
+    untagged, not an IndexError on the engine thread inside the save's tagging."""
+    from omnishm.client.v2_view import V2StepGroupView
+
+    m = _mirror_of([7] * 5, is_ids)
+    assert m.prompt("b") is None
+    m = _mirror_of([7] * 5, is_ids)
+    counts = np.array([3], dtype=np.int32)
+    batch = SimpleNamespace(req_ids=["b"], num_scheduled_tokens=counts,
+                            query_start_loc_np=np.concatenate([[0], np.cumsum(counts)]),
+                            num_computed_tokens_np=np.array([0], dtype=np.int32))
+    assert V2StepGroupView(batch, m, BS).step_token_tags_cpu([3]) is None

@@ -934,3 +934,24 @@ def test_a_readers_shutdown_stops_its_prefetch_thread(committer):
     assert len(mine) == 1 and mine[0].is_alive()
     r.shutdown()
     assert not mine[0].is_alive(), "the reader's prefetch thread outlived its shutdown"
+
+
+def test_a_plan_refusal_names_the_hit_request_asked_for(committer):
+    """Mutation review (stop 56): the reader's scheduler output names another block for c's hit than its
+    writer's; a reader asked for c alone refuses naming c, not b, which it was not asked for."""
+    w, r = _writer_and_reader(committer)
+    try:
+        for m in (w, r):
+            m.new_step_starts([started("a", [0]), started("x", [1])])
+            m.discard_step(save(m, [Part("a", 1, [0], 0, 4), Part("x", 7, [1], 0, 4)], BS))
+        w.new_step_starts([started("b", [0, 2], hit=4), started("c", [0, 3], hit=4)])
+        r.new_step_starts([started("b", [0, 2], hit=4), started("c", [1, 3], hit=4)])  # c: x's block on the reader
+        parts = [Part("b", 1, [0, 2], 4, 2), Part("c", 1, [0, 3], 4, 2)]
+        ids = [save(m, parts, BS) for m in (w, r)]
+        assert torch.equal(w.materialize(ids[0], ["c"]).hidden_states["c"], expect(1, 4, 1, 4, 2))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"ranks disagree") as err:
+            r.materialize(ids[1], ["c"])
+        assert "request='c'" in str(err.value), err.value
+    finally:
+        w.shutdown()
+        r.shutdown()

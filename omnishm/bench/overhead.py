@@ -178,7 +178,8 @@ def figure_overhead(cleanup: Cleanup, size: OverheadSize, device: str = "cpu") -
                         reqs = [w.req_id for w in st.layout.writes]
                         if eng is on:
                             t1 = time.perf_counter()
-                            layout = adapter.build_write_layout(view, so.num_scheduled_tokens)
+                            layout = adapter.build_write_layout(view, so.num_scheduled_tokens,
+                                                                chains=m.prompt_chains)
                             t2 = time.perf_counter()
                             sid = m.save_outputs(hidden, mm, num_tokens_unpadded=st.num_tokens,
                                                  num_tokens_padded=st.num_tokens, write_layout=layout)

@@ -50,6 +50,7 @@ from omnishm.interface import ReqId, unmatch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from omnishm.client.group_view import FullAttentionGroupView
+    from omnishm.client.tokens import PromptChains
 
 logger = logging.getLogger(__name__)
 
@@ -449,7 +450,7 @@ class PrefixCacheSchedulerAdapter:
 
     @staticmethod
     def build_write_layout(group_view: "FullAttentionGroupView", num_scheduled_tokens: Mapping[ReqId, int], *,
-                           token_tags: bool = True) -> PrefixCacheWriteLayout:
+                           token_tags: bool = True, chains: "PromptChains | None" = None) -> PrefixCacheWriteLayout:
         """Write layout of this step's outputs, in the batch order of ``group_view``.
 
         Call after the forward, before the next ``_update_states`` (the batch
@@ -459,7 +460,8 @@ class PrefixCacheSchedulerAdapter:
         wrong requests). Requests with 0 tokens get no write. Slots come from
         ``group_view.step_slots_cpu`` (CPU block table, vectorised); the rows' token tags from
         ``group_view.step_token_tags_cpu`` where the view has it, unless ``token_tags`` is False (a reader
-        rank: only the writer keeps and checks them).
+        rank: only the writer keeps and checks them), given the writer's ``chains`` (``manager.prompt_chains``:
+        without them each run continuing a prompt sums the prompt's earlier tokens).
         """
         req_ids = group_view.batch_req_ids
         batch = set(req_ids)
@@ -482,4 +484,5 @@ class PrefixCacheSchedulerAdapter:
         if int(slots.numel()) != start:  # a view that disagrees with its own counts is a bug upstream
             raise unmatch(f"group view returned {int(slots.numel())} slots for {start} tokens")
         tagger = getattr(group_view, "step_token_tags_cpu", None) if token_tags else None  # (a view may know none)
-        return PrefixCacheWriteLayout(tuple(writes), slots, tagger(counts) if tagger is not None else None)
+        tags = None if tagger is None else tagger(counts, chains) if chains is not None else tagger(counts)
+        return PrefixCacheWriteLayout(tuple(writes), slots, tags)

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from omnishm.client.tokens import FEW_RUNS, row_tags, run_index, scatter_tags
+from omnishm.client.tokens import (FEW_RUNS, PromptChains, chain_before, note_chains, row_tags, run_index,
+                                   scatter_tags)
 from omnishm.interface import PrefixCacheConfig, ReqId, staging_capacity_from_vllm, unmatch
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -236,12 +237,14 @@ class FullAttentionGroupView:
             extend_slots(out, tab[row], pos, end, bs)
         return torch.frombuffer(out, dtype=torch.int64)
 
-    def step_token_tags_cpu(self, counts: Sequence[int]) -> np.ndarray | None:
+    def step_token_tags_cpu(self, counts: Sequence[int], chains: PromptChains | None = None) -> np.ndarray | None:
         """This step's row tags (``client/tokens.py``), ``rows x 2`` int64 in ``step_slots_cpu``'s order, from the
         batch's CPU token ids: the tags of each prompt token given as an id, 0 for every other row (a generated
         token: under async scheduling the runner's CPU copy of a step's sampled input may not be written yet;
         a prompt embedding: no id). None when no row of the step has a known token (a decode step) or the
-        batch keeps no token ids. ``counts`` as ``step_slots_cpu`` took them (a list, in batch order)."""
+        batch keeps no token ids. ``counts`` as ``step_slots_cpu`` took them (a list, in batch order).
+        ``chains``: the writer's ``PromptChains``, where a run continuing a prompt finds the chain before it
+        (else it sums the prompt's earlier ids), and notes its own for the request's next run."""
         batch = self.input_batch
         token_ids = getattr(batch, "token_ids_cpu", None)
         prompt_len = getattr(batch, "num_prompt_tokens", None)
@@ -254,34 +257,40 @@ class FullAttentionGroupView:
         top = len(batch.req_ids)
         if top > _SMALL_BATCH_REQS and not bool((batch.num_computed_tokens_cpu[:top] < prompt_len[:top]).any()):
             return None
-        rows = self._rows()[1]
+        rids, rows = self._rows()
         if not rows:
             return None
         # Plain ints of the batch's rows (in vLLM's condensed batch, about its request count).
         top = rows[-1] + 1
         computed = batch.num_computed_tokens_cpu[:top].tolist()
         prompt_end = prompt_len[:top].tolist()
-        spans: list[tuple[int, int, int, int]] = []  # (step row, batch row, first position, end of prompt rows)
+        spans: list[tuple[int, int, int, int, ReqId]] = []  # (step row, batch row, first position, end, request)
         at = 0
-        for row, n in zip(rows, counts):
+        for rid, row, n in zip(rids, rows, counts):
             if n:
                 pos = computed[row]
                 end = min(pos + n, prompt_end[row])
                 if end > pos:
-                    spans.append((at, row, pos, end))
+                    spans.append((at, row, pos, end, rid))
                 at += n
         if not spans:
             return None
         is_ids = getattr(batch, "is_token_ids", None)  # vLLM 0.32: False where the prompt gave an embedding
-        if len(spans) > FEW_RUNS:  # many new prompts: gather every run's ids from the batch in one index
-            runs = np.array(spans, dtype=np.int64)
-            ends = runs[:, 3]
-            positions = run_index(np.zeros(len(runs), dtype=np.int64), ends)  # from 0: the chain needs them
-            batch_rows = np.repeat(runs[:, 1], ends)
-            return scatter_tags(at, runs[:, 0], runs[:, 2], ends, token_ids[batch_rows, positions],
-                                None if is_ids is None else is_ids[batch_rows, positions])
-        return row_tags(at, [(start, pos, token_ids[row, :end], None if is_ids is None else is_ids[row, :end])
-                             for start, row, pos, end in spans])
+        befores = [chains.before(rid, pos) if chains is not None and pos else None for _, _, pos, _, rid in spans]
+        if len(spans) > FEW_RUNS:  # many runs: gather their own ids from the batch in one index
+            befores = [b if b is not None else chain_before(token_ids[row], None if is_ids is None else is_ids[row],
+                                                             pos) for b, (_, row, pos, _, _) in zip(befores, spans)]
+            runs = np.array([span[:4] for span in spans], dtype=np.int64)
+            lens = runs[:, 3] - runs[:, 2]
+            positions = run_index(runs[:, 2], lens)
+            batch_rows = np.repeat(runs[:, 1], lens)
+            tags = scatter_tags(at, runs[:, 0], runs[:, 2], lens, token_ids[batch_rows, positions],
+                                None if is_ids is None else is_ids[batch_rows, positions], befores)
+        else:
+            tags = row_tags(at, [(start, pos, token_ids[row, :end], None if is_ids is None else is_ids[row, :end], b)
+                                 for (start, row, pos, end, _), b in zip(spans, befores)])
+        note_chains(chains, [(rid, end, start + end - pos - 1) for start, _, pos, end, rid in spans], tags)
+        return tags
 
 
 # ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from omnishm.client.segments import KeyViews, StagingPages, row_width
 from omnishm.client.serial import SerialThread
 from omnishm.client.session import SessionSide
 from omnishm.client.steps import HitSpan, PendingHit, StepCtx, StepLifecycle, as_step_id
-from omnishm.client.tokens import SlotTokens, hits_token_tags
+from omnishm.client.tokens import CHAIN, PromptChains, SlotTokens, hits_token_tags
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.config import manager_connection
@@ -126,6 +126,9 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._pending_hits: dict[ReqId, PendingHit] = {}
         self._slot_tokens = SlotTokens(config.num_slots) if self.is_writer and config.token_check else None
         """Writer: what each slot's rows were computed for (``client/tokens.py``); engine thread only."""
+        self.prompt_chains = PromptChains() if self._slot_tokens is not None else None
+        """Writer: where each live request's tags got to (``tokens.PromptChains``), for the integrations' views
+        (``build_write_layout(chains=...)``); entries go with their requests' events. Engine thread only."""
         self._keys: dict[TensorName, KeyViews] = {}
         self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
         self._step_sources: dict[tuple[TensorName, StepId], RowSource] = {}  # immediate keys, by (key, step)
@@ -232,9 +235,12 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             if ev.kind not in _END_KINDS:
                 break
             ended.add(ev.req_id)
+        chains = self.prompt_chains
         for ev in step.events:
             if ev.kind is EventKind.EXTENDED:
                 break
+            if chains is not None:  # a request's chains start over with each lifetime (tokens.PromptChains)
+                chains.forget(ev.req_id)
             if ev.num_computed_tokens > 0 and ev.kind in _HIT_KINDS and \
                     not (ev.kind == EventKind.STARTED and ev.req_id in self._live and ev.req_id not in ended):
                 why = self._bad_hit(ev)
@@ -249,6 +255,8 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         if to_tag:  # the writer's expected tags of the step's hits, in one pass (client/tokens.py)
             for (req, _, _), tags in zip(to_tag, hits_token_tags([(ids, hit) for _, ids, hit in to_tag])):
                 planned[req] = planned[req]._replace(tags=tags)
+                if tags is not None and chains is not None:  # the request's first run starts from its hit
+                    chains.note(req, len(tags), int(tags[-1, CHAIN]))
         to_flush: list[WriteTask] = []
         with self._lock:
             for ev in step.events:
@@ -494,11 +502,9 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         issues its step id; neither takes effect, as no call does after this one. A save already past that point
         when the link closes fails its send (sticky fatal): shut down from the engine thread where it can.
 
-        The result pool's free blocks go here (``ResultPool.close``). The manager's views of the cache's
-        segments go with the manager object, not here (a call in flight on another thread may still read
-        them, and no view is ever unmapped under a reader: ``omnishm/shm.py``): drop it, as the vLLM hooks'
-        ``uninstall`` does, for a stopped committer's segments to give their pages back (LIMITS.md, trap 11).
-        """
+        The result pool's blocks go here; the views of the cache's segments go with this object (a call in
+        flight may read them: ``omnishm/shm.py``): drop it, as the vLLM hooks do, for a stopped committer's
+        segments to give their pages back (LIMITS.md, trap 11)."""
         self._closed = True
         if os.getpid() != self._pid:
             # A forked child's copy (its exit handlers run the vLLM hooks' shutdown): the link's socket and

@@ -407,7 +407,8 @@ class PrefixCacheRunnerMixin:
         view = FullAttentionGroupView(self.input_batch, self._prefix_cache_block_size)  # type: ignore[attr-defined]
         # Token accounting is save_outputs' to refuse (check_prefix_cache_token_accounting's rules), once
         # it holds the layout: the slots of a refused step must become absent.
-        layout = PrefixCacheSchedulerAdapter.build_write_layout(view, counts, token_tags=manager.keeps_token_tags)
+        layout = PrefixCacheSchedulerAdapter.build_write_layout(view, counts, token_tags=manager.keeps_token_tags,
+                                                                chains=manager.prompt_chains)
         step_id = manager.save_outputs(hidden_states, dict(mm_outputs) if mm_outputs is not None else None,
                                        num_tokens_unpadded=int(num_tokens_unpadded),
                                        num_tokens_padded=int(num_tokens_padded), write_layout=layout)

@@ -11,9 +11,10 @@ no error: vLLM 0.32's priority scheduler did it (stop 54; the gate refuses that 
     exact, so two distinct (token, position) pairs never share one;
   - the **chain**: a 64-bit hash of every token of its request up to and including it (``prefix_chains``),
     since a row's outputs depend on all of them. Two prompts alike at a position but not before it (two
-    filled-in templates of the same length) differ there; two distinct prefixes share a chain with a chance
-    of about 2**-64, and never when they differ at one position only. Unknown from the first unknown token
-    of the prompt on.
+    filled-in templates of the same length) differ there. Prefixes that differ at one position only never
+    share a chain; others by chance about once in 2**64, but it is a polynomial hash mod 2**64, so prefixes
+    built to collide do, whatever the base (a review's: 100 + t and 101 - t over a 1024-token Thue-Morse
+    sequence t). Unknown from the first unknown token of the prompt on.
 - **Recorded by the writer**, for every slot it claims, on the engine thread (``SlotTokens.record``): the
   tags of the row's token where the integration knows it, else 0. The vLLM integration knows prompt tokens
   given as ids (``FullAttentionGroupView.step_token_tags_cpu`` for the V1 runner, ``V2StepGroupView``'s for
@@ -45,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHAIN", "TAG", "SlotTokens", "hit_token_tags", "hits_token_tags", "prefix_chains", "row_tags", "run_index",
-           "scatter_tags", "token_tag", "token_tags"]
+__all__ = ["CHAIN", "TAG", "UNKNOWN", "PromptChains", "SlotTokens", "chain_before", "hit_token_tags",
+           "hits_token_tags", "note_chains", "prefix_chains", "row_tags", "run_index", "scatter_tags", "token_tag", "token_tags"]
 
 _POSITION = 32
 """A tag is ``(position + 1) << 32 | token id``: the position in the high half, plus one so a known tag is
@@ -73,19 +74,23 @@ _powers_py: list[int] = [1]
 
 def _powers(n: int) -> np.ndarray:
     """``_CHAIN_BASE**i mod 2**64`` for ``i < n`` (uint64; a view of a table grown by doubling, never shrunk:
-    8 bytes a position of the longest prompt seen)."""
+    8 bytes a position of the longest prompt seen). Grown with numpy (a Python loop took 31 ms for a first
+    128k-token prompt: review, stop 56); a table is replaced whole, never changed, so threads agree."""
     global _powers_np
     if len(_powers_np) < n:
         size = max(n, 2 * len(_powers_np))
-        _grow_py(size)
-        _powers_np = np.array(_powers_py[:size], dtype=np.uint64)
+        grown = np.empty(size, dtype=np.uint64)
+        grown[0] = 1
+        grown[1:] = np.uint64(_CHAIN_BASE)
+        _powers_np = np.cumprod(grown, dtype=np.uint64)  # wraps mod 2**64, as the chain's sums do
     return _powers_np[:n]
 
 
-def _grow_py(n: int) -> list[int]:
-    """The powers as Python ints for ``row_tags``' plain loop, grown to at least ``n``."""
-    while len(_powers_py) < n:
-        _powers_py.append((_powers_py[-1] * _CHAIN_BASE) & _MASK)
+def _powers_list(n: int) -> list[int]:
+    """The powers as Python ints for ``row_tags``' plain loop, at least ``n`` of them."""
+    global _powers_py
+    if len(_powers_py) < n:
+        _powers_py = _powers(max(n, 2 * len(_powers_py))).tolist()
     return _powers_py
 
 
@@ -109,20 +114,30 @@ def token_tags(token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return out
 
 
-def _segment_chains(ids: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """The chain (int64) of every item of runs of ``lens[i]`` prompt ids each, every run from position 0,
-    flat in ``ids`` (int64; an unknown id is negative or 2**32 or more): 0 from a run's first unknown id on.
-    Three cumulative sums over the items, whatever the number of runs."""
+def _segment_chains(ids: np.ndarray, lens: np.ndarray, positions: np.ndarray | None = None,
+                    befores: np.ndarray | None = None) -> np.ndarray:
+    """The chain (int64) of every item of runs of ``lens[i]`` prompt ids each, flat in ``ids`` (int64; an
+    unknown id is negative or 2**32 or more): 0 from a run's first unknown id on. A run starts at position 0
+    (``positions`` None), or at its items' own ``positions`` from ``befores[i]`` (a Python-int list: the
+    chain before the run, ``UNKNOWN`` for none: then so is the whole run). A fixed number of passes over
+    the items, whatever the number of runs."""
     if not len(ids):
         return np.zeros(0, dtype=np.int64)
-    positions = run_index(np.zeros(len(lens), dtype=np.int64), lens)
+    if positions is None:
+        positions = run_index(np.zeros(len(lens), dtype=np.int64), lens)
     unknown = (ids < 0) | (ids >= _MAX_ID)
     # uint64 products and sums wrap silently: the arithmetic is mod 2**64 by design.
-    terms = (ids.astype(np.uint64) + np.uint64(1)) * _powers(int(lens.max()))[positions]
+    terms = (ids.astype(np.uint64) + np.uint64(1)) * _powers(int(positions.max()) + 1)[positions]
     sums = np.cumsum(terms, dtype=np.uint64)
     firsts = np.cumsum(lens) - lens
-    before = np.where(firsts > 0, sums[np.maximum(firsts - 1, 0)], np.uint64(0))
-    chains = (sums - np.repeat(before, lens)).view(np.int64)
+    base = np.where(firsts > 0, sums[np.maximum(firsts - 1, 0)], np.uint64(0))
+    if befores is not None:
+        # chain = sums - base + before (mod 2**64); a run without a known chain before it has none
+        base = base - np.array([b if b != UNKNOWN else 0 for b in befores], dtype=np.uint64)
+        dark = np.array([b == UNKNOWN for b in befores], dtype=bool)
+        if dark.any():
+            unknown = unknown | np.repeat(dark, lens)
+    chains = (sums - np.repeat(base, lens)).view(np.int64)
     if unknown.any():
         seen = np.cumsum(unknown, dtype=np.int64)
         seen_before = np.where(firsts > 0, seen[np.maximum(firsts - 1, 0)], 0)
@@ -139,17 +154,6 @@ def prefix_chains(token_ids: np.ndarray) -> np.ndarray:
     if unknown.any():
         out[int(unknown.argmax()):] = 0
     return out
-
-
-def _chain_before(ids: Any, known: Any, pos: int) -> int:
-    """The chain of position ``pos - 1`` of a prompt (unsigned; 0 before position 0, and 0 when an id before
-    ``pos`` is unknown): one dot product, for a run that continues a prompt."""
-    if not pos:
-        return 0
-    before = np.asarray(ids[:pos], dtype=np.int64)
-    if ((before < 0) | (before >= _MAX_ID)).any() or (known is not None and not np.asarray(known[:pos]).all()):
-        return 0
-    return int(np.dot(before.astype(np.uint64) + np.uint64(1), _powers(pos)))
 
 
 def _pair(tags: np.ndarray, chains: np.ndarray) -> np.ndarray:
@@ -194,21 +198,30 @@ def run_index(firsts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(firsts, lens) + offsets
 
 
-def scatter_tags(rows: int, starts: np.ndarray, firsts: np.ndarray, ends: np.ndarray, ids: np.ndarray,
-                 known: np.ndarray | None) -> np.ndarray:
-    """A step's ``rows x 2`` tags from many runs at once: run ``i`` covers positions ``firsts[i]..ends[i]`` of its
-    prompt, written at rows ``starts[i]..``; ``ids`` and ``known`` (None: all) hold each run's prompt from
-    position 0 to its end, flat, in run order (the chain needs the tokens before the run)."""
+def scatter_tags(rows: int, starts: np.ndarray, firsts: np.ndarray, lens: np.ndarray, ids: np.ndarray,
+                 known: np.ndarray | None, befores: list[int]) -> np.ndarray:
+    """A step's ``rows x 2`` tags from many runs at once: run ``i`` covers positions ``firsts[i]..+lens[i]`` of
+    its prompt, written at rows ``starts[i]..``; ``ids`` and ``known`` (None: all) hold the runs' items flat, in
+    run order; ``befores`` the chain before each run (``chain_before``, ``PromptChains.before``)."""
     ids = ids.astype(np.int64)
     if known is not None:
         ids[~known.astype(bool)] = -1
-    positions = run_index(np.zeros(len(ends), dtype=np.int64), ends)
-    mine = positions >= np.repeat(firsts, ends)  # the items the runs write; the rest only feed their chains
+    positions = run_index(firsts, lens)
     out = np.zeros((rows, 2), dtype=np.int64)
-    at = run_index(starts, ends - firsts)
-    out[at, TAG] = token_tags(ids[mine], positions[mine])
-    out[at, CHAIN] = _segment_chains(ids, ends)[mine]
+    at = run_index(starts, lens)
+    out[at, TAG] = token_tags(ids, positions)
+    out[at, CHAIN] = _segment_chains(ids, lens, positions, befores)
     return out
+
+
+def note_chains(chains: "PromptChains | None", ends: list[tuple[Any, int, int]], tags: np.ndarray | None) -> None:
+    """After a step's ``tags`` are made: each run's request, the position after its last row and that row,
+    ``(rid, end, row)``, noted in ``chains`` (None: the writer keeps none) for the request's next run."""
+    if chains is None or tags is None:
+        return
+    column = tags[:, CHAIN]
+    for rid, end, row in ends:
+        chains.note(rid, end, int(column[row]))
 
 
 def hits_token_tags(hits: list[tuple[Any, int]]) -> list[np.ndarray | None]:
@@ -233,53 +246,75 @@ def hits_token_tags(hits: list[tuple[Any, int]]) -> list[np.ndarray | None]:
     return [tags[end - n:end] if n else None for end, n in zip(ends, lens.tolist())]
 
 
-Run = tuple[int, int, Any, Any]
+Run = tuple[int, int, Any, Any, "int | None"]
 """One known run of a step's rows for ``row_tags``: (first row, first position, the prompt's token ids from
-position 0 to the run's end, known: None or one bool per id); ids and masks are lists or numpy arrays. The
-run's own rows are the ids from the first position on; the ids before it feed its chain."""
+position 0 to the run's end, known: None or one bool per id, the chain before the run: from
+``PromptChains.before``, or None to sum it from the ids before the run); ids and masks are lists or numpy
+arrays. The run's own rows are the ids from the first position on."""
+
+
+UNKNOWN = -1
+"""A chain before a run that is not known (an id before it is): no chain in the run either. Chains before a
+run are unsigned Python ints otherwise (0 before position 0)."""
+
+
+def chain_before(ids: Any, known: Any, pos: int) -> int:
+    """The chain before position ``pos`` of a prompt (its sum over positions ``0..pos-1``; 0 at position 0),
+    ``UNKNOWN`` when an id before ``pos`` is: one dot product, for a run that continues a prompt and whose
+    chain ``PromptChains`` does not hold."""
+    if not pos:
+        return 0
+    before = np.asarray(ids[:pos], dtype=np.int64)
+    if ((before < 0) | (before >= _MAX_ID)).any() or (known is not None and not np.asarray(known[:pos]).all()):
+        return UNKNOWN
+    return int(np.dot(before.astype(np.uint64) + np.uint64(1), _powers(pos)))
 
 
 def row_tags(rows: int, spans: list[Run]) -> np.ndarray:
-    """A step's ``rows x 2`` tags (0 where unknown) from its known runs: ``(first row, first position, token
-    ids, known)`` each, ``token ids`` a sequence or array of the prompt's ids from position 0 to the run's end
-    and ``known`` None (all known) or one bool per id. Many runs (over ``FEW_RUNS``) go through
-    ``scatter_tags``. A step of up to ``SMALL_STEP_ROWS`` rows is tagged in plain Python: right after the
-    forward each numpy call on small arrays costs tens of microseconds of cold code (a vectorised version
-    took 117 us a step inside figure 6's hooks arm, 37 rows a step); only a run that continues a prompt
-    sums its earlier tokens with numpy."""
+    """A step's ``rows x 2`` tags (0 where unknown) from its known runs (``Run``). Many runs (over
+    ``FEW_RUNS``) go through ``scatter_tags``, with only their own items. A step of up to ``SMALL_STEP_ROWS``
+    rows is tagged in plain Python: right after the forward each numpy call on small arrays costs tens of
+    microseconds of cold code (a vectorised version took 117 us a step inside figure 6's hooks arm, 37 rows a
+    step). A run's chain starts from its given chain before it; a run without one sums its earlier ids (a
+    dot product, once a run), so a step's cost follows its rows, not its prompts' lengths, where
+    ``PromptChains`` knows the runs (review, stop 56: 16 runs deep in 30k-token prompts took 23 ms a step
+    when every run summed its prompt from position 0)."""
+    befores = [b if b is not None else chain_before(ids, known, pos) for _, pos, ids, known, b in spans]
     if len(spans) > FEW_RUNS:
-        ends = np.array([len(ids) for _, _, ids, _ in spans], dtype=np.int64)
-        flat = np.fromiter(chain.from_iterable(ids for _, _, ids, _ in spans), dtype=np.int64, count=int(ends.sum()))
+        lens = np.array([len(ids) - pos for _, pos, ids, _, _ in spans], dtype=np.int64)
+        flat = np.concatenate([np.asarray(ids[pos:], dtype=np.int64) for _, pos, ids, _, _ in spans])
         known = None
-        if any(k is not None for _, _, _, k in spans):
-            known = np.fromiter(chain.from_iterable(k if k is not None else [True] * len(ids)
-                                                    for _, _, ids, k in spans), dtype=bool, count=len(flat))
-        starts = np.array([start for start, _, _, _ in spans], dtype=np.int64)
-        firsts = np.array([pos for _, pos, _, _ in spans], dtype=np.int64)
-        return scatter_tags(rows, starts, firsts, ends, flat, known)
+        if any(k is not None for _, _, _, k, _ in spans):
+            known = np.concatenate([np.asarray(k[pos:], dtype=bool) if k is not None else np.ones(n, dtype=bool)
+                                    for (_, pos, _, k, _), n in zip(spans, lens.tolist())])
+        starts = np.array([start for start, _, _, _, _ in spans], dtype=np.int64)
+        firsts = np.array([pos for _, pos, _, _, _ in spans], dtype=np.int64)
+        return scatter_tags(rows, starts, firsts, lens, flat, known, befores)
     if rows <= SMALL_STEP_ROWS:
-        return _small_row_tags(rows, spans)
+        return _small_row_tags(rows, spans, befores)
     out = np.zeros((rows, 2), dtype=np.int64)
-    for start, pos, ids, known in spans:
-        run = np.asarray(ids, dtype=np.int64)
+    for (start, pos, ids, known, _), before in zip(spans, befores):
+        run = np.asarray(ids[pos:], dtype=np.int64)
         if known is not None:
-            run = np.where(np.asarray(known, dtype=bool), run, -1)
-        out[start:start + len(run) - pos, TAG] = token_tags(run[pos:], np.arange(pos, len(run), dtype=np.int64))
-        out[start:start + len(run) - pos, CHAIN] = prefix_chains(run)[pos:]
+            run = np.where(np.asarray(known[pos:], dtype=bool), run, -1)
+        n = len(run)
+        positions = np.arange(pos, pos + n, dtype=np.int64)
+        out[start:start + n, TAG] = token_tags(run, positions)
+        out[start:start + n, CHAIN] = _segment_chains(run, np.array([n], dtype=np.int64), positions, [before])
     return out
 
 
-def _small_row_tags(rows: int, spans: list[Run]) -> np.ndarray:
+def _small_row_tags(rows: int, spans: list[Run], befores: list[int]) -> np.ndarray:
     """``row_tags`` in plain Python (at most ``SMALL_STEP_ROWS`` rows and ``FEW_RUNS`` runs)."""
     small = array("Q", bytes(16 * rows))  # TAG and CHAIN interleaved; unsigned, read back as int64
-    for start, pos, ids, known in spans:
-        chain_at = _chain_before(ids, known, pos)  # the chain of the position before the run
-        chained = chain_at != 0 or not pos  # every id before the run known
+    for (start, pos, ids, known, _), before in zip(spans, befores):
+        chained = before != UNKNOWN  # every id before the run known
+        chain_at = before if chained else 0
         run = ids[pos:]
         run = run.tolist() if hasattr(run, "tolist") else list(run)
         mask = None if known is None else known[pos:]
         mask = mask.tolist() if hasattr(mask, "tolist") else mask
-        powers = _grow_py(pos + len(run))
+        powers = _powers_list(pos + len(run))
         at = 2 * start
         for k, token in enumerate(run):
             if (mask is None or mask[k]) and 0 <= token < _MAX_ID:
@@ -292,6 +327,40 @@ def _small_row_tags(rows: int, spans: list[Run]) -> np.ndarray:
                 chained = False
             at += 2
     return np.frombuffer(small, dtype=np.int64).reshape(rows, 2)
+
+
+class PromptChains:
+    """The writer's chain of each live request's prompt where its last tagged run ended, so the next run
+    of the request starts from it instead of summing the prompt from position 0 (review, stop 56: O(prompt)
+    a run, 23-45 ms for a step of 16 runs deep in 30k-token prompts). A hit seeds it with the hit's own
+    chain. Only a cache: an entry is the chain of the request's own prompt up to a position, which no later
+    step changes, and a miss sums the prompt again. Entries go with their request's lifetime (the manager
+    forgets a request that finishes, aborts, or starts, resumes or is replaced anew); past ``LIMIT`` entries
+    (an integration that never says a request finished) it starts over. Owned by the manager; engine thread
+    only."""
+
+    LIMIT = 1 << 16
+
+    def __init__(self) -> None:
+        self._at: dict[Any, tuple[int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def before(self, rid: Any, pos: int) -> int | None:
+        """The chain before position ``pos`` of ``rid``'s prompt (``UNKNOWN``: not known), or None when this
+        cache does not hold it."""
+        got = self._at.get(rid)
+        return got[1] if got is not None and got[0] == pos else None
+
+    def note(self, rid: Any, end: int, chain: int) -> None:
+        """``rid``'s row at position ``end - 1`` has ``chain`` (a tags array's ``CHAIN`` value: 0 unknown)."""
+        if len(self._at) >= self.LIMIT and rid not in self._at:
+            self._at.clear()
+        self._at[rid] = (end, (chain & _MASK) if chain else UNKNOWN)
+
+    def forget(self, rid: Any) -> None:
+        self._at.pop(rid, None)
 
 
 class SlotTokens:

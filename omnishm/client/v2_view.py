@@ -29,7 +29,7 @@ import torch
 
 from omnishm.client.adapter import id_collection
 from omnishm.client.group_view import extend_slots
-from omnishm.client.tokens import row_tags
+from omnishm.client.tokens import PromptChains, Run, note_chains, row_tags
 from omnishm.interface import ReqId, unmatch
 
 __all__ = ["BlockIdMirror", "V2StepGroupView", "is_v2_runner"]
@@ -50,11 +50,11 @@ class BlockIdMirror:
 
     def __init__(self) -> None:
         self._blocks: dict[ReqId, list[int]] = {}
-        self._prompts: dict[ReqId, tuple[Sequence[int], Sequence[bool] | None]] = {}
+        self._prompts: dict[ReqId, tuple[Any, Any, bool]] = {}
         """Each live request's prompt token ids and which of them are ids (vLLM 0.32's ``prompt_is_token_ids``;
-        None: all), as its scheduler output gave them (kept, not copied, until ``prompt`` makes them arrays; none
-        for a prompt of embeddings or a request seeded from the runner): the rows the view tags
-        (``client/tokens.py``)."""
+        None: all), as its scheduler output gave them (kept, not copied), and whether ``prompt`` made them
+        checked arrays yet (none for a prompt of embeddings or a request seeded from the runner): the rows the
+        view tags (``client/tokens.py``)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -72,7 +72,7 @@ class BlockIdMirror:
             self._blocks[new.req_id] = [int(b) for b in new.block_ids[0]]
             prompt = getattr(new, "prompt_token_ids", None)
             if prompt is not None:
-                self._prompts[new.req_id] = (prompt, getattr(new, "prompt_is_token_ids", None))
+                self._prompts[new.req_id] = (prompt, getattr(new, "prompt_is_token_ids", None), False)
             else:
                 self._prompts.pop(new.req_id, None)
         cached = so.scheduled_cached_reqs
@@ -107,8 +107,8 @@ class BlockIdMirror:
         its ids are no list of integers. Made numpy arrays on first use and kept so: each chunk's tags need
         the prompt from position 0 (the chain), and a list made an array again each step cost O(prompt)."""
         known = self._prompts.get(rid)
-        if known is None or isinstance(known[0], np.ndarray):
-            return known
+        if known is None or known[2]:
+            return None if known is None else (known[0], known[1])
         try:
             ids = np.asarray(known[0])
             is_ids = None if known[1] is None else np.asarray(known[1], dtype=bool)
@@ -118,8 +118,9 @@ class BlockIdMirror:
                 (is_ids is not None and is_ids.shape != ids.shape):
             self._prompts.pop(rid, None)
             return None
-        self._prompts[rid] = known = (ids.astype(np.int64, copy=False), is_ids)
-        return known
+        ids = ids.astype(np.int64, copy=False)
+        self._prompts[rid] = (ids, is_ids, True)
+        return ids, is_ids
 
     def blocks(self, rid: ReqId) -> list[int]:
         """The request's block ids; ``OmniPrefixCacheUnmatchError`` when the mirror has none for it."""
@@ -176,13 +177,15 @@ class V2StepGroupView:
             extend_slots(out, blocks, pos, end, bs)
         return torch.frombuffer(out, dtype=torch.int64) if out else torch.empty(0, dtype=torch.int64)
 
-    def step_token_tags_cpu(self, num_scheduled_tokens: Sequence[int]) -> np.ndarray | None:
+    def step_token_tags_cpu(self, num_scheduled_tokens: Sequence[int],
+                            chains: PromptChains | None = None) -> np.ndarray | None:
         """This step's row tags (``client/tokens.py``, ``rows x 2``) in ``step_slots_cpu``'s order, from the
         prompt token ids the mirror kept: each prompt row's tags, 0 for generated tokens and for requests
         without ids. None when no row of the step is a known prompt row. Call after ``step_slots_cpu`` checked
-        the counts."""
+        the counts. ``chains``: as ``FullAttentionGroupView.step_token_tags_cpu`` takes it."""
         computed = self.input_batch.num_computed_tokens_np
-        spans: list[tuple[int, int, Sequence[int], Sequence[bool] | None]] = []
+        spans: list[Run] = []
+        ends: list[tuple[ReqId, int, int]] = []
         at = 0
         for i, (rid, n) in enumerate(zip(self.batch_req_ids, num_scheduled_tokens)):
             n = int(n)
@@ -192,6 +195,12 @@ class V2StepGroupView:
                 pos = int(computed[i])
                 end = min(pos + n, len(prompt))
                 if end > pos:
-                    spans.append((at, pos, prompt[:end], None if is_ids is None else is_ids[:end]))
+                    spans.append((at, pos, prompt[:end], None if is_ids is None else is_ids[:end],
+                                  chains.before(rid, pos) if chains is not None and pos else None))
+                    ends.append((rid, end, at + end - pos - 1))
             at += n
-        return row_tags(at, spans) if spans else None
+        if not spans:
+            return None
+        tags = row_tags(at, spans)
+        note_chains(chains, ends, tags)
+        return tags

@@ -528,7 +528,8 @@ class CachePool(StepApply):
                 continue
             # Its process, when recorded (metadata of before stop 56 has none): anything odd is not known.
             pid, started = info.get("pid"), info.get("started")
-            known = type(pid) is int and pid > 0 and isinstance(started, str) and 0 < len(started) <= 64
+            # (a pid past 2**64 could not be sent in a status reply: mutation review, stop 56)
+            known = type(pid) is int and 0 < pid < 1 << 31 and isinstance(started, str) and 0 < len(started) <= 64
             pool.writers[cid] = WriterRecord(epoch, rows, pid if known else 0, started if known else None)
         keep = set(pool.segment_names())
         for stray in shm.list_segments(name):

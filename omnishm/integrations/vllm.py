@@ -359,7 +359,8 @@ class OmniPrefixCacheRunnerHooks:
             view = get_prefix_cache_group_view(self.runner.input_batch, self._block_size)
             if view is None:
                 raise RuntimeError("omnishm: the runner's input batch has no block table")
-        layout = self._adapter.build_write_layout(view, so.num_scheduled_tokens, token_tags=manager.keeps_token_tags)
+        layout = self._adapter.build_write_layout(view, so.num_scheduled_tokens, token_tags=manager.keeps_token_tags,
+                                                  chains=manager.prompt_chains)
         step_id = manager.save_outputs(hidden, None, num_tokens_unpadded=n,
                                        num_tokens_padded=int(hidden.shape[0]), write_layout=layout)
         self.counters["saves"] += 1

@@ -234,7 +234,7 @@ class VllmOmniPrefixCacheManager:
             with self._errors():
                 slots = self._ours.step_slots_cpu(ordered)
                 if self._m.keeps_token_tags:
-                    tags = self._ours.step_token_tags_cpu(ordered)
+                    tags = self._ours.step_token_tags_cpu(ordered, self._m.prompt_chains)
         else:
             slots = self._view.step_slots_cpu(order, counts)
         rows: dict[str, torch.Tensor] = {}
