@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from omnishm.client.tokens import (FEW_RUNS, PromptChains, chain_before, note_chains, row_tags, run_index,
+from omnishm.client.tokens import (FEW_RUNS, PromptChains, chains_before, note_chains, row_tags, run_index,
                                    scatter_tags)
 from omnishm.interface import PrefixCacheConfig, ReqId, staging_capacity_from_vllm, unmatch
 
@@ -278,8 +278,11 @@ class FullAttentionGroupView:
         is_ids = getattr(batch, "is_token_ids", None)  # vLLM 0.32: False where the prompt gave an embedding
         befores = [chains.before(rid, pos) if chains is not None and pos else None for _, _, pos, _, rid in spans]
         if len(spans) > FEW_RUNS:  # many runs: gather their own ids from the batch in one index
-            befores = [b if b is not None else chain_before(token_ids[row], None if is_ids is None else is_ids[row],
-                                                             pos) for b, (_, row, pos, _, _) in zip(befores, spans)]
+            missing = [i for i, b in enumerate(befores) if b is None]
+            found = chains_before([(token_ids[row, :pos], None if is_ids is None else is_ids[row, :pos])
+                                   for _, row, pos, _, _ in (spans[i] for i in missing)])
+            for i, b in zip(missing, found):
+                befores[i] = b
             runs = np.array([span[:4] for span in spans], dtype=np.int64)
             lens = runs[:, 3] - runs[:, 2]
             positions = run_index(runs[:, 2], lens)

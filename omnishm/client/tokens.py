@@ -46,8 +46,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHAIN", "TAG", "UNKNOWN", "PromptChains", "SlotTokens", "chain_before", "hit_token_tags",
-           "hits_token_tags", "note_chains", "prefix_chains", "row_tags", "run_index", "scatter_tags", "token_tag", "token_tags"]
+__all__ = ["CHAIN", "TAG", "UNKNOWN", "PromptChains", "SlotTokens", "chain_before", "chains_before",
+           "hit_token_tags", "hits_token_tags", "note_chains", "prefix_chains", "row_tags", "run_index",
+           "scatter_tags", "token_tag", "token_tags"]
 
 _POSITION = 32
 """A tag is ``(position + 1) << 32 | token id``: the position in the high half, plus one so a known tag is
@@ -270,6 +271,37 @@ def chain_before(ids: Any, known: Any, pos: int) -> int:
     return int(np.dot(before.astype(np.uint64) + np.uint64(1), _powers(pos)))
 
 
+LONG_PREFIX = 4096
+"""A run continuing a prompt past this many tokens sums its earlier tokens alone (``chain_before``); shorter
+ones of a many-runs step are summed together (``chains_before``)."""
+
+
+def chains_before(prefixes: list[tuple[Any, Any]]) -> list[int]:
+    """``chain_before`` of many runs, each given as its prompt's ids and known mask (None: all) before it:
+    the short ones in one set of numpy calls (a step admitting 256 requests on one-block hits would
+    otherwise make a set a run), the long ones one dot product each."""
+    out = [0] * len(prefixes)
+    short = [i for i, (ids, _) in enumerate(prefixes) if 0 < len(ids) <= LONG_PREFIX]
+    for i, (ids, known) in enumerate(prefixes):
+        if len(ids) > LONG_PREFIX:
+            out[i] = chain_before(ids, known, len(ids))
+    if short:
+        lens = np.array([len(prefixes[i][0]) for i in short], dtype=np.int64)
+        flat = np.concatenate([np.asarray(prefixes[i][0], dtype=np.int64) for i in short])
+        bad = (flat < 0) | (flat >= _MAX_ID)
+        if any(prefixes[i][1] is not None for i in short):
+            bad |= ~np.concatenate([np.asarray(prefixes[i][1], dtype=bool) if prefixes[i][1] is not None
+                                    else np.ones(len(prefixes[i][0]), dtype=bool) for i in short])
+        starts = np.cumsum(lens) - lens
+        positions = run_index(np.zeros(len(short), dtype=np.int64), lens)
+        terms = (flat.astype(np.uint64) + np.uint64(1)) * _powers(int(lens.max()))[positions]
+        sums = np.add.reduceat(terms, starts, dtype=np.uint64).tolist()  # every run is non-empty
+        dark = np.add.reduceat(bad.astype(np.int64), starts).tolist()
+        for i, total, unknown in zip(short, sums, dark):
+            out[i] = UNKNOWN if unknown else total
+    return out
+
+
 def row_tags(rows: int, spans: list[Run]) -> np.ndarray:
     """A step's ``rows x 2`` tags (0 where unknown) from its known runs (``Run``). Many runs (over
     ``FEW_RUNS``) go through ``scatter_tags``, with only their own items. A step of up to ``SMALL_STEP_ROWS``
@@ -279,8 +311,13 @@ def row_tags(rows: int, spans: list[Run]) -> np.ndarray:
     dot product, once a run), so a step's cost follows its rows, not its prompts' lengths, where
     ``PromptChains`` knows the runs (review, stop 56: 16 runs deep in 30k-token prompts took 23 ms a step
     when every run summed its prompt from position 0)."""
-    befores = [b if b is not None else chain_before(ids, known, pos) for _, pos, ids, known, b in spans]
     if len(spans) > FEW_RUNS:
+        befores = [b for *_, b in spans]
+        missing = [i for i, b in enumerate(befores) if b is None]
+        found = chains_before([(ids[:pos], None if known is None else known[:pos])
+                               for _, pos, ids, known, _ in (spans[i] for i in missing)])
+        for i, b in zip(missing, found):
+            befores[i] = b
         lens = np.array([len(ids) - pos for _, pos, ids, _, _ in spans], dtype=np.int64)
         flat = np.concatenate([np.asarray(ids[pos:], dtype=np.int64) for _, pos, ids, _, _ in spans])
         known = None
@@ -290,6 +327,7 @@ def row_tags(rows: int, spans: list[Run]) -> np.ndarray:
         starts = np.array([start for start, _, _, _, _ in spans], dtype=np.int64)
         firsts = np.array([pos for _, pos, _, _, _ in spans], dtype=np.int64)
         return scatter_tags(rows, starts, firsts, lens, flat, known, befores)
+    befores = [b if b is not None else chain_before(ids, known, pos) for _, pos, ids, known, b in spans]
     if rows <= SMALL_STEP_ROWS:
         return _small_row_tags(rows, spans, befores)
     out = np.zeros((rows, 2), dtype=np.int64)
@@ -332,8 +370,9 @@ def _small_row_tags(rows: int, spans: list[Run], befores: list[int]) -> np.ndarr
 class PromptChains:
     """The writer's chain of each live request's prompt where its last tagged run ended, so the next run
     of the request starts from it instead of summing the prompt from position 0 (review, stop 56: O(prompt)
-    a run, 23-45 ms for a step of 16 runs deep in 30k-token prompts). A hit seeds it with the hit's own
-    chain. Only a cache: an entry is the chain of the request's own prompt up to a position, which no later
+    a run, 23-45 ms for a step of 16 runs deep in 30k-token prompts). Filled by the views from their own
+    ids and masks only: a hit's event ids take an embedding's placeholder id for a token, and a chain seeded
+    from them refused correct hits on prompts mixing ids and embeddings (review, stop 56). Only a cache: an entry is the chain of the request's own prompt up to a position, which no later
     step changes, and a miss sums the prompt again. Entries go with their request's lifetime (the manager
     forgets a request that finishes, aborts, or starts, resumes or is replaced anew); past ``LIMIT`` entries
     (an integration that never says a request finished) it starts over. Owned by the manager; engine thread
