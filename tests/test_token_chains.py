@@ -1,0 +1,349 @@
+"""The token check's chain (``client/tokens.py``): every path's chains against the definition (computed in plain
+Python by ``test_token_check.tags_of``), the writer's ``PromptChains`` that lets a run continuing a prompt start
+where its request's tags got to, and the integrations that hand it to their views. The tags' exact part and the
+views' other duties are in ``test_token_tags.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import test_runner_mixin as trm
+import test_vllm_hooks as tvh
+from manager_helpers import BS
+from omnishm.client import tokens as tok
+from omnishm.client.adapter import PrefixCacheEventKind as K
+from omnishm.client.adapter import PrefixCacheRequestEvent as E
+from omnishm.client.adapter import PrefixCacheSchedulerAdapter
+from omnishm.client.group_view import FullAttentionGroupView
+from omnishm.client.tokens import hit_token_tags, row_tags
+from test_token_check import PROMPT, tags_of
+from test_token_tags import _batch, _hooks, _ids, _new, _so
+
+
+# the chain: every path sums the prompt from position 0 ----------------------------------------------
+
+@pytest.mark.parametrize("shape", ["small", "large", "many"])
+def test_a_run_that_continues_a_prompt_chains_from_position_0_on_every_path(shape):
+    """A chunk of a prompt (positions from ``num_computed``) gets the chains of the whole prompt up to each row,
+    on the plain-Python path (at most 256 rows), the numpy path (more) and the many-runs gather; an id vLLM
+    cannot know (an embedding) before the chunk leaves the chunk's rows without a chain, but with their tags."""
+    n, plen, first, count = {"small": (2, 40, 12, 20), "large": (2, 600, 100, 300), "many": (12, 40, 9, 20)}[shape]
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 50_000, (n, plen)).astype(np.int32)
+    is_ids = np.ones((n, plen), dtype=bool)
+    is_ids[1, 3] = False  # request 1: an embedding before its chunk
+    nb = -(-plen // BS)
+    table = torch.arange(n * nb, dtype=torch.int32).reshape(n, nb)
+    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.full(n, nb))
+    batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_computed_tokens_cpu=np.full(n, first, np.int32),
+                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=ids,
+                            num_prompt_tokens=np.full(n, plen, dtype=np.int32), is_token_ids=is_ids)
+    got = FullAttentionGroupView(batch, BS).step_token_tags_cpu([count] * n)
+    want = np.concatenate([tags_of(ids[i], first, count, known=is_ids[i]) for i in range(n)])
+    assert (got == want).all()
+    assert (got[count:2 * count, 1] == 0).all() and (got[count:2 * count, 0] != 0).all()
+    assert (got[:count, 1] != 0).all()
+
+
+def test_an_unknown_id_before_a_run_leaves_it_without_a_chain_and_ids_past_2_32_too():
+    """``row_tags``: a negative id or one of 2**32 or more before the run (or in it) ends the chain there; the
+    rows' exact tags stay known where their own id is."""
+    prompt = [5, -1, 7, 8, 9, 10]
+    got = row_tags(4, [(0, 2, prompt, None, None)])
+    assert got[:, 1].tolist() == [0] * 4 and got[:, 0].tolist() == tags_of(prompt, 2, 4)[:, 0].tolist() != [0] * 4
+    big = [5, 6, 1 << 32, 8]
+    got = row_tags(4, [(0, 0, big, None, None)])
+    assert got[:2, 1].all() and got[2:].tolist() == [[0, 0], [got[3, 0], 0]] and got[3, 0]
+    assert (got == tags_of(big, 0, 4)).all()
+
+
+def test_chains_tell_prefixes_apart_that_differ_at_one_position_and_are_alike_after():
+    """Two filled-in templates of one length: alike from position 4 on, so their exact tags are alike there and
+    their chains are not, at every position after the difference; alike prompts have alike chains."""
+    a = hit_token_tags(PROMPT, 40)
+    b = hit_token_tags([1, 2, 3, 4] + PROMPT[4:], 40)
+    assert (a[4:, 0] == b[4:, 0]).all() and (a[:, 1] != b[:, 1]).all()
+    assert (hit_token_tags(list(PROMPT), 40) == a).all() and (tok.prefix_chains(np.array(PROMPT)) == a[:, 1]).all()
+    for p in range(40):  # one token other than PROMPT's at position p: every chain from p on differs
+        c = list(PROMPT)
+        c[p] += 1
+        chains = hit_token_tags(c, 40)[:, 1]
+        assert (chains[:p] == a[:p, 1]).all() and (chains[p:] != a[p:, 1]).all()
+
+
+def test_the_v2_mirror_makes_a_prompt_an_array_once_and_drops_ids_that_are_no_integers():
+    from omnishm.client.v2_view import BlockIdMirror
+
+    m = BlockIdMirror()
+    m.update(_so([_new("a", [1, 2, 3]), _new("f", [1.0, 2.0]), _new("s", ["x", "y"])]))
+    first = m.prompt("a")
+    assert isinstance(first[0], np.ndarray) and first[0].dtype == np.int64 and first[0].tolist() == [1, 2, 3]
+    assert m.prompt("a")[0] is first[0]  # kept as an array
+    assert m.prompt("f") is None and m.prompt("s") is None
+
+
+# PromptChains: a run continuing a prompt starts from where its request's tags got to ------------------------
+
+def _chunk_batch(n, plen, computed, ids, is_ids=None):
+    nb = -(-plen // BS)
+    table = torch.arange(n * nb, dtype=torch.int32).reshape(n, nb)
+    bt = SimpleNamespace(block_size=BS, block_table=SimpleNamespace(cpu=table), num_blocks_per_row=np.full(n, nb))
+    batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_computed_tokens_cpu=np.array(computed, np.int32),
+                            block_table=SimpleNamespace(block_tables=[bt]), token_ids_cpu=ids,
+                            num_prompt_tokens=np.full(n, plen, dtype=np.int32))
+    if is_ids is not None:
+        batch.is_token_ids = is_ids
+    return batch
+
+
+@pytest.mark.parametrize("view", ["v1", "v2"])
+@pytest.mark.parametrize("n,count", [(2, 20), (2, 300), (12, 20)])  # small, large and many-runs paths
+def test_chunks_take_their_chain_from_the_writers_prompt_chains_not_from_the_prompt(monkeypatch, view, n, count):
+    """Review (stop 56): each run summed its prompt from position 0 every step (23-45 ms for a step of 16 runs
+    deep in 30k-token prompts). With the writer's ``PromptChains`` a request's next chunk starts where its last
+    ended: no run of the second and third chunks sums earlier ids, and every tag equals the definition's.
+    Request 1 has an embedding in its first chunk: no chain in its later chunks, as without the cache."""
+    from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView
+
+    plen = 3 * count
+    rng = np.random.default_rng(n + count)
+    ids = rng.integers(0, 50_000, (n, plen)).astype(np.int32)
+    is_ids = np.ones((n, plen), dtype=bool)
+    is_ids[1, 3] = False
+    chains = tok.PromptChains()
+    if view == "v2":
+        mirror = BlockIdMirror()
+        mirror.update(_so([SimpleNamespace(req_id=f"r{i}", block_ids=([0],), prompt_token_ids=ids[i].tolist(),
+                                           prompt_is_token_ids=is_ids[i].tolist()) for i in range(n)]))
+    import omnishm.client.group_view as gv
+
+    summed = []
+    one, many = tok.chain_before, tok.chains_before
+    monkeypatch.setattr(tok, "chain_before", lambda *a: summed.append(a[2]) or one(*a))
+    monkeypatch.setattr(tok, "chains_before", lambda p: summed.extend(len(ids) for ids, _ in p) or many(p))
+    monkeypatch.setattr(gv, "chains_before", tok.chains_before)
+    for chunk in range(3):
+        computed = [chunk * count] * n
+        if view == "v1":
+            got = FullAttentionGroupView(_chunk_batch(n, plen, computed, ids, is_ids), BS).step_token_tags_cpu(
+                [count] * n, chains)
+        else:
+            c = np.full(n, count, dtype=np.int32)
+            batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(n)], num_scheduled_tokens=c,
+                                    query_start_loc_np=np.concatenate([[0], np.cumsum(c)]),
+                                    num_computed_tokens_np=np.array(computed, dtype=np.int32))
+            got = V2StepGroupView(batch, mirror, BS).step_token_tags_cpu([count] * n, chains)
+        want = np.concatenate([tags_of(ids[i], chunk * count, count, known=is_ids[i]) for i in range(n)])
+        assert (got == want).all(), chunk
+        assert (got[count:2 * count, 1] == 0).all() if chunk else True
+    assert [p for p in summed if p] == [] and len(chains) == n
+
+
+def test_a_miss_or_a_stale_entry_sums_the_prompt_and_events_end_an_entry(committer_factory):
+    """``PromptChains`` is a cache only: an entry at another position is not used (the run sums its prompt), and
+    the manager forgets a request that finishes and starts a new lifetime on STARTED."""
+    from omnishm.client import OmniPrefixCacheManager
+    from manager_helpers import quick_config
+
+    chains = tok.PromptChains()
+    prompt = np.arange(100, 140, dtype=np.int64)
+    chains.note("a", 8, 12345)  # a stale entry: at position 8, the run starts at 12
+    got = row_tags(4, [(0, 12, prompt[:16], None, chains.before("a", 12))])
+    assert chains.before("a", 12) is None and (got == tags_of(prompt, 12, 4)).all()
+    chains.note("b", 4, 0)  # an unknown chain: the run has none either
+    assert chains.before("b", 4) == tok.UNKNOWN
+    assert (row_tags(4, [(0, 4, prompt[:8], None, tok.UNKNOWN)])[:, 1] == 0).all()
+    name = committer_factory().name
+    with OmniPrefixCacheManager(quick_config(), cache=name, autostart=False) as m, \
+            OmniPrefixCacheManager(quick_config(), cache=name, autostart=False, role="reader") as r:
+        pc = m.prompt_chains
+        assert r.prompt_chains is None  # readers tag nothing
+        m.new_step_starts([E(K.STARTED, "h", num_computed_tokens=8, block_ids=(0, 1), token_ids=prompt.tolist())])
+        # Not seeded from the hit's event ids, which take an embedding's placeholder for a token (review, stop 56)
+        assert pc.before("h", 8) is None
+        pc.note("h", 12, 99)
+        m.new_step_starts([E(K.STARTED, "h", num_computed_tokens=0, block_ids=(2,)), E(K.STARTED, "g", block_ids=(3,))])
+        assert pc.before("h", 12) is None  # a STARTED of it: its entry is gone
+        pc.note("g", 4, 7)
+        m.new_step_starts([E(K.FINISHED, "g")])
+        assert pc.before("g", 4) is None and len(pc) == 0
+
+
+def test_prompt_chains_start_over_past_their_limit(monkeypatch):
+    monkeypatch.setattr(tok.PromptChains, "LIMIT", 4)
+    chains = tok.PromptChains()
+    for i in range(4):
+        chains.note(i, 8, 7)
+    chains.note(0, 12, 9)  # an entry of a request it holds: no start over
+    assert len(chains) == 4 and chains.before(0, 12) == 9
+    chains.note("new", 4, 5)
+    assert len(chains) == 1 and chains.before("new", 4) == 5
+
+
+def test_the_v2_mirror_checks_a_prompt_given_as_a_numpy_array_too():
+    """Review (stop 56): a prompt already a numpy array was taken as checked: float or 2-D ids raised out of the
+    save. They are dropped like a list of them."""
+    from omnishm.client.v2_view import BlockIdMirror
+
+    m = BlockIdMirror()
+    m.update(_so([_new("f", np.array([1.0, 2.0])), _new("d", np.array([[1, 2], [3, 4]])),
+                  _new("i", np.array([5, 6], dtype=np.int32))]))
+    assert m.prompt("f") is None and m.prompt("d") is None and m.prompt("i")[0].tolist() == [5, 6]
+
+
+def _mirror_of(prompt, is_ids):
+    from omnishm.client.v2_view import BlockIdMirror
+
+    m = BlockIdMirror()
+    m.update(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=None,
+                             scheduled_new_reqs=[SimpleNamespace(req_id="b", block_ids=([0, 1],),
+                                                                 prompt_token_ids=prompt,
+                                                                 prompt_is_token_ids=is_ids)],
+                             scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[])))
+    return m
+
+
+@pytest.mark.parametrize("is_ids", [[True, False], [True] * 7, [[True] * 5]])
+def test_a_mask_of_another_shape_than_the_ids_leaves_the_request_untagged(is_ids):
+    """Mutation review (stop 56): a ``prompt_is_token_ids`` that is not one bool per id leaves the request
+    untagged, not an IndexError on the engine thread inside the save's tagging."""
+    from omnishm.client.v2_view import V2StepGroupView
+
+    m = _mirror_of([7] * 5, is_ids)
+    assert m.prompt("b") is None
+    m = _mirror_of([7] * 5, is_ids)
+    counts = np.array([3], dtype=np.int32)
+    batch = SimpleNamespace(req_ids=["b"], num_scheduled_tokens=counts,
+                            query_start_loc_np=np.concatenate([[0], np.cumsum(counts)]),
+                            num_computed_tokens_np=np.array([0], dtype=np.int32))
+    assert V2StepGroupView(batch, m, BS).step_token_tags_cpu([3]) is None
+
+
+def test_a_hit_on_a_prompt_mixing_ids_and_embeddings_leaves_its_next_run_without_a_chain(committer_factory):
+    """Review (stop 56): the manager seeded ``PromptChains`` from a hit's event ids, which take an embedding's
+    placeholder id for a token; the request's next rows got chains the batch's own mask gives none, and a real
+    engine refused a correct hit of another request with other placeholder ids. The cache is filled by the
+    views only: the run after the hit has no chain from the embedding on, as without the cache."""
+    from omnishm.client import OmniPrefixCacheManager
+    from manager_helpers import quick_config
+
+    ids = np.arange(10, 26, dtype=np.int32).reshape(1, 16)
+    is_ids = np.ones((1, 16), dtype=bool)
+    is_ids[0, 2] = False  # position 2 an embedding (its placeholder id 12 in the prompt's ids)
+    with OmniPrefixCacheManager(quick_config(), cache=committer_factory().name, autostart=False) as m:
+        m.new_step_starts([E(K.STARTED, "r0", num_computed_tokens=8, block_ids=(0, 1, 2, 3),
+                             token_ids=ids[0].tolist())])
+        view = FullAttentionGroupView(_chunk_batch(1, 16, [8], ids, is_ids), BS)
+        plain = view.step_token_tags_cpu([8])
+        cached = view.step_token_tags_cpu([8], m.prompt_chains)
+    assert (plain == cached).all() and (cached[:, 1] == 0).all() and (cached[:, 0] != 0).all()
+
+
+def test_many_runs_missing_their_chain_sum_short_prefixes_together_and_long_ones_alone():
+    """``chains_before``: prefixes of up to ``LONG_PREFIX`` tokens in one set of numpy calls, longer ones one dot
+    product each, all equal to ``chain_before`` of each; an unknown id or a masked position makes it UNKNOWN."""
+    rng = np.random.default_rng(11)
+    prefixes = []
+    for n in (0, 1, 7, 300, tok.LONG_PREFIX, tok.LONG_PREFIX + 1, 9000):
+        ids = rng.integers(0, 50_000, n).astype(np.int32)
+        prefixes.append((ids, None))
+        prefixes.append((ids, np.arange(n) != n // 2 if n else None))
+    prefixes.append((np.array([5, -1, 6]), None))
+    got = tok.chains_before(prefixes)
+    want = [tok.chain_before(ids, known, len(ids)) for ids, known in prefixes]
+    assert got == want and got[-1] == tok.UNKNOWN and got[0] == 0 and got[5] == tok.UNKNOWN != got[4]
+
+
+# the integrations hand the writer's PromptChains to their views (mutation review, stop 56) ---------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _chain(ids, end):
+    """The chain of positions 0..end-1 as ``PromptChains`` holds it (unsigned)."""
+    return int(tags_of(list(ids), end - 1, 1)[0, 1]) & _MASK64
+
+
+def test_build_write_layout_notes_the_chains_it_is_given(monkeypatch):
+    """Mutation review (stop 56): ``build_write_layout`` ignoring ``chains=``, or an integration passing None,
+    left every tag right and brought the O(prompt) sums back; each path must leave its rows' chain in the
+    writer's ``prompt_chains``, and the next chunk must sum nothing."""
+    ids = np.arange(32, dtype=np.int32).reshape(2, 16) + 100
+    pc = tok.PromptChains()
+    view = FullAttentionGroupView(_batch([16, 16], [0, 0], ids), BS)
+    PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": 4, "b": 3}, chains=pc)
+    assert pc.before("a", 4) == _chain(ids[0], 4) and pc.before("b", 3) == _chain(ids[1], 3)
+    # the next chunk starts from the noted chain: no sum of the earlier ids
+    calls = []
+    real = tok.chain_before
+    monkeypatch.setattr(tok, "chain_before", lambda *a: calls.append(a[2]) or real(*a))
+    view = FullAttentionGroupView(_batch([16, 16], [4, 3], ids), BS)
+    PrefixCacheSchedulerAdapter.build_write_layout(view, {"a": 4, "b": 4}, chains=pc)
+    assert calls == [] and pc.before("a", 8) == _chain(ids[0], 8) and pc.before("b", 7) == _chain(ids[1], 7)
+
+
+def test_the_vllm_hooks_pass_the_writers_chains(committer, monkeypatch):
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    h, runner = _hooks(committer, monkeypatch, "writer")
+    try:
+        tvh.step(runner, tvh.so(new=[("A", 16, 0, [3, 5])], counts={"A": 8}))
+        prompt = _ids(1, tvh.MAX_BLOCKS * tvh.BS)[0][:16]
+        assert h.manager.prompt_chains.before("A", 8) == _chain(prompt, 8)
+    finally:
+        h.uninstall()
+
+
+def test_the_runner_mixin_passes_the_writers_chains(committer):
+    r = trm.FakeRunner(committer.name, torch.nn.Identity())
+    r.prefix_cache_role = "writer"
+    r.input_batch.token_ids_cpu = _ids(trm.MAX_REQS, trm.MAX_BLOCKS * trm.BS)
+    r.input_batch.num_prompt_tokens = np.full(trm.MAX_REQS, 16, dtype=np.int32)
+    r.tags.update(a=1)
+    try:
+        r.execute_model(trm.sched(new=[("a", 0, [5, 2])], counts={"a": 6}))
+        prompt = _ids(1, trm.MAX_BLOCKS * trm.BS)[0][:16]
+        assert r.prefix_cache_manager.prompt_chains.before("a", 6) == _chain(prompt, 6)
+    finally:
+        r.prefix_cache_shutdown()
+
+
+def test_the_vllm_omni_drop_in_passes_the_writers_chains(committer_factory, monkeypatch):
+    from omnishm.bench.vllm_omni_arm import InputBatch, scheduler_output
+    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, load_prefix_cache
+    from omnishm.sim import SimEngine
+
+    given = []
+    real = FullAttentionGroupView.step_token_tags_cpu
+
+    def recording(self, counts, chains=None):
+        given.append(chains)
+        return real(self, counts, chains)
+
+    monkeypatch.setattr(FullAttentionGroupView, "step_token_tags_cpu", recording)
+    vo, _ = load_prefix_cache(standin=True)
+    cfg = vo.PrefixCacheConfig(num_blocks=64, block_size=16, staging_capacity_tokens=128, staging_depth=2,
+                               staging_claim_timeout_s=10.0)
+    name = committer_factory().name
+    eng = SimEngine(num_blocks=64, block_size=16, max_batched_tokens=128, width=16, mm_width=4, seed=3)
+    batch = InputBatch(16, 64, 16)
+    m = VllmOmniPrefixCacheManager(cfg, vo.FullAttentionGroupView(batch, 16), cache=name, autostart=False,
+                                   role="writer")
+    try:
+        for _ in range(6):
+            eng.top_up(3)
+            st = eng.schedule()
+            blocks = {q.req_id: q.blocks for q in eng.running}
+            m.new_step_starts(scheduler_output(st.step))
+            batch.update(st, blocks)
+            m.materialize(m.save_outputs(st.hidden, dict(st.mm), num_tokens_unpadded=st.num_tokens,
+                                         num_tokens_padded=st.num_tokens), list(st.layout.req_ids))
+            eng.advance(st)
+        pc = m._m.prompt_chains
+        assert given and pc is not None and all(c is pc for c in given), given
+        assert len(pc) > 0
+    finally:
+        m.shutdown()
