@@ -270,3 +270,22 @@ def test_a_block_whose_result_dies_after_close_is_not_kept():
     del held
     gc.collect()
     assert not pool._returned and not pool._free
+
+
+def test_a_block_returned_while_close_runs_is_not_kept():
+    """Fresh-eyes review (stop 56): ``_give_back`` checks ``_closed``, then appends without the lock; a close on
+    another thread in between left the block held. Forced here: the queue's append runs the close first."""
+    import collections
+
+    pool = ResultPool(16 * MIB, min_bytes=1)
+
+    class CloseFirst(collections.deque):
+        def append(self, block):
+            pool.close()  # the other thread's close, between the check and the append
+            super().append(block)
+
+    t = pool.empty((1 << 18,), torch.float32)
+    pool._returned = CloseFirst()
+    del t
+    gc.collect()
+    assert pool._closed and not pool._returned

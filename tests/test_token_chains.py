@@ -119,13 +119,10 @@ def test_chunks_take_their_chain_from_the_writers_prompt_chains_not_from_the_pro
         mirror = BlockIdMirror()
         mirror.update(_so([SimpleNamespace(req_id=f"r{i}", block_ids=([0],), prompt_token_ids=ids[i].tolist(),
                                            prompt_is_token_ids=is_ids[i].tolist()) for i in range(n)]))
-    import omnishm.client.group_view as gv
-
     summed = []
     one, many = tok.chain_before, tok.chains_before
     monkeypatch.setattr(tok, "chain_before", lambda *a: summed.append(a[2]) or one(*a))
     monkeypatch.setattr(tok, "chains_before", lambda p: summed.extend(len(ids) for ids, _ in p) or many(p))
-    monkeypatch.setattr(gv, "chains_before", tok.chains_before)
     for chunk in range(3):
         computed = [chunk * count] * n
         if view == "v1":

@@ -233,6 +233,26 @@ def test_a_held_result_larger_than_the_bound_is_dropped_alone():
     assert sorted(held.take("done")) == ["A"] and sorted(held.take("raw")) == ["A"]
 
 
+def test_a_held_result_larger_than_the_bound_is_logged_with_its_request_after_earlier_drops_too(caplog):
+    """Fresh-eyes review (stop 56): an oversized result dropped after earlier drops logged nothing, and the one
+    warning said "dropping the oldest" when the newest was dropped. The first oversized drop is logged on its
+    own, naming the request and its size."""
+    import logging
+
+    from omnishm.integrations.held_results import HeldResults
+
+    held = HeldResults(bound=4096)
+    caplog.set_level(logging.WARNING, logger="omnishm.integrations.held_results")
+    for i in range(3):  # three 2 KiB results: the first is dropped (the oldest-first warning)
+        held.hold("done", f"a{i}", (torch.zeros(512), 0))
+    assert held.stats()["results_dropped"] == 1 and len(caplog.records) == 1
+    held.hold("done", "huge", (torch.zeros(1 << 20), 0))
+    assert held.stats()["results_dropped"] == 2 and len(caplog.records) == 2
+    said = caplog.records[1].getMessage()
+    assert "'huge'" in said and "4194304 bytes" in said and "oldest" not in said
+    assert sorted(held.take("done")) == ["a1", "a2"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
 def test_held_rows_cross_the_rpc_wire_with_their_dtype_and_shape(dtype):
     """``omnishm_take_results`` ships each prompt's rows [P, H] as plain types (``encode_tensor``) and the caller

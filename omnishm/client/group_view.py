@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from omnishm.client.tokens import (FEW_RUNS, PromptChains, chains_before, note_chains, row_tags, run_index,
+from omnishm.client.tokens import (FEW_RUNS, PromptChains, Run, fill_befores, note_chains, row_tags, run_index,
                                    scatter_tags)
 from omnishm.interface import PrefixCacheConfig, ReqId, staging_capacity_from_vllm, unmatch
 
@@ -276,13 +276,12 @@ class FullAttentionGroupView:
         if not spans:
             return None
         is_ids = getattr(batch, "is_token_ids", None)  # vLLM 0.32: False where the prompt gave an embedding
-        befores = [chains.before(rid, pos) if chains is not None and pos else None for _, _, pos, _, rid in spans]
+        # A run at position 0 starts from 0; one continuing a prompt from where the writer's PromptChains has it.
+        befores = [(chains.before(rid, pos) if chains is not None else None) if pos else 0
+                   for _, _, pos, _, rid in spans]
         if len(spans) > FEW_RUNS:  # many runs: gather their own ids from the batch in one index
-            missing = [i for i, b in enumerate(befores) if b is None]
-            found = chains_before([(token_ids[row, :pos], None if is_ids is None else is_ids[row, :pos])
-                                   for _, row, pos, _, _ in (spans[i] for i in missing)])
-            for i, b in zip(missing, found):
-                befores[i] = b
+            befores = fill_befores(befores, lambda i: (token_ids[spans[i][1], :spans[i][2]], None if is_ids is None
+                                                       else is_ids[spans[i][1], :spans[i][2]]))
             runs = np.array([span[:4] for span in spans], dtype=np.int64)
             lens = runs[:, 3] - runs[:, 2]
             positions = run_index(runs[:, 2], lens)
@@ -290,9 +289,10 @@ class FullAttentionGroupView:
             tags = scatter_tags(at, runs[:, 0], runs[:, 2], lens, token_ids[batch_rows, positions],
                                 None if is_ids is None else is_ids[batch_rows, positions], befores)
         else:
-            tags = row_tags(at, [(start, pos, token_ids[row, :end], None if is_ids is None else is_ids[row, :end], b)
+            tags = row_tags(at, [Run(start, pos, token_ids[row, :end], None if is_ids is None else is_ids[row, :end], b)
                                  for (start, row, pos, end, _), b in zip(spans, befores)])
-        note_chains(chains, [(rid, end, start + end - pos - 1) for start, _, pos, end, rid in spans], tags)
+        note_chains(chains, [(rid, end, start + end - pos - 1) for start, row, pos, end, rid in spans
+                             if end < prompt_end[row]], tags)  # (a run that ends its prompt has no next run)
         return tags
 
 

@@ -124,11 +124,10 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._consumed: set[StepId] = set()
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, PendingHit] = {}
+        # Writer, engine thread only (client/tokens.py): what each slot's rows were computed for, and where each
+        # live request's tags got to, for the integrations' views (build_write_layout(chains=...)).
         self._slot_tokens = SlotTokens(config.num_slots) if self.is_writer and config.token_check else None
-        """Writer: what each slot's rows were computed for (``client/tokens.py``); engine thread only."""
         self.prompt_chains = PromptChains() if self._slot_tokens is not None else None
-        """Writer: where each live request's tags got to (``tokens.PromptChains``), for the integrations' views
-        (``build_write_layout(chains=...)``); entries go with their requests' events. Engine thread only."""
         self._keys: dict[TensorName, KeyViews] = {}
         self._sources: dict[tuple[TensorName, int], RowSource] = {}  # deferred keys, by (key, cv)
         self._step_sources: dict[tuple[TensorName, StepId], RowSource] = {}  # immediate keys, by (key, step)

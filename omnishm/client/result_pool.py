@@ -104,6 +104,8 @@ class ResultPool:
         _BLOCK_BYTES.pop(address, None)
         if not self._closed:  # a closed pool keeps nothing: the block goes with this last reference
             self._returned.append(block)
+            if self._closed:  # ``close`` ran between the check and the append (no lock here: see above)
+                self._returned.clear()
 
     def close(self) -> None:
         """Let go of every free block now, and of each block still in use once its tensors die (the manager's

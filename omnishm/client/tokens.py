@@ -42,13 +42,13 @@ from __future__ import annotations
 
 from array import array
 from itertools import chain
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-__all__ = ["CHAIN", "TAG", "UNKNOWN", "PromptChains", "SlotTokens", "chain_before", "chains_before",
-           "hit_token_tags", "hits_token_tags", "note_chains", "prefix_chains", "row_tags", "run_index",
-           "scatter_tags", "token_tag", "token_tags"]
+__all__ = ["CHAIN", "FEW_RUNS", "LONG_PREFIX", "SMALL_STEP_ROWS", "TAG", "UNKNOWN", "PromptChains", "Run",
+           "SlotTokens", "chain_before", "chains_before", "fill_befores", "hit_token_tags", "hits_token_tags",
+           "note_chains", "prefix_chains", "row_tags", "run_index", "scatter_tags", "token_tag", "token_tags"]
 
 _POSITION = 32
 """A tag is ``(position + 1) << 32 | token id``: the position in the high half, plus one so a known tag is
@@ -95,6 +95,11 @@ def _powers_list(n: int) -> list[int]:
     return _powers_py
 
 
+def _unknown(ids: np.ndarray) -> np.ndarray:
+    """Where int64 ``ids`` are no token id a tag can hold (negative, or 2**32 or more)."""
+    return (ids < 0) | (ids >= _MAX_ID)
+
+
 def token_tag(token_id: int, position: int) -> int:
     """The exact tag of one row (plain Python, for small steps); 0 for an unknown token id (negative, or
     2**32 or more, which would reach the position half: review, stop 55)."""
@@ -109,7 +114,7 @@ def token_tags(token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     positions under 2**31 - 1, so distinct pairs never share a tag and no hash can collide."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     out = ((np.asarray(positions, dtype=np.int64) + 1) << _POSITION) | tokens
-    unknown = (tokens < 0) | (tokens >= _MAX_ID)
+    unknown = _unknown(tokens)
     if unknown.any():
         out[unknown] = 0
     return out
@@ -126,7 +131,7 @@ def _segment_chains(ids: np.ndarray, lens: np.ndarray, positions: np.ndarray | N
         return np.zeros(0, dtype=np.int64)
     if positions is None:
         positions = run_index(np.zeros(len(lens), dtype=np.int64), lens)
-    unknown = (ids < 0) | (ids >= _MAX_ID)
+    unknown = _unknown(ids)
     # uint64 products and sums wrap silently: the arithmetic is mod 2**64 by design.
     terms = (ids.astype(np.uint64) + np.uint64(1)) * _powers(int(positions.max()) + 1)[positions]
     sums = np.cumsum(terms, dtype=np.uint64)
@@ -151,7 +156,7 @@ def prefix_chains(token_ids: np.ndarray) -> np.ndarray:
     negative id or one of 2**32 or more is unknown): 0 from the first unknown id on."""
     ids = np.asarray(token_ids, dtype=np.int64)
     out = np.cumsum((ids.astype(np.uint64) + np.uint64(1)) * _powers(len(ids)), dtype=np.uint64).view(np.int64)
-    unknown = (ids < 0) | (ids >= _MAX_ID)
+    unknown = _unknown(ids)
     if unknown.any():
         out[int(unknown.argmax()):] = 0
     return out
@@ -217,12 +222,12 @@ def scatter_tags(rows: int, starts: np.ndarray, firsts: np.ndarray, lens: np.nda
 
 def note_chains(chains: "PromptChains | None", ends: list[tuple[Any, int, int]], tags: np.ndarray | None) -> None:
     """After a step's ``tags`` are made: each run's request, the position after its last row and that row,
-    ``(rid, end, row)``, noted in ``chains`` (None: the writer keeps none) for the request's next run."""
-    if chains is None or tags is None:
+    ``(rid, end, row)``, noted in ``chains`` (None: the writer keeps none) for the request's next run. The
+    views pass only runs that end before their prompt does: a run that ends it has no next run to tag."""
+    if chains is None or tags is None or not ends:
         return
-    column = tags[:, CHAIN]
-    for rid, end, row in ends:
-        chains.note(rid, end, int(column[row]))
+    for (rid, end, _), value in zip(ends, tags[[row for _, _, row in ends], CHAIN].tolist()):
+        chains.note(rid, end, value)
 
 
 def hits_token_tags(hits: list[tuple[Any, int]]) -> list[np.ndarray | None]:
@@ -247,11 +252,19 @@ def hits_token_tags(hits: list[tuple[Any, int]]) -> list[np.ndarray | None]:
     return [tags[end - n:end] if n else None for end, n in zip(ends, lens.tolist())]
 
 
-Run = tuple[int, int, Any, Any, "int | None"]
-"""One known run of a step's rows for ``row_tags``: (first row, first position, the prompt's token ids from
-position 0 to the run's end, known: None or one bool per id, the chain before the run: from
-``PromptChains.before``, or None to sum it from the ids before the run); ids and masks are lists or numpy
-arrays. The run's own rows are the ids from the first position on."""
+class Run(NamedTuple):
+    """One known run of a step's rows for ``row_tags``; ids and masks are lists or numpy arrays."""
+
+    row: int
+    """The step row of the run's first row."""
+    pos: int
+    """The position of its first row in its prompt."""
+    ids: Any
+    """The prompt's token ids from position 0 to the run's end: the run's own rows are those from ``pos``."""
+    known: Any
+    """None, or one bool per id (False: not an id, a prompt embedding)."""
+    before: "int | None"
+    """The chain before the run (``PromptChains.before``; 0 at position 0), or None to sum the ids before it."""
 
 
 UNKNOWN = -1
@@ -266,7 +279,7 @@ def chain_before(ids: Any, known: Any, pos: int) -> int:
     if not pos:
         return 0
     before = np.asarray(ids[:pos], dtype=np.int64)
-    if ((before < 0) | (before >= _MAX_ID)).any() or (known is not None and not np.asarray(known[:pos]).all()):
+    if _unknown(before).any() or (known is not None and not np.asarray(known[:pos]).all()):
         return UNKNOWN
     return int(np.dot(before.astype(np.uint64) + np.uint64(1), _powers(pos)))
 
@@ -274,6 +287,16 @@ def chain_before(ids: Any, known: Any, pos: int) -> int:
 LONG_PREFIX = 4096
 """A run continuing a prompt past this many tokens sums its earlier tokens alone (``chain_before``); shorter
 ones of a many-runs step are summed together (``chains_before``)."""
+
+
+def fill_befores(befores: list["int | None"], prefix: Callable[[int], tuple[Any, Any]]) -> list[int]:
+    """``befores`` with each None replaced by the chain before that run, summed from ``prefix(i)`` (the ids and
+    the mask, or None, before run ``i``) by ``chains_before``: a many-runs step's misses in one pass."""
+    missing = [i for i, b in enumerate(befores) if b is None]
+    out = list(befores)
+    for i, b in zip(missing, chains_before([prefix(i) for i in missing])):
+        out[i] = b
+    return out
 
 
 def chains_before(prefixes: list[tuple[Any, Any]]) -> list[int]:
@@ -288,7 +311,7 @@ def chains_before(prefixes: list[tuple[Any, Any]]) -> list[int]:
     if short:
         lens = np.array([len(prefixes[i][0]) for i in short], dtype=np.int64)
         flat = np.concatenate([np.asarray(prefixes[i][0], dtype=np.int64) for i in short])
-        bad = (flat < 0) | (flat >= _MAX_ID)
+        bad = _unknown(flat)
         if any(prefixes[i][1] is not None for i in short):
             bad |= ~np.concatenate([np.asarray(prefixes[i][1], dtype=bool) if prefixes[i][1] is not None
                                     else np.ones(len(prefixes[i][0]), dtype=bool) for i in short])
@@ -311,13 +334,12 @@ def row_tags(rows: int, spans: list[Run]) -> np.ndarray:
     dot product, once a run), so a step's cost follows its rows, not its prompts' lengths, where
     ``PromptChains`` knows the runs (review, stop 56: 16 runs deep in 30k-token prompts took 23 ms a step
     when every run summed its prompt from position 0)."""
+    # (plain tuples are runs too: fields by index)
+    spans = [run if run[4] is not None or run[1] else Run(*run[:4], 0) for run in spans]
     if len(spans) > FEW_RUNS:
-        befores = [b for *_, b in spans]
-        missing = [i for i, b in enumerate(befores) if b is None]
-        found = chains_before([(ids[:pos], None if known is None else known[:pos])
-                               for _, pos, ids, known, _ in (spans[i] for i in missing)])
-        for i, b in zip(missing, found):
-            befores[i] = b
+        befores = fill_befores([run[4] for run in spans],
+                               lambda i: (spans[i][2][:spans[i][1]],
+                                          None if spans[i][3] is None else spans[i][3][:spans[i][1]]))
         lens = np.array([len(ids) - pos for _, pos, ids, _, _ in spans], dtype=np.int64)
         flat = np.concatenate([np.asarray(ids[pos:], dtype=np.int64) for _, pos, ids, _, _ in spans])
         known = None
@@ -371,9 +393,10 @@ class PromptChains:
     """The writer's chain of each live request's prompt where its last tagged run ended, so the next run
     of the request starts from it instead of summing the prompt from position 0 (review, stop 56: O(prompt)
     a run, 23-45 ms for a step of 16 runs deep in 30k-token prompts). Filled by the views from their own
-    ids and masks only: a hit's event ids take an embedding's placeholder id for a token, and a chain seeded
-    from them refused correct hits on prompts mixing ids and embeddings (review, stop 56). Only a cache: an entry is the chain of the request's own prompt up to a position, which no later
-    step changes, and a miss sums the prompt again. Entries go with their request's lifetime (the manager
+    ids and masks only: a hit's event ids take an embedding's placeholder id for a token, and a chain
+    seeded from them refused correct hits on prompts mixing ids and embeddings (review, stop 56). Only a
+    cache: an entry is the chain of the request's own prompt up to a position, which no later step
+    changes, and a miss sums the prompt again. Entries go with their request's lifetime (the manager
     forgets a request that finishes, aborts, or starts, resumes or is replaced anew); past ``LIMIT`` entries
     (an integration that never says a request finished) it starts over. Owned by the manager; engine thread
     only."""

@@ -58,8 +58,8 @@ CLIENT_COUNTERS: dict[str, str] = {
     "prefetch_dropped": "hit spans the prefetch did not have (read in materialize instead)",
     "result_blocks_reused": "materialize results placed in recycled, pre-faulted host memory",
     "result_blocks_faulted": "materialize results that needed a new host block (first-touch page faults)",
-    "token_checked_rows": "hit rows whose token and position (and chain of earlier tokens, where known) a writer compared "
-                          "with what their slot holds",
+    "token_checked_rows": "hit rows whose token and position (and chain of earlier tokens, where known) a "
+                          "writer compared with what their slot holds",
     "token_mismatches": "hit rows a writer found computed for other tokens (each raised, never served)",
     "link_committer_lost": "times a client found its committer silent, gone or not knowing its session",
     "link_io_stalls": "times a client's link thread did not run for over max(1 s, 2 heartbeats) (its process starved "

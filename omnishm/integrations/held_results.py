@@ -26,7 +26,8 @@ class HeldResults:
     """Completed prompts' rows kept for the takers: results (``"done"``: rows and hit tokens) and raw rows
     (``"raw"``), within ``bound`` bytes. Past it the oldest go, raw ones first (a check, not a result), so a
     server that never calls ``omnishm_take_*`` holds at most ``bound`` (counted in ``results_dropped``,
-    with a warning on the first drop). ``hold`` on the engine thread; ``take`` and ``stats`` any thread,
+    with a warning on the first drop); a value larger than ``bound`` by itself is dropped alone (a warning
+    on the first such). ``hold`` on the engine thread; ``take`` and ``stats`` any thread,
     under the lock."""
 
     def __init__(self, bound: int) -> None:
@@ -37,27 +38,36 @@ class HeldResults:
         self._tables: dict[str, dict[ReqId, Any]] = {"raw": {}, "done": {}}
         self._held = 0
         self._dropped = 0
+        self._oversized = 0
 
     def hold(self, name: str, rid: ReqId, value: Any) -> None:
         value = _own(value)  # a view would keep the whole step's result buffer alive, uncounted
         dropped = 0
+        nbytes = _nbytes(value)
         with self._lock:
             table = self._tables[name]
             old = table.pop(rid, None)
             self._held -= _nbytes(old) if old is not None else 0
-            if _nbytes(value) > self.bound:
+            oversized = nbytes > self.bound
+            if oversized:
                 # It could never fit: drop it alone, not every result that fits first (review, stop 56).
                 dropped = 1
             else:
-                self._held += _nbytes(value)
+                self._held += nbytes
                 table[rid] = value
             while self._held > self.bound:
                 victims = self._tables["raw"] or self._tables["done"]
                 self._held -= _nbytes(victims.pop(next(iter(victims))))
                 dropped += 1
             first = dropped and not self._dropped
+            first_oversized = oversized and not self._oversized
+            self._oversized += oversized
             self._dropped += dropped
-        if first:
+        if first_oversized:
+            logger.warning("omnishm: request %r's completed prompt rows (%d bytes) exceed vllm_held_bytes=%d by "
+                           "themselves: dropped (counted in results_dropped; only the first such drop is logged)",
+                           rid, nbytes, self.bound)
+        elif first:
             logger.warning("omnishm: completed prompt rows exceed vllm_held_bytes=%d (no omnishm_take_* call "
                            "took them); dropping the oldest (counted in results_dropped)", self.bound)
 
