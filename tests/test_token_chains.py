@@ -141,8 +141,8 @@ def test_chunks_take_their_chain_from_the_writers_prompt_chains_not_from_the_pro
 
 
 def test_a_miss_or_a_stale_entry_sums_the_prompt_and_events_end_an_entry(committer_factory):
-    """``PromptChains`` is a cache only: an entry at another position is not used (the run sums its prompt), and
-    the manager forgets a request that finishes and starts a new lifetime on STARTED."""
+    """``PromptChains`` is a cache only: an entry at another position is not used (the run sums its prompt); the
+    manager seeds a hit's chain, forgets a request that finishes and starts a new lifetime on STARTED."""
     from omnishm.client import OmniPrefixCacheManager
     from manager_helpers import quick_config
 
@@ -160,8 +160,11 @@ def test_a_miss_or_a_stale_entry_sums_the_prompt_and_events_end_an_entry(committ
         pc = m.prompt_chains
         assert r.prompt_chains is None  # readers tag nothing
         m.new_step_starts([E(K.STARTED, "h", num_computed_tokens=8, block_ids=(0, 1), token_ids=prompt.tolist())])
-        # Not seeded from the hit's event ids, which take an embedding's placeholder for a token (review, stop 56)
-        assert pc.before("h", 8) is None
+        # Seeded from the hit's event ids, used only where the request's mask says all before it are ids (an
+        # embedding's placeholder id passes for a token in the event: review, stop 56)
+        assert pc.before("h", 8) == int(tags_of(prompt, 7, 1)[0, 1]) & ((1 << 64) - 1)
+        assert pc.before("h", 8, np.ones(16, dtype=bool)) == pc.before("h", 8)
+        assert pc.before("h", 8, np.arange(16) != 3) is None
         pc.note("h", 12, 99)
         m.new_step_starts([E(K.STARTED, "h", num_computed_tokens=0, block_ids=(2,)), E(K.STARTED, "g", block_ids=(3,))])
         assert pc.before("h", 12) is None  # a STARTED of it: its entry is gone
@@ -344,3 +347,41 @@ def test_the_vllm_omni_drop_in_passes_the_writers_chains(committer_factory, monk
         assert len(pc) > 0
     finally:
         m.shutdown()
+
+
+def test_hits_of_one_shared_prefix_are_tagged_once_and_compared_once(committer_factory, monkeypatch, caplog):
+    """Real-engine review (stop 56): a step admitting 64 requests on one 4k-token system prompt tagged the prefix
+    64 times, compared it 64 times and summed it 64 times for the requests' first runs (23 ms). Hits of the same
+    ids up to the same length share one tags array; hits sharing it on the same slots are compared once, every
+    request still counted and, when wrong, refused by name; a request's first run starts from its hit's chain."""
+    from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
+    from manager_helpers import Part, quick_config, save, started
+    from test_token_check import save_tagged, hit_event
+
+    prefix = list(range(100, 108))  # two blocks of 4
+    hits = [(prefix + [i, i + 1], 8) for i in range(12)] + [(list(range(300, 310)), 8), (prefix[:8], 8)]
+    tags = tok.hits_token_tags(hits)
+    assert all(t is tags[0] for t in tags[1:12]) and tags[12] is not tags[0] and tags[13] is tags[0]
+    assert all((t == tok.hit_token_tags(ids, hit)).all() for t, (ids, hit) in zip(tags, hits))
+    checks = []
+    real = tok.SlotTokens.check_runs
+    monkeypatch.setattr(tok.SlotTokens, "check_runs", lambda self, *a: checks.append(a[2]) or real(self, *a))
+    with OmniPrefixCacheManager(quick_config(), cache=committer_factory().name, autostart=False) as m:
+        m.new_step_starts([started("a", [0, 1])])
+        m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8)], {"a": prefix}))
+        reqs = [f"r{i}" for i in range(10)]
+        m.new_step_starts([hit_event(r, [0, 1, 2 + i], 8, prefix + [i]) for i, r in enumerate(reqs)])
+        assert all(m.prompt_chains.before(r, 8) == int(tags_of(prefix, 7, 1)[0, 1]) & ((1 << 64) - 1) for r in reqs)
+        sid = save_tagged(m, [Part(r, 2, [0, 1, 2 + i], 8, 1) for i, r in enumerate(reqs)],
+                          {r: prefix + [i] for i, r in enumerate(reqs)})
+        assert checks == [[8]] and m.counters["token_checked_rows"] == 80
+        m.materialize(sid, reqs)
+        other = [9] + prefix[1:]  # a wrong first token: every request of the shared wrong hit is refused
+        m.new_step_starts([hit_event(r, [0, 1, 12 + i], 8, other + [i]) for i, r in enumerate(["x", "y"])])
+        sid = save_tagged(m, [Part(r, 3, [0, 1, 12 + i], 8, 1) for i, r in enumerate(["x", "y"])],
+                          {"x": other + [0], "y": other + [1]})
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="8 of its rows .*request='x'"):
+            m.materialize(sid, ["x", "y"])
+        assert m.counters["token_mismatches"] == 16 and checks[-1] == [8]
+        logged = [r.getMessage() for r in caplog.records if "computed for other tokens" in r.getMessage()]
+        assert len(logged) == 2 and "request 'x'" in logged[0] and "request 'y'" in logged[1], logged

@@ -277,8 +277,8 @@ class FullAttentionGroupView:
             return None
         is_ids = getattr(batch, "is_token_ids", None)  # vLLM 0.32: False where the prompt gave an embedding
         # A run at position 0 starts from 0; one continuing a prompt from where the writer's PromptChains has it.
-        befores = [(chains.before(rid, pos) if chains is not None else None) if pos else 0
-                   for _, _, pos, _, rid in spans]
+        befores = [(chains.before(rid, pos, None if is_ids is None else is_ids[row]) if chains is not None
+                    else None) if pos else 0 for _, row, pos, _, rid in spans]
         if len(spans) > FEW_RUNS:  # many runs: gather their own ids from the batch in one index
             befores = fill_befores(befores, lambda i: (token_ids[spans[i][1], :spans[i][2]], None if is_ids is None
                                                        else is_ids[spans[i][1], :spans[i][2]]))

@@ -46,7 +46,7 @@ from omnishm.client.segments import KeyViews, StagingPages, row_width
 from omnishm.client.serial import SerialThread
 from omnishm.client.session import SessionSide
 from omnishm.client.steps import HitSpan, PendingHit, StepCtx, StepLifecycle, as_step_id
-from omnishm.client.tokens import PromptChains, SlotTokens, hits_token_tags
+from omnishm.client.tokens import CHAIN, PromptChains, SlotTokens, hits_token_tags
 from omnishm.client.writer import WriterSide
 from omnishm.client.writes import Flusher, RowSource, WriteTask
 from omnishm.config import manager_connection
@@ -254,6 +254,8 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         if to_tag:  # the writer's expected tags of the step's hits, in one pass (client/tokens.py)
             for (req, _, _), tags in zip(to_tag, hits_token_tags([(ids, hit) for _, ids, hit in to_tag])):
                 planned[req] = planned[req]._replace(tags=tags)
+                if tags is not None and chains is not None:  # its first run starts there (PromptChains.seed)
+                    chains.seed(req, len(tags), int(tags[-1, CHAIN]))
         to_flush: list[WriteTask] = []
         with self._lock:
             for ev in step.events:

@@ -131,6 +131,23 @@ def hits_digest(hits: Mapping[ReqId, HitSpan], block_size: int) -> int:
 
 
 _SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+def _same_hits(tags: list[np.ndarray], slots: list[np.ndarray]) -> list[int]:
+    """For each hit, the first hit with the same tags array (one object: ``tokens.hits_token_tags`` shares it
+    among hits of one prefix) on the same slots; itself when none. A few candidates a tags array at most:
+    hits of one prefix on other blocks (vLLM holds one copy of a block) are compared each."""
+    firsts: dict[int, list[int]] = {}
+    out: list[int] = []
+    for i, (t, s) in enumerate(zip(tags, slots)):
+        seen = firsts.setdefault(id(t), [])
+        same = next((j for j in seen if np.array_equal(slots[j], s)), None)
+        if same is None:
+            if len(seen) < 4:
+                seen.append(i)
+            same = i
+        out.append(same)
+    return out
+
+
 _SMALL_STEP = 256
 """Steps of at most this many tokens do their slot bookkeeping in plain Python (``_check_slots``)."""
 
@@ -213,16 +230,26 @@ class StepLifecycle:
         if tokens is None or not checked:
             return {}
         slots = [hit.slots.numpy()[:len(hit.tags)] for _, hit in checked]
-        compared, bad = tokens.check(np.concatenate(slots), np.concatenate([hit.tags for _, hit in checked]))
-        self.counters["token_checked_rows"] += compared
+        # Hits of one shared prefix on the same blocks (requests admitted together on one system prompt) share
+        # their tags (tokens.hits_token_tags) and are compared once: 64 hits on a 4k-token prefix compared one
+        # after the other took 2.9 ms (real-engine review, stop 56).
+        rep = _same_hits([hit.tags for _, hit in checked], slots)
+        unique = sorted(set(rep))
+        at = {u: k for k, u in enumerate(unique)}
+        lens = [len(slots[u]) for u in unique]
+        counts, bad = tokens.check_runs(np.concatenate([slots[u] for u in unique]),
+                                        np.concatenate([checked[u][1].tags for u in unique]), lens)
+        self.counters["token_checked_rows"] += sum(counts[at[r]] for r in rep)
         if not len(bad):
             return {}
-        ends = np.cumsum([len(s) for s in slots])
-        owner = np.searchsorted(ends, bad, side="right")  # the hit each wrong row belongs to
+        ends = np.cumsum(lens)
+        owner = np.searchsorted(ends, bad, side="right")  # the unique hit each wrong row belongs to
+        wrong_rows = {k: bad[owner == k] - (ends[k] - lens[k]) for k in np.unique(owner).tolist()}
         refused: dict[ReqId, str] = {}
-        for i in np.unique(owner).tolist():
-            req, hit = checked[i]
-            mine = bad[owner == i] - (ends[i] - len(slots[i]))
+        for i, (req, hit) in enumerate(checked):
+            mine = wrong_rows.get(at[rep[i]])
+            if mine is None:
+                continue
             first = int(mine[0])
             slot = int(slots[i][first])
             how = (" (the same token there, after other earlier tokens)"
@@ -231,10 +258,10 @@ class StepLifecycle:
                 f"prefix hit of {len(hit.slots)} tokens: {len(mine)} of its rows were computed for other tokens "
                 f"(first at position {first}, slot {slot}{how}): vLLM hit blocks it never computed "
                 f"for this prompt; those slots are now absent")
-        wrong = np.concatenate(slots)[bad]
+            self.counters["token_mismatches"] += len(mine)
+        wrong = np.concatenate([slots[u] for u in unique])[bad]
         self._rescue_before_claim(torch.from_numpy(wrong))
         self._make_absent(wrong)
-        self.counters["token_mismatches"] += len(bad)
         for req, why in refused.items():
             logger.warning("cache %s: step %s, request %r: %s", self.cache, step_id, req, why)
         return refused

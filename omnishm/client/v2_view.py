@@ -195,7 +195,7 @@ class V2StepGroupView:
                 pos = int(computed[i])
                 end = min(pos + n, len(prompt))
                 if end > pos:
-                    before = (chains.before(rid, pos) if chains is not None else None) if pos else 0
+                    before = (chains.before(rid, pos, is_ids) if chains is not None else None) if pos else 0
                     spans.append(Run(at, pos, prompt[:end], None if is_ids is None else is_ids[:end], before))
                     if end < len(prompt):  # (a run that ends its prompt has no next run)
                         ends.append((rid, end, at + end - pos - 1))
