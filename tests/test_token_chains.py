@@ -21,7 +21,7 @@ from omnishm.client.adapter import PrefixCacheSchedulerAdapter
 from omnishm.client.group_view import FullAttentionGroupView
 from omnishm.client.tokens import hit_token_tags, row_tags
 from test_token_check import PROMPT, tags_of
-from test_token_tags import _batch, _hooks, _ids, _new, _so
+from test_token_tags import _batch, _hooks, _ids, _new, _so, dropin_parts
 
 
 # the chain: every path sums the prompt from position 0 ----------------------------------------------
@@ -313,8 +313,7 @@ def test_the_runner_mixin_passes_the_writers_chains(committer):
 
 def test_the_vllm_omni_drop_in_passes_the_writers_chains(committer_factory, monkeypatch):
     from omnishm.bench.vllm_omni_arm import InputBatch, scheduler_output
-    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, load_prefix_cache
-    from omnishm.sim import SimEngine
+    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager
 
     given = []
     real = FullAttentionGroupView.step_token_tags_cpu
@@ -324,11 +323,7 @@ def test_the_vllm_omni_drop_in_passes_the_writers_chains(committer_factory, monk
         return real(self, counts, chains)
 
     monkeypatch.setattr(FullAttentionGroupView, "step_token_tags_cpu", recording)
-    vo, _ = load_prefix_cache(standin=True)
-    cfg = vo.PrefixCacheConfig(num_blocks=64, block_size=16, staging_capacity_tokens=128, staging_depth=2,
-                               staging_claim_timeout_s=10.0)
-    name = committer_factory().name
-    eng = SimEngine(num_blocks=64, block_size=16, max_batched_tokens=128, width=16, mm_width=4, seed=3)
+    vo, cfg, name, eng = dropin_parts(committer_factory)
     batch = InputBatch(16, 64, 16)
     m = VllmOmniPrefixCacheManager(cfg, vo.FullAttentionGroupView(batch, 16), cache=name, autostart=False,
                                    role="writer")
@@ -355,7 +350,7 @@ def test_hits_of_one_shared_prefix_are_tagged_once_and_compared_once(committer_f
     ids up to the same length share one tags array; hits sharing it on the same slots are compared once, every
     request still counted and, when wrong, refused by name; a request's first run starts from its hit's chain."""
     from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
-    from manager_helpers import Part, quick_config, save, started
+    from manager_helpers import Part, quick_config, started
     from test_token_check import save_tagged, hit_event
 
     prefix = list(range(100, 108))  # two blocks of 4

@@ -186,14 +186,25 @@ def test_a_v2_request_resumed_as_new_carries_its_tokens():
     assert [ev.kind for ev in evs] == [K.RESUMED] and evs[0].token_ids == [1] * 8 + [5, 6]
 
 
+def dropin_parts(committer_factory):
+    """The vllm-omni drop-in's stand-in module, its config, a committer's cache name and a simulated engine."""
+    from omnishm.integrations.vllm_omni import load_prefix_cache
+    from omnishm.sim import SimEngine
+
+    vo, _ = load_prefix_cache(standin=True)
+    cfg = vo.PrefixCacheConfig(num_blocks=64, block_size=16, staging_capacity_tokens=128, staging_depth=2,
+                               staging_claim_timeout_s=10.0)
+    eng = SimEngine(num_blocks=64, block_size=16, max_batched_tokens=128, width=16, mm_width=4, seed=3)
+    return vo, cfg, committer_factory().name, eng
+
+
 def test_reader_ranks_tag_no_rows(committer_factory, monkeypatch):
     """Docs review (stop 55): readers keep no tags, yet every rank tagged each step (tens of microseconds a step
     on a reader's engine thread, thrown away). Only the writer's layouts carry tags: here the vllm-omni drop-in's
     writer and reader on the same simulated steps, and ``build_write_layout(token_tags=False)``, which the
     vLLM hooks and the runner mixin pass on a reader."""
     from omnishm.bench.vllm_omni_arm import InputBatch, scheduler_output
-    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager, load_prefix_cache
-    from omnishm.sim import SimEngine
+    from omnishm.integrations.vllm_omni import VllmOmniPrefixCacheManager
 
     tagged = {"writer": 0, "reader": 0}
     real = FullAttentionGroupView.step_token_tags_cpu
@@ -205,11 +216,7 @@ def test_reader_ranks_tag_no_rows(committer_factory, monkeypatch):
         return out
 
     monkeypatch.setattr(FullAttentionGroupView, "step_token_tags_cpu", counting)
-    vo, _ = load_prefix_cache(standin=True)
-    cfg = vo.PrefixCacheConfig(num_blocks=64, block_size=16, staging_capacity_tokens=128, staging_depth=2,
-                               staging_claim_timeout_s=10.0)
-    name = committer_factory().name
-    eng = SimEngine(num_blocks=64, block_size=16, max_batched_tokens=128, width=16, mm_width=4, seed=3)
+    vo, cfg, name, eng = dropin_parts(committer_factory)
     batches = {r: InputBatch(16, 64, 16) for r in tagged}
     made = {r: VllmOmniPrefixCacheManager(cfg, vo.FullAttentionGroupView(batches[r], 16), cache=name,
                                           autostart=False, role=r) for r in tagged}

@@ -520,21 +520,16 @@ class SlotTokens:
         wrong = known & (held != want)
         held, want = self.chains[slots], expected[:, CHAIN]
         wrong |= (held != 0) & (want != 0) & (held != want)
-        starts = np.cumsum(lens) - np.asarray(lens, dtype=np.int64)
-        counts = np.add.reduceat(known.astype(np.int64), starts).tolist() if len(known) else [0] * len(lens)
-        return [c if n else 0 for c, n in zip(counts, lens)], np.flatnonzero(wrong)
+        seen = np.concatenate([[0], np.cumsum(known)])
+        ends = np.cumsum(np.asarray(lens, dtype=np.int64))
+        return (seen[ends] - seen[ends - np.asarray(lens, dtype=np.int64)]).tolist(), np.flatnonzero(wrong)
 
     def check(self, slots: np.ndarray, expected: np.ndarray) -> tuple[int, np.ndarray]:
         """Compare the first ``len(expected)`` of ``slots`` with ``expected`` (``rows x 2``): how many rows had
         their exact tag known on both sides (compared), and the indices of those whose slot holds another
         exact tag or, where both know it, another chain."""
-        slots = slots[:len(expected)]
-        held, want = self.tags[slots], expected[:, TAG]
-        known = (held != 0) & (want != 0)
-        wrong = known & (held != want)
-        held, want = self.chains[slots], expected[:, CHAIN]
-        wrong |= (held != 0) & (want != 0) & (held != want)
-        return int(np.count_nonzero(known)), np.flatnonzero(wrong)
+        counts, wrong = self.check_runs(slots, expected, [len(expected)])
+        return counts[0], wrong
 
     def chain_only(self, slot: int, expected: np.ndarray) -> bool:
         """Whether the row at ``slot`` holds ``expected``'s exact tag (so only its chain differs)."""
