@@ -13,14 +13,15 @@ import torch
 
 import test_runner_mixin as trm
 import test_vllm_hooks as tvh
-from manager_helpers import BS
+from manager_helpers import BS, Part, quick_config, started
+from omnishm.client import OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
 from omnishm.client import tokens as tok
 from omnishm.client.adapter import PrefixCacheEventKind as K
 from omnishm.client.adapter import PrefixCacheRequestEvent as E
 from omnishm.client.adapter import PrefixCacheSchedulerAdapter
 from omnishm.client.group_view import FullAttentionGroupView
 from omnishm.client.tokens import hit_token_tags, row_tags
-from test_token_check import PROMPT, tags_of
+from test_token_check import PROMPT, hit_event, save_tagged, tags_of
 from test_token_tags import _batch, _hooks, _ids, _new, _so, dropin_parts
 
 
@@ -380,3 +381,116 @@ def test_hits_of_one_shared_prefix_are_tagged_once_and_compared_once(committer_f
         assert m.counters["token_mismatches"] == 16 and checks[-1] == [8]
         logged = [r.getMessage() for r in caplog.records if "computed for other tokens" in r.getMessage()]
         assert len(logged) == 2 and "request 'x'" in logged[0] and "request 'y'" in logged[1], logged
+
+
+# hits sharing tags and seeds (review and mutation review of the shared-prefix change, stop 56) -------
+
+def test_float_ids_do_not_share_their_missing_tags_with_an_int_hit():
+    """hit_token_tags refuses float ids (None: not compared) but _equal_ids says [100.0, ...] == [100, ...], so a
+    later int-id hit of the same values shares the float hit's None and goes unchecked."""
+    P = list(range(100, 108))
+    got = tok.hits_token_tags([([float(t) for t in P], 8), (P, 8)])
+    assert got[0] is None
+    assert got[1] is not None, "the int hit lost its tags to an earlier float hit"
+
+
+def test_an_int_hit_on_wrong_rows_is_refused_even_after_a_float_hit(committer_factory):
+    P, Q = list(range(100, 108)), list(range(200, 208))
+    with OmniPrefixCacheManager(quick_config(), cache=committer_factory().name, autostart=False) as m:
+        m.new_step_starts([started("a", [0, 1]), started("q", [4, 5])])
+        m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8), Part("q", 2, [4, 5], 0, 8)], {"a": P, "q": Q}))
+        # f: float ids (an integration's odd ids), y: P's ids on Q's blocks (rows of other tokens)
+        m.new_step_starts([hit_event("f", [0, 1, 8], 8, [float(t) for t in P] + [1.0]),
+                           hit_event("y", [4, 5, 9], 8, P + [2])])
+        sid = save_tagged(m, [Part("f", 3, [0, 1, 8], 8, 1), Part("y", 3, [4, 5, 9], 8, 1)],
+                          {"f": P + [1], "y": P + [2]})
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="request='y'"):
+            m.materialize(sid, ["y"])
+
+
+
+
+def test_shared_hit_tags_equal_each_hits_own_tags():
+    """Kills M1 (key without the length) and M2 (no full comparison): a hit shares an earlier hit's tags only
+    when its ids up to its length are the same; hits alike at the first, middle and last ids are not."""
+    a = [5, 6, 7, 8, 7, 9, 9, 8]
+    hits = [(a, 8), (a, 4),                                  # same first/middle/last at another length
+            ([5, 1, 1, 1, 7, 1, 1, 8], 8),                   # same (n, first, middle, last), other ids
+            (np.array(a, dtype=np.int64), 8), (a + [3], 8)]  # numpy and longer ids: the same tags
+    got = tok.hits_token_tags(hits)
+    for (ids, hit), t in zip(hits, got):
+        assert t.shape == tok.hit_token_tags(ids, hit).shape and (t == tok.hit_token_tags(ids, hit)).all()
+    assert got[3] is got[0] and got[4] is got[0] and got[1] is not got[0] and got[2] is not got[0]
+
+
+def test_a_seed_is_not_used_where_the_mask_has_an_embedding_just_before_the_run():
+    """Kills M6 (mask checked up to pos - 1): an embedding at position pos - 1."""
+    pc = tok.PromptChains()
+    pc.seed("r", 8, 12345)
+    mask = np.ones(16, dtype=bool)
+    assert pc.before("r", 8, mask) == 12345
+    mask[7] = False
+    assert pc.before("r", 8, mask) is None
+
+
+def test_a_hit_whose_ids_have_an_unknown_id_seeds_nothing(committer_factory):
+    """Kills M8 (a seed of chain 0 kept): a hit with an unknown id (-1) has no chain at its end; the request's
+    first run must sum its own ids (None), not start from chain 0 as if nothing came before it."""
+    with OmniPrefixCacheManager(quick_config(), cache=committer_factory().name, autostart=False) as m:
+        m.new_step_starts([started("a", [0, 1])])
+        ids = list(range(100, 116))
+        ids[3] = -1
+        m.new_step_starts([hit_event("h", [0, 1, 2], 8, ids)])
+        assert m.prompt_chains.before("h", 8) is None
+
+
+def _two_hits(committer_factory, b_blocks, b_tokens, b_hit_tokens):
+    """a computes PROMPT-like prefix P in blocks 0,1 and Q in blocks 4,5; requests x (P on 0,1) and y hit."""
+    P = list(range(100, 108))
+    Q = list(range(200, 208))
+    with OmniPrefixCacheManager(quick_config(), cache=committer_factory().name, autostart=False) as m:
+        m.new_step_starts([started("a", [0, 1]), started("q", [4, 5])])
+        m.discard_step(save_tagged(m, [Part("a", 1, [0, 1], 0, 8), Part("q", 2, [4, 5], 0, 8)], {"a": P, "q": Q}))
+        xt, yt = P + [1], b_hit_tokens(P, Q) + [2]
+        m.new_step_starts([hit_event("x", [0, 1, 8], 8, xt), hit_event("y", list(b_blocks) + [9], 8, yt)])
+        sid = save_tagged(m, [Part("x", 3, [0, 1, 8], 8, 1), Part("y", 3, list(b_blocks) + [9], 8, 1)],
+                          {"x": xt, "y": yt})
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="computed for other tokens.*request='y'"):
+            m.materialize(sid, ["y", "x"])
+        return dict(m.counters)
+
+
+def test_hits_of_one_prefix_on_other_blocks_are_each_compared(committer_factory):
+    """Kills M14 (_same_hits ignoring the slots): x and y share P's tags array, x on P's blocks, y on Q's
+    blocks (rows of other tokens): y must be refused, not merged with x's passing comparison (a wrong row)."""
+    c = _two_hits(committer_factory, (4, 5), None, lambda P, Q: P)
+    assert c["token_mismatches"] == 8 and c["token_checked_rows"] == 16
+
+
+def test_hits_of_other_prefixes_on_the_same_blocks_are_each_compared(committer_factory):
+    """Kills M18 (_same_hits keyed by the tags' length, not the array): x (P) and y (Q, same length) both hit
+    P's blocks: y's rows are another prompt's and must be refused."""
+    c = _two_hits(committer_factory, (0, 1), None, lambda P, Q: Q)
+    assert c["token_mismatches"] == 8 and c["token_checked_rows"] == 16
+
+
+def test_v2_view_does_not_use_a_seed_where_the_mask_has_an_embedding(committer_factory):
+    """Kills M23 (V2 view passing no mask to PromptChains.before): the V1 view's test, for V2: a hit on a
+    prompt whose position 2 is an embedding leaves the run after it without a chain."""
+    from omnishm.client.v2_view import BlockIdMirror, V2StepGroupView
+
+    ids = list(range(10, 26))
+    is_ids = [True] * 16
+    is_ids[2] = False
+    with OmniPrefixCacheManager(quick_config(), cache=committer_factory().name, autostart=False) as m:
+        m.new_step_starts([E(K.STARTED, "r0", num_computed_tokens=8, block_ids=(0, 1, 2, 3), token_ids=ids)])
+        assert m.prompt_chains.before("r0", 8) is not None  # seeded from the event ids
+        mirror = BlockIdMirror()
+        mirror.update(_so([SimpleNamespace(req_id="r0", block_ids=([0, 1, 2, 3],), prompt_token_ids=ids,
+                                           prompt_is_token_ids=is_ids)]))
+        c = np.array([8], dtype=np.int32)
+        batch = SimpleNamespace(req_ids=["r0"], num_scheduled_tokens=c, query_start_loc_np=np.array([0, 8]),
+                                num_computed_tokens_np=np.array([8], dtype=np.int32))
+        got = V2StepGroupView(batch, mirror, BS).step_token_tags_cpu([8], m.prompt_chains)
+    want = tags_of(ids, 8, 8, known=is_ids)
+    assert (got == want).all() and (got[:, 1] == 0).all() and (got[:, 0] != 0).all()

@@ -242,7 +242,14 @@ def hits_token_tags(hits: list[tuple[Any, int]]) -> list[np.ndarray | None]:
     made = iter(_distinct_hits_token_tags(distinct))
     out: list[np.ndarray | None] = []
     for i in range(len(hits)):
-        out.append(next(made) if same[i] is None else out[same[i]])
+        shared = out[same[i]] if same[i] is not None else None
+        # An earlier hit of equal values that made no tags (float or bool ids, refused) shares nothing: this
+        # hit is tagged alone (a review: an int hit took a float hit's None and was served unchecked).
+        if same[i] is None:
+            shared = next(made)
+        elif shared is None:
+            shared = hit_token_tags(*hits[i])
+        out.append(shared)
     return out
 
 
@@ -433,10 +440,11 @@ class PromptChains:
     """The writer's chain of each live request's prompt where its last tagged run ended, so the next run
     of the request starts from it instead of summing the prompt from position 0 (review, stop 56: O(prompt)
     a run, 23-45 ms for a step of 16 runs deep in 30k-token prompts). Filled by the views from their own
-    ids and masks only: a hit's event ids take an embedding's placeholder id for a token, and a chain
-    seeded from them refused correct hits on prompts mixing ids and embeddings (review, stop 56). Only a
-    cache: an entry is the chain of the request's own prompt up to a position, which no later step
-    changes, and a miss sums the prompt again. Entries go with their request's lifetime (the manager
+    ids and masks (``note``) and by the manager from a hit's own chain (``seed``), which a view uses only
+    where its mask says every token before is an id: a hit's event ids take an embedding's placeholder id
+    for a token, and seeds used unchecked refused correct hits on prompts mixing ids and embeddings
+    (review, stop 56). Only a cache: an entry is the chain of the request's own prompt up to a position,
+    which no later step changes, and a miss sums the prompt again. Entries go with their request's lifetime (the manager
     forgets a request that finishes, aborts, or starts, resumes or is replaced anew); past ``LIMIT`` entries
     (an integration that never says a request finished) it starts over. Owned by the manager; engine thread
     only."""
