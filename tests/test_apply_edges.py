@@ -225,6 +225,22 @@ def test_a_step_for_a_key_this_writer_has_no_staging_of_is_refused_by_name(pool)
     _untouched(state, before)
 
 
+def test_a_refused_step_of_very_many_tids_is_refused_by_its_reason_alone(pool):
+    """Review (stop 56): a refused step listed every distinct tid in its reply, so a request near the message
+    limit got a reply over it, which the client's socket drops: the refusal never reached the writer. Past
+    ``FAILED_TIDS_LISTED`` the reason alone says every tid failed (``StepDone.failure`` takes it), and the
+    reply stays small; below it the distinct tids are listed as before."""
+    from omnishm.committer.apply import FAILED_TIDS_LISTED
+
+    _key(pool, 4, 4, 4, STAGING)
+    n = FAILED_TIDS_LISTED + 1
+    msg = protocol.StepWrite(rid=7, step=3, keys=["h"], key_idx=b"", tids=np.arange(n, dtype="<i8").tobytes(),
+                             cvs=b"", src_rows=b"", counts=b"", slots=b"")  # buffers that disagree: refused
+    done = pool.apply_step(CLIENT, msg, EPOCH)
+    assert done.failed_tids == b"" and done.reason.startswith(f"all {n} tids of step 3 failed: ") and done.failure()
+    assert len(protocol.encode(done)) < 4096 and (pool.steps_failed, pool.tids_failed) == (1, n)
+
+
 def test_a_refused_step_counts_its_distinct_tids_as_failed(pool):
     """The committer's status (``tids_failed``) and its metric of failed writes count every distinct tid of a
     refused step: a step of tids [9, 3, 9] refused for a slot out of range adds one failed step and two failed

@@ -177,11 +177,9 @@ class StepApply:
             tids, key_idx, cvs, src_rows, counts, slots, states = self.validate_step(client_id, msg, epoch)
         except StepRejected as exc:
             self.steps_failed += 1
-            tids = np.frombuffer(msg.tids[: len(msg.tids) // 8 * 8], dtype="<i8")
-            failed = np.unique(tids)
-            self.tids_failed += len(failed)
-            return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=b"",
-                                     failed_tids=failed.astype("<i8").tobytes(), reason=str(exc))
+            reply, failed = failed_step(msg, str(exc))
+            self.tids_failed += failed
+            return reply
         written = skipped = 0
         total = len(slots)
         if total:
@@ -333,6 +331,24 @@ def _increasing(tids: np.ndarray, packed: bytes) -> bool:
     if 0 <= first <= _MAX_I8 - n and np.arange(first, first + n, dtype=_I8).tobytes() == packed:
         return True
     return bool(_and(tids[1:] > tids[:-1]))
+
+
+FAILED_TIDS_LISTED = 1 << 17
+"""A refused step lists its failed tids up to this many (1 MiB); past it the reply's reason alone says every
+tid failed: a list of 8 M tids made a reply over ``protocol.MAX_MESSAGE_BYTES``, which the client's socket
+drops, so the refusal never reached the writer (review, stop 56)."""
+
+
+def failed_step(msg: protocol.StepWrite, why: str) -> tuple[protocol.StepDone, int]:
+    """The reply refusing every tid of ``msg`` for ``why``, and how many tids it fails (distinct ones where
+    they are listed; all of the message's past ``FAILED_TIDS_LISTED``, with no sort)."""
+    count = len(msg.tids) // 8
+    if count > FAILED_TIDS_LISTED:
+        return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=b"", failed_tids=b"",
+                                 reason=f"all {count} tids of step {msg.step} failed: {why}"), count
+    failed = np.unique(np.frombuffer(msg.tids[:count * 8], dtype="<i8"))
+    return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=b"", failed_tids=failed.astype("<i8").tobytes(),
+                             reason=why), len(failed)
 
 
 def _unique_tids(tids: np.ndarray, num_keys: int) -> bytes:

@@ -35,10 +35,10 @@ import time
 from typing import TYPE_CHECKING
 
 import msgspec
-import numpy as np
 import zmq
 
 from omnishm import protocol
+from omnishm.committer.apply import failed_step
 from omnishm.committer.attach import REHELLO, Attach
 from omnishm.committer.config import EXIT_OK, CommitterConfig
 from omnishm.committer.early_stop import install, restore, stop_signals
@@ -381,14 +381,12 @@ class Committer(Attach):
         session = self.sessions.touch(identity, time.monotonic())
         if session is None and isinstance(msg, protocol.StepWrite) and identity in self.sessions.reaped_identities:
             # A write of a reaped writer: its staging is gone, so fail every tid, loudly and counted.
-            tids = np.unique(np.frombuffer(msg.tids[: len(msg.tids) // 8 * 8], dtype="<i8"))
-            self.tids_failed_reaped += len(tids)
             self.rejected["reaped_write"] += 1
             why = self.sessions.reaped_ids.get(self.sessions.reaped_identities[identity], "reaped")
-            return protocol.StepDone(rid=msg.rid, step=msg.step, done_tids=b"",
-                                     failed_tids=tids.astype("<i8").tobytes(),
-                                     reason=f"cache {self.name}: this writer's session was {why}; its staging "
-                                            f"segments are unlinked and step {msg.step} cannot be applied")
+            reply, failed = failed_step(msg, f"cache {self.name}: this writer's session was {why}; its staging "
+                                             f"segments are unlinked and step {msg.step} cannot be applied")
+            self.tids_failed_reaped += failed
+            return reply
         if session is None:
             self.rejected["no_session"] += 1
             return protocol.Error(rid=msg.rid, code="no_session",
