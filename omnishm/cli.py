@@ -60,8 +60,11 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str, Path]:
     """
 
     flags = {k: getattr(args, k, None) for k in TARGET_KNOBS}
-    r = knobs.resolve("both", flags, config_file=getattr(args, "config", None), names=TARGET_KNOBS)
-    name, endpoint = r["name"], r["endpoint"]
+    # As for a manager (``config.manager_connection``): an explicit --name without --endpoint means that
+    # cache's own socket, not an OMNISHM_ENDPOINT of another cache (review, stop 56: ping --name B asked A).
+    names = TARGET_KNOBS if flags["name"] is None or flags["endpoint"] is not None else ("name", "runtime_dir")
+    r = knobs.resolve("both", flags, config_file=getattr(args, "config", None), names=names)
+    name, endpoint = r["name"], r.values.get("endpoint")
     runtime_dir = Path(r["runtime_dir"]) if r["runtime_dir"] else paths.default_runtime_dir()
     if not endpoint:
         endpoint = paths.ipc_endpoint(runtime_dir, name)
@@ -287,6 +290,10 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     for name in removed:
         print(f"removed {name}")
     print(f"{len(removed)} orphaned object(s) removed" + (f" for cache {args.name}" if args.name else ""))
+    kept = shm.list_segments(args.name) if args.name is not None else []
+    if kept:  # it said nothing of them, as if the cache were gone (review, stop 56)
+        print(f"kept {len(kept)} segment(s) of cache {args.name}: its committer serves them, or attached clients "
+              f"wait to resume with a restarted one" + ("" if args.force else " (--force removes those)"))
     if os.path.lexists(runtime_dir) and not runtime_dir.is_dir():
         # The sweep passes over a runtime dir it cannot list (the segments are swept still), and this said
         # success where ping and the committer refuse the same value (review, stop 54).

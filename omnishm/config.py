@@ -167,7 +167,9 @@ KNOBS: tuple[Knob, ...] = (
          env_aliases=("OMNISHM_CACHE",)),
     Knob("runtime_dir", "path", None, "0700 directory for the socket and lock file",
          default_doc="$XDG_RUNTIME_DIR/omnishm or /tmp/omnishm-UID"),
-    Knob("endpoint", "str", None, "ZeroMQ endpoint; tcp only on loopback", check=check_endpoint,
+    Knob("endpoint", "str", None, "ZeroMQ endpoint; tcp only on loopback. A cache name given explicitly (a "
+         "manager's `cache=`, the `--name` of an `omnishm` command) without an endpoint means that cache's own "
+         "socket", check=check_endpoint,
          default_doc="ipc://RUNTIME_DIR/NAME.sock"),
     Knob("heartbeat_s", "float", 1.0, "heartbeat interval the committer tells clients to use", scope="committer",
          min=MIN_HEARTBEAT_S, max=MAX_TIMEOUT_S),

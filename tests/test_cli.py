@@ -104,6 +104,19 @@ def test_status_into_a_closed_pipe_exits_without_a_traceback(committer_factory):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
+def test_an_explicit_name_pings_that_caches_socket_whatever_omnishm_endpoint_says(committer_factory, capsys,
+                                                                                      monkeypatch):
+    """Review (stop 56): with OMNISHM_ENDPOINT set to cache A's socket, ``omnishm ping --name B`` asked A and failed
+    ("this committer serves cache A, not B"). As for a manager, a name given without an endpoint means that
+    cache's own socket; an endpoint given as a flag still wins."""
+    a, b = committer_factory(), committer_factory()
+    monkeypatch.setenv("OMNISHM_ENDPOINT", a.endpoint)
+    code, out, err = run(capsys, "ping", "--name", b.name, "--runtime-dir", str(b.runtime_dir))
+    assert code == 0, out + err
+    code, out, err = run(capsys, "ping", "--name", b.name, "--endpoint", a.endpoint)
+    assert code == 1 and f"serves cache '{a.name}'" in out + err, out + err
+
+
 def test_ping_entry_point_exit_status(committer_factory):
     handle = committer_factory()
     proc = subprocess.run([sys.executable, "-m", "omnishm", "ping", "--name", handle.name], capture_output=True,
@@ -484,6 +497,9 @@ def test_cleanup_force_removes_a_dead_committers_generation_that_a_client_still_
         assert handle.stop(signal.SIGKILL) == -signal.SIGKILL
         code, out, err = run(capsys, "cleanup", "--name", handle.name)
         assert code == 0 and shm.list_segments(handle.name) != [], out + err  # kept for the client's resume
+        # and it says so (review, stop 56: it printed only what it removed)
+        assert f"kept {len(shm.list_segments(handle.name))} segment(s) of cache {handle.name}" in out and \
+            "--force removes those" in out, out
         code, out, err = run(capsys, "cleanup", "--name", handle.name, "--force")
         assert code == 0, err
         assert shm.list_segments(handle.name) == [], out
