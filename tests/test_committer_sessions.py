@@ -513,3 +513,38 @@ def test_a_seat_taken_back_by_a_plain_hello_keeps_its_process_over_a_second_rest
         for raw in raws:
             raw.close()
         holder.close()
+
+
+SMALL_SESSION_LIMIT = """
+import sys
+from omnishm.committer import attach
+attach.MAX_SESSIONS = 3
+from omnishm.committer.start import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_past_its_session_limit_a_committer_refuses_readers_and_admins_but_never_a_writer(committer_factory):
+    """Review (stop 56): sessions had no limit, and a process opening and dropping thousands of them grew the
+    committer by 54 KiB each until its status reply outgrew the message limit. Past ``MAX_SESSIONS`` (3 here) a
+    reader's or an admin's new session, plain or by resume, is refused, retryable after the heartbeat timeout;
+    a writer still attaches, and a session that goes makes room."""
+    handle = committer_factory(*ARGS, python_args=("-c", SMALL_SESSION_LIMIT))
+    clients = [RawClient(handle.endpoint, handle.name) for _ in range(6)]
+    try:
+        for c in clients[:3]:
+            assert isinstance(c.hello(protocol.ROLE_READER, LAYOUT), protocol.Welcome)
+        refused = clients[3].hello(protocol.ROLE_READER, LAYOUT)
+        assert isinstance(refused, protocol.Refused) and "holds 3 sessions, its limit" in refused.reason, refused
+        assert refused.retry_after_s == 30.0
+        again = clients[4].hello(protocol.ROLE_READER, LAYOUT, resume=True, resume_generation="x" * 8)
+        assert isinstance(again, protocol.Refused), again
+        assert isinstance(clients[5].hello(protocol.ROLE_ADMIN), protocol.Refused)
+        writer = Writer(handle.endpoint, handle.name, LAYOUT, 4)  # the writer is never refused for it (4 now)
+        for c in clients[:2]:
+            c.goodbye()
+        assert isinstance(clients[3].hello(protocol.ROLE_READER, LAYOUT), protocol.Welcome)
+        writer.raw.close()
+    finally:
+        for c in clients:
+            c.close()

@@ -31,6 +31,13 @@ REHELLO = "re-hello"
 """Why a session ends when its socket says Hello as another client; its log lines are rate-limited together."""
 
 
+MAX_SESSIONS = 1024
+"""Sessions a committer holds at most (an engine has one a rank, an operator's command one while it runs). Past
+it a reader's or admin's new session is refused, retryable once the dead ones are reaped; a writer's never is.
+Unbounded, a process that opened and dropped sessions with large heartbeat counters grew the committer by 54
+KiB each, and past about 3,500 its status reply outgrew the message limit (review, stop 56)."""
+
+
 def process_gone(session: Session) -> bool:
     """Whether the process ``session`` said Hello from is gone: its pid names no live process now, or one
     started at another time. False when its Hello's pid was not confirmed (``confirmed_start``)."""
@@ -117,6 +124,9 @@ class Attach:
             return self.welcome(msg.rid, previous)
         if previous is not None:  # same socket says Hello again as someone else: start over
             self.detach(previous, REHELLO)
+        full = self._full(msg)
+        if full is not None:
+            return full
         other = self.sessions.by_client(msg.client_id)
         # Before anything below changes the pool (a layout set, staging made). The one session a Hello may
         # take over by its client_id is a writer's seat kept by an adopting restart (below).
@@ -237,6 +247,14 @@ class Attach:
                                 f"process {session.pid}, which is alive, and this Hello comes from pid "
                                 f"{msg.pid}; a client id names one client", "resume_taken")
 
+    def _full(self, msg: protocol.Hello) -> protocol.Refused | None:
+        """The refusal of a reader's or admin's new session past ``MAX_SESSIONS``, else None."""
+        if msg.role == protocol.ROLE_WRITER or len(self.sessions) < MAX_SESSIONS:
+            return None
+        return self.refuse(msg, f"cache {self.name} holds {len(self.sessions)} sessions, its limit: retry once the "
+                                f"sessions of clients gone silent are reaped", "too_many_sessions",
+                           self.cfg.heartbeat_timeout_s)
+
     def _make_staging(self, msg: protocol.Hello, rows: int) -> protocol.Refused | None:
         """The writer's staging of ``rows`` rows for every key that lacks one; the refusal when one cannot be
         made (the caller decides what to drop)."""
@@ -304,6 +322,9 @@ class Attach:
         if previous is not None and previous is not session:
             self.detach(previous, REHELLO)
         if session is None:  # a reader or admin: no state to recover, attach afresh
+            full = self._full(msg)
+            if full is not None:
+                return full
             session = Session(identity=identity, client_id=msg.client_id, role=msg.role, pid=msg.pid, uid=msg.uid,
                               attached_at=now, last_seen=now, started=confirmed_start(msg))
             self.sessions.add(session)
