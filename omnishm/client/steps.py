@@ -237,8 +237,8 @@ class StepLifecycle:
         unique = sorted(set(rep))
         at = {u: k for k, u in enumerate(unique)}
         lens = [len(slots[u]) for u in unique]
-        counts, bad = tokens.check_runs(np.concatenate([slots[u] for u in unique]),
-                                        np.concatenate([checked[u][1].tags for u in unique]), lens)
+        flat = np.concatenate([slots[u] for u in unique])
+        counts, bad = tokens.check_runs(flat, np.concatenate([checked[u][1].tags for u in unique]), lens)
         self.counters["token_checked_rows"] += sum(counts[at[r]] for r in rep)
         if not len(bad):
             return {}
@@ -259,7 +259,7 @@ class StepLifecycle:
                 f"(first at position {first}, slot {slot}{how}): vLLM hit blocks it never computed "
                 f"for this prompt; those slots are now absent")
             self.counters["token_mismatches"] += len(mine)
-        wrong = np.concatenate([slots[u] for u in unique])[bad]
+        wrong = flat[bad]
         self._rescue_before_claim(torch.from_numpy(wrong))
         self._make_absent(wrong)
         for req, why in refused.items():

@@ -22,7 +22,7 @@ no error: vLLM 0.32's priority scheduler did it (stop 54; the gate refuses that 
   scheduling the runner's CPU copy of a step's sampled input token may not be written yet when it saves.
 - **Checked by the writer** when a save takes a request's prefix hit, after the step's own tags are
   recorded (vLLM may hit blocks the same step computes): the tags of the hit request's own tokens
-  (``PrefixCacheRequestEvent.token_ids``) against the tags of the hit's slots (``SlotTokens.check``).
+  (``PrefixCacheRequestEvent.token_ids``) against the tags of the hit's slots (``SlotTokens.check_runs``).
   A tag unknown on either side is not compared. On a mismatch the writer makes those slots absent, so
   its readers' reads of them raise too, and its own ``materialize`` of the request raises
   ``OmniPrefixCacheUnmatchError`` naming the first wrong position.
@@ -520,8 +520,9 @@ class SlotTokens:
         self.chains[slots] = 0
 
     def check_runs(self, slots: np.ndarray, expected: np.ndarray, lens: list[int]) -> tuple[list[int], np.ndarray]:
-        """``check`` of runs of ``lens`` rows each, flat in ``slots`` and ``expected``: each run's count of rows
-        compared, and the indices (into the flat rows) of those whose slot holds another tag."""
+        """Compare the first ``len(expected)`` of ``slots`` with ``expected`` (``rows x 2``), as runs of ``lens``
+        rows each: each run's count of rows whose exact tag both sides know (compared), and the indices (into
+        the flat rows) of those whose slot holds another exact tag or, where both know it, another chain."""
         slots = slots[:len(expected)]
         held, want = self.tags[slots], expected[:, TAG]
         known = (held != 0) & (want != 0)
@@ -531,13 +532,6 @@ class SlotTokens:
         seen = np.concatenate([[0], np.cumsum(known)])
         ends = np.cumsum(np.asarray(lens, dtype=np.int64))
         return (seen[ends] - seen[ends - np.asarray(lens, dtype=np.int64)]).tolist(), np.flatnonzero(wrong)
-
-    def check(self, slots: np.ndarray, expected: np.ndarray) -> tuple[int, np.ndarray]:
-        """Compare the first ``len(expected)`` of ``slots`` with ``expected`` (``rows x 2``): how many rows had
-        their exact tag known on both sides (compared), and the indices of those whose slot holds another
-        exact tag or, where both know it, another chain."""
-        counts, wrong = self.check_runs(slots, expected, [len(expected)])
-        return counts[0], wrong
 
     def chain_only(self, slot: int, expected: np.ndarray) -> bool:
         """Whether the row at ``slot`` holds ``expected``'s exact tag (so only its chain differs)."""
