@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,25 +187,43 @@ class ControlSize:
     window: int = 256
 
 
-def _throughput(w_send, w_recv, msgs: list[bytes], count: int, window: int) -> float:
-    """Seconds to push ``count`` messages (cycling ``msgs``) with at most ``window`` in flight."""
+class _Cycle:
+    """Sends ``msgs`` in turn, cycling across calls; where ``claims`` are given, message k's claim versions go
+    into ``claim[slot_sets[k]]`` first, as a writer claims its step's slots before sending it."""
+
+    def __init__(self, send: Callable[[bytes], object], msgs: list[bytes], claim: np.ndarray | None = None,
+                 slot_sets: list[np.ndarray] | None = None, claims: list[np.ndarray] | None = None):
+        self.send, self.msgs, self.claim, self.slot_sets, self.claims = send, msgs, claim, slot_sets, claims
+        self.sent = 0
+
+    def __call__(self) -> None:
+        k = self.sent % len(self.msgs)
+        self.sent += 1
+        if self.claims is not None:
+            self.claim[self.slot_sets[k]] = self.claims[k]  # type: ignore[index]
+        self.send(self.msgs[k])
+
+
+def _throughput(send: Callable[[], None], recv: Callable[[], None], count: int, window: int) -> float:
+    """Seconds to push ``count`` messages with at most ``window`` in flight."""
     sent = got = 0
     t0 = time.perf_counter()
     while got < count:
         while sent < count and sent - got < window:
-            w_send(msgs[sent % len(msgs)])
+            send()
             sent += 1
-        w_recv()
+        recv()
         got += 1
     return time.perf_counter() - t0
 
 
-def _latency(w_send, w_recv, msg: bytes, samples: int) -> np.ndarray:
+def _latency(send: Callable[[], None], recv: Callable[[], None], samples: int) -> np.ndarray:
+    """Round-trip seconds of ``samples`` messages, one in flight at a time."""
     out = np.empty(samples)
     for i in range(samples):
         t0 = time.perf_counter()
-        w_send(msg)
-        w_recv()
+        send()
+        recv()
         out[i] = time.perf_counter() - t0
     return out
 
@@ -212,7 +231,10 @@ def _latency(w_send, w_recv, msg: bytes, samples: int) -> np.ndarray:
 def figure_control(cleanup: Cleanup, size: ControlSize, rng: np.random.Generator, width: int) -> list[Row]:
     """Figure 4: descriptors/s and tasks/s with 64 tiny tasks each; round trip p50/p99 of a decode step."""
     tasks, per_task = 64, 2
-    ring = 64  # distinct descriptors, disjoint slots, claimed once
+    # One slot set per descriptor in flight, each with two versions sent in turn and claimed right before
+    # its send: the committer never writes a row again under the version it committed it with, so a
+    # descriptor sent twice as it is would copy nothing the second time.
+    ring = max(64, size.window)
     num_slots = ring * tasks * per_task * 2
     layout = P.Layout(num_blocks=num_slots // BS, block_size=BS)
     rows: list[Row] = []
@@ -228,18 +250,24 @@ def figure_control(cleanup: Cleanup, size: ControlSize, rng: np.random.Generator
             w.open_key("tiny", torch.float32, 4)
             w.open_key("hidden", torch.bfloat16, width)
             slots = rng.permutation(num_slots)[: ring * tasks * per_task].reshape(ring, tasks * per_task)
-            msgs = []
-            for i in range(ring):
+            # Message i is version i // ring of slot set i % ring, so a slot set's next send is its other version.
+            msgs, claims = [], []
+            for i in range(2 * ring):
                 cvs = np.array([make_cv(w.epoch, i + 1, t + 1) for t in range(tasks)], dtype=np.int64)
-                w.keys["tiny"]["claim"][slots[i]] = np.repeat(cvs, per_task)
+                claims.append(np.repeat(cvs, per_task))
                 msgs.append(P.encode(step_write(i + 1, i + 1, ["tiny"], [0] * tasks, range(1, tasks + 1), cvs,
-                                                np.arange(tasks) * per_task, [per_task] * tasks, slots[i])))
-            # Decode step for the latency: 64 requests x 1 token of the wide key at random slots.
+                                                np.arange(tasks) * per_task, [per_task] * tasks, slots[i % ring])))
+            to_committer = _Cycle(w.send, msgs, w.keys["tiny"]["claim"], [slots[i % ring] for i in range(2 * ring)],
+                                  claims)
+            # Decode step for the latency: 64 requests x 1 token of the wide key at random slots, two versions.
             dslots = rng.choice(num_slots, size=tasks, replace=False)
-            dcvs = np.array([make_cv(w.epoch, ring + 1, t + 1) for t in range(tasks)], dtype=np.int64)
-            w.keys["hidden"]["claim"][dslots] = dcvs
-            decode = P.encode(step_write(1, ring + 1, ["hidden"], [0] * tasks, range(1, tasks + 1), dcvs,
-                                         np.arange(tasks), [1] * tasks, dslots))
+            dclaims, decodes = [], []
+            for v in range(2):
+                dcvs = np.array([make_cv(w.epoch, 2 * ring + v + 1, t + 1) for t in range(tasks)], dtype=np.int64)
+                dclaims.append(dcvs)
+                decodes.append(P.encode(step_write(1, 2 * ring + v + 1, ["hidden"], [0] * tasks, range(1, tasks + 1),
+                                                   dcvs, np.arange(tasks), [1] * tasks, dslots)))
+            decode_to_committer = _Cycle(w.send, decodes, w.keys["hidden"]["claim"], [dslots, dslots], dclaims)
 
             def recv_ok() -> None:
                 reply = w.recv()
@@ -255,16 +283,17 @@ def figure_control(cleanup: Cleanup, size: ControlSize, rng: np.random.Generator
                     raise TimeoutError("echo reference did not answer")
                 P.reply_decoder.decode(e.recv())
 
-            _throughput(w.send, recv_ok, msgs, min(size.descriptors, 2000), size.window)  # warm-up
-            _throughput(e.send, e_recv, msgs, min(size.descriptors, 2000), size.window)
+            to_echo, decode_to_echo = _Cycle(e.send, msgs), _Cycle(e.send, decodes)
+            _throughput(to_committer, recv_ok, min(size.descriptors, 2000), size.window)  # warm-up
+            _throughput(to_echo, e_recv, min(size.descriptors, 2000), size.window)
             com_t, echo_t, apply_us = [], [], []
             for _ in range(size.reps):
                 before = w.status()
-                com_t.append(_throughput(w.send, recv_ok, msgs, size.descriptors, size.window))
+                com_t.append(_throughput(to_committer, recv_ok, size.descriptors, size.window))
                 after = w.status()
                 apply_us.append((after["apply_seconds"] - before["apply_seconds"]) /
                                 (after["steps_applied"] - before["steps_applied"]) * 1e6)
-                echo_t.append(_throughput(e.send, e_recv, msgs, size.descriptors, size.window))
+                echo_t.append(_throughput(to_echo, e_recv, size.descriptors, size.window))
             d, de = Stats.of(com_t).scaled(size.descriptors), Stats.of(echo_t).scaled(size.descriptors)
             apply_med = float(np.median(apply_us))
             rows.append(Row("4", f"descriptors/s ({tasks} tasks x {per_task} rows of 16 B each)", "desc/s", d,
@@ -275,12 +304,12 @@ def figure_control(cleanup: Cleanup, size: ControlSize, rng: np.random.Generator
             t, te = Stats.of(com_t).scaled(size.descriptors * tasks), Stats.of(echo_t).scaled(size.descriptors * tasks)
             rows.append(Row("4", "write tasks/s (same run)", "tasks/s", t, "echo ROUTER (decode + reply, no apply)",
                             te, t.median / te.median, ">= 1000000/s", t.median >= 1e6))
-            _latency(w.send, recv_ok, decode, 50)
-            _latency(e.send, e_recv, decode, 50)
+            _latency(decode_to_committer, recv_ok, 50)
+            _latency(decode_to_echo, e_recv, 50)
             lat_c, lat_e = [], []
             for _ in range(size.latency_samples // 100):  # interleaved blocks share the machine's noise
-                lat_c.append(_latency(w.send, recv_ok, decode, 100))
-                lat_e.append(_latency(e.send, e_recv, decode, 100))
+                lat_c.append(_latency(decode_to_committer, recv_ok, 100))
+                lat_e.append(_latency(decode_to_echo, e_recv, 100))
             for q in (50, 99):
                 vc, ve = _percentile_stats(lat_c, q), _percentile_stats(lat_e, q)
                 rows.append(Row("4", f"round trip p{q}, decode step {tasks} tok x {width} bf16", "us",

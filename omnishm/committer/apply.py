@@ -7,7 +7,9 @@ committer's server loop calls it.
 Write path (``apply_step``), all vectorised over the packed int64 buffers of a
 ``StepWrite``: per-row claim versions and staging rows come from ``np.repeat``;
 a row lands only where the claim table still holds its claim version (a slot
-reclaimed by a newer write is skipped); rows are copied as maximal runs of
+reclaimed by a newer write is skipped) and the commit table does not hold it yet (a row committed under
+a version is never written again under it: a reader that checked commit == claim == its version after
+its copy could not see such a rewrite); rows are copied as maximal runs of
 consecutive slots and staging rows with one slice assignment each (memcpy
 speed, LIMITS.md), the scattered leftovers with one fancy-indexed assignment.
 Copies go through numpy byte views of the pool and staging rows: a numpy slice
@@ -205,6 +207,7 @@ class StepApply:
                         continue
                     s, r, cv = slots[sel], row_src[sel], row_cv[sel]
                 ok = state.claim[s] == cv
+                ok &= state.commit[s] != cv
                 n_ok = int(np.count_nonzero(ok))
                 if n_ok != len(s):
                     state.rows_skipped += len(s) - n_ok
@@ -294,6 +297,7 @@ class StepApply:
             row_src: np.ndarray | None = None
             for state, staging in zip(states, stagings):
                 ok = state.claim[slots] == row_cv
+                ok &= state.commit[slots] != row_cv
                 n_ok = int(np.count_nonzero(ok))
                 if n_ok == total:
                     if total < state.min_run:  # no run long enough for its own slice: one scatter

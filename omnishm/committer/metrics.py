@@ -349,7 +349,8 @@ class _SnapshotCollector:
                       [([k["name"]], k["rows_written"]) for k in keys])
         yield counter("omnishm_bytes_written_total", "bytes copied into the shared pool", ["tensor"],
                       [([k["name"]], k["bytes_written"]) for k in keys])
-        yield counter("omnishm_rows_skipped_total", "rows not written because a newer claim owns the slot",
+        yield counter("omnishm_rows_skipped_total",
+                      "rows not written because a newer claim owns the slot or the row is committed under its version",
                       ["tensor"], [([k["name"]], k["rows_skipped"]) for k in keys])
         yield CounterMetricFamily("omnishm_steps_applied_total", "StepWrite messages applied",
                                   value=st["steps_applied"])
