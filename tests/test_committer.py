@@ -146,6 +146,43 @@ def test_a_committed_row_is_never_written_again_under_its_version(committer, key
     writer.goodbye()
 
 
+@pytest.mark.parametrize("keys", [1, 2], ids=["one key (fast path)", "two keys (general path)"])
+@pytest.mark.parametrize("left", ["rows, no commit", "rows, half the commits", "first key committed"])
+def test_a_step_sent_again_after_a_cut_short_apply_lands_every_row(committer, keys, left):
+    """What a committer killed inside an apply leaves (rows copied and no commit, some commits, one key
+    committed and the next untouched), then the link's re-send of the step to its successor: every row
+    lands and is committed, the rows already committed under their version copied no second time
+    (review, stop 57)."""
+    writer = Writer(committer.endpoint, committer.name, LAYOUT, STAGING_ROWS)
+    names = [unique_key(f"cut{k}") for k in range(keys)]
+    for name in names:
+        writer.open_key(name, "float32", 8)
+    staged = {name: fill_staging(writer, name, 7 + k) for k, name in enumerate(names)}
+    slots = [3, 4, 5, 9, 10, 40]
+    cv = writer.new_cv(1)
+    committed = 0
+    for k, name in enumerate(names):
+        writer.keys[name].claim[torch.tensor(slots)] = cv
+        if left == "first key committed" and k == 1:
+            continue
+        # The killed committer's own writable maps of the pool and commit table.
+        ks = writer.keys[name].segments
+        segs = [shm.Segment.attach(ks.pool), shm.Segment.attach(ks.commit)]
+        try:
+            segs[0].tensor(torch.float32, (NUM_SLOTS, 8))[slots] = staged[name][:len(slots)]
+            done_slots = {"rows, no commit": [], "rows, half the commits": slots[:3]}.get(left, slots)
+            segs[1].tensor(torch.int64, (NUM_SLOTS,))[done_slots] = cv
+            committed += len(done_slots)
+        finally:
+            for seg in segs:
+                seg.close()
+    done = writer.step_write(1, [(name, 1 + k, cv, 0, slots) for k, name in enumerate(names)], claim=False)
+    assert (done.reason, done.rows_written, done.rows_skipped) == ("", len(slots) * keys - committed, committed)
+    for name in names:
+        check_rows(writer, name, {slot: (staged[name][i], cv) for i, slot in enumerate(slots)})
+    writer.goodbye()
+
+
 def test_bad_requests_get_clear_errors_while_another_client_is_served(committer):
     writer = Writer(committer.endpoint, committer.name, LAYOUT, STAGING_ROWS)
     key = unique_key("err")

@@ -506,8 +506,8 @@ class WriterSide:
     def _flush(self, tasks: list[WriteTask]) -> None:
         """Hand closed deferred writes to the flusher, taking each out of ``tasks`` once handed over: after
         an interrupt, what is left in the list is handed over again by the caller. A write handed over twice
-        (an interrupt between the two) lands twice, the same rows under the same claim versions; one lost
-        would never land. Once another thread's shutdown stopped the flusher, the writes left fail (their
+        (an interrupt between the two) is sent twice under the same claim versions: the first to be applied
+        lands its rows, the second finds them committed and skips them; one lost would never land. Once another thread's shutdown stopped the flusher, the writes left fail (their
         futures complete, the loss is logged) and ``RuntimeError`` (shut down) is raised."""
         if not tasks:
             return
