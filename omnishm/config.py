@@ -203,8 +203,9 @@ KNOBS: tuple[Knob, ...] = (
          "how long a save waits for a free staging page", scope="client", min=0, min_exclusive=True,
          max=MAX_TIMEOUT_S),
     Knob("gpu_staging_bytes", "int", _pcc_default("gpu_staging_bytes"),
-         "bytes of deferred (JOIN_ON_FINISH) row copies held (device clones on CUDA, host clones on CPU) "
-         "before the oldest write is flushed", scope="client", min=1),
+         "bytes of deferred (JOIN_ON_FINISH) row copies held (device clones on CUDA, host clones on CPU; "
+         "each step's clone of a key counted whole, once, while an open write holds part of it) before the "
+         "oldest write is flushed", scope="client", min=1),
     Knob("copy_chunk_bytes", "int", _pcc_default("copy_chunk_bytes"),
          "bytes of a deferred write per message through the staging flush region (a step's write waits behind "
          "at most one)", scope="client", min=1),

@@ -24,7 +24,9 @@ from omnishm.client.device import DONE, HostRegistration
 from omnishm.client.segments import KeyViews, dtype_name, row_width
 from omnishm.client.steps import StepCtx
 from omnishm.client.writes import (
+    MAX_TASK_CHUNKS,
     Chunk,
+    HeldRows,
     RowSource,
     TaskState,
     WriteTask,
@@ -305,6 +307,12 @@ class WriterSide:
         if deferred:
             if slot_list is not None:
                 slots = slots.clone()  # chunks keep slices of it until their request ends
+            # A chunk's rows are a slice of the step's whole clone, which stays allocated while any chunk holds
+            # it, so the budget counts the whole clone: counting each chunk's slice let one long request keep
+            # every step's clone of a batch (up to 8192 times its own rows) while the budget saw one row a step
+            # (review, stop 57). No slice is copied out: on CUDA that is a kernel a request a step.
+            helds = {key: HeldRows(rows.numel() * rows.element_size())
+                     for key, rows in ctx.step_rows.items() if key in deferred}
             for w, cv in zip(writes, cvs):
                 req_slots = slots[w.token_start:w.token_start + w.num_tokens]
                 for key in deferred:
@@ -315,11 +323,18 @@ class WriterSide:
                                          opened_step=ctx.step_id)
                         self._open[(w.req_id, key)] = task
                         self._deferred_order[task.tid] = task
+                    held = helds[key]
+                    if not held.open_chunks:
+                        self._pending_bytes += held.nbytes
+                    held.open_chunks += 1
                     task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
-                                             freeze=ctx.freeze_event))
+                                             freeze=ctx.freeze_event, held=held))
                     self._open_by_cv[(key, cv)] = task
                     self._sources[(key, cv)] = RowSource(cv=cv, slots=req_slots, rows=rows, ready=ctx.freeze_event)
-                    self._pending_bytes += rows.numel() * rows.element_size()
+                    if len(task.chunks) >= MAX_TASK_CHUNKS:
+                        self._close_task_locked(task)
+                        self.counters["budget_flushes"] += 1
+                        to_flush.append(task)
         while self._pending_bytes > self.config.gpu_staging_bytes and self._deferred_order:
             oldest = next(iter(self._deferred_order.values()))
             self._close_task_locked(oldest)
@@ -447,7 +462,11 @@ class WriterSide:
         self._deferred_order.pop(task.tid, None)
         for c in task.chunks:
             self._open_by_cv.pop((task.key, c.cv), None)
-        self._pending_bytes -= task.nbytes
+            held = c.held
+            if held is not None:
+                held.open_chunks -= 1
+                if not held.open_chunks:
+                    self._pending_bytes -= held.nbytes
 
     def _close_request_locked(self, req_id: ReqId) -> list[WriteTask]:
         tasks = [t for (r, _), t in self._open.items() if r == req_id]

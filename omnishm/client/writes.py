@@ -5,7 +5,8 @@ committer has them: a view of a staging page (JOIN_NEXT_STEP) or a clone
 held by a deferred write (JOIN_ON_FINISH). Hits on in-transit rows read them
 here. A ``WriteTask`` is one request's deferred write of one tensor name: it
 collects chunks step after step until the request finishes or aborts, the
-GPU-byte budget forces it out (oldest first), or a hit reads it; then it is
+GPU-byte budget forces it out (oldest first), it holds ``MAX_TASK_CHUNKS``
+chunks, or a hit reads it; then it is
 closed and handed to the ``Flusher`` thread, which copies it through the
 staging flush region to the committer. A closed write is never reopened: the
 request's next deferred rows open a new write.
@@ -28,6 +29,13 @@ from omnishm.client.serial import SerialThread
 from omnishm.interface import ReqId, StepId, TensorName, Tid
 
 logger = logging.getLogger(__name__)
+
+
+MAX_TASK_CHUNKS = 1024
+"""A deferred write holding this many chunks (steps of its request) is closed and flushed like one the budget
+forces out; the request's later rows open a new write. Each chunk's objects take about 1.7 KiB of host
+memory that no budget counts (a Chunk, a RowSource, two views, two index entries; measured), so one write of
+a request decoding for 100,000 steps would hold 170 MiB (review, stop 57)."""
 
 
 class TaskState(enum.Enum):
@@ -75,6 +83,16 @@ class RowSource:
         return read(self.rows, idx, self.ready)
 
 
+@dataclass(eq=False)
+class HeldRows:
+    """One step's clone of one deferred key, which each of that step's requests' chunks holds a slice of: all of
+    it stays allocated while any chunk does. ``WriterSide`` counts its ``nbytes`` against ``gpu_staging_bytes``
+    once, while any open write's chunk holds it (``open_chunks``; engine thread, state lock held)."""
+
+    nbytes: int
+    open_chunks: int = 0
+
+
 @dataclass
 class Chunk:
     cv: int
@@ -83,6 +101,8 @@ class Chunk:
     rows: torch.Tensor
     freeze: Any = None
     """Event after which ``rows`` (a device clone on CUDA) are complete."""
+    held: HeldRows | None = None
+    """The step's clone ``rows`` is a slice of (None: rows held by nothing else)."""
 
 
 @dataclass
@@ -96,10 +116,6 @@ class WriteTask:
     chunks: list[Chunk] = field(default_factory=list)
     state: TaskState = TaskState.OPEN
     done: Future = field(default_factory=Future)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.rows.numel() * c.rows.element_size() for c in self.chunks)
 
 
 def pack(values: list[int] | np.ndarray) -> bytes:

@@ -53,7 +53,7 @@ CLIENT_COUNTERS: dict[str, str] = {
     "materialize_seconds": "seconds spent in materialize",
     "staging_waits": "saves that had to wait for a free staging page",
     "deferred_flushes": "deferred (join-on-finish) writes flushed",
-    "budget_flushes": "deferred writes forced out by the gpu_staging_bytes budget",
+    "budget_flushes": "deferred writes forced out by the gpu_staging_bytes budget or by their length",
     "prefetch_used": "hit spans (one request's rows of one tensor) a reader served from its prefetch",
     "prefetch_dropped": "hit spans the prefetch did not have (read in materialize instead)",
     "result_blocks_reused": "materialize results placed in recycled, pre-faulted host memory",
