@@ -200,12 +200,12 @@ KNOBS: tuple[Knob, ...] = (
          "rows of one staging page (one step)", scope="client", min=1,
          default_doc=f"{_pcc_default('staging_capacity_tokens')} (vLLM: max_num_batched_tokens)"),
     Knob("staging_claim_timeout_s", "float", _pcc_default("staging_claim_timeout_s"),
-         "how long a save waits for a free staging page", scope="client", min=0, min_exclusive=True,
-         max=MAX_TIMEOUT_S),
+         "how long a save waits for a free staging page (and for deferred writes to land, past "
+         "gpu_staging_bytes)", scope="client", min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
     Knob("gpu_staging_bytes", "int", _pcc_default("gpu_staging_bytes"),
          "bytes of deferred (JOIN_ON_FINISH) row copies held (device clones on CUDA, host clones on CPU; "
-         "each step's clone of a key counted whole, once, while an open write holds part of it) before the "
-         "oldest write is flushed", scope="client", min=1),
+         "each step's clone of a key counted whole, once): past it the oldest open write is flushed, and a save "
+         "waits (up to staging_claim_timeout_s) while the writes not landed yet hold more", scope="client", min=1),
     Knob("copy_chunk_bytes", "int", _pcc_default("copy_chunk_bytes"),
          "bytes of a deferred write per message through the staging flush region (a step's write waits behind "
          "at most one)", scope="client", min=1),

@@ -5,6 +5,8 @@ ended request landing, and a landed write's rows freed (a mutation review of the
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from manager_helpers import Part, aborted, extended, finished, quick_config, rows, save, started
-from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager
+from helpers import wait_stopped
+from manager_helpers import Part, aborted, build, extended, finished, quick_config, rows, save, started
+from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError
 from omnishm.client import writer as writer_module
 
 
@@ -120,6 +123,127 @@ def test_a_write_of_max_task_chunks_steps_goes_out_and_its_request_goes_on_in_a_
     m.new_step_starts([finished("a")])
     m.wait_idle()
     assert torch.equal(feat.commit[slots], feat.claim[slots]) and torch.equal(feat.pool[:5], rows(501, range(5), 3))
+
+
+def test_a_save_waits_while_writes_with_the_flusher_hold_more_than_the_budget(committer_factory):
+    """Closing the oldest open writes keeps the open ones within ``gpu_staging_bytes``, but a closed write holds
+    its step clones until it has landed: with the committer stopped, a save whose writes not landed yet hold more
+    than the budget waits for them (``deferred_waits``), up to ``staging_claim_timeout_s``, then raises
+    ``OmniPrefixCacheStagingTimeoutError`` naming the bytes; once the committer goes on they land and saves go on.
+    REVIEW (stop 57): nothing waited, so a flusher behind the engine let closed writes pile up past any bound
+    (22 times the budget in 24 steps of 8 requests) while the budget read 0. A real committer, really stopped;
+    the steps have deferred rows only, so no immediate write waits for it."""
+    handle = committer_factory()
+    m = OmniPrefixCacheManager(quick_config(gpu_staging_bytes=8 * ROW_BYTES), cache=handle.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+
+    def deferred_step(tag: int, blocks: list[int]) -> int:
+        _, mm, layout, n, pad = build([Part(f"r{tag}", tag, blocks, 0, 8)], BS)
+        return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
+
+    try:
+        m.new_step_starts([started("r1", [0, 1])])
+        m.discard_step(deferred_step(1, [0, 1]))  # 8 rows open: the budget
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            wait_stopped(handle.proc.pid)
+            m.new_step_starts([finished("r1"), started("r2", [2, 3])])  # r1's write goes to the flusher
+            m.discard_step(deferred_step(2, [2, 3]))  # 8 rows with the flusher: within the budget, no wait
+            assert m.counters["deferred_waits"] == 0
+            m.new_step_starts([finished("r2"), started("r3", [4, 5])])
+            t0 = time.monotonic()
+            with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=r"deferred writes not landed yet hold "
+                               rf"{16 * ROW_BYTES} bytes of step clones, over gpu_staging_bytes={8 * ROW_BYTES}"):
+                deferred_step(3, [4, 5])
+            assert time.monotonic() - t0 >= m.config.staging_claim_timeout_s
+            assert m.counters["deferred_waits"] == 1
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        m.wait_idle()
+        feat = m._keys["feat"]
+        slots = torch.arange(0, 16)
+        assert torch.equal(feat.commit[slots], feat.claim[slots])
+        assert torch.equal(feat.pool[:16], torch.cat([rows(501, range(8), 3), rows(502, range(8), 3)]))
+        m.new_step_starts([started("r4", [6, 7])])
+        m.discard_step(deferred_step(4, [6, 7]))  # room again: no wait
+        assert m.counters["deferred_waits"] == 1
+    finally:
+        m.shutdown()
+
+
+def _clone_bytes(m) -> tuple[int, int]:
+    """(bytes of the step clones open writes hold, bytes of those every write not landed holds), each clone
+    once, from the writes themselves; checks each clone's chunk counts on the way. Under the state lock."""
+    opened: dict[int, int] = {}
+    held: dict[int, int] = {}
+    for t in m._open.values():
+        for c in t.chunks:
+            opened[id(c.held)] = opened.get(id(c.held), 0) + 1
+    for t in [*m._open.values(), *m._closing.values()]:
+        for c in t.chunks:
+            held[id(c.held)] = held.get(id(c.held), 0) + 1
+    clones = {id(c.held): c.held for t in [*m._open.values(), *m._closing.values()] for c in t.chunks}
+    for k, clone in clones.items():
+        assert (clone.open_chunks, clone.chunks) == (opened.get(k, 0), held[k])
+    return sum(clones[k].nbytes for k in opened), sum(clones[k].nbytes for k in held)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_budget_books_match_the_writes_through_random_schedules(mgr, monkeypatch, seed):
+    """``_pending_bytes`` and ``_held_bytes`` equal the bytes of the step clones the open writes, and the
+    writes not landed, hold (each clone once), through random starts, prefix hits (which close the writes
+    they read), finishes, aborts, budget flushes and writes of ``MAX_TASK_CHUNKS`` chunks, with two deferred
+    tensors; both are 0 once every write landed (review, stop 57)."""
+    import random
+
+    rnd = random.Random(seed)
+    monkeypatch.setattr(writer_module, "MAX_TASK_CHUNKS", rnd.choice([2, 3, 5]))
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat", "feat2"})),
+            gpu_staging_bytes=rnd.choice([4, 10, 30, 1000]) * ROW_BYTES)
+    free, ref, live, made = list(range(16)), [0] * 16, {}, 0
+
+    def books_match() -> None:
+        with m._lock:
+            assert (m._pending_bytes, m._held_bytes) == _clone_bytes(m)
+
+    for _ in range(40):
+        events = []
+        for r in list(live):
+            if live[r]["pos"] >= len(live[r]["blocks"]) * BS or rnd.random() < 0.1:
+                events.append(rnd.choice([finished, aborted])(r))
+                for b in live.pop(r)["blocks"]:
+                    ref[b] -= 1
+                    free += [b] if not ref[b] else []
+        for _ in range(rnd.randint(0, 2)):
+            owner = live[rnd.choice(list(live))] if live and rnd.random() < 0.5 else None
+            hit = owner["blocks"][:rnd.randint(1, owner["pos"] // BS)] if owner and owner["pos"] >= BS else []
+            need = rnd.randint(1, 2)
+            if len(free) < need:
+                break
+            blocks = hit + [free.pop(rnd.randrange(len(free))) for _ in range(need)]
+            for b in blocks:
+                ref[b] += 1
+            made += 1
+            live[f"r{made}"] = dict(blocks=blocks, pos=len(hit) * BS, tag=made)
+            events.append(started(f"r{made}", blocks, hit=len(hit) * BS))
+        fresh = {e.req_id for e in events}
+        events += [extended(r, st["pos"]) for r, st in live.items() if r not in fresh]
+        m.new_step_starts(events)
+        books_match()
+        parts, total = [], 0
+        for r, st in live.items():
+            count = min(len(st["blocks"]) * BS - st["pos"], rnd.randint(1, 4), 32 - total)
+            if count > 0:
+                parts.append(Part(r, st["tag"], st["blocks"], st["pos"], count))
+                st["pos"] += count
+                total += count
+        if parts:
+            m.discard_step(save(m, parts, BS, extra_mm={"feat2": torch.randn(total, 3)}))
+            books_match()
+    m.new_step_starts([finished(r) for r in live])
+    m.wait_idle()
+    with m._lock:
+        assert (m._pending_bytes, m._held_bytes, len(m._open), len(m._closing), len(m._sources)) == (0, 0, 0, 0, 0)
 
 
 def test_an_ended_request_lands_the_deferred_writes_of_every_tensor(mgr):

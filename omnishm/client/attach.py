@@ -17,8 +17,9 @@ with the same client id, generation, epoch and staging segment names. When a
 committer (the restarted one, which adopted the cache's segments) welcomes the
 session back, every unanswered request except heartbeats is re-sent in its
 original order: re-applying a ``StepWrite`` is idempotent (rows land only
-where the claim table still holds the descriptor's claim version, and the
-staging page is held until the acknowledgement). When no committer resumes
+where the claim table still holds the descriptor's claim version and the
+commit table does not hold it yet, and the staging page is held until the
+acknowledgement). When no committer resumes
 the session in time, or one refuses (it could not adopt the cache, or the
 writer was reaped), the link is dead: every pending future and every later
 ``submit`` fails with ``OmniPrefixCacheCommitterError`` naming the reason.

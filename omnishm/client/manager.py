@@ -136,7 +136,9 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._open_by_cv: dict[tuple[TensorName, int], WriteTask] = {}
         self._deferred_order: OrderedDict[int, WriteTask] = OrderedDict()
         self._closing: dict[int, WriteTask] = {}
-        self._pending_bytes = 0
+        self._pending_bytes = 0  # step clones held by open deferred writes (``HeldRows``)
+        self._held_bytes = 0  # step clones held by deferred writes not landed yet, open or with the flusher
+        self._landed = threading.Condition(self._lock)  # notified when a deferred write lands or fails
         self._tids = itertools.count(1)
         self._prev_write: Future | None = None
         """The last step's StepWrite outcome; its ``step`` and ``marker`` attributes name the step and
@@ -152,7 +154,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self.counters: dict[str, float] = {k: 0.0 for k in (
             "steps_saved", "hit_tokens", "hit_rows_served", "rows_served", "cow_rescues", "unmatch_errors",
             "save_seconds", "materialize_seconds", "staging_waits", "deferred_flushes", "budget_flushes",
-            "prefetch_used", "prefetch_dropped", "staging_pages_in_use", "result_blocks_reused",
+            "deferred_waits", "prefetch_used", "prefetch_dropped", "staging_pages_in_use", "result_blocks_reused",
             "result_blocks_faulted", "token_checked_rows", "token_mismatches")}
         self.result_pool = ResultPool(config.result_pool_bytes)
         cap = config.staging_capacity_tokens
@@ -294,7 +296,8 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         Engine thread only, after the forward and before materialize. The
         returned id MUST be consumed exactly once, by ``materialize`` or
         ``discard_step``. Waits (unlocked) for the previous step's immediate
-        writes and for a free staging page; raises
+        writes, for a free staging page and, while deferred writes not landed
+        yet hold more than ``gpu_staging_bytes``, for them to land; raises
         ``OmniPrefixCacheStagingTimeoutError`` when none frees in time, and
         ``OmniPrefixCacheUnmatchError`` for a step larger than the page. A refused save takes its step
         id all the same, on every rank, unless the cache is fatal, shut down or disconnected
@@ -349,6 +352,8 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             for key, rows in itertools.chain(immediate.items(), deferred.items()):
                 self._ensure_key(key, rows)
         self._join_previous_write()
+        if deferred and self.is_writer:
+            self._wait_for_deferred_room(step_id)
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
                       spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
                       leftover=leftover, leftover_events=leftover_events, freeze_event=freeze_event)

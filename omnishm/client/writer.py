@@ -34,6 +34,7 @@ from omnishm.client.writes import (
 from omnishm.interface import (
     HIDDEN_KEY,
     OmniPrefixCacheCommitterError,
+    OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
     ReqId,
     StepId,
@@ -206,6 +207,31 @@ class WriterSide:
         self._prev_write = None
         self._check_reply(reply)
 
+    def _wait_for_deferred_room(self, step_id: StepId) -> None:
+        """Engine thread, unlocked, before a save with deferred rows claims its page: while the deferred writes
+        not landed yet hold more than ``gpu_staging_bytes`` of step clones and some of them are with the
+        flusher, wait for those to land (counted once in ``deferred_waits``), up to ``staging_claim_timeout_s``;
+        then raises ``OmniPrefixCacheStagingTimeoutError``. Closing the oldest open writes (the budget) moves
+        their clones to the flusher but does not free them: with no wait, a flusher behind the engine let
+        closed writes pile up, their clones (device memory on CUDA) past any bound (review, stop 57)."""
+        budget = self.config.gpu_staging_bytes
+        if self._held_bytes <= budget:  # read unlocked: only the flusher lowers it, and the wait re-reads it
+            return
+        deadline = 0.0
+        with self._landed:
+            while self._held_bytes > budget and self._closing:
+                if not deadline:
+                    self.counters["deferred_waits"] += 1
+                    deadline = time.monotonic() + self.config.staging_claim_timeout_s
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise unmatch(f"cache {self.cache}: deferred writes not landed yet hold {self._held_bytes} "
+                                  f"bytes of step clones, over gpu_staging_bytes={budget}, after "
+                                  f"{self.config.staging_claim_timeout_s:.1f}s: the committer is behind or "
+                                  f"stalled (see its status), or raise gpu_staging_bytes",
+                                  step_id=step_id, cls=OmniPrefixCacheStagingTimeoutError)
+                self._landed.wait(remaining)
+
     def _await_step_write(self, fut: Future, timeout_s: float) -> Any:
         """The outcome of a step's quiet ``StepWrite`` (``fut``: its ``step`` and ``marker``); any thread.
 
@@ -326,7 +352,10 @@ class WriterSide:
                     held = helds[key]
                     if not held.open_chunks:
                         self._pending_bytes += held.nbytes
+                    if not held.chunks:
+                        self._held_bytes += held.nbytes
                     held.open_chunks += 1
+                    held.chunks += 1
                     task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
                                              freeze=ctx.freeze_event, held=held))
                     self._open_by_cv[(key, cv)] = task
@@ -526,8 +555,9 @@ class WriterSide:
         """Hand closed deferred writes to the flusher, taking each out of ``tasks`` once handed over: after
         an interrupt, what is left in the list is handed over again by the caller. A write handed over twice
         (an interrupt between the two) is sent twice under the same claim versions: the first to be applied
-        lands its rows, the second finds them committed and skips them; one lost would never land. Once another thread's shutdown stopped the flusher, the writes left fail (their
-        futures complete, the loss is logged) and ``RuntimeError`` (shut down) is raised."""
+        lands its rows, the second finds them committed and skips them; one lost would never land. Once
+        another thread's shutdown stopped the flusher, the writes left fail (their futures complete, the loss
+        is logged) and ``RuntimeError`` (shut down) is raised."""
         if not tasks:
             return
         assert self._flusher is not None
@@ -573,6 +603,12 @@ class WriterSide:
                 src = self._sources.pop((task.key, c.cv), None)
                 if src is not None:
                     src.alive = False
+                held = c.held
+                if held is not None:
+                    held.chunks -= 1
+                    if not held.chunks:
+                        self._held_bytes -= held.nbytes
+            self._landed.notify_all()
         if failed:
             already = self._fatal is not None
             err = self._set_fatal(f"deferred write {task.tid} of request {task.req_id!r} tensor {task.key!r} "

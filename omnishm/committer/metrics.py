@@ -54,6 +54,7 @@ CLIENT_COUNTERS: dict[str, str] = {
     "staging_waits": "saves that had to wait for a free staging page",
     "deferred_flushes": "deferred (join-on-finish) writes flushed",
     "budget_flushes": "deferred writes forced out by the gpu_staging_bytes budget or by their length",
+    "deferred_waits": "saves that waited for deferred writes to land (their clones over gpu_staging_bytes)",
     "prefetch_used": "hit spans (one request's rows of one tensor) a reader served from its prefetch",
     "prefetch_dropped": "hit spans the prefetch did not have (read in materialize instead)",
     "result_blocks_reused": "materialize results placed in recycled, pre-faulted host memory",
