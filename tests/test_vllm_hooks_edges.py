@@ -477,3 +477,23 @@ def test_a_decoded_tensor_owns_its_bytes_and_never_writes_into_the_wire_payload(
         out = decode_tensor(wire)
     out.add_(1)
     assert wire["data"] == before and torch.equal(out, t + 1)
+
+
+def test_one_result_that_needs_two_older_ones_dropped_drops_both_and_the_bound_holds():
+    """``HeldResults`` keeps at most its bound however results come: one new result that needs two older ones
+    dropped drops both. MUTATION (stop 57): dropping one victim a ``hold`` left the held bytes over the bound,
+    growing with every larger result a server never takes."""
+    from omnishm.integrations.held_results import HeldResults
+
+    small = torch.ones(2, 8)
+    one = small.numel() * small.element_size()
+    held = HeldResults(3 * one)
+    for rid in ("A", "B", "C"):
+        held.hold("done", rid, (small.clone(), 0))
+    held.hold("done", "D", (torch.ones(4, 8), 0))  # two units: A and B must both go
+    assert held.stats() == {"held_bytes": 3 * one, "results_dropped": 2}
+    assert sorted(held.take("done")) == ["C", "D"]
+    # and it never creeps up: a server that never takes holds at most the bound after every hold
+    for i in range(6):
+        held.hold("done", f"R{i}", (torch.ones(2 + 2 * (i % 2), 8), 0))
+        assert held.stats()["held_bytes"] <= held.bound

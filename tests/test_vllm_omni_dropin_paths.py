@@ -308,3 +308,43 @@ def test_one_dimensional_padded_outputs_are_leftover_as_vllm_omni_treats_them(co
     finally:
         ours.shutdown()
         theirs.shutdown()
+
+
+@pytest.mark.parametrize("rows", [22, 27], ids=["between-n-and-padded", "past-padded"])
+def test_a_2d_output_of_another_length_than_the_step_is_leftover_as_vllm_omni_treats_it(committer_factory,
+                                                                                       vllm_logger_standin, rows):
+    """A 2-D output whose first dimension is neither the step's token count (20) nor its padded count (24) is
+    leftover, as vllm-omni's ``_is_step_token_tensor`` has it (``shape[0] in (n, padded)``): each request gets
+    the whole value, never a slice served as per-token rows. MUTATION (stop 57): ``shape[0] >= n`` took such a
+    value (a reference longer than the step, say) for the step's rows."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        so = _step(view, [("a", 0, [0, 1], 20), ("z", 0, [4], 0)], new=(("a", 0, [0, 1]), ("z", 0, [4])))
+        mm = {"feat": torch.randn(24, 6), "ref": torch.randn(rows, 3)}
+        sids = _both(ours, theirs, view, so, torch.randn(24, 8), mm, 20, 24)
+        got, want = ours.materialize(sids[0], ["a", "z"]), theirs.materialize(sids[1], ["a", "z"])
+        assert want.mm_outputs["ref"]["a"].shape == (rows, 3)  # vllm-omni: the whole value, for each request
+        same(got.mm_outputs, want.mm_outputs, "2-D output of another length")
+        same(got.hidden_states, want.hidden_states, "hidden")
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
+def test_the_drop_ins_shutdown_shuts_the_omnishm_manager_down(committer_factory):
+    """``VllmOmniPrefixCacheManager.shutdown`` lands open writes and detaches: the omnishm manager under it is
+    closed and shut down (its link stops, its writer seat frees), and a second call does nothing. MUTATION
+    (stop 57): a no-op shutdown left all of that running."""
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        so = _step(view, [("a", 0, [0, 1], 20)], new=(("a", 0, [0, 1]),))
+        sids = _both(ours, theirs, view, so, torch.randn(20, 8), {}, 20, 20)
+        ours.discard_step(sids[0])
+        theirs.discard_step(sids[1])
+        ours.shutdown()
+        assert ours.manager.closed and ours.manager.shut_down
+        ours.shutdown()  # idempotent
+        assert ours.manager.shut_down
+    finally:
+        ours.manager.shutdown()
+        theirs.shutdown()
