@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 
 from helpers import wait_stopped
 from manager_helpers import Part, aborted, build, extended, finished, quick_config, rows, save, started
-from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError
+from omnishm.client import (ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError,
+                            OmniPrefixCacheUnmatchError)
 from omnishm.client import writer as writer_module
 
 
@@ -125,36 +127,50 @@ def test_a_write_of_max_task_chunks_steps_goes_out_and_its_request_goes_on_in_a_
     assert torch.equal(feat.commit[slots], feat.claim[slots]) and torch.equal(feat.pool[:5], rows(501, range(5), 3))
 
 
+def _deferred_manager(handle, **kw) -> OmniPrefixCacheManager:
+    """A writer whose steps have deferred rows only ("feat"), with a budget of 8 rows: no immediate write
+    waits for the committer."""
+    m = OmniPrefixCacheManager(quick_config(**{"gpu_staging_bytes": 8 * ROW_BYTES, **kw}), cache=handle.name,
+                               autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    return m
+
+
+def _deferred_step(m, tag: int, blocks: list[int]) -> int:
+    """Request ``r{tag}`` saves its first 8 rows (deferred only) in ``blocks``."""
+    _, mm, layout, n, pad = build([Part(f"r{tag}", tag, blocks, 0, 8)], BS)
+    return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
+
+
+def _into_deferred_backlog(m, handle) -> None:
+    """r1's and r2's writes (8 rows each) with the flusher and the committer stopped: 16 rows not landed, over
+    the budget, so r3's save (``_deferred_step(m, 3, [4, 5])``) waits. The caller sends SIGCONT."""
+    m.new_step_starts([started("r1", [0, 1])])
+    m.discard_step(_deferred_step(m, 1, [0, 1]))  # 8 rows open: the budget
+    os.kill(handle.proc.pid, signal.SIGSTOP)
+    wait_stopped(handle.proc.pid)
+    m.new_step_starts([finished("r1"), started("r2", [2, 3])])  # r1's write goes to the flusher
+    m.discard_step(_deferred_step(m, 2, [2, 3]))  # 8 rows with the flusher: within the budget, no wait
+    assert m.counters["deferred_waits"] == 0
+    m.new_step_starts([finished("r2"), started("r3", [4, 5])])
+
+
 def test_a_save_waits_while_writes_with_the_flusher_hold_more_than_the_budget(committer_factory):
     """Closing the oldest open writes keeps the open ones within ``gpu_staging_bytes``, but a closed write holds
     its step clones until it has landed: with the committer stopped, a save whose writes not landed yet hold more
     than the budget waits for them (``deferred_waits``), up to ``staging_claim_timeout_s``, then raises
     ``OmniPrefixCacheStagingTimeoutError`` naming the bytes; once the committer goes on they land and saves go on.
     REVIEW (stop 57): nothing waited, so a flusher behind the engine let closed writes pile up past any bound
-    (22 times the budget in 24 steps of 8 requests) while the budget read 0. A real committer, really stopped;
-    the steps have deferred rows only, so no immediate write waits for it."""
+    (22 times the budget in 24 steps of 8 requests) while the budget read 0. A real committer, really stopped."""
     handle = committer_factory()
-    m = OmniPrefixCacheManager(quick_config(gpu_staging_bytes=8 * ROW_BYTES), cache=handle.name, autostart=False)
-    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
-
-    def deferred_step(tag: int, blocks: list[int]) -> int:
-        _, mm, layout, n, pad = build([Part(f"r{tag}", tag, blocks, 0, 8)], BS)
-        return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
-
+    m = _deferred_manager(handle)
     try:
-        m.new_step_starts([started("r1", [0, 1])])
-        m.discard_step(deferred_step(1, [0, 1]))  # 8 rows open: the budget
-        os.kill(handle.proc.pid, signal.SIGSTOP)
         try:
-            wait_stopped(handle.proc.pid)
-            m.new_step_starts([finished("r1"), started("r2", [2, 3])])  # r1's write goes to the flusher
-            m.discard_step(deferred_step(2, [2, 3]))  # 8 rows with the flusher: within the budget, no wait
-            assert m.counters["deferred_waits"] == 0
-            m.new_step_starts([finished("r2"), started("r3", [4, 5])])
+            _into_deferred_backlog(m, handle)
             t0 = time.monotonic()
             with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=r"deferred writes not landed yet hold "
                                rf"{16 * ROW_BYTES} bytes of step clones, over gpu_staging_bytes={8 * ROW_BYTES}"):
-                deferred_step(3, [4, 5])
+                _deferred_step(m, 3, [4, 5])
             assert time.monotonic() - t0 >= m.config.staging_claim_timeout_s
             assert m.counters["deferred_waits"] == 1
         finally:
@@ -164,9 +180,62 @@ def test_a_save_waits_while_writes_with_the_flusher_hold_more_than_the_budget(co
         slots = torch.arange(0, 16)
         assert torch.equal(feat.commit[slots], feat.claim[slots])
         assert torch.equal(feat.pool[:16], torch.cat([rows(501, range(8), 3), rows(502, range(8), 3)]))
+        assert not bool(feat.claim[16:24].any())  # the refused save's slots: absent
         m.new_step_starts([started("r4", [6, 7])])
-        m.discard_step(deferred_step(4, [6, 7]))  # room again: no wait
+        m.discard_step(_deferred_step(m, 4, [6, 7]))  # room again: no wait
         assert m.counters["deferred_waits"] == 1
+    finally:
+        m.shutdown()
+
+
+def test_a_shutdown_from_another_thread_ends_a_save_waiting_for_deferred_room(committer_factory):
+    """``shutdown`` wakes a save waiting for deferred writes to land, which raises ``RuntimeError`` (shut down)
+    at once, as one waiting for a staging page does. REVIEW (stop 57): the wait sat out its whole
+    ``staging_claim_timeout_s`` and then blamed the committer."""
+    handle = committer_factory()
+    m = _deferred_manager(handle, staging_claim_timeout_s=30.0, commit_timeout_s=60.0)
+    stopper = None
+    try:
+        _into_deferred_backlog(m, handle)
+
+        def shut_down_once_waiting() -> None:
+            deadline = time.monotonic() + 20
+            while m.counters["deferred_waits"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            m.shutdown()
+
+        stopper = threading.Thread(target=shut_down_once_waiting)
+        stopper.start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="manager is shut down"):
+            _deferred_step(m, 3, [4, 5])
+        assert time.monotonic() - t0 < 10 and m.counters["deferred_waits"] == 1
+    finally:
+        os.kill(handle.proc.pid, signal.SIGCONT)
+        if stopper is not None:
+            stopper.join(30)
+        m.shutdown()
+
+
+def test_a_write_that_fails_during_the_wait_refuses_the_save(committer_factory):
+    """A deferred write that fails while a save waits for room (the committer stopped past ``commit_timeout_s``)
+    ends the wait, and the save leaves with the sticky error, its step id burned and its slots absent, not with
+    a step id on a fatal cache. REVIEW (stop 57): the wait returned, and the save claimed its slots and issued
+    its id."""
+    handle = committer_factory()
+    m = _deferred_manager(handle, staging_claim_timeout_s=30.0, commit_timeout_s=1.0)
+    try:
+        try:
+            _into_deferred_backlog(m, handle)
+            saved = m.counters["steps_saved"]
+            t0 = time.monotonic()
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="sticky") as info:
+                _deferred_step(m, 3, [4, 5])
+            assert not isinstance(info.value, OmniPrefixCacheStagingTimeoutError)
+            assert time.monotonic() - t0 < 20 and m.counters["steps_saved"] == saved
+            assert not bool(m._keys["feat"].claim[16:24].any())
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
     finally:
         m.shutdown()
 

@@ -354,6 +354,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._join_previous_write()
         if deferred and self.is_writer:
             self._wait_for_deferred_room(step_id)
+            self._check_usable()  # a write that failed meanwhile (its failure may be what ended the wait)
         ctx = StepCtx(step_id=step_id, req_ids=tuple(w.req_id for w in write_layout.writes),
                       spans={w.req_id: (w.token_start, w.num_tokens) for w in write_layout.writes},
                       leftover=leftover, leftover_events=leftover_events, freeze_event=freeze_event)

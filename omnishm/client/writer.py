@@ -211,7 +211,8 @@ class WriterSide:
         """Engine thread, unlocked, before a save with deferred rows claims its page: while the deferred writes
         not landed yet hold more than ``gpu_staging_bytes`` of step clones and some of them are with the
         flusher, wait for those to land (counted once in ``deferred_waits``), up to ``staging_claim_timeout_s``;
-        then raises ``OmniPrefixCacheStagingTimeoutError``. Closing the oldest open writes (the budget) moves
+        then raises ``OmniPrefixCacheStagingTimeoutError``, or ``RuntimeError`` once another thread shut the
+        manager down. Closing the oldest open writes (the budget) moves
         their clones to the flusher but does not free them: with no wait, a flusher behind the engine let
         closed writes pile up, their clones (device memory on CUDA) past any bound (review, stop 57)."""
         budget = self.config.gpu_staging_bytes
@@ -220,6 +221,8 @@ class WriterSide:
         deadline = 0.0
         with self._landed:
             while self._held_bytes > budget and self._closing:
+                if self._closed:  # shut down by another thread, which woke this wait (``_detach``)
+                    raise RuntimeError(f"cache {self.cache}: manager is shut down")
                 if not deadline:
                     self.counters["deferred_waits"] += 1
                     deadline = time.monotonic() + self.config.staging_claim_timeout_s
@@ -592,11 +595,13 @@ class WriterSide:
         """Flusher thread: a deferred write landed (or failed). A write handed over twice (``_flush``, after an
         interrupt) is done by the first outcome; the second is dropped (completing the future again raised
         InvalidStateError and ended the flusher thread)."""
-        if task.done.done():
-            return
         # str() alone is "" for a bare TimeoutError
         failed = f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else result.failure()
         with self._lock:
+            # Checked and set under the lock: the engine thread (``_flush`` failing it) and the flusher may
+            # both get here for a write handed over twice, and only one may give its clones back.
+            if task.state in (TaskState.DONE, TaskState.FAILED):
+                return
             task.state = TaskState.FAILED if failed else TaskState.DONE
             self._closing.pop(task.tid, None)
             for c in task.chunks:
