@@ -348,3 +348,33 @@ def test_the_drop_ins_shutdown_shuts_the_omnishm_manager_down(committer_factory)
     finally:
         ours.manager.shutdown()
         theirs.shutdown()
+
+
+@pytest.mark.parametrize("case", ["ids of two types outside the step", "hidden states not a tensor",
+                                  "scheduler output of another type"])
+def test_the_drop_ins_bad_input_gets_a_clear_error(committer_factory, case):
+    """REVIEW (stop 57): request ids of two types outside the step made the error's own message raise
+    (``sorted`` of an int and a str), hidden states given as a list and a scheduler output of another type
+    raised bare ``AttributeError``s."""
+    from test_vllm_omni_dropin import VO
+
+    ours, theirs, view = managers(committer_factory(), 16, 64)
+    try:
+        so = _step(view, [("a", 0, [0, 1], 20)], new=(("a", 0, [0, 1]),))
+        h = torch.randn(20, 8)
+        if case == "scheduler output of another type":
+            with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="scheduler output"):
+                ours.new_step_starts(object())
+            return
+        ours.new_step_starts(so)
+        if case == "hidden states not a tensor":
+            with pytest.raises(TypeError, match="hidden_states"):
+                ours.save_outputs(h.tolist(), {}, num_tokens_unpadded=20, num_tokens_padded=20)
+            return
+        sid = ours.save_outputs(h, {}, num_tokens_unpadded=20, num_tokens_padded=20)
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match=r"outside the save snapshot: \[5, 'q'\]"):
+            ours.materialize(sid, [5, "q"])
+        ours.discard_step(sid)
+    finally:
+        ours.shutdown()
+        theirs.shutdown()

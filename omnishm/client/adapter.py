@@ -414,7 +414,11 @@ class PrefixCacheSchedulerAdapter:
             if num_scheduled_tokens is not None and dict(num_scheduled_tokens) != dict(counts):
                 raise ValueError("num_scheduled_tokens given twice with different values")
         else:
-            events = list(step_or_events)
+            try:
+                events = list(step_or_events)
+            except TypeError:
+                raise TypeError(f"a step must be a PrefixCacheStep or an iterable of PrefixCacheRequestEvent, "
+                                f"got {type(step_or_events).__name__}") from None
             counts = num_scheduled_tokens if num_scheduled_tokens is not None else {}
         ranks: list[int] = []
         for ev in events:  # every item is checked before any duplicate is looked for

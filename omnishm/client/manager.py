@@ -67,6 +67,15 @@ if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
 
 _HIT_KINDS = (EventKind.STARTED, EventKind.RESUMED)
+
+
+def _token_count(value: Any, name: str) -> int:
+    """``int(value)``, or a ``TypeError`` naming the argument (``int(None)`` named none)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"save_outputs: {name} must be an int, got {type(value).__name__} {repr(value)[:40]}") \
+            from None
 _END_KINDS = (EventKind.FINISHED, EventKind.ABORTED)
 
 logger = logging.getLogger(__name__)
@@ -124,6 +133,9 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._consumed: set[StepId] = set()
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, PendingHit] = {}
+        self._burned_hits: dict[ReqId, StepId] = {}
+        """Requests whose planned hit a refused save took (``_burn_step``), with its step id, until the next
+        ``new_step_starts``: a save of them before it (the refused one retried) would serve no hit rows."""
         # Writer, engine thread only (client/tokens.py): what each slot's rows were computed for, and where each
         # live request's tags got to, for the integrations' views (build_write_layout(chains=...)).
         self._slot_tokens = SlotTokens(config.num_slots) if self.is_writer and config.token_check else None
@@ -223,6 +235,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                          num_scheduled_tokens: Mapping[ReqId, int] | None) -> None:
         self._check_usable()
         step = self._translator.translate_step(events, num_scheduled_tokens)
+        self._burned_hits.clear()
         bs = self.config.block_size
         planned: dict[ReqId, PendingHit] = {}
         to_tag: list[tuple[ReqId, Any, int]] = []
@@ -330,18 +343,27 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
     def _save_outputs(self, step_id: StepId, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                       num_tokens_unpadded: int, num_tokens_padded: int, write_layout: "PrefixCacheWriteLayout"
                       ) -> StepId:
-        n = int(num_tokens_unpadded)
+        n, padded = _token_count(num_tokens_unpadded, "num_tokens_unpadded"), \
+            _token_count(num_tokens_padded, "num_tokens_padded")
         if n > self.config.staging_capacity_tokens:
             raise self._unmatch(f"step of {n} tokens exceeds staging_capacity_tokens="
                                 f"{self.config.staging_capacity_tokens}: size the staging page to the engine's "
                                 f"max_num_batched_tokens (OMNISHM_STAGING_CAPACITY_TOKENS; the vLLM integration "
                                 f"derives it)",
                                 step_id=step_id)
-        writes = self._check_layout(write_layout, n, int(num_tokens_padded), step_id)
+        writes = self._check_layout(write_layout, n, padded, step_id)
+        if self._burned_hits:
+            for w in writes:
+                if w.req_id in self._burned_hits:
+                    raise self._unmatch(f"request {w.req_id!r}: its prefix hit was taken by step "
+                                        f"{self._burned_hits[w.req_id]}, which save_outputs refused; a save of the "
+                                        f"same scheduler step again would serve none of the hit's rows: start the "
+                                        f"next step with new_step_starts (schedule the request again)",
+                                        req_id=w.req_id, step_id=step_id)
         slots, slot_list, slots_np = self._check_slots(write_layout.slots, n, step_id)
         starts = [w.token_start for w in writes]
         counts = [w.num_tokens for w in writes]
-        immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, int(num_tokens_padded))
+        immediate, deferred, leftover = self._split_outputs(hidden_states, mm_outputs, n, padded)
         ops = self._ops
         if ops is None or (self._ops_may_move and not ops.is_cuda):
             ops, keep = choose_ops(ops, [*immediate.values(), *deferred.values(), *tensors_in(list(leftover.values()))])

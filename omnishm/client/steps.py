@@ -167,6 +167,10 @@ class StepLifecycle:
         order (claim versions follow the writes' order, rows their ``token_start``). Token tags that
         are not None, one int64 per row or two per row (tag and chain) are a ``TypeError``.
         """
+        if not (hasattr(write_layout, "slots") and hasattr(write_layout, "writes")):
+            raise TypeError(f"write_layout must be a PrefixCacheWriteLayout (writes and slots), got "
+                            f"{type(write_layout).__name__}; a refused save whose slots cannot be read clears "
+                            f"every slot of the cache (logged)")
         slots = write_layout.slots
         if not isinstance(slots, torch.Tensor) or slots.dtype not in _SLOT_DTYPES or slots.dim() != 1 \
                 or slots.layout is not torch.strided or slots.is_meta:
@@ -387,6 +391,7 @@ class StepLifecycle:
                     hit = self._pending_hits.pop(w.req_id, None)
                     if hit is not None:
                         taken[w.req_id] = HitSpan(slots=hit.slots, cvs={})
+                        self._burned_hits[w.req_id] = step_id
                 self._mark_consumed_locked(step_id)
             self._next_step += 1
             if self.is_writer and cleared:

@@ -203,7 +203,7 @@ class VllmOmniPrefixCacheManager:
         """vLLM's ``SchedulerOutput`` of one real step; engine thread, before ``_update_states``."""
         try:
             step = self._adapter.translate_scheduler_output(scheduler_output)
-        except (ValueError, TypeError) as exc:  # a malformed output; the adapter's state is unchanged
+        except (ValueError, TypeError, AttributeError) as exc:  # a malformed output; the adapter's state is unchanged
             raise self._vo.OmniPrefixCacheUnmatchError(f"scheduler output: {exc}") from exc
         # vllm-omni registers hits of scheduled_new_reqs only: a resumed request gets this step's rows.
         events = tuple(dataclasses.replace(ev, kind=PrefixCacheEventKind.REPLACED, token_ids=None)
@@ -250,7 +250,8 @@ class VllmOmniPrefixCacheManager:
         if self._hidden and hidden_states is not None and n:
             # Too few rows, or slots that disagree with n, are the manager's to refuse: a refused save's slots
             # must become absent (a later hit on them would serve their previous tenant's rows).
-            enough = hidden_states.dim() >= 2 and hidden_states.shape[0] >= n
+            enough = (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
+                      and hidden_states.shape[0] >= n)
             hidden = hidden_states[:n] if enough else hidden_states
         leftover, event = _snapshot(leftover)
         with self._errors():
@@ -275,7 +276,7 @@ class VllmOmniPrefixCacheManager:
                 outside = [r for r in req_ids if r not in saved.spans]
                 if outside:  # the step stays unconsumed, as omnishm's own materialize leaves it
                     raise self._vo.OmniPrefixCacheUnmatchError(
-                        f"materialize(step {step_id}) got req ids outside the save snapshot: {sorted(outside)[:8]}")
+                        f"materialize(step {step_id}) got req ids outside the save snapshot: {outside[:8]}")
                 del self._saved[step_id]
         with self._errors():  # an unknown or consumed id raises here
             out = self._m.materialize(step_id, req_ids if saved is None else
