@@ -610,3 +610,32 @@ def test_a_resumes_welcome_counts_as_the_answer_to_the_latest_heartbeat(committe
     finally:
         link._on_resume_reply = real_resumed
         link.close()
+
+
+def test_a_heartbeat_answer_naming_a_writer_without_its_epoch_is_not_taken(committer_factory):
+    """A heartbeat answer naming a writer without its epoch (a committer of an earlier release) is not taken
+    as ``writer_ack``: a reader's ``_writer_left`` would read its epoch 0 as "the followed writer left" and
+    end a wait for rows still coming. An answer with the epoch, or saying there is no writer, is taken.
+    MUTATION (stop 57). Answers are handed to the real link's ``_on_heartbeat``; its committer's own beats
+    are a minute apart, so none races them."""
+    handle = committer_factory("--heartbeat-s", "60", "--heartbeat-timeout-s", "600")
+    link = CommitterLink(cache=handle.name, role=P.ROLE_READER, endpoint=handle.endpoint, layout=LAYOUT)
+
+    def answer(beat: int, reply: P.HeartbeatAck) -> None:
+        fut: Future = Future()
+        fut.beat = beat  # type: ignore[attr-defined]
+        fut.set_result(reply)
+        link._on_heartbeat(fut)
+
+    try:
+        until(lambda: link.state == "connected", 10.0, "connected")
+        before = link.writer_ack
+        beat = before[0] + 1000
+        answer(beat, P.HeartbeatAck(rid=0, readers=1, writer=True, writer_epoch=0))
+        assert link.writer_ack == before, f"an epoch-less writer's answer was taken: {link.writer_ack}"
+        answer(beat, P.HeartbeatAck(rid=0, readers=1, writer=True, writer_epoch=7))
+        assert link.writer_ack == (beat, 7)
+        answer(beat + 1, P.HeartbeatAck(rid=0, readers=1, writer=False, writer_epoch=0))
+        assert link.writer_ack == (beat + 1, 0)
+    finally:
+        link.close()
