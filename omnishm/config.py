@@ -204,8 +204,9 @@ KNOBS: tuple[Knob, ...] = (
          "gpu_staging_bytes)", scope="client", min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
     Knob("gpu_staging_bytes", "int", _pcc_default("gpu_staging_bytes"),
          "bytes of deferred (JOIN_ON_FINISH) row copies held (device clones on CUDA, host clones on CPU; "
-         "each step's clone of a key counted whole, once): past it the oldest open write is flushed, and a save "
-         "waits (up to staging_claim_timeout_s) while the writes not landed yet hold more", scope="client", min=1),
+         "each step's clone of a key counted whole, once): past it the oldest open write is flushed, and a writer's "
+         "save with deferred rows waits (up to staging_claim_timeout_s) while the writes not landed yet hold "
+         "more", scope="client", min=1),
     Knob("copy_chunk_bytes", "int", _pcc_default("copy_chunk_bytes"),
          "bytes of a deferred write per message through the staging flush region (a step's write waits behind "
          "at most one)", scope="client", min=1),

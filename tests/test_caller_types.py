@@ -469,7 +469,7 @@ def test_a_refused_save_retried_for_the_same_scheduler_step_is_refused_not_serve
                        write_layout=layout)
     refused = m._next_step - 1
     with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"request 'd': its prefix hit was taken by step "
-                       rf"{refused}, which save_outputs refused") as info:
+                       rf"{refused} of this scheduler step") as info:
         m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
     assert (info.value.req_id, info.value.step_id) == ("d", refused + 1)
     m.new_step_starts([extended("d", 6)])

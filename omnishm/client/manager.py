@@ -67,20 +67,21 @@ if TYPE_CHECKING:
     from omnishm.client.adapter import PrefixCacheStep, PrefixCacheWriteLayout
 
 _HIT_KINDS = (EventKind.STARTED, EventKind.RESUMED)
+_END_KINDS = (EventKind.FINISHED, EventKind.ABORTED)
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.0005
 
 
 def _token_count(value: Any, name: str) -> int:
     """``int(value)``, or a ``TypeError`` naming the argument (``int(None)`` named none)."""
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise TypeError(f"save_outputs: {name} must be an int, got {type(value).__name__} {repr(value)[:40]}") \
             from None
-_END_KINDS = (EventKind.FINISHED, EventKind.ABORTED)
 
-logger = logging.getLogger(__name__)
-
-_POLL_S = 0.0005
 
 class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
     """The runner-side cache. Use as a context manager or call ``shutdown``.
@@ -133,9 +134,11 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         self._consumed: set[StepId] = set()
         self._live: set[ReqId] = set()
         self._pending_hits: dict[ReqId, PendingHit] = {}
-        self._burned_hits: dict[ReqId, StepId] = {}
-        """Requests whose planned hit a refused save took (``_burn_step``), with its step id, until the next
-        ``new_step_starts``: a save of them before it (the refused one retried) would serve no hit rows."""
+        self._hits_taken: dict[ReqId, StepId] = {}
+        """Requests whose planned hit a save took since the last ``new_step_starts`` (accepted, or refused:
+        ``_burn_step``), with its step id. Engine thread (the save's hit loop under the state lock). A save of
+        one of them again before the next ``new_step_starts`` (a refused save retried; every rank, as each
+        took the hit) would serve none of the hit's rows, and is refused."""
         # Writer, engine thread only (client/tokens.py): what each slot's rows were computed for, and where each
         # live request's tags got to, for the integrations' views (build_write_layout(chains=...)).
         self._slot_tokens = SlotTokens(config.num_slots) if self.is_writer and config.token_check else None
@@ -235,7 +238,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                          num_scheduled_tokens: Mapping[ReqId, int] | None) -> None:
         self._check_usable()
         step = self._translator.translate_step(events, num_scheduled_tokens)
-        self._burned_hits.clear()
+        self._hits_taken.clear()
         bs = self.config.block_size
         planned: dict[ReqId, PendingHit] = {}
         to_tag: list[tuple[ReqId, Any, int]] = []
@@ -352,13 +355,13 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                                 f"derives it)",
                                 step_id=step_id)
         writes = self._check_layout(write_layout, n, padded, step_id)
-        if self._burned_hits:
+        if self._hits_taken:
             for w in writes:
-                if w.req_id in self._burned_hits:
+                if w.req_id in self._hits_taken:
                     raise self._unmatch(f"request {w.req_id!r}: its prefix hit was taken by step "
-                                        f"{self._burned_hits[w.req_id]}, which save_outputs refused; a save of the "
-                                        f"same scheduler step again would serve none of the hit's rows: start the "
-                                        f"next step with new_step_starts (schedule the request again)",
+                                        f"{self._hits_taken[w.req_id]} of this scheduler step (a save refused or "
+                                        f"not); saving it again before new_step_starts would serve none of the "
+                                        f"hit's rows: start the next step with new_step_starts",
                                         req_id=w.req_id, step_id=step_id)
         slots, slot_list, slots_np = self._check_slots(write_layout.slots, n, step_id)
         starts = [w.token_start for w in writes]
@@ -431,6 +434,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                         hit = self._pending_hits.pop(w.req_id, None)
                         if hit is None:
                             continue
+                        self._hits_taken[w.req_id] = step_id
                         span = HitSpan(slots=hit.slots, refused=refused.get(w.req_id),
                                        cvs={key: kv.claim[hit.slots].clone() for key, kv in self._keys.items()})
                         ctx.hits[w.req_id] = span

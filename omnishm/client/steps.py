@@ -391,7 +391,7 @@ class StepLifecycle:
                     hit = self._pending_hits.pop(w.req_id, None)
                     if hit is not None:
                         taken[w.req_id] = HitSpan(slots=hit.slots, cvs={})
-                        self._burned_hits[w.req_id] = step_id
+                        self._hits_taken[w.req_id] = step_id
                 self._mark_consumed_locked(step_id)
             self._next_step += 1
             if self.is_writer and cleared:

@@ -216,7 +216,7 @@ class WriterSide:
         their clones to the flusher but does not free them: with no wait, a flusher behind the engine let
         closed writes pile up, their clones (device memory on CUDA) past any bound (review, stop 57)."""
         budget = self.config.gpu_staging_bytes
-        if self._held_bytes <= budget:  # read unlocked: only the flusher lowers it, and the wait re-reads it
+        if self._held_bytes <= budget:  # read unlocked: only a write's outcome lowers it, and the wait re-reads it
             return
         deadline = 0.0
         with self._landed:

@@ -216,9 +216,17 @@ class VllmOmniPrefixCacheManager:
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None, *,
                      num_tokens_unpadded: int, num_tokens_padded: int) -> StepId:
         """Save the step (vllm-omni's signature); returns the step id to materialize or discard once."""
-        n, padded = int(num_tokens_unpadded), int(num_tokens_padded)
         order = list(self._view.batch_req_ids())
         counts = {r: int(self._num_scheduled.get(r, 0)) for r in order}
+        try:
+            n, padded = int(num_tokens_unpadded), int(num_tokens_padded)
+            given: tuple[Any, Any] = (n, padded)
+        except (TypeError, ValueError, OverflowError):
+            # The manager refuses them, naming the argument, inside its save: it then takes the step id and makes
+            # the step's slots absent. Raised here, before it, a later hit on them served their previous tenant's
+            # rows (review, stop 57). The layout is the scheduled tokens'.
+            given = (num_tokens_unpadded, num_tokens_padded)
+            n = padded = sum(counts.values())
         spans, writes, start = {}, [], 0
         for r in order:
             spans[r] = (start, counts[r])
@@ -255,7 +263,7 @@ class VllmOmniPrefixCacheManager:
             hidden = hidden_states[:n] if enough else hidden_states
         leftover, event = _snapshot(leftover)
         with self._errors():
-            sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=n, num_tokens_padded=padded,
+            sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=given[0], num_tokens_padded=given[1],
                                        write_layout=PrefixCacheWriteLayout(tuple(writes), slots, tags))
         empty = {key: v.new_empty((0, *v.shape[1:]), device="cpu") for key, v in rows.items()}
         if hidden is not None:
