@@ -282,3 +282,12 @@ def test_a_knob_refusal_the_gate_reads_is_named_too():
     with pytest.raises(ConfigError, match=r"^bad staging_depth"):
         with naming_the_cache(_boom):
             raise ConfigError("bad staging_depth = '0' (from env OMNISHM_STAGING_DEPTH): must be >= 1")
+
+
+def test_more_scheduled_counts_than_batch_requests_raise():
+    """One count per batch request: a list longer than the batch is a disagreement, not cut short (a request's
+    rows would be dropped, or the next request's taken for another's). MUTATION (stop 57): ``<`` for ``!=``
+    took it; only a list too short was tested."""
+    view = FullAttentionGroupView(make_batch(32, [("a", 0, [3]), ("b", 0, [4])]), 32)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="2 batch requests"):
+        view.step_slots_cpu([1, 1, 1])

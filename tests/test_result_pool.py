@@ -289,3 +289,16 @@ def test_a_block_returned_while_close_runs_is_not_kept():
     del t
     gc.collect()
     assert pool._closed and not pool._returned
+
+
+def test_a_large_returned_block_evicts_as_many_old_free_blocks_as_the_cap_needs():
+    """The free blocks stay within ``max_free_bytes`` when one returned block needs several old ones dropped.
+    MUTATION (stop 57): dropping one a return left the pool over its cap."""
+    pool = ResultPool(4 * GRAIN, min_bytes=GRAIN)
+    small = [pool.empty((GRAIN,), torch.uint8) for _ in range(2)]
+    del small
+    assert pool.free_bytes == 2 * GRAIN
+    big = pool.empty((4 * GRAIN,), torch.uint8)  # no free block fits: a new one of 4 grains
+    assert pool.stats["faulted"] == 3
+    del big
+    assert pool.free_bytes == 4 * GRAIN <= pool.max_free_bytes and pool.stats["dropped"] == 2

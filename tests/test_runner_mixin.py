@@ -727,3 +727,21 @@ def test_a_build_cut_short_after_the_manager_attached_leaves_no_session_and_the_
     _, sid = r2.execute_model(sched(new=[("b", 0, [2])], counts={"b": 3}))
     assert r2.prefix_cache_manager.is_writer
     assert torch.equal(r2.prefix_cache_materialize(sid).hidden_states["b"], rows(2, range(3)))
+
+
+def test_save_time_req_ids_are_in_batch_order_not_the_schedule_dict_order(committer):
+    """The save-time request ids (what materialize defaults to, and what a caller pairs with the forward's rows)
+    follow the batch's rows, also when vLLM's ``num_scheduled_tokens`` lists the requests otherwise.
+    MUTATION (stop 57): taken in the dict's order, they survived: every fixture built the dict in batch order."""
+    r = FakeRunner(committer.name, object())
+    try:
+        r.tags.update(a=1, b=2)
+        _, sid = r.execute_model(sched(new=[("a", 0, [0, 1]), ("b", 0, [2, 3])], counts={"b": 3, "a": 5}))
+        assert r.input_batch.req_ids[:2] == ["a", "b"]
+        assert tuple(r.prefix_cache_save_time_req_ids(sid)) == ("a", "b")
+        out = r.prefix_cache_materialize(sid)
+        assert list(out.hidden_states) == ["a", "b"]
+        assert torch.equal(out.hidden_states["a"], merged(0, 0, 1, 0, 5))
+        assert torch.equal(out.hidden_states["b"], merged(0, 0, 2, 0, 3))
+    finally:
+        r.prefix_cache_shutdown()
