@@ -200,11 +200,13 @@ KNOBS: tuple[Knob, ...] = (
          "rows of one staging page (one step)", scope="client", min=1,
          default_doc=f"{_pcc_default('staging_capacity_tokens')} (vLLM: max_num_batched_tokens)"),
     Knob("staging_claim_timeout_s", "float", _pcc_default("staging_claim_timeout_s"),
-         "how long a save waits for a free staging page (and for deferred writes to land, past "
-         "gpu_staging_bytes)", scope="client", min=0, min_exclusive=True, max=MAX_TIMEOUT_S),
+         "how long a save waits for a free staging page; a writer's save with deferred rows may first wait as "
+         "long again, on its own, for deferred writes to land (gpu_staging_bytes)", scope="client", min=0,
+         min_exclusive=True, max=MAX_TIMEOUT_S),
     Knob("gpu_staging_bytes", "int", _pcc_default("gpu_staging_bytes"),
          "bytes of deferred (JOIN_ON_FINISH) row copies held (device clones on CUDA, host clones on CPU; "
-         "each step's clone of a key counted whole, once): past it the oldest open write is flushed, and a writer's "
+         "each step's clone of a key counted whole, once): past it open writes are flushed, oldest first, until the "
+         "clones they hold fit again (writes sharing a step's clone go out together), and a writer's "
          "save with deferred rows waits (up to staging_claim_timeout_s) while the writes not landed yet hold "
          "more", scope="client", min=1),
     Knob("copy_chunk_bytes", "int", _pcc_default("copy_chunk_bytes"),
