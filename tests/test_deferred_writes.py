@@ -22,6 +22,8 @@ from manager_helpers import Part, aborted, build, extended, finished, quick_conf
 from omnishm.client import (ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheStagingTimeoutError,
                             OmniPrefixCacheUnmatchError)
 from omnishm.client import writer as writer_module
+from omnishm.client import writes as writes_module
+from omnishm.client.writes import WriteTask
 
 
 def _until_freed(ref: weakref.ref, what: str, timeout_s: float = 10.0) -> None:
@@ -517,3 +519,110 @@ def test_a_write_closed_while_another_thread_shuts_down_fails_at_once_and_is_sai
     assert engine["took_s"] < 3.0, engine  # not commit_timeout_s on a write that can never land
     assert task.done.done() and isinstance(task.done.exception(), Exception) and task.tid not in m._closing
     assert m._flusher.pending() == 0  # nothing was queued behind the stopped flusher
+
+
+def _step4(m, tag: int, block: int) -> int:
+    """Request ``r{tag}`` saves its first 4 rows (deferred only, one block)."""
+    _, mm, layout, n, pad = build([Part(f"r{tag}", tag, [block], 0, 4)], BS)
+    return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=layout)
+
+
+def test_a_save_waiting_for_deferred_room_goes_on_once_the_held_bytes_reach_the_budget(committer_factory,
+                                                                                      monkeypatch):
+    """A save waiting for deferred room goes on as soon as the writes not landed yet hold no more than
+    ``gpu_staging_bytes`` (inclusive, as the entry check), though another write is still with the flusher.
+    MUTATION (stop 57): ``>=`` in the wait's loop kept it waiting for that write too. The flusher is gated
+    per write; the save's first wait opens r1's gate."""
+    gates = {"r1": threading.Event(), "r2": threading.Event()}
+    orig = writes_module.Flusher._flush
+
+    def gated(self, task):  # the flusher thread: r1's and r2's writes wait for their gate
+        gate = gates.get(task.req_id)
+        if gate is not None:
+            assert gate.wait(60), f"{task.req_id}'s gate never opened"
+        return orig(self, task)
+
+    monkeypatch.setattr(writes_module.Flusher, "_flush", gated)
+    handle = committer_factory()
+    m = OmniPrefixCacheManager(quick_config(gpu_staging_bytes=8 * ROW_BYTES, staging_claim_timeout_s=3.0),
+                               cache=handle.name, autostart=False)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    try:
+        m.new_step_starts([started("r1", [0])])
+        m.discard_step(_step4(m, 1, 0))
+        m.new_step_starts([finished("r1"), started("r2", [1])])  # r1's 4 rows to the flusher (gated)
+        m.discard_step(_step4(m, 2, 1))
+        m.new_step_starts([finished("r2"), started("r3", [2])])  # r2's 4 rows to the flusher (gated)
+        m.discard_step(_step4(m, 3, 2))  # held 8 rows at entry: no wait; 12 after (r3's 4 open)
+        assert m.counters["deferred_waits"] == 0 and m._held_bytes == 12 * ROW_BYTES
+        m.new_step_starts([started("r4", [3])])
+
+        real_wait = m._landed.wait
+
+        def wait_and_release_r1(timeout=None):  # the save's first wait (state lock held): r1 may land now
+            gates["r1"].set()  # r1 lands: 8 rows held (r2 with the flusher, r3 open) = the budget
+            return real_wait(timeout)
+
+        m._landed.wait = wait_and_release_r1
+        t0 = time.monotonic()
+        sid = _step4(m, 4, 3)  # 12 rows held > 8: waits; goes on once r1 landed, r2 still with the flusher
+        assert m.counters["deferred_waits"] == 1 and time.monotonic() - t0 < m.config.staging_claim_timeout_s
+        assert not gates["r2"].is_set() and len(m._closing) == 1
+        m.discard_step(sid)
+    finally:
+        for g in gates.values():
+            g.set()
+    try:
+        m.new_step_starts([finished("r3"), finished("r4")])
+        m.wait_idle()
+        feat, slots = m._keys["feat"], torch.arange(0, 16)
+        assert torch.equal(feat.commit[slots], feat.claim[slots])
+        assert torch.equal(feat.pool[:16], torch.cat([rows(500 + t, range(4), 3) for t in (1, 2, 3, 4)]))
+    finally:
+        m.shutdown()
+
+
+def test_a_write_handed_over_twice_whose_first_copy_failed_is_done_by_that_failure(mgr, monkeypatch):
+    """A deferred write handed over twice (an interrupt after the flusher took it) whose first outcome is a
+    failure is done by that failure; the second outcome is dropped. MUTATION (stop 57): with only DONE checked,
+    the second outcome gave the clones back again and completed the future again, whose InvalidStateError ended
+    the flusher thread: no later write ran."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=1)
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    real_put = m._flusher.put
+    handed: list = []
+    flushed: list = []
+    orig_flush = writes_module.Flusher._flush
+
+    def flush(self, task):  # the flusher thread: the first copy of the twice-handed write fails
+        flushed.append(task)
+        if handed and task is handed[0] and flushed.count(task) == 1:
+            raise RuntimeError("injected: the first copy failed")
+        return orig_flush(self, task)
+
+    monkeypatch.setattr(writes_module.Flusher, "_flush", flush)
+
+    def put(task) -> bool:
+        handed.append(task)
+        taken = real_put(task)
+        if len(handed) == 1:
+            raise KeyboardInterrupt  # after the put, before _flush took the write off its list
+        return taken
+
+    m._flusher.put = put
+    m.new_step_starts([extended("a", 4, [1])])
+    with pytest.raises(KeyboardInterrupt):
+        save(m, [Part("a", 1, [0, 1], 4, 4)], BS)
+    assert len(handed) == 2 and handed[0] is handed[1]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="injected: the first copy failed"):
+        handed[0].done.result(timeout=30)
+    # A write queued behind the second copy is still handled: the flusher thread lived through it.
+    probe = WriteTask(tid=-1, req_id="probe", key="no such key", opened_step=0)
+    real_put(probe)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="deferred write -1 of request 'probe'"):
+        probe.done.result(timeout=10)
+    assert flushed.count(handed[0]) == 2  # both copies went through the flusher, and were answered once
+    with m._lock:
+        assert (m._held_bytes, m._pending_bytes, len(m._closing)) == (0, 0, 0)
