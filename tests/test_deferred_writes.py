@@ -23,7 +23,6 @@ from omnishm.client import (ModelCachePolicy, OmniPrefixCacheManager, OmniPrefix
                             OmniPrefixCacheUnmatchError)
 from omnishm.client import writer as writer_module
 from omnishm.client import writes as writes_module
-from omnishm.client.writes import WriteTask
 
 
 def _until_freed(ref: weakref.ref, what: str, timeout_s: float = 10.0) -> None:
@@ -580,49 +579,3 @@ def test_a_save_waiting_for_deferred_room_goes_on_once_the_held_bytes_reach_the_
         assert torch.equal(feat.pool[:16], torch.cat([rows(500 + t, range(4), 3) for t in (1, 2, 3, 4)]))
     finally:
         m.shutdown()
-
-
-def test_a_write_handed_over_twice_whose_first_copy_failed_is_done_by_that_failure(mgr, monkeypatch):
-    """A deferred write handed over twice (an interrupt after the flusher took it) whose first outcome is a
-    failure is done by that failure; the second outcome is dropped. MUTATION (stop 57): with only DONE checked,
-    the second outcome gave the clones back again and completed the future again, whose InvalidStateError ended
-    the flusher thread: no later write ran."""
-    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=1)
-    m.new_step_starts([started("a", [0])])
-    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-    m.wait_idle()
-    real_put = m._flusher.put
-    handed: list = []
-    flushed: list = []
-    orig_flush = writes_module.Flusher._flush
-
-    def flush(self, task):  # the flusher thread: the first copy of the twice-handed write fails
-        flushed.append(task)
-        if handed and task is handed[0] and flushed.count(task) == 1:
-            raise RuntimeError("injected: the first copy failed")
-        return orig_flush(self, task)
-
-    monkeypatch.setattr(writes_module.Flusher, "_flush", flush)
-
-    def put(task) -> bool:
-        handed.append(task)
-        taken = real_put(task)
-        if len(handed) == 1:
-            raise KeyboardInterrupt  # after the put, before _flush took the write off its list
-        return taken
-
-    m._flusher.put = put
-    m.new_step_starts([extended("a", 4, [1])])
-    with pytest.raises(KeyboardInterrupt):
-        save(m, [Part("a", 1, [0, 1], 4, 4)], BS)
-    assert len(handed) == 2 and handed[0] is handed[1]
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="injected: the first copy failed"):
-        handed[0].done.result(timeout=30)
-    # A write queued behind the second copy is still handled: the flusher thread lived through it.
-    probe = WriteTask(tid=-1, req_id="probe", key="no such key", opened_step=0)
-    real_put(probe)
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="deferred write -1 of request 'probe'"):
-        probe.done.result(timeout=10)
-    assert flushed.count(handed[0]) == 2  # both copies went through the flusher, and were answered once
-    with m._lock:
-        assert (m._held_bytes, m._pending_bytes, len(m._closing)) == (0, 0, 0)

@@ -688,10 +688,14 @@ def test_an_interrupt_anywhere_after_a_save_registered_its_step_abandons_it(comm
         m.shutdown()
 
 
-def test_a_deferred_write_handed_over_twice_keeps_the_flusher_alive(mgr):
+@pytest.mark.parametrize("first", ["landed", "failed"])
+def test_a_deferred_write_handed_over_twice_keeps_the_flusher_alive(mgr, monkeypatch, first):
     """REVIEW (2026-12-05): an interrupt right after the flusher took a write, before ``_flush`` noted it,
     hands the write over again (never lose one). Its second outcome completed its future again:
-    InvalidStateError ended the flusher thread, and every write after it never ran."""
+    InvalidStateError ended the flusher thread, and every write after it never ran. The first outcome, landed
+    or failed, is the write's; the second is dropped, and the budget's books end at 0. MUTATION (stop 57):
+    with only DONE checked, a first copy that failed was done twice."""
+    from omnishm.client import writes as writes_module
     from omnishm.client.writes import WriteTask
 
     m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})), gpu_staging_bytes=1)
@@ -700,6 +704,16 @@ def test_a_deferred_write_handed_over_twice_keeps_the_flusher_alive(mgr):
     m.wait_idle()
     real_put = m._flusher.put
     handed: list = []
+    flushed: list = []
+    real_flush = writes_module.Flusher._flush
+
+    def flush(self, task):  # the flusher thread; with first == "failed", the first copy fails
+        flushed.append(task)
+        if first == "failed" and handed and task is handed[0] and flushed.count(task) == 1:
+            raise RuntimeError("injected: the first copy failed")
+        return real_flush(self, task)
+
+    monkeypatch.setattr(writes_module.Flusher, "_flush", flush)
 
     def put(task) -> bool:
         taken = real_put(task)
@@ -713,12 +727,19 @@ def test_a_deferred_write_handed_over_twice_keeps_the_flusher_alive(mgr):
     with pytest.raises(KeyboardInterrupt):
         save(m, [Part("a", 1, [0, 1], 4, 4)], BS)
     assert len(handed) == 2 and handed[0] is handed[1]
-    handed[0].done.result(timeout=30)
+    if first == "failed":
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="injected: the first copy failed"):
+            handed[0].done.result(timeout=30)
+    else:
+        handed[0].done.result(timeout=30)
     # A write queued behind the second hand-over is still handled: the flusher thread lived through it.
     probe = WriteTask(tid=-1, req_id="probe", key="no such key", opened_step=0)
     real_put(probe)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="deferred write -1 of request 'probe'"):
         probe.done.result(timeout=30)
+    assert flushed.count(handed[0]) == 2  # both hand-overs went through the flusher, answered once
+    with m._lock:
+        assert (m._held_bytes, m._pending_bytes, len(m._closing)) == (0, 0, 0)
 
 
 def test_a_refused_save_keeps_the_pending_hit_of_a_request_it_gave_no_tokens(mgr):

@@ -425,11 +425,14 @@ def test_a_negative_span_and_a_malformed_output_are_what_vllm_omni_makes_of_them
         theirs.shutdown()
 
 
-@pytest.mark.parametrize("case", ["short hidden states", "row count off"])
+@pytest.mark.parametrize("case", ["short hidden states", "row count off", "num_tokens_unpadded",
+                                  "num_tokens_padded"])
 def test_a_save_the_dropin_refuses_leaves_its_slots_absent(committer_factory, case):
     """A review (2026-12-04): the drop-in refused short hidden states itself, before omnishm's save, so the
     refused step's slots kept their previous tenant's claims and a hit on them served its rows; and when n
-    disagreed with the scheduled counts, only n of the slots were cleared, though all are this step's."""
+    disagreed with the scheduled counts, only n of the slots were cleared, though all are this step's.
+    REVIEW (stop 57): so did its own ``int(None)`` of a token count; omnishm's save now refuses it by name,
+    taking the step id."""
     ours, theirs, view = managers(committer_factory(), 8, 64)
     try:
         ours.new_step_starts(_step(view, [("z", 0, [0], 16), ("y", 0, [1], 16)], new=(("z", 0, [0]), ("y", 0, [1]))))
@@ -437,10 +440,16 @@ def test_a_save_the_dropin_refuses_leaves_its_slots_absent(committer_factory, ca
         ours.manager.wait_idle()
         ours.new_step_starts(_step(view, [("a", 0, [0], 16), ("b", 0, [1], 16)], new=(("a", 0, [0]), ("b", 0, [1])),
                                    finished=("z", "y")))
-        hidden, n, says = ((torch.randn(8, 8), 32, "hidden_states has") if case == "short hidden states"
-                           else (torch.randn(32, 8), 16, "token accounting"))
-        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match=says):
-            ours.save_outputs(hidden, {}, num_tokens_unpadded=n, num_tokens_padded=32)
+        hidden, n, padded, err, says = {
+            "short hidden states": (torch.randn(8, 8), 32, 32, VO.OmniPrefixCacheUnmatchError, "hidden_states has"),
+            "row count off": (torch.randn(32, 8), 16, 32, VO.OmniPrefixCacheUnmatchError, "token accounting"),
+            "num_tokens_unpadded": (torch.randn(32, 8), None, 32, TypeError, "num_tokens_unpadded must be an int"),
+            "num_tokens_padded": (torch.randn(32, 8), 32, None, TypeError, "num_tokens_padded must be an int"),
+        }[case]
+        before = ours.manager._next_step
+        with pytest.raises(err, match=says):
+            ours.save_outputs(hidden, {}, num_tokens_unpadded=n, num_tokens_padded=padded)
+        assert ours.manager._next_step == before + 1  # the refusal took its step id
         ours.new_step_starts(_step(view, [("c", 16, [1, 2], 2)], new=(("c", 16, [1, 2]),)))
         sid = ours.save_outputs(torch.randn(2, 8), {}, num_tokens_unpadded=2, num_tokens_padded=2)
         with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="absent"):

@@ -378,31 +378,3 @@ def test_the_drop_ins_bad_input_gets_a_clear_error(committer_factory, case):
     finally:
         ours.shutdown()
         theirs.shutdown()
-
-
-@pytest.mark.parametrize("arg", ["num_tokens_unpadded", "num_tokens_padded"])
-def test_a_drop_in_save_given_no_token_count_takes_its_step_id_and_clears_its_slots(committer_factory, arg):
-    """A token count the drop-in cannot read is refused by omnishm's save, naming it, which takes the step id and
-    makes the step's slots absent: a later hit on them raises instead of serving their previous tenant's rows.
-    REVIEW (stop 57): the drop-in's own ``int(None)`` raised before omnishm's save, and a hit on the refused
-    step's blocks was served the rows of the request that held them before."""
-    from test_vllm_omni_dropin import VO
-
-    ours, theirs, view = managers(committer_factory(), 8, 64)
-    try:
-        ours.new_step_starts(_step(view, [("z", 0, [0], 16), ("y", 0, [1], 16)], new=(("z", 0, [0]), ("y", 0, [1]))))
-        ours.discard_step(ours.save_outputs(torch.randn(32, 8), {}, num_tokens_unpadded=32, num_tokens_padded=32))
-        ours.manager.wait_idle()
-        ours.new_step_starts(_step(view, [("a", 0, [0], 16), ("b", 0, [1], 16)], new=(("a", 0, [0]), ("b", 0, [1])),
-                                   finished=("z", "y")))
-        before = ours.manager._next_step
-        with pytest.raises(TypeError, match=f"{arg} must be an int"):
-            ours.save_outputs(torch.randn(32, 8), {}, **{"num_tokens_unpadded": 32, "num_tokens_padded": 32, arg: None})
-        assert ours.manager._next_step == before + 1
-        ours.new_step_starts(_step(view, [("c", 16, [1, 2], 2)], new=(("c", 16, [1, 2]),)))  # a hit on b's block
-        sid = ours.save_outputs(torch.randn(2, 8), {}, num_tokens_unpadded=2, num_tokens_padded=2)
-        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="absent rows"):
-            ours.materialize(sid, ["c"])
-    finally:
-        ours.shutdown()
-        theirs.shutdown()
