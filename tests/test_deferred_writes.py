@@ -198,11 +198,17 @@ def test_a_shutdown_from_another_thread_ends_a_save_waiting_for_deferred_room(co
     stopper = None
     try:
         _into_deferred_backlog(m, handle)
+        waiting = threading.Event()
+        real_wait = m._landed.wait
+
+        def wait(timeout=None):  # the save's wait, state lock released inside: say it is there
+            waiting.set()
+            return real_wait(timeout)
+
+        m._landed.wait = wait
 
         def shut_down_once_waiting() -> None:
-            deadline = time.monotonic() + 20
-            while m.counters["deferred_waits"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.005)
+            assert waiting.wait(20), "the save never waited"
             m.shutdown()
 
         stopper = threading.Thread(target=shut_down_once_waiting)

@@ -99,7 +99,7 @@ class SessionSide:
         flush = self.is_writer and self._fatal is None and self._link.dead is None
         if self._pages is not None:
             self._pages.close("the manager is shut down")
-        with self._lock:
+        with self._landed:
             self._landed.notify_all()  # a save waiting for deferred room sees the shutdown
         try:
             if flush:

@@ -131,6 +131,8 @@ def hits_digest(hits: Mapping[ReqId, HitSpan], block_size: int) -> int:
 
 
 _SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def _same_hits(tags: list[np.ndarray], slots: list[np.ndarray]) -> list[int]:
     """For each hit, the first hit with the same tags array (one object: ``tokens.hits_token_tags`` shares it
     among hits of one prefix) on the same slots; itself when none. A few candidates a tags array at most:

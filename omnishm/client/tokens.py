@@ -241,15 +241,11 @@ def hits_token_tags(hits: list[tuple[Any, int]]) -> list[np.ndarray | None]:
     distinct = [hits[i] for i in range(len(hits)) if same[i] is None]
     made = iter(_distinct_hits_token_tags(distinct))
     out: list[np.ndarray | None] = []
-    for i in range(len(hits)):
-        shared = out[same[i]] if same[i] is not None else None
+    for i, j in enumerate(same):
         # An earlier hit of equal values that made no tags (float or bool ids, refused) shares nothing: this
         # hit is tagged alone (a review: an int hit took a float hit's None and was served unchecked).
-        if same[i] is None:
-            shared = next(made)
-        elif shared is None:
-            shared = hit_token_tags(*hits[i])
-        out.append(shared)
+        shared = next(made) if j is None else out[j]
+        out.append(shared if shared is not None or j is None else hit_token_tags(*hits[i]))
     return out
 
 
@@ -530,8 +526,9 @@ class SlotTokens:
         held, want = self.chains[slots], expected[:, CHAIN]
         wrong |= (held != 0) & (want != 0) & (held != want)
         seen = np.concatenate([[0], np.cumsum(known)])
-        ends = np.cumsum(np.asarray(lens, dtype=np.int64))
-        return (seen[ends] - seen[ends - np.asarray(lens, dtype=np.int64)]).tolist(), np.flatnonzero(wrong)
+        run_lens = np.asarray(lens, dtype=np.int64)
+        ends = np.cumsum(run_lens)
+        return (seen[ends] - seen[ends - run_lens]).tolist(), np.flatnonzero(wrong)
 
     def chain_only(self, slot: int, expected: np.ndarray) -> bool:
         """Whether the row at ``slot`` holds ``expected``'s exact tag (so only its chain differs)."""

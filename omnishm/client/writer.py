@@ -353,12 +353,9 @@ class WriterSide:
                         self._open[(w.req_id, key)] = task
                         self._deferred_order[task.tid] = task
                     held = helds[key]
-                    if not held.open_chunks:
-                        self._pending_bytes += held.nbytes
-                    if not held.chunks:
-                        self._held_bytes += held.nbytes
-                    held.open_chunks += 1
-                    held.chunks += 1
+                    opened, kept = held.open_chunk()
+                    self._pending_bytes += opened
+                    self._held_bytes += kept
                     task.chunks.append(Chunk(cv=cv, step_id=ctx.step_id, slots=req_slots, rows=rows,
                                              freeze=ctx.freeze_event, held=held))
                     self._open_by_cv[(key, cv)] = task
@@ -494,11 +491,8 @@ class WriterSide:
         self._deferred_order.pop(task.tid, None)
         for c in task.chunks:
             self._open_by_cv.pop((task.key, c.cv), None)
-            held = c.held
-            if held is not None:
-                held.open_chunks -= 1
-                if not held.open_chunks:
-                    self._pending_bytes -= held.nbytes
+            if c.held is not None:
+                self._pending_bytes -= c.held.close_chunk()
 
     def _close_request_locked(self, req_id: ReqId) -> list[WriteTask]:
         tasks = [t for (r, _), t in self._open.items() if r == req_id]
@@ -608,11 +602,8 @@ class WriterSide:
                 src = self._sources.pop((task.key, c.cv), None)
                 if src is not None:
                     src.alive = False
-                held = c.held
-                if held is not None:
-                    held.chunks -= 1
-                    if not held.chunks:
-                        self._held_bytes -= held.nbytes
+                if c.held is not None:
+                    self._held_bytes -= c.held.land_chunk()
             self._landed.notify_all()
         if failed:
             already = self._fatal is not None

@@ -94,6 +94,23 @@ class HeldRows:
     open_chunks: int = 0
     chunks: int = 0
 
+    def open_chunk(self) -> tuple[int, int]:
+        """A chunk of an open write takes a slice: the bytes this adds to (``_pending_bytes``, ``_held_bytes``)."""
+        added = (0 if self.open_chunks else self.nbytes, 0 if self.chunks else self.nbytes)
+        self.open_chunks += 1
+        self.chunks += 1
+        return added
+
+    def close_chunk(self) -> int:
+        """A chunk's write closed: the bytes this takes from ``_pending_bytes``."""
+        self.open_chunks -= 1
+        return 0 if self.open_chunks else self.nbytes
+
+    def land_chunk(self) -> int:
+        """A chunk's write landed or failed: the bytes this takes from ``_held_bytes``."""
+        self.chunks -= 1
+        return 0 if self.chunks else self.nbytes
+
 
 @dataclass
 class Chunk:

@@ -203,7 +203,7 @@ class VllmOmniPrefixCacheManager:
         """vLLM's ``SchedulerOutput`` of one real step; engine thread, before ``_update_states``."""
         try:
             step = self._adapter.translate_scheduler_output(scheduler_output)
-        except (ValueError, TypeError, AttributeError) as exc:  # a malformed output; the adapter's state is unchanged
+        except (ValueError, TypeError, AttributeError) as exc:  # a malformed output; the adapter keeps its state
             raise self._vo.OmniPrefixCacheUnmatchError(f"scheduler output: {exc}") from exc
         # vllm-omni registers hits of scheduled_new_reqs only: a resumed request gets this step's rows.
         events = tuple(dataclasses.replace(ev, kind=PrefixCacheEventKind.REPLACED, token_ids=None)
@@ -220,12 +220,10 @@ class VllmOmniPrefixCacheManager:
         counts = {r: int(self._num_scheduled.get(r, 0)) for r in order}
         try:
             n, padded = int(num_tokens_unpadded), int(num_tokens_padded)
-            given: tuple[Any, Any] = (n, padded)
         except (TypeError, ValueError, OverflowError):
-            # The manager refuses them, naming the argument, inside its save: it then takes the step id and makes
+            # The counts go to the manager as given: its save refuses them by name, taking the step id and making
             # the step's slots absent. Raised here, before it, a later hit on them served their previous tenant's
             # rows (review, stop 57). The layout is the scheduled tokens'.
-            given = (num_tokens_unpadded, num_tokens_padded)
             n = padded = sum(counts.values())
         spans, writes, start = {}, [], 0
         for r in order:
@@ -263,7 +261,8 @@ class VllmOmniPrefixCacheManager:
             hidden = hidden_states[:n] if enough else hidden_states
         leftover, event = _snapshot(leftover)
         with self._errors():
-            sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=given[0], num_tokens_padded=given[1],
+            sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=num_tokens_unpadded,
+                                       num_tokens_padded=num_tokens_padded,
                                        write_layout=PrefixCacheWriteLayout(tuple(writes), slots, tags))
         empty = {key: v.new_empty((0, *v.shape[1:]), device="cpu") for key, v in rows.items()}
         if hidden is not None:
