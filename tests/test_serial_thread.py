@@ -4,7 +4,6 @@ MUTATIONS (stop 57): ``join()`` without its timeout, ``del item`` dropped, ``dae
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 import threading
@@ -46,19 +45,15 @@ def test_a_handled_item_is_not_kept_alive_by_the_idle_thread():
     handled = threading.Event()
     st = SerialThread("mut-int-drop", lambda item: handled.set())
     item = _Item()
-    ref = weakref.ref(item)
+    gone = threading.Event()
+    weakref.finalize(item, gone.set)  # set when the last reference goes, on whichever thread drops it
     assert st.put(item)
     del item
     assert handled.wait(10)
-    # The thread runs ``del item`` right after the handler returns, then blocks in ``get``: wait for that
-    # condition (bounded), not for a fixed time.
-    deadline = time.monotonic() + 10
-    while ref() is not None and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.01)
-    alive = ref() is not None
+    # The thread runs ``del item`` right after the handler returns, then blocks in ``get``.
+    released = gone.wait(10)
     st.stop(10)
-    assert not alive, "the idle serial thread still holds the item it handled"
+    assert released, "the idle serial thread still holds the item it handled"
 
 
 def test_a_process_that_never_stops_its_serial_thread_still_exits():
