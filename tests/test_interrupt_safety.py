@@ -14,19 +14,24 @@ this thread's own, is finished by the next call.
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
+import os
 import random
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
 import torch
 
+import omnishm
 from helpers import interrupt_once
 from manager_helpers import BS, Part, build, expect, finished, quick_config, rows, save, started
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager, OmniPrefixCacheUnmatchError
@@ -231,6 +236,89 @@ def test_a_shutdown_a_signal_cut_short_is_finished_by_the_next_call(committer, m
             # Welcomed at once: no other writer holds the seat.
             OmniPrefixCacheManager(quick_config(), cache=committer.name, autostart=False).shutdown()
     assert cut > 100, cut
+
+
+def _omnishm_caller(frame) -> bool:
+    """Whether a C call returning in ``frame`` is omnishm's own: made in omnishm's code, or in a ``__enter__``
+    of threading.py (a Condition's) that omnishm's code entered. The standard library's own calls are left out:
+    its Futures and Conditions are not signal-safe either, and not this suite's to fix."""
+    pkg = os.path.dirname(omnishm.__file__)
+    if frame.f_code.co_filename.startswith(pkg):
+        return True
+    return (frame.f_code.co_name == "__enter__" and frame.f_code.co_filename.endswith("threading.py")
+            and frame.f_back is not None and frame.f_back.f_code.co_filename.startswith(pkg))
+
+
+def test_an_interrupt_after_any_c_call_of_shutdown_leaves_the_state_lock_free(committer, mgr):
+    """A signal handler runs when a C call returns to Python code. Raised (here by a profile hook, the k-th
+    time, for every k) after each C call omnishm makes inside ``_detach``: the state lock is never left held,
+    the next ``shutdown`` finishes within a few seconds, and a new writer is welcomed.
+    REVIEW (stop 58): stop 57's CI hung for 90 minutes. ``_detach`` entered ``with self._landed``, a Condition
+    whose ``__enter__`` is Python code: the test above cut one shutdown right after the lock's acquire in it,
+    the state lock stayed held, and the mgr fixture's teardown waited on it for good (1 in 4 runs here)."""
+    k = 0
+    while True:
+        k += 1
+        m = mgr()
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        seen = [0]
+        where: list[str] = []
+
+        def hook(frame, event, arg) -> None:
+            if event != "c_return" or not _omnishm_caller(frame):
+                return
+            f = frame
+            while f is not None and f.f_code.co_name != "_detach":
+                f = f.f_back
+            if f is None:
+                return
+            seen[0] += 1
+            if seen[0] == k:
+                sys.setprofile(None)
+                where.append(f"{frame.f_code.co_filename}:{frame.f_lineno} ({getattr(arg, '__qualname__', arg)})")
+                raise Interrupt()
+
+        sys.setprofile(hook)
+        try:
+            m.shutdown()
+        except Interrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        if not where:  # k passed the last C call: shutdown ran through
+            break
+        if m._lock.locked():
+            m._lock.release()  # for the fixture's teardown, which would wait on it for good
+            pytest.fail(f"an interrupt after the C call at {where[0]} left the state lock held")
+        t0 = time.monotonic()
+        assert gets_through(m.shutdown, 20), f"the shutdown after an interrupt at {where[0]} did not finish"
+        assert time.monotonic() - t0 < 5, where[0]
+        assert gets_through(lambda: OmniPrefixCacheManager(quick_config(), cache=committer.name,
+                                                           autostart=False).shutdown(), 10), where[0]
+    assert k > 20, k  # it did reach into the detach
+
+
+def test_no_condition_of_omnishm_is_entered_by_with():
+    """``with cond:`` runs ``Condition.__enter__``, Python code, after taking the lock: an exception a signal
+    handler raises there leaves the lock held for good. omnishm enters the plain lock under it instead (a C
+    call; ``cond.wait`` and ``notify`` work the same). REVIEW (stop 58): three such ``with``s, one the CI hang
+    (the test above), one in the engine thread's deferred wait, one in the link's wait for room."""
+    pkg = Path(omnishm.__file__).parent
+    found = []
+    for path in sorted(pkg.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        conditions = {node.targets[0].attr for node in ast.walk(tree)
+                      if isinstance(node, ast.Assign) and len(node.targets) == 1
+                      and isinstance(node.targets[0], ast.Attribute) and isinstance(node.value, ast.Call)
+                      and ast.unparse(node.value.func) in ("threading.Condition", "Condition")}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.With):
+                for item in node.items:
+                    expr = item.context_expr
+                    if isinstance(expr, ast.Attribute) and expr.attr in conditions:
+                        found.append(f"{path.relative_to(pkg.parent)}:{node.lineno} with {ast.unparse(expr)}")
+    assert found == []
 
 
 # An interrupt the caller catches: the manager turns sticky-fatal (review, 2026-12-06). Each case below, with

@@ -339,7 +339,9 @@ class CommitterLink(LinkIO, LinkAttach):
 
     def _wait_for_room(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with self._room:
+        # The plain lock, entered in C: ``with self._room`` runs the Condition's Python ``__enter__``, and a signal
+        # handler's exception raised there (Ctrl-C on the engine thread) left _plock held, the I/O thread blocked.
+        with self._plock:
             self._room_waiters += 1
             try:
                 while len(self._pending) >= MAX_IN_FLIGHT and self._dead is None:

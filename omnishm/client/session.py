@@ -99,9 +99,12 @@ class SessionSide:
         flush = self.is_writer and self._fatal is None and self._link.dead is None
         if self._pages is not None:
             self._pages.close("the manager is shut down")
-        with self._landed:
-            self._landed.notify_all()  # a save waiting for deferred room sees the shutdown
         try:
+            # The plain lock, entered in C, not ``with self._landed``: a Condition's ``__enter__`` is Python code,
+            # and a signal handler's exception raised there left the state lock held for good. The CI of stop
+            # 57 hung so, in the teardown of a test that interrupts shutdowns (see PagePool's lock, segments.py).
+            with self._lock:
+                self._landed.notify_all()  # a save waiting for deferred room sees the shutdown
             if flush:
                 with self._lock:
                     tasks = [t for t in self._open.values()]

@@ -219,7 +219,7 @@ class WriterSide:
         if self._held_bytes <= budget:  # read unlocked: only a write's outcome lowers it, and the wait re-reads it
             return
         deadline = 0.0
-        with self._landed:
+        with self._lock:  # not ``with self._landed``: see ``_detach`` (a signal here left the lock held)
             while self._held_bytes > budget and self._closing:
                 if self._closed:  # shut down by another thread, which woke this wait (``_detach``)
                     raise RuntimeError(f"cache {self.cache}: manager is shut down")
