@@ -553,31 +553,31 @@ def test_a_save_waiting_for_deferred_room_goes_on_once_the_held_bytes_reach_the_
                                cache=handle.name, autostart=False)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
     try:
-        m.new_step_starts([started("r1", [0])])
-        m.discard_step(_step4(m, 1, 0))
-        m.new_step_starts([finished("r1"), started("r2", [1])])  # r1's 4 rows to the flusher (gated)
-        m.discard_step(_step4(m, 2, 1))
-        m.new_step_starts([finished("r2"), started("r3", [2])])  # r2's 4 rows to the flusher (gated)
-        m.discard_step(_step4(m, 3, 2))  # held 8 rows at entry: no wait; 12 after (r3's 4 open)
-        assert m.counters["deferred_waits"] == 0 and m._held_bytes == 12 * ROW_BYTES
-        m.new_step_starts([started("r4", [3])])
+        try:
+            m.new_step_starts([started("r1", [0])])
+            m.discard_step(_step4(m, 1, 0))
+            m.new_step_starts([finished("r1"), started("r2", [1])])  # r1's 4 rows to the flusher (gated)
+            m.discard_step(_step4(m, 2, 1))
+            m.new_step_starts([finished("r2"), started("r3", [2])])  # r2's 4 rows to the flusher (gated)
+            m.discard_step(_step4(m, 3, 2))  # held 8 rows at entry: no wait; 12 after (r3's 4 open)
+            assert m.counters["deferred_waits"] == 0 and m._held_bytes == 12 * ROW_BYTES
+            m.new_step_starts([started("r4", [3])])
 
-        real_wait = m._landed.wait
+            real_wait = m._landed.wait
 
-        def wait_and_release_r1(timeout=None):  # the save's first wait (state lock held): r1 may land now
-            gates["r1"].set()  # r1 lands: 8 rows held (r2 with the flusher, r3 open) = the budget
-            return real_wait(timeout)
+            def wait_and_release_r1(timeout=None):  # the save's first wait (state lock held): r1 may land now
+                gates["r1"].set()  # r1 lands: 8 rows held (r2 with the flusher, r3 open) = the budget
+                return real_wait(timeout)
 
-        m._landed.wait = wait_and_release_r1
-        t0 = time.monotonic()
-        sid = _step4(m, 4, 3)  # 12 rows held > 8: waits; goes on once r1 landed, r2 still with the flusher
-        assert m.counters["deferred_waits"] == 1 and time.monotonic() - t0 < m.config.staging_claim_timeout_s
-        assert not gates["r2"].is_set() and len(m._closing) == 1
-        m.discard_step(sid)
-    finally:
-        for g in gates.values():
-            g.set()
-    try:
+            m._landed.wait = wait_and_release_r1
+            t0 = time.monotonic()
+            sid = _step4(m, 4, 3)  # 12 rows held > 8: waits; goes on once r1 landed, r2 still with the flusher
+            assert m.counters["deferred_waits"] == 1 and time.monotonic() - t0 < m.config.staging_claim_timeout_s
+            assert not gates["r2"].is_set() and len(m._closing) == 1
+            m.discard_step(sid)
+        finally:
+            for g in gates.values():
+                g.set()
         m.new_step_starts([finished("r3"), finished("r4")])
         m.wait_idle()
         feat, slots = m._keys["feat"], torch.arange(0, 16)

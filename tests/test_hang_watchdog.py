@@ -42,9 +42,9 @@ def test_stuck(stuck_in_teardown):
 
 def test_a_test_stuck_in_its_teardown_ends_its_worker_and_its_stacks_are_printed(tmp_path):
     """A real sub-run of pytest (two xdist workers, the suite's conftest) whose one test outlives pytest-timeout
-    (1 s) in its call and then sticks in its teardown past the watchdog's limit (3 s): that worker exits, the summary names the test and shows the stuck frame, and the run exits
-    1 within seconds. The sub-run's temporary dirs live under ``tmp_path`` (``TMPDIR``):
-    a worker the watchdog ended cannot remove its own."""
+    (1 s) in its call and then sticks in its teardown past the watchdog's limit (3 s): that worker exits, the
+    summary names the test and shows the stuck frame, and the run exits 1 within seconds. The sub-run's
+    temporary dirs live under ``tmp_path`` (``TMPDIR``): a worker the watchdog ended cannot remove its own."""
     (tmp_path / "conftest.py").write_text(f"import sys; sys.path.insert(0, {str(REPO)!r}); "
                                           f"sys.path.insert(0, {str(TESTS)!r}); "
                                           f"exec(open({str(TESTS / 'conftest.py')!r}).read())\n")
