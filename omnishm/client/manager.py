@@ -321,12 +321,20 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         """
         step_id = self._next_step
         usable = False
-        t0 = time.perf_counter()
+        t0 = 0.0
+        # Every C call inside the ``try``, the clock's too: a signal handler's exception raised as one returns
+        # must reach ``_note_interrupt``. Cut at the first clock read, a save took no step id and left the cache
+        # usable, its slots keeping their previous tenant's claims (a later hit served that tenant's rows, and a
+        # reader's step ids fell one behind its writer's); cut at the last, in a ``finally``, the step was issued
+        # and sent but its id never returned, its staging page held for good (review, stop 58).
         try:
+            t0 = time.perf_counter()
             self._check_usable()  # a fatal, closed or disconnected cache takes no step id
             usable = True
-            return self._save_outputs(step_id, hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded,
-                                      write_layout)
+            issued = self._save_outputs(step_id, hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded,
+                                        write_layout)
+            self.counters["save_seconds"] += time.perf_counter() - t0
+            return issued
         except BaseException as exc:
             self._note_interrupt("save_outputs", exc, step_id, count=False)  # counted once it is what leaves
             # Refused before the id was issued: it is taken all the same, unless the manager was shut down
@@ -339,9 +347,9 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
                     raise
             if isinstance(exc, OmniPrefixCacheUnmatchError):
                 self.counters["unmatch_errors"] += 1
+            if t0:  # a refused save's time too: a claim timeout is the engine thread's longest wait here
+                self.counters["save_seconds"] += time.perf_counter() - t0
             raise
-        finally:  # a refused save's time too: a claim timeout is the engine thread's longest wait here
-            self.counters["save_seconds"] += time.perf_counter() - t0
 
     def _save_outputs(self, step_id: StepId, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
                       num_tokens_unpadded: int, num_tokens_padded: int, write_layout: "PrefixCacheWriteLayout"
