@@ -263,6 +263,25 @@ def test_save_builds_the_layout_from_the_cpu_block_table(runner):
     r.prefix_cache_discard(sid2)
 
 
+def test_an_interrupt_while_the_save_builds_its_layout_turns_the_cache_sticky(runner, monkeypatch):
+    """REVIEW (stop 58): a signal handler's exception raised in ``prefix_cache_save`` before the manager's own
+    save (its layout, its token tags) left the step's slots under their previous tenant's claims and the cache
+    usable. Now the next step's call raises the sticky error."""
+    from omnishm.client.adapter import PrefixCacheSchedulerAdapter
+
+    r = runner()
+    r.tags.update(a=1)
+    so = sched(new=[("a", 0, [5, 2])], counts={"a": 6})
+    r.prefix_cache_step_begin(so)
+    r._update_states(so)
+    h, mm, n, pad = r._forward(so, padded=8)
+    interrupt_once(monkeypatch, PrefixCacheSchedulerAdapter, "build_write_layout")
+    with pytest.raises(KeyboardInterrupt):
+        r.prefix_cache_save(h, mm, n, pad, so)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="prefix_cache_save was cut short by KeyboardInterrupt"):
+        r.prefix_cache_step_begin(sched(cached=[("a", 6, [])], counts={"a": 1}))
+
+
 def test_finish_is_seen_before_update_states_and_a_same_step_hit_reads_its_rows(runner):
     r = runner(SimpleNamespace(prefix_cache_deferred_mm_keys=("feat",)))
     r.tags.update(a=1, b=1)

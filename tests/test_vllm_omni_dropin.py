@@ -459,6 +459,26 @@ def test_a_save_the_dropin_refuses_leaves_its_slots_absent(committer_factory, ca
         theirs.shutdown()
 
 
+def test_an_interrupt_in_the_dropins_save_before_omnishms_turns_the_cache_sticky(committer_factory, monkeypatch):
+    """REVIEW (stop 58): a signal handler's exception raised in the drop-in's ``save_outputs`` before omnishm's
+    (here as it snapshots the leftover outputs) left the step's slots under their previous tenant's claims and
+    the cache usable. Now the next call raises the sticky error."""
+    from helpers import interrupt_once
+    from omnishm.integrations import vllm_omni as dropin_module
+
+    ours, theirs, view = managers(committer_factory(), 8, 64)
+    try:
+        ours.new_step_starts(_step(view, [("a", 0, [0], 16)], new=(("a", 0, [0]),)))
+        interrupt_once(monkeypatch, dropin_module, "_snapshot")
+        with pytest.raises(KeyboardInterrupt):
+            ours.save_outputs(torch.randn(16, 8), {}, num_tokens_unpadded=16, num_tokens_padded=16)
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match="save_outputs was cut short by KeyboardInterrupt"):
+            ours.new_step_starts(_step(view, [("b", 0, [1], 16)], new=(("b", 0, [1]),), finished=("a",)))
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
 def test_one_dimensional_hidden_states_are_refused_and_leave_the_key_alone(committer_factory):
     """vllm-omni refuses them; after a refactor the drop-in passed them on, and the cache then held the
     hidden states at width 1, refusing every later save."""

@@ -367,9 +367,10 @@ class PrefixCacheSchedulerAdapter:
             preempted.discard(rid)
         events.extend(resumed)
         events.extend(extended)
-        counts = dict(scheduler_output.num_scheduled_tokens)
+        step = PrefixCacheStep(tuple(events), dict(scheduler_output.num_scheduled_tokens))
+        # Last, and no call after it: a signal handler's exception raised before it leaves the adapter as it was.
         self._live, self._preempted = live, preempted
-        return PrefixCacheStep(tuple(events), counts)
+        return step
 
     @staticmethod
     def _cached_rows(cached: Any) -> Iterable[tuple[ReqId, bool, Any, int]]:

@@ -613,6 +613,15 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
             logger.error("%s", err)
         return err
 
+    def note_interrupt(self, call: str, exc: BaseException) -> None:
+        """An integration's own code around this manager's calls (``call``: the runner's ``execute_model``, a
+        save's layout) ended in ``exc``: a signal handler's exception (not an ``Exception``) turns the cache
+        sticky-fatal, as one inside the manager's own calls does. Cut between ``new_step_starts`` and
+        ``save_outputs``, the step's slots still hold their previous tenants' claims while the engine counts
+        them written: a caller that went on was served those rows by a later hit (review, stop 58). Engine
+        thread; an ``Exception`` changes nothing (each call refuses its own bad input)."""
+        self._note_interrupt(call, exc, count=False)
+
     def _note_interrupt(self, call: str, exc: BaseException, step_id: StepId | None = None, *,
                         count: bool = True) -> None:
         """``call`` ended in ``exc`` on this thread: an ``OmniPrefixCacheUnmatchError`` is counted

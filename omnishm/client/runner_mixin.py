@@ -380,11 +380,15 @@ class PrefixCacheRunnerMixin:
         if manager is None:
             return None
         assert self._prefix_cache_adapter is not None
-        step = self._prefix_cache_adapter.translate_scheduler_output(scheduler_output)
-        if _total_scheduled(scheduler_output) == 0 and not step.events:
-            return None
-        manager.new_step_starts(step)
-        return step
+        try:
+            step = self._prefix_cache_adapter.translate_scheduler_output(scheduler_output)
+            if _total_scheduled(scheduler_output) == 0 and not step.events:
+                return None
+            manager.new_step_starts(step)
+            return step
+        except BaseException as exc:  # a signal handler's: sticky (``OmniPrefixCacheManager.note_interrupt``)
+            manager.note_interrupt("prefix_cache_step_begin", exc)
+            raise
 
     def prefix_cache_save(self, hidden_states: "torch.Tensor | None", mm_outputs: Mapping[str, Any] | None,
                           num_tokens_unpadded: int, num_tokens_padded: int, scheduler_output: Any) -> StepId | None:
@@ -403,18 +407,22 @@ class PrefixCacheRunnerMixin:
         manager = self._prefix_cache_manager
         if manager is None or _total_scheduled(scheduler_output) == 0:
             return None
-        counts: Mapping[ReqId, int] = scheduler_output.num_scheduled_tokens
-        view = FullAttentionGroupView(self.input_batch, self._prefix_cache_block_size)  # type: ignore[attr-defined]
-        # Token accounting is save_outputs' to refuse (check_prefix_cache_token_accounting's rules), once
-        # it holds the layout: the slots of a refused step must become absent.
-        layout = PrefixCacheSchedulerAdapter.build_write_layout(view, counts, token_tags=manager.keeps_token_tags,
-                                                                chains=manager.prompt_chains)
-        step_id = manager.save_outputs(hidden_states, dict(mm_outputs) if mm_outputs is not None else None,
-                                       num_tokens_unpadded=int(num_tokens_unpadded),
-                                       num_tokens_padded=int(num_tokens_padded), write_layout=layout)
-        assert self._prefix_cache_step_req_ids is not None
-        self._prefix_cache_step_req_ids[step_id] = tuple(layout.req_ids)
-        return step_id
+        try:
+            counts: Mapping[ReqId, int] = scheduler_output.num_scheduled_tokens
+            view = FullAttentionGroupView(self.input_batch, self._prefix_cache_block_size)  # type: ignore[attr-defined]
+            # Token accounting is save_outputs' to refuse (check_prefix_cache_token_accounting's rules), once
+            # it holds the layout: the slots of a refused step must become absent.
+            layout = PrefixCacheSchedulerAdapter.build_write_layout(view, counts, token_tags=manager.keeps_token_tags,
+                                                                    chains=manager.prompt_chains)
+            step_id = manager.save_outputs(hidden_states, dict(mm_outputs) if mm_outputs is not None else None,
+                                           num_tokens_unpadded=int(num_tokens_unpadded),
+                                           num_tokens_padded=int(num_tokens_padded), write_layout=layout)
+            assert self._prefix_cache_step_req_ids is not None
+            self._prefix_cache_step_req_ids[step_id] = tuple(layout.req_ids)
+            return step_id
+        except BaseException as exc:  # a signal handler's before the save: sticky, as in prefix_cache_step_begin
+            manager.note_interrupt("prefix_cache_save", exc)
+            raise
 
     def prefix_cache_save_time_req_ids(self, step_id: StepId) -> tuple[ReqId, ...]:
         """Request ids of ``step_id``'s save (batch order); KeyError if unknown or consumed."""

@@ -303,8 +303,20 @@ class OmniPrefixCacheRunnerHooks:
         """The runner's ``execute_model`` with the cache's step around it. ``kwargs``: the V2 runner's own
         (``dummy_run=True`` from its ``_dummy_run``: a warm-up or profile forward, passed straight through)."""
         so = scheduler_output
-        if self._passing_through or kwargs.get("dummy_run"):
-            return self._orig_execute(so, intermediate_tensors, **kwargs)
+        try:
+            if self._passing_through or kwargs.get("dummy_run"):
+                return self._orig_execute(so, intermediate_tensors, **kwargs)
+            return self._execute_step(so, intermediate_tensors, kwargs)
+        except BaseException as exc:
+            # A signal handler's exception anywhere in the step (the adapter, the forward, the layout) turns the
+            # cache sticky: cut between new_step_starts and save_outputs, an engine that went on was served the
+            # slots' previous tenant's rows (review, stop 58: a sweep of interrupts after every C call).
+            if self.manager is not None:
+                self.manager.note_interrupt("execute_model", exc)
+            raise
+
+    def _execute_step(self, so: Any, intermediate_tensors: Any, kwargs: dict[str, Any]) -> Any:
+        """``execute_model``'s step: the runner's forward with the cache's calls around it."""
         orig = functools.partial(self._orig_execute, **kwargs) if kwargs else self._orig_execute
         if self._mirror is not None:
             self._mirror.update(so)  # every real step, as the runner updates its own block table
