@@ -150,3 +150,36 @@ def test_the_adapter_commits_its_live_requests_last(monkeypatch):
     monkeypatch.undo()
     assert adapter.translate_scheduler_output(second) == expected
     assert k > 5, k
+
+
+class _FailingForward(_FamilyRunner):
+    """Its forward raises (an out-of-memory, say) once ``fail`` is set, after updating its states."""
+
+    fail = False
+
+    def execute_model(self, s, intermediate_tensors=None):
+        if self.fail:
+            self._update_states(s)
+            raise RuntimeError("forward failed")
+        return super().execute_model(s, intermediate_tensors)
+
+
+def test_a_forward_that_raises_in_a_hooked_step_turns_the_cache_sticky(committer, monkeypatch):
+    """Any exception between ``new_step_starts`` and ``save_outputs``, not a signal's only: the step's slots keep
+    their previous tenant's claims, so the cache turns sticky (``note_unsaved_step``). REVIEW (stop 58): an
+    engine that went on after a forward's ``RuntimeError`` was served A's rows as C's (no token ids)."""
+    monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
+    runner = _FailingForward(token_ids=False)
+    h = OmniPrefixCacheRunnerHooks(runner, cache=committer.name)
+    h.install()
+    try:
+        _step(runner, _so([("A", 8, 0, [0, 1])]))
+        runner.fail = True
+        with pytest.raises(RuntimeError, match="forward failed"):
+            _step(runner, _so([("B", 8, 0, [0, 1])], finished=["A"]))
+        runner.fail = False
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"step not saved \(sticky; .*execute_model ended in "
+                                                              r"RuntimeError after new_step_starts"):
+            _step(runner, _so([("C", 8, 4, [0, 2])], finished=["B"]))
+    finally:
+        h.uninstall()

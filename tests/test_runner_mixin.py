@@ -282,6 +282,28 @@ def test_an_interrupt_while_the_save_builds_its_layout_turns_the_cache_sticky(ru
         r.prefix_cache_step_begin(sched(cached=[("a", 6, [])], counts={"a": 1}))
 
 
+def test_an_exception_while_the_save_builds_its_layout_turns_the_cache_sticky(runner, monkeypatch):
+    """REVIEW (stop 58): any exception before the manager's save (here the layout's), not a signal's only, left
+    the step's slots under their previous tenant's claims with the cache usable."""
+    from omnishm.client.adapter import PrefixCacheSchedulerAdapter
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no layout")
+
+    r = runner()
+    r.tags.update(a=1)
+    so = sched(new=[("a", 0, [5, 2])], counts={"a": 6})
+    r.prefix_cache_step_begin(so)
+    r._update_states(so)
+    h, mm, n, pad = r._forward(so, padded=8)
+    monkeypatch.setattr(PrefixCacheSchedulerAdapter, "build_write_layout", broken)
+    with pytest.raises(RuntimeError, match="no layout"):
+        r.prefix_cache_save(h, mm, n, pad, so)
+    monkeypatch.undo()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"step not saved \(sticky; .*prefix_cache_save ended"):
+        r.prefix_cache_step_begin(sched(cached=[("a", 6, [])], counts={"a": 1}))
+
+
 def test_finish_is_seen_before_update_states_and_a_same_step_hit_reads_its_rows(runner):
     r = runner(SimpleNamespace(prefix_cache_deferred_mm_keys=("feat",)))
     r.tags.update(a=1, b=1)

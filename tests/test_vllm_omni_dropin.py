@@ -479,6 +479,33 @@ def test_an_interrupt_in_the_dropins_save_before_omnishms_turns_the_cache_sticky
         theirs.shutdown()
 
 
+def test_an_exception_in_the_dropins_save_before_omnishms_turns_the_cache_sticky(committer_factory, monkeypatch):
+    """REVIEW (stop 58): the drop-in's own code raising before omnishm's save (a leftover's clone out of memory,
+    here) took no step id and left the slots under their previous tenant's claims: c's hit on block 1 was
+    served y's rows. Now the cache turns sticky (``note_unsaved_step``)."""
+    from omnishm.integrations import vllm_omni as dropin_module
+
+    ours, theirs, view = managers(committer_factory(), 8, 64)
+    try:
+        ours.new_step_starts(_step(view, [("y", 0, [1], 16)], new=(("y", 0, [1]),)))
+        ours.discard_step(ours.save_outputs(torch.randn(16, 8), {}, num_tokens_unpadded=16, num_tokens_padded=16))
+        ours.new_step_starts(_step(view, [("b", 0, [1], 16)], new=(("b", 0, [1]),), finished=("y",)))
+
+        def out_of_memory(_leftover):
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(dropin_module, "_snapshot", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            ours.save_outputs(torch.randn(16, 8), {}, num_tokens_unpadded=16, num_tokens_padded=16)
+        monkeypatch.undo()
+        with pytest.raises(VO.OmniPrefixCacheUnmatchError, match=r"step not saved \(sticky; .*save_outputs ended in "
+                                                                  r"RuntimeError"):
+            ours.new_step_starts(_step(view, [("c", 16, [1, 2], 2)], new=(("c", 16, [1, 2]),), finished=("b",)))
+    finally:
+        ours.shutdown()
+        theirs.shutdown()
+
+
 def test_one_dimensional_hidden_states_are_refused_and_leave_the_key_alone(committer_factory):
     """vllm-omni refuses them; after a refactor the drop-in passed them on, and the cache then held the
     hidden states at width 1, refusing every later save."""

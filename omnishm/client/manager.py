@@ -622,6 +622,17 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, ReadSide):
         thread; an ``Exception`` changes nothing (each call refuses its own bad input)."""
         self._note_interrupt(call, exc, count=False)
 
+    def note_unsaved_step(self, call: str, exc: BaseException) -> None:
+        """An integration's code after ``new_step_starts`` ended in ``exc`` (any exception: a forward that
+        raised, a view or a copy of its own) before ``save_outputs`` took the step: the step's slots keep their
+        previous tenants' claims while the engine counts them written, and no save will make them absent, so the
+        cache turns sticky-fatal. A caller that went on was served the previous tenant's rows by a later hit
+        (review, stop 58). Engine thread; on a shut-down manager it changes nothing."""
+        if not self._closed:
+            self._set_fatal(f"{call} ended in {type(exc).__name__} after new_step_starts and before save_outputs "
+                            f"took the step: its slots are unknown ({exc})", step_id=self._next_step,
+                            what="step not saved")
+
     def _note_interrupt(self, call: str, exc: BaseException, step_id: StepId | None = None, *,
                         count: bool = True) -> None:
         """``call`` ended in ``exc`` on this thread: an ``OmniPrefixCacheUnmatchError`` is counted

@@ -146,6 +146,9 @@ class OmniPrefixCacheRunnerHooks:
     def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool | None = None,
                  held_bytes: int | None = None, held: "HeldResults | None" = None) -> None:
         self._passing_through = 0
+        self._step_unsaved = False
+        """Between this step's ``new_step_starts`` and its ``save_outputs``: an exception then turns the cache
+        sticky (``OmniPrefixCacheManager.note_unsaved_step``)."""
         """Nonzero inside ``passing_through`` (the worker's warm-up)."""
         self._mirror: BlockIdMirror | None = None
         """vLLM's V2 runner (``is_v2_runner``): each request's block ids, from the scheduler outputs; None on V1."""
@@ -303,16 +306,19 @@ class OmniPrefixCacheRunnerHooks:
         """The runner's ``execute_model`` with the cache's step around it. ``kwargs``: the V2 runner's own
         (``dummy_run=True`` from its ``_dummy_run``: a warm-up or profile forward, passed straight through)."""
         so = scheduler_output
+        self._step_unsaved = False
         try:
             if self._passing_through or kwargs.get("dummy_run"):
                 return self._orig_execute(so, intermediate_tensors, **kwargs)
             return self._execute_step(so, intermediate_tensors, kwargs)
         except BaseException as exc:
-            # A signal handler's exception anywhere in the step (the adapter, the forward, the layout) turns the
-            # cache sticky: cut between new_step_starts and save_outputs, an engine that went on was served the
+            # Any exception between new_step_starts and save_outputs (the forward, the layout) and a signal
+            # handler's anywhere in the step turn the cache sticky: an engine that went on was served the step's
             # slots' previous tenant's rows (review, stop 58: a sweep of interrupts after every C call).
             if self.manager is not None:
-                self.manager.note_interrupt("execute_model", exc)
+                self.manager.note_interrupt("execute_model", exc)  # first: a signal's says so
+                if self._step_unsaved:
+                    self.manager.note_unsaved_step("execute_model", exc)
             raise
 
     def _execute_step(self, so: Any, intermediate_tensors: Any, kwargs: dict[str, Any]) -> Any:
@@ -335,6 +341,7 @@ class OmniPrefixCacheRunnerHooks:
         if idle and not step.events:
             return orig(so, intermediate_tensors)
         manager.new_step_starts(step)  # before _update_states (inside orig) drops finished requests
+        self._step_unsaved = True  # until save_outputs has the step (it makes a refused step's slots absent)
         self.counters["steps"] += 1
         computed: dict[ReqId, int] = {}
         resumed: set[ReqId] = set()
@@ -360,9 +367,11 @@ class OmniPrefixCacheRunnerHooks:
 
         out = orig(so, intermediate_tensors)
         if n == 0:
+            self._step_unsaved = False  # nothing scheduled: no slot to write
             return out
         state = self.runner.execute_model_state
         if state is None:  # pooling / non-last PP rank returned early: no hidden states to save
+            self._step_unsaved = False
             return out
         hidden = state.hidden_states
         if self._mirror is not None:
@@ -373,6 +382,7 @@ class OmniPrefixCacheRunnerHooks:
                 raise RuntimeError("omnishm: the runner's input batch has no block table")
         layout = self._adapter.build_write_layout(view, so.num_scheduled_tokens, token_tags=manager.keeps_token_tags,
                                                   chains=manager.prompt_chains)
+        self._step_unsaved = False
         step_id = manager.save_outputs(hidden, None, num_tokens_unpadded=n,
                                        num_tokens_padded=int(hidden.shape[0]), write_layout=layout)
         self.counters["saves"] += 1

@@ -220,6 +220,7 @@ class VllmOmniPrefixCacheManager:
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None, *,
                      num_tokens_unpadded: int, num_tokens_padded: int) -> StepId:
         """Save the step (vllm-omni's signature); returns the step id to materialize or discard once."""
+        handed = False
         try:
             order = list(self._view.batch_req_ids())
             counts = {r: int(self._num_scheduled.get(r, 0)) for r in order}
@@ -265,6 +266,7 @@ class VllmOmniPrefixCacheManager:
                           and hidden_states.shape[0] >= n)
                 hidden = hidden_states[:n] if enough else hidden_states
             leftover, event = _snapshot(leftover)
+            handed = True  # from here omnishm's save answers for the step's slots (a refusal makes them absent)
             with self._errors():
                 sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=num_tokens_unpadded,
                                            num_tokens_padded=num_tokens_padded,
@@ -275,8 +277,10 @@ class VllmOmniPrefixCacheManager:
             with self._lock:
                 self._saved[sid] = _Saved(spans, n, leftover, event, empty, hidden is not None)
             return sid
-        except BaseException as exc:  # a signal handler's: sticky (OmniPrefixCacheManager.note_interrupt)
-            self._m.note_interrupt("save_outputs", exc)
+        except BaseException as exc:  # before omnishm's save, any exception: the step's slots are unknown
+            self._m.note_interrupt("save_outputs", exc)  # first: a signal's says so
+            if not handed:
+                self._m.note_unsaved_step("save_outputs", exc)
             raise
 
     def materialize(self, step_id: StepId, req_ids: list[ReqId]) -> Any:
