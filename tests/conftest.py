@@ -45,10 +45,11 @@ STOP_TIMEOUT_S = 15.0
 
 # pytest-timeout (120 s, pyproject) fails a test whose call hangs, by a signal in the main thread; it does not
 # bound that test's teardown afterwards, nor a hang in C code that never returns to Python. The watchdog below
-# does: a test still running (setup, call and teardown) after HANG_LIMIT_S has every thread's stack written to
-# HANG_DIR and its process ended (exit 1). Under xdist the controller prints those stacks in its summary (a
-# worker's own stderr is captured, and lost with it) and the run goes on, red, instead of hanging for good:
-# stop 57's CI sat at 1,309 of 1,320 tests until its 90-minute limit with nothing to tell where.
+# does: a test still running (setup, call and teardown) after HANG_LIMIT_S (``_hang_limit``) has every thread's
+# stack written to HANG_DIR and its process ended (exit 1). Under xdist the controller prints those stacks in its
+# summary (a worker's own stderr is captured, and lost with it) and the run goes on, red; a serial run (the vLLM
+# tier) cannot print its own, and .ci/run prints what it left in HANG_DIR. Before it, stop 57's CI sat at 1,309
+# of 1,320 tests until its 90-minute limit with nothing to tell where.
 HANG_LIMIT_S = float(os.environ.get("OMNISHM_TEST_HANG_LIMIT_S", "300"))  # the environment: for its own test
 if "OMNISHM_TEST_HANG_DIR" not in os.environ:  # the controller's (or a serial run's); xdist workers inherit it
     os.environ["OMNISHM_TEST_HANG_DIR"] = tempfile.mkdtemp(prefix="omnishm-hangs-")
@@ -89,6 +90,34 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def _hang_limit(item) -> float:
+    """HANG_LIMIT_S, or twice the test's own pytest-timeout (its mark, else the ini's) where that is longer: the
+    vLLM tier's engine tests allow themselves 300 and 420 s (review, stop 58: the watchdog ended them first)."""
+    mark = item.get_closest_marker("timeout")
+    own = (mark.args[0] if mark.args else mark.kwargs.get("timeout")) if mark is not None else None
+    try:
+        own = float(own if own is not None else item.config.getini("timeout") or 0)
+    except (TypeError, ValueError):
+        own = 0.0
+    return max(HANG_LIMIT_S, 2 * own)
+
+
+def _disarm() -> None:
+    if _hang_deadline is not None:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _rearm() -> None:
+    """The watchdog again, for what is left of the running test's limit (none armed between tests)."""
+    if _hang_deadline is not None and _hang_file is not None:
+        faulthandler.dump_traceback_later(max(0.1, _hang_deadline - time.monotonic()), exit=True, file=_hang_file)
+
+
+# A forked child that arms or cancels faulthandler's timer (a normal interpreter exit cancels it) waits for good on
+# the parent's watchdog thread, which it does not have (review, stop 58): the watchdog is off across a fork.
+os.register_at_fork(before=_disarm, after_in_parent=_rearm)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Arms the hang watchdog (HANG_LIMIT_S) around one test's setup, call and teardown."""
@@ -97,11 +126,12 @@ def pytest_runtest_protocol(item, nextitem):
         _hang_file = open(HANG_DIR / f"{os.getpid()}.txt", "w")  # noqa: SIM115 - open for the whole session
     _hang_file.seek(0)
     _hang_file.truncate()
-    _hang_file.write(f"{item.nodeid} was still running after {HANG_LIMIT_S:.0f} s; every thread's stack:\n")
+    limit = _hang_limit(item)
+    _hang_file.write(f"{item.nodeid} was still running after {limit:.0f} s; every thread's stack:\n")
     _hang_file.flush()
     global _hang_deadline
-    _hang_deadline = time.monotonic() + HANG_LIMIT_S
-    faulthandler.dump_traceback_later(HANG_LIMIT_S, exit=True, file=_hang_file)
+    _hang_deadline = time.monotonic() + limit
+    faulthandler.dump_traceback_later(limit, exit=True, file=_hang_file)
     try:
         yield
     finally:
@@ -114,8 +144,7 @@ def pytest_exception_interact(node, call, report):
     """pytest's faulthandler plugin cancels every pending dump when a test fails (for a debugger), which left
     the teardown after a pytest-timeout failure, the very case the watchdog is for, unwatched: re-armed here
     for what is left of the test's limit."""
-    if _hang_deadline is not None and _hang_file is not None:
-        faulthandler.dump_traceback_later(max(0.1, _hang_deadline - time.monotonic()), exit=True, file=_hang_file)
+    _rearm()
 
 
 def pytest_sessionfinish(session, exitstatus):

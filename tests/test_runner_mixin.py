@@ -263,32 +263,18 @@ def test_save_builds_the_layout_from_the_cpu_block_table(runner):
     r.prefix_cache_discard(sid2)
 
 
-def test_an_interrupt_while_the_save_builds_its_layout_turns_the_cache_sticky(runner, monkeypatch):
-    """REVIEW (stop 58): a signal handler's exception raised in ``prefix_cache_save`` before the manager's own
-    save (its layout, its token tags) left the step's slots under their previous tenant's claims and the cache
-    usable. Now the next step's call raises the sticky error."""
-    from omnishm.client.adapter import PrefixCacheSchedulerAdapter
-
-    r = runner()
-    r.tags.update(a=1)
-    so = sched(new=[("a", 0, [5, 2])], counts={"a": 6})
-    r.prefix_cache_step_begin(so)
-    r._update_states(so)
-    h, mm, n, pad = r._forward(so, padded=8)
-    interrupt_once(monkeypatch, PrefixCacheSchedulerAdapter, "build_write_layout")
-    with pytest.raises(KeyboardInterrupt):
-        r.prefix_cache_save(h, mm, n, pad, so)
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="prefix_cache_save was cut short by KeyboardInterrupt"):
-        r.prefix_cache_step_begin(sched(cached=[("a", 6, [])], counts={"a": 1}))
-
-
-def test_an_exception_while_the_save_builds_its_layout_turns_the_cache_sticky(runner, monkeypatch):
-    """REVIEW (stop 58): any exception before the manager's save (here the layout's), not a signal's only, left
-    the step's slots under their previous tenant's claims with the cache usable."""
+@pytest.mark.parametrize("cut, says", [
+    (KeyboardInterrupt, r"interrupted \(sticky; .*prefix_cache_save was cut short by KeyboardInterrupt"),
+    (RuntimeError, r"step not saved \(sticky; .*prefix_cache_save ended in RuntimeError"),
+], ids=["interrupt", "exception"])
+def test_an_exception_while_the_save_builds_its_layout_turns_the_cache_sticky(runner, monkeypatch, cut, says):
+    """REVIEW (stop 58): an exception raised in ``prefix_cache_save`` before the manager's own save (its layout,
+    its token tags), a signal handler's or any other, left the step's slots under their previous tenant's claims
+    and the cache usable. Now the next step's call raises the sticky error."""
     from omnishm.client.adapter import PrefixCacheSchedulerAdapter
 
     def broken(*_args, **_kwargs):
-        raise RuntimeError("no layout")
+        raise cut("no layout")
 
     r = runner()
     r.tags.update(a=1)
@@ -297,10 +283,10 @@ def test_an_exception_while_the_save_builds_its_layout_turns_the_cache_sticky(ru
     r._update_states(so)
     h, mm, n, pad = r._forward(so, padded=8)
     monkeypatch.setattr(PrefixCacheSchedulerAdapter, "build_write_layout", broken)
-    with pytest.raises(RuntimeError, match="no layout"):
+    with pytest.raises(cut, match="no layout"):
         r.prefix_cache_save(h, mm, n, pad, so)
     monkeypatch.undo()
-    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"step not saved \(sticky; .*prefix_cache_save ended"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=says):
         r.prefix_cache_step_begin(sched(cached=[("a", 6, [])], counts={"a": 1}))
 
 
