@@ -179,6 +179,9 @@ before = threads()
 config = PrefixCacheConfig(num_blocks=16, block_size=4, staging_capacity_tokens=32, staging_depth=3)
 m = OmniPrefixCacheManager(config, cache=sys.argv[1], endpoint=sys.argv[2], autostart=False)
 try:
+    while not {"ZMQbg/IO/0", "ZMQbg/Reaper"} <= {n for t, n in threads().items() if t not in before}:
+        assert time.monotonic() < deadline + 30, threads()  # named by libzmq once they run, as above
+        time.sleep(0.01)
     policy = lambda tid: os.sched_getscheduler(tid)
     ours = {name: policy(tid) for tid, name in threads().items() if tid not in before}
     ours["omnishm-link"] = policy(m._link._thread.native_id)  # Python's thread names are not the kernel's
