@@ -146,10 +146,10 @@ class OmniPrefixCacheRunnerHooks:
     def __init__(self, runner: Any, *, cache: str | None = None, capture_raw: bool | None = None,
                  held_bytes: int | None = None, held: "HeldResults | None" = None) -> None:
         self._passing_through = 0
+        """Nonzero inside ``passing_through`` (the worker's warm-up)."""
         self._step_unsaved = False
         """Between this step's ``new_step_starts`` and its ``save_outputs``: an exception then turns the cache
-        sticky (``OmniPrefixCacheManager.note_unsaved_step``)."""
-        """Nonzero inside ``passing_through`` (the worker's warm-up)."""
+        sticky (``OmniPrefixCacheManager.note_unsaved_step``). Reset as each ``execute_model`` begins."""
         self._mirror: BlockIdMirror | None = None
         """vLLM's V2 runner (``is_v2_runner``): each request's block ids, from the scheduler outputs; None on V1."""
         if is_v2_runner(runner):
@@ -367,11 +367,9 @@ class OmniPrefixCacheRunnerHooks:
 
         out = orig(so, intermediate_tensors)
         if n == 0:
-            self._step_unsaved = False  # nothing scheduled: no slot to write
             return out
         state = self.runner.execute_model_state
         if state is None:  # pooling / non-last PP rank returned early: no hidden states to save
-            self._step_unsaved = False
             return out
         hidden = state.hidden_states
         if self._mirror is not None:

@@ -220,68 +220,78 @@ class VllmOmniPrefixCacheManager:
     def save_outputs(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None, *,
                      num_tokens_unpadded: int, num_tokens_padded: int) -> StepId:
         """Save the step (vllm-omni's signature); returns the step id to materialize or discard once."""
-        handed = False
         try:
-            order = list(self._view.batch_req_ids())
-            counts = {r: int(self._num_scheduled.get(r, 0)) for r in order}
-            try:
-                n, padded = int(num_tokens_unpadded), int(num_tokens_padded)
-            except (TypeError, ValueError, OverflowError):
-                # The counts go to the manager as given: its save refuses them by name, taking the step id and making
-                # the step's slots absent. Raised here, before it, a later hit on them served their previous tenant's
-                # rows (review, stop 57). The layout is the scheduled tokens'.
-                n = padded = sum(counts.values())
-            spans, writes, start = {}, [], 0
-            for r in order:
-                spans[r] = (start, counts[r])
-                if counts[r] > 0:
-                    writes.append(PrefixCacheWrite(r, start, counts[r]))
-                start += counts[r]
-            tags = None  # rows' token tags (client/tokens.py): known through omnishm's own view of the batch only,
-            # and kept by the writer only
-            if n <= 0:
-                slots = torch.empty(0, dtype=torch.int64)
-            elif self._ours is not None and self._ours.batch_req_ids == order:
-                ordered = [counts[r] for r in order]
-                with self._errors():
-                    slots = self._ours.step_slots_cpu(ordered)
-                    if self._m.keeps_token_tags:
-                        tags = self._ours.step_token_tags_cpu(ordered, self._m.prompt_chains)
-            else:
-                slots = self._view.step_slots_cpu(order, counts)
-            rows: dict[str, torch.Tensor] = {}
-            leftover: dict[str, Any] = {}
-            for key, value in (mm_outputs or {}).items():
-                if key == HIDDEN_KEY:
-                    continue  # vllm-omni ignores it too
-                if isinstance(value, torch.Tensor) and value.dim() >= 2 and int(value.shape[0]) in (n, padded) and n:
-                    rows[key] = value
-                else:
-                    leftover[key] = value
-            hidden = None
-            if self._hidden and hidden_states is not None and n:
-                # Too few rows, or slots that disagree with n, are the manager's to refuse: a refused save's slots
-                # must become absent (a later hit on them would serve their previous tenant's rows).
-                enough = (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
-                          and hidden_states.shape[0] >= n)
-                hidden = hidden_states[:n] if enough else hidden_states
-            leftover, event = _snapshot(leftover)
-            handed = True  # from here omnishm's save answers for the step's slots (a refusal makes them absent)
-            with self._errors():
-                sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=num_tokens_unpadded,
-                                           num_tokens_padded=num_tokens_padded,
-                                           write_layout=PrefixCacheWriteLayout(tuple(writes), slots, tags))
-            empty = {key: v.new_empty((0, *v.shape[1:]), device="cpu") for key, v in rows.items()}
-            if hidden is not None:
-                empty[HIDDEN_KEY] = hidden.new_empty((0, *hidden.shape[1:]), device="cpu")
-            with self._lock:
-                self._saved[sid] = _Saved(spans, n, leftover, event, empty, hidden is not None)
-            return sid
+            hidden, rows, layout, saved = self._prepare_save(hidden_states, mm_outputs, num_tokens_unpadded,
+                                                             num_tokens_padded)
         except BaseException as exc:  # before omnishm's save, any exception: the step's slots are unknown
             self._m.note_interrupt("save_outputs", exc)  # first: a signal's says so
-            if not handed:
-                self._m.note_unsaved_step("save_outputs", exc)
+            self._m.note_unsaved_step("save_outputs", exc)
             raise
+        try:  # from here omnishm's save answers for the step's slots (a refusal makes them absent)
+            with self._errors():
+                sid = self._m.save_outputs(hidden, rows, num_tokens_unpadded=num_tokens_unpadded,
+                                           num_tokens_padded=num_tokens_padded, write_layout=layout)
+            with self._lock:
+                self._saved[sid] = saved
+            return sid
+        except BaseException as exc:  # a signal handler's: sticky (OmniPrefixCacheManager.note_interrupt)
+            self._m.note_interrupt("save_outputs", exc)
+            raise
+
+    def _prepare_save(self, hidden_states: torch.Tensor | None, mm_outputs: Mapping[str, Any] | None,
+                      num_tokens_unpadded: Any, num_tokens_padded: Any
+                      ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor], PrefixCacheWriteLayout, _Saved]:
+        """``save_outputs``' work before omnishm's save: the rows to save, the step's layout in vllm-omni's batch
+        order, and what ``materialize`` needs beyond omnishm's step (the leftovers, snapshotted)."""
+        order = list(self._view.batch_req_ids())
+        counts = {r: int(self._num_scheduled.get(r, 0)) for r in order}
+        try:
+            n, padded = int(num_tokens_unpadded), int(num_tokens_padded)
+        except (TypeError, ValueError, OverflowError):
+            # The counts go to the manager as given: its save refuses them by name, taking the step id and making
+            # the step's slots absent. Raised here, before it, a later hit on them served their previous tenant's
+            # rows (review, stop 57). The layout is the scheduled tokens'.
+            n = padded = sum(counts.values())
+        spans, writes, start = {}, [], 0
+        for r in order:
+            spans[r] = (start, counts[r])
+            if counts[r] > 0:
+                writes.append(PrefixCacheWrite(r, start, counts[r]))
+            start += counts[r]
+        tags = None  # rows' token tags (client/tokens.py): known through omnishm's own view of the batch only,
+        # and kept by the writer only
+        if n <= 0:
+            slots = torch.empty(0, dtype=torch.int64)
+        elif self._ours is not None and self._ours.batch_req_ids == order:
+            ordered = [counts[r] for r in order]
+            with self._errors():
+                slots = self._ours.step_slots_cpu(ordered)
+                if self._m.keeps_token_tags:
+                    tags = self._ours.step_token_tags_cpu(ordered, self._m.prompt_chains)
+        else:
+            slots = self._view.step_slots_cpu(order, counts)
+        rows: dict[str, torch.Tensor] = {}
+        leftover: dict[str, Any] = {}
+        for key, value in (mm_outputs or {}).items():
+            if key == HIDDEN_KEY:
+                continue  # vllm-omni ignores it too
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and int(value.shape[0]) in (n, padded) and n:
+                rows[key] = value
+            else:
+                leftover[key] = value
+        hidden = None
+        if self._hidden and hidden_states is not None and n:
+            # Too few rows, or slots that disagree with n, are the manager's to refuse: a refused save's slots
+            # must become absent (a later hit on them would serve their previous tenant's rows).
+            enough = (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
+                      and hidden_states.shape[0] >= n)
+            hidden = hidden_states[:n] if enough else hidden_states
+        leftover, event = _snapshot(leftover)
+        empty = {key: v.new_empty((0, *v.shape[1:]), device="cpu") for key, v in rows.items()}
+        if isinstance(hidden, torch.Tensor):  # another type is omnishm's save's to refuse, by name
+            empty[HIDDEN_KEY] = hidden.new_empty((0, *hidden.shape[1:]), device="cpu")
+        return (hidden, rows, PrefixCacheWriteLayout(tuple(writes), slots, tags),
+                _Saved(spans, n, leftover, event, empty, hidden is not None))
 
     def materialize(self, step_id: StepId, req_ids: list[ReqId]) -> Any:
         """vllm-omni's ``StageCacheOutputs(hidden_states, mm_outputs)``; consumes ``step_id`` once. Any thread.
