@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import omnishm.integrations.vllm as vllm_mod
+import omnishm.integrations.vllm_hooks as vllm_mod
 from manager_helpers import BS
 from omnishm.client import tokens as tok
 from omnishm.client.adapter import PrefixCacheEventKind as K

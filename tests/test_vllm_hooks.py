@@ -220,7 +220,7 @@ def test_the_hooks_pass_through_on_a_pipeline_stage_before_the_last(committer, m
     IntermediateTensors as the step's hidden states (broadcast_pp_output), and the hooks handed them to
     save_outputs, which raised inside execute_model. Such a stage has no hidden states to give: the hooks
     pass through there, and attach to no cache."""
-    import omnishm.integrations.vllm as hooks_module
+    import omnishm.integrations.vllm_hooks as hooks_module
 
     monkeypatch.setenv("OMNISHM_AUTOSTART", "0")
     monkeypatch.setattr(hooks_module, "vllm_last_pp_stage", lambda: False)

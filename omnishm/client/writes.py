@@ -86,7 +86,7 @@ class RowSource:
 @dataclass(eq=False)
 class HeldRows:
     """One step's clone of one deferred key, which each of that step's requests' chunks holds a slice of: all of
-    it stays allocated while any chunk does. ``WriterSide`` counts its ``nbytes`` once in ``_pending_bytes``
+    it stays allocated while any chunk does. ``DeferredWrites`` counts its ``nbytes`` once in ``_pending_bytes``
     while an open write's chunk holds it (``open_chunks``), and once in ``_held_bytes`` until the last write
     holding a chunk of it has landed or failed (``chunks``). Both under the manager's state lock."""
 

@@ -2,8 +2,8 @@
 
 ``HeldResults`` bounds the completed prompts' rows a worker keeps until a caller takes them;
 ``encode_tensor`` / ``decode_tensor`` / ``decode_results`` carry tensors across vLLM's msgpack RPC
-(the engine-core process boundary). Split out of ``integrations/vllm.py``: the hooks decide what
-completes, this module only holds and ships it. Import invariant: no vllm import.
+(the engine-core process boundary). Split out of ``integrations/vllm.py``: the hooks (``vllm_hooks.py``)
+decide what completes, this module only holds and ships it. Import invariant: no vllm import.
 """
 
 from __future__ import annotations
