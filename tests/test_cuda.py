@@ -153,3 +153,33 @@ def test_a_permuted_deferred_device_key_comes_back_exact(committer):
                              num_tokens_unpadded=n2, num_tokens_padded=pad2, write_layout=layout2)
         out = m.materialize(sid, ["b"])  # the hit reads the deferred rows the flusher wrote to the pool
         assert torch.equal(out.mm_outputs["b"]["feat3"][:8], feat3.cpu())
+
+
+def test_discarded_steps_behind_a_busy_stream_land_exact_rows(committer):
+    """REVIEW (stop 59, by reading): every other test here materializes its steps, and the materializing
+    thread sends each step once it waited the step's copy. A step nobody materializes is sent by the
+    ``omnishm-sender`` thread, and a deferred key's rows are copied by the flusher: each must wait its own
+    step's events. Steps saved behind a long kernel queue and discarded at once, their request finished so the
+    flusher copies its deferred rows: a later hit reads them all from the pool, exact (a send or a flush that
+    did not wait would have the committer commit a staging page or a flush region before the copy landed)."""
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=32, staging_depth=3)
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as m:
+        m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+        before = []
+        for i in range(4):
+            a, b = f"a{i}", f"b{i}"
+            m.new_step_starts(before + [started(a, [0, 1])])
+            h, mm, layout, n, pad = build([Part(a, i + 1, [0, 1], 0, 8)], BS)
+            torch.cuda._sleep(50_000_000)  # the step's rows and its copies queue behind it
+            sid = m.save_outputs(h.cuda(), {k: v.cuda() for k, v in mm.items()}, num_tokens_unpadded=n,
+                                 num_tokens_padded=pad, write_layout=layout)
+            m.discard_step(sid)  # nobody materializes it: the sender thread sends it
+            m.new_step_starts([finished(a), started(b, [0, 1, 2], hit=8)])  # the flusher copies a's rows
+            h2, mm2, layout2, n2, pad2 = build([Part(b, i + 1, [0, 1, 2], 8, 1)], BS)
+            sid = m.save_outputs(h2.cuda(), {k: v.cuda() for k, v in mm2.items()}, num_tokens_unpadded=n2,
+                                 num_tokens_padded=pad2, write_layout=layout2)
+            out = m.materialize(sid, [b])
+            assert torch.equal(out.hidden_states[b], expect(i + 1, 8, i + 1, 8, 1)), i
+            assert torch.equal(out.mm_outputs[b]["feat"], expect(i + 1, 8, i + 1, 8, 1, mm=True)), i
+            before = [finished(b)]
+        assert m.counters["deferred_flushes"] >= 4

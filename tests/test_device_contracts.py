@@ -18,8 +18,9 @@ import torch
 
 from manager_helpers import BS, MM_WIDTH, Part, build, extended, finished, rows, save, small_config, started
 from omnishm.client import ModelCachePolicy, OmniPrefixCacheManager
+from omnishm.client import device as device_module
 from omnishm.client.device import DONE, CpuOps, CudaOps, StepSender
-from test_device_order import FakeOps, LandsOnWait
+from test_device_order import FakeOps, LandsOnWait, StayOnDevice
 
 
 class RecordingOps(FakeOps):
@@ -175,7 +176,8 @@ def test_cuda_to_host_waits_a_host_event_first_and_records_its_completion_after_
         def query(self) -> bool:
             return True
 
-    monkeypatch.setattr(torch.cuda, "Event", Recorded)
+    monkeypatch.setattr(device_module, "DeviceEvent", Recorded)
+    monkeypatch.setattr(torch.cuda, "device", StayOnDevice)
     ops = object.__new__(CudaOps)
     ops.device = torch.device("cuda", 0)
     ops.copy_stream = torch.Stream(device="cpu")

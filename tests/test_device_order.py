@@ -44,6 +44,20 @@ class FakeEvent:
         assert self._done.wait(10), f"event {self.name} never completed"
 
 
+class StayOnDevice:
+    """``torch.cuda.device`` for the real ``CudaOps`` methods on a CPU build: no device to switch to
+    (tests/test_device_threads.py models the switch)."""
+
+    def __init__(self, device: object) -> None:
+        self.idx = -1
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
 class FakeOps:
     is_cuda = True  # take the device branches (device clone of deferred rows, etc.)
 
@@ -342,7 +356,8 @@ def test_cuda_ops_stage_a_host_key_beside_device_keys(monkeypatch):
         def record(self, stream=None) -> None:
             pass
 
-    monkeypatch.setattr(torch.cuda, "Event", Recorded)
+    monkeypatch.setattr(device_module, "DeviceEvent", Recorded)
+    monkeypatch.setattr(torch.cuda, "device", StayOnDevice)
     ops = object.__new__(CudaOps)
     ops.device = torch.device("cuda", 0)
     ops.copy_stream = torch.Stream(device="cpu")

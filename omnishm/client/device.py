@@ -29,6 +29,7 @@ fakes to check the order of waits, copies and sends.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import logging
@@ -127,8 +128,31 @@ class CpuOps:
         return True  # every copy was synchronous
 
 
+class DeviceEvent(torch.cuda.Event):
+    """A CUDA event waited (and queried) with its own device current, on whatever thread waits it.
+
+    ``cudaEventSynchronize`` runs in the calling thread's current device's context, and a thread that never
+    chose a device has device 0: omnishm's flusher and sender threads, and a caller's thread that
+    materializes. On TP rank r's process (its engine thread on ``cuda:r``) such a wait made GPU 0's primary
+    context, hundreds of MB of GPU 0 per rank that vLLM's memory planning never counted (review, stop 59).
+    Every event omnishm records is one of these."""
+
+    def synchronize(self) -> None:
+        with torch.cuda.device(self.device):
+            super().synchronize()
+
+    def query(self) -> bool:
+        with torch.cuda.device(self.device):
+            return super().query()
+
+
 class CudaOps:
-    """Real CUDA streams and events. Constructed only when rows live on a CUDA device."""
+    """Real CUDA streams and events. Constructed only when rows live on a CUDA device.
+
+    Any thread: every call runs with ``device`` current (``torch.cuda.device``) and restores the caller's
+    afterwards. A stream context on a thread whose current device is another (the flusher's, a caller's
+    materialize thread: device 0) restored that device's stream on exit, which made that device current for
+    good (``cudaSetDevice``, a primary context on GPU 0 for every rank; review, stop 59)."""
 
     is_cuda = True
 
@@ -152,12 +176,12 @@ class CudaOps:
         return rows.clone(memory_format=torch.contiguous_format)
 
     def record_freeze(self) -> Event:
-        event = torch.cuda.Event()
+        event = DeviceEvent()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Event) -> Event:
-        with torch.cuda.stream(self.copy_stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
             if isinstance(after, torch.cuda.Event):
                 self.copy_stream.wait_event(after)
             else:
@@ -167,24 +191,26 @@ class CudaOps:
                 if src.is_cuda:  # a host key's rows (a CPU clone) were copied at once; record_stream has no CPU kernel
                     # The clone must outlive the copy although the engine drops it.
                     src.record_stream(self.copy_stream)
-            done = torch.cuda.Event()
+            done = DeviceEvent()
             done.record(self.copy_stream)
         return done
 
     def read_rows(self, rows: torch.Tensor, index: torch.Tensor | None = None, after: Event = DONE) -> torch.Tensor:
         if not rows.is_cuda:
             return rows.index_select(0, index) if index is not None else rows.clone()
-        with torch.cuda.stream(self.read_stream):
-            if isinstance(after, torch.cuda.Event):
-                self.read_stream.wait_event(after)
-            else:
-                after.synchronize()
-            src = rows.index_select(0, index.to(rows.device)) if index is not None else rows
-            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-            out.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.read_stream)
-        done.synchronize()  # a read of in-flight rows: only the materializing thread waits
+        # The pinned result too: the host allocator's cudaHostAlloc runs in the current device's context.
+        with torch.cuda.device(self.device):
+            with torch.cuda.stream(self.read_stream):
+                if isinstance(after, torch.cuda.Event):
+                    self.read_stream.wait_event(after)
+                else:
+                    after.synchronize()
+                src = rows.index_select(0, index.to(rows.device)) if index is not None else rows
+                out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                out.copy_(src, non_blocking=True)
+                done = DeviceEvent()
+                done.record(self.read_stream)
+            done.synchronize()  # a read of in-flight rows: only the materializing thread waits
         return out
 
     def drain(self, timeout_s: float) -> bool:
@@ -199,10 +225,11 @@ class CudaOps:
         if not value.is_cuda:
             return value.clone(), DONE
         self._check_device(value)
-        out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-        out.copy_(value, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device):
+            out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            out.copy_(value, non_blocking=True)
+            event = DeviceEvent()
+            event.record(torch.cuda.current_stream(self.device))
         return out, event
 
 
@@ -386,8 +413,11 @@ def unregister_after_drain(ops: "DeviceOps | None", registrations: list["HostReg
             return f"device copies still queued after {timeout_s:.1f}s"
     except Exception as exc:
         return f"the copy streams failed: {exc}"
-    for reg in registrations:  # before the mappings can go away
-        reg.unregister()
+    # In the rows' device's context: shutdown may run on any thread, and one that never chose a device made
+    # GPU 0's primary context for this call (``DeviceEvent``).
+    with torch.cuda.device(ops.device) if isinstance(ops, CudaOps) else contextlib.nullcontext():
+        for reg in registrations:  # before the mappings can go away
+            reg.unregister()
     return ""
 
 

@@ -52,6 +52,7 @@ import torch
 
 from omnishm.client.adapter import (PrefixCacheEventKind, PrefixCacheSchedulerAdapter, PrefixCacheStep,
                                     PrefixCacheWrite, PrefixCacheWriteLayout)
+from omnishm.client.device import DeviceEvent
 from omnishm.client.group_view import (
     FullAttentionGroupView,
     PrefixCacheConfigError,
@@ -419,7 +420,7 @@ def _snapshot(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     out = _map_tensors(copy, values)
     event = None
     if cuda:
-        event = torch.cuda.Event()
+        event = DeviceEvent()  # waited with its device current, whichever thread waits it
         event.record()
     return out, event
 
