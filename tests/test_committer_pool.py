@@ -213,3 +213,25 @@ def test_a_malformed_recorded_process_is_adopted_as_unknown(pool, pid, started):
     adopted = CachePool.adopt(pool.name, pool.generation)
     assert adopted.writers["odd"] == WriterRecord(3, 4, 0, None)
     assert adopted.writers["good"] == WriterRecord(3, 4, 4242, "123")
+
+
+def test_a_key_its_metadata_cannot_record_is_refused_and_leaves_nothing(pool, monkeypatch):
+    """REVIEW (stop 59, by reading): ``open_key`` ignored a failed metadata save, and handed out segments no
+    metadata named, which an adoption unlinks while clients map them. It refuses the key now (``meta``), keeps
+    no segment and no spec of it, and the same key opens once the metadata can be saved."""
+    pool.set_layout(protocol.Layout(4, 4))
+    before = set(shm.list_segments(pool.name))
+    real = meta.write
+
+    def full(mm, doc, seq):
+        raise meta.MetaError("cache metadata of 70000 bytes does not fit a 65536-byte slot")
+
+    monkeypatch.setattr(meta, "write", full)
+    with pytest.raises(PoolError) as exc:
+        pool.open_key("h", KEY_H)
+    assert exc.value.code == "meta" and "'h'" in exc.value.message
+    assert set(shm.list_segments(pool.name)) == before and "h" not in pool.keys and "h" not in pool.key_specs
+    monkeypatch.setattr(meta, "write", real)
+    assert pool.open_key("h", KEY_H).index == 0
+    _, doc = meta.read(pool.ctl_seg.mmap)
+    assert [k[0] for k in doc["keys"]] == ["h"]

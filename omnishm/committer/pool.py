@@ -360,11 +360,25 @@ class CachePool(StepApply):
         state = KeyState(index=index, name=key, dtype_name=dtype, width=width, row_shape=shape,
                          pool_seg=pool_seg, claim_seg=claim_seg, commit_seg=commit_seg, claim=claim, commit=commit,
                          row_bytes=row_bytes)
+        declared = self.key_specs.get(key)
         self.keys[key] = state
         self.key_specs[key] = protocol.KeySpec(dtype, width, shape)
+        if not self.save_meta():
+            # Unrecorded segments are unlinked by an adoption while clients map them: a restarted committer
+            # would open the key again on new ones and a reader keep the old (review, stop 59: by reading; the
+            # limits keep the metadata under its slot). Refused now, nothing of it is kept or handed out.
+            del self.keys[key]
+            if declared is None:
+                del self.key_specs[key]
+            else:
+                self.key_specs[key] = declared
+            for seg in made:
+                seg.unlink()
+                seg.close()
+            raise PoolError("meta", f"cache {self.name} cannot record key {key!r} in its metadata (see the "
+                                    f"committer log); a restart could not adopt it")
         logger.info("cache %s: opened key %r %s rows of shape %s, %d slots, %.1f MiB pool", self.name, key, dtype,
                     shape, n, n * row_bytes / 2**20)
-        self.save_meta()
         return state
 
     def ensure_staging(self, client_id: str, state: KeyState, rows: int) -> Staging:
