@@ -179,6 +179,10 @@ KNOBS: tuple[Knob, ...] = (
          "exit once the last writer/reader left (after one attached), or when none attached within 60 s "
          "(an autostarted one: or once the process that started it is gone)",
          scope="committer"),
+    Knob("exit_with_parent", "bool", False,
+         "stop, as on SIGTERM (every segment unlinked), once the process that started it is gone: for a "
+         "supervisor or a test run whose crash must leave nothing behind (an autostarted one ignores it: it "
+         "watches its client instead)", scope="committer"),
     Knob("prefault", "bool", False, "fault every pool page in at creation; the committer's loop answers nothing "
          "meanwhile (0.3-1.2 s per GiB of a key's pool): keep heartbeat_timeout_s above that for the largest key, "
          "or its clients resume", scope="committer"),

@@ -273,3 +273,50 @@ def test_restore_leaves_a_handler_python_cannot_put_back_as_it_is():
     finally:
         early_stop.restore(old)
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+_CHILD_OF_A_SUPERVISOR = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-m", "omnishm.committer", *sys.argv[1:]]).wait()
+"""
+
+
+def _state(pid: int) -> str:
+    """Process ``pid``'s state letter ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.rfind(b")") + 2:][:1].decode()
+
+
+def test_a_committer_whose_parent_is_killed_stops_cleanly_with_exit_with_parent(committer_factory):
+    """A supervisor or a test run killed outright (SIGKILL: no teardown) left the committers it started running,
+    their segments in /dev/shm for good. ``--exit-with-parent`` stops the committer as SIGTERM does once its
+    parent is gone: the segments of a writer's key unlinked, its socket and lock removed, exit 0 (its new parent
+    reaps it). The suite's own committers run with it (tests/conftest.py)."""
+    handle = committer_factory(python_args=("-c", _CHILD_OF_A_SUPERVISOR))  # with --exit-with-parent, as all
+    supervisor = handle.proc.pid
+    with open(f"/proc/{supervisor}/task/{supervisor}/children") as f:
+        (pid,) = [int(p) for p in f.read().split()]
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    try:
+        writer.open_key("k", "float32", 4)
+        assert shm.list_segments(handle.name)
+        handle.proc.kill()
+        handle.proc.wait()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while _state(pid) not in ("", "Z") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        left = _state(pid) not in ("", "Z")
+        if left:  # the committer_factory no longer knows it: stopped here, so that it leaves nothing either
+            os.kill(pid, signal.SIGTERM)
+            while _state(pid) not in ("", "Z"):
+                time.sleep(0.01)
+        assert not left, f"committer {pid} still ran {START_TIMEOUT_S}s after its parent was killed:\n{handle.log()}"
+    finally:
+        writer.raw.close()
+    assert shm.list_segments(handle.name) == [], handle.log()
+    assert [f for f in os.listdir(RUNTIME_DIR) if f.startswith(f"{handle.name}.")] == []
+    assert "parent gone" in handle.log(), handle.log()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,9 @@ class CommitterConfig:
     spawned_by: int = 0
     """pid of the client process that autostarted this committer, 0 when not autostarted. Not its parent:
     autostart detaches it (``client/committer_process.py``)."""
+    parent_pid: int = 0
+    """``exit_with_parent``: the parent this process had when its options were read, whose end stops it (the
+    loop sees another parent: ``server.Committer.run``); 0: none watched."""
     spawned_by_start: str = ""
     """That process's start time (``liveness.proc_identity``) when the client passed one: the committer then
     tells that very process from a later one under the same pid. Without it, only a parent is recognised."""
@@ -112,12 +116,15 @@ def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterCo
         from omnishm.committer.metrics import require_prometheus
 
         require_prometheus()
+    # An autostarted committer's parent is the shell that detached it, gone at once: it watches its client.
+    parent_pid = os.getppid() if getattr(args, "exit_with_parent", False) and not spawned_by else 0
     return CommitterConfig(name=args.name, runtime_dir=runtime_dir, endpoint=endpoint,
                            heartbeat_s=float(args.heartbeat_s),
                            heartbeat_timeout_s=float(args.heartbeat_timeout_s),
                            exit_when_idle=bool(args.exit_when_idle), prefault=bool(args.prefault),
                            log_level=args.log_level, metrics_port=int(args.metrics_port),
-                           metrics_host=args.metrics_host, spawned_by=spawned_by, spawned_by_start=spawned_by_start)
+                           metrics_host=args.metrics_host, spawned_by=spawned_by, spawned_by_start=spawned_by_start,
+                           parent_pid=parent_pid)
 
 
 def setup_logging(level: str) -> None:

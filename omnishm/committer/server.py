@@ -225,6 +225,11 @@ class Committer(Attach):
                 self.serve_pending(time.monotonic() + SERVE_ROUND_S)
                 self.reap()
                 self.obs.tick(time.monotonic())
+                if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:  # one syscall a round
+                    logger.info("committer %s: the process that started it (pid %d) is gone; stopping as on "
+                                "SIGTERM (--exit-with-parent)", self.name, self.cfg.parent_pid)
+                    self.stopping = True  # the loop ends, and answers what is sent until quiet, as on a signal
+                    self.stop_reason = "parent gone"
                 reason = self._done_serving(started) if self.cfg.exit_when_idle and not self.stopping else ""
                 if reason:
                     # Answer what came in since the check. A writer or reader welcomed now (a new rank, a
@@ -237,7 +242,8 @@ class Committer(Attach):
                         self.stop_reason = reason
                         break
             else:
-                # Stopped by a signal: handle (and answer) everything already sent to it before unlinking.
+                # Stopped by a signal (or its parent gone): handle (and answer) everything already sent to it before
+                # unlinking.
                 self._serve_until_quiet()
         finally:
             signal.set_wakeup_fd(old_fd)
