@@ -62,6 +62,19 @@ def test_committer_parser_applies_precedence_and_no_flag_beats_env(tmp_path, mon
     assert cfg.endpoint == f"ipc://{tmp_path / 'flag.sock'}" and cfg.metrics_port == 9200
 
 
+def test_exit_with_parent_watches_the_parent_unless_autostarted(tmp_path, monkeypatch):
+    """``--exit-with-parent`` (or its variable) records this process's parent; an autostarted committer
+    (``--spawned-by``) ignores it: its parent is the shell that detached it, gone at once, and it watches the
+    client that started it instead."""
+    monkeypatch.setenv("OMNISHM_EXIT_WITH_PARENT", "1")
+    cfg = config_from_args(build_parser().parse_args(["--name", "p"]), tmp_path)
+    assert cfg.parent_pid == os.getppid() != 0
+    cfg = config_from_args(build_parser().parse_args(["--name", "p", "--spawned-by", "123"]), tmp_path)
+    assert cfg.parent_pid == 0 and cfg.spawned_by == 123
+    cfg = config_from_args(build_parser().parse_args(["--name", "p", "--no-exit-with-parent"]), tmp_path)
+    assert cfg.parent_pid == 0
+
+
 def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):
     path = write(tmp_path, "staging_depth = 6\nstaging_claim_timeout_s = 2.5\ncommit_timeout_s = 9\n"
                            "autostart = false\n")
