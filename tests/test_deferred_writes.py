@@ -429,14 +429,21 @@ def test_a_deferred_write_larger_than_the_flush_region_lands_whole_and_bit_exact
     m.wait_idle()
 
 
-def test_a_runner_rewriting_its_slot_tensor_after_a_save_never_moves_the_deferred_rows(mgr):
+@pytest.mark.parametrize("large", [False, True], ids=["small-step", "large-step"])
+def test_a_runner_rewriting_its_slot_tensor_after_a_save_never_moves_the_deferred_rows(mgr, monkeypatch, large):
     """A runner may reuse (rewrite in place) the slot tensor of its write layout for its next step once
     ``save_outputs`` returned: the deferred (JOIN_ON_FINISH) write keeps its own copy of the step's slots,
     so when the request ends its rows land at the slots they were saved at, bit for bit, and the slots
     the tensor names afterwards get nothing. Mutation review (2026-12-06): a small step's deferred chunks kept slices of the
-    caller's tensor (no copy), and the rows went to whatever slots it named when the write was flushed."""
+    caller's tensor (no copy), and the rows went to whatever slots it named when the write was flushed. A large
+    step (over ``steps._SMALL_STEP`` tokens) slices the copy ``_check_slots`` makes (mutation review, stop 59:
+    that copy dropped passed every test)."""
     from manager_helpers import MM_WIDTH, build, rows
 
+    from omnishm.client import steps as steps_module
+
+    if large:
+        monkeypatch.setattr(steps_module, "_SMALL_STEP", 0)
     m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
     m.new_step_starts([started("a", [0])])
     h, mm, layout, n, pad = build([Part("a", 1, [0], 0, 4)], BS)
@@ -583,5 +590,94 @@ def test_a_save_waiting_for_deferred_room_goes_on_once_the_held_bytes_reach_the_
         feat, slots = m._keys["feat"], torch.arange(0, 16)
         assert torch.equal(feat.commit[slots], feat.claim[slots])
         assert torch.equal(feat.pool[:16], torch.cat([rows(500 + t, range(4), 3) for t in (1, 2, 3, 4)]))
+    finally:
+        m.shutdown()
+
+
+def test_every_write_a_late_hand_over_could_not_give_the_flusher_fails(mgr, monkeypatch):
+    """``_flush``, finding the flusher stopped by another thread's shutdown, fails every write it still holds:
+    two requests end in one ``new_step_starts`` racing a shutdown, and both writes' futures complete with the
+    error and give their clones back, instead of waiting for good on a stopped flusher (mutation review, stop
+    59: failing only the first passed every test, which closed one write)."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1]), started("b", [4, 5])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4), Part("b", 2, [4, 5], 0, 4)], BS))
+    m.wait_idle()
+    tasks = list(m._open.values())
+    assert len(tasks) == 2
+    closed, go_on = threading.Event(), threading.Event()
+    real_flush, engine = m._flush, {}
+
+    def held_flush(ts):  # the engine's hand-over only, once new_step_starts closed both writes
+        if ts and threading.current_thread() is engine["thread"]:
+            closed.set()
+            assert go_on.wait(10)
+        real_flush(ts)
+
+    monkeypatch.setattr(m, "_flush", held_flush)
+
+    def step():
+        try:
+            m.new_step_starts([finished("a"), finished("b")])
+        except RuntimeError as exc:
+            engine["raised"] = str(exc)
+
+    engine["thread"] = threading.Thread(target=step)
+    engine["thread"].start()
+    assert closed.wait(10)
+    stopper = threading.Thread(target=m.shutdown)
+    stopper.start()
+    stopper.join(15)
+    assert not stopper.is_alive()
+    go_on.set()
+    engine["thread"].join(15)
+    assert engine.get("raised", "").endswith("manager is shut down"), engine
+    for t in tasks:
+        assert t.done.done() and isinstance(t.done.exception(timeout=0), Exception), t.tid
+        assert t.tid not in m._closing
+    assert m._held_bytes == 0
+
+
+def test_a_write_handed_to_the_flusher_twice_lands_once_and_the_flusher_goes_on(mgr):
+    """A write handed over again after an interrupt (``_flush``) is done by its first outcome and the second is
+    dropped (``_on_task_done``): a's write handed over twice lands once, and b's write after it still lands
+    (mutation review, stop 59: without the check the second outcome completed the future again, the flusher
+    thread died, and no later write ever landed; no test saw it)."""
+    m = mgr(policy=ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([started("a", [0, 1])])
+    m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))
+    with m._lock:
+        (task,) = m._close_request_locked("a")
+    m._flush([task, task])  # as after an interrupt between the put and its bookkeeping
+    m.wait_idle()
+    assert task.done.done() and task.done.exception(timeout=0) is None
+    assert m._held_bytes == 0 and not m._closing
+    m.new_step_starts([started("b", [4, 5])])
+    m.discard_step(save(m, [Part("b", 2, [4, 5], 0, 4)], BS))
+    m.new_step_starts([finished("b")])
+    m.wait_idle()
+    assert bool(_landed(m._keys["feat"], torch.arange(16, 20)).all()), "b's write never landed"
+    assert m._held_bytes == 0
+
+
+def test_an_eager_writer_hears_a_deferred_write_that_does_not_land_in_new_step_starts(committer_factory):
+    """Eager mode: ``new_step_starts`` hands a finished request's deferred write over and waits until it landed
+    (``_join_flushed``), raising when it does not within ``commit_timeout_s``: here the committer is stopped
+    (SIGSTOP) (mutation review, stop 59: the wait skipped passed every test, and new_step_starts returned at once
+    with the write not landed and nothing said)."""
+    handle = committer_factory()
+    m = OmniPrefixCacheManager(quick_config(commit_timeout_s=1.0), cache=handle.name, autostart=False, eager=True)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    try:
+        m.new_step_starts([started("a", [0, 1])])
+        m.discard_step(save(m, [Part("a", 1, [0, 1], 0, 4)], BS))
+        m.wait_idle()
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            wait_stopped(handle.proc.pid)
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="not acknowledged"):
+                m.new_step_starts([finished("a")])
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
     finally:
         m.shutdown()

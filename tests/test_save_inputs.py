@@ -770,3 +770,17 @@ def test_a_save_refused_for_a_slot_past_the_pool_leaves_the_writer_healthy(mgr):
     m.discard_step(save(m, [Part("c", 3, [2], 0, 4)], BS))
     m.wait_idle()
     assert torch.equal(m._keys[HIDDEN_KEY].pool[8:12], rows(3, range(4)))
+
+
+def test_a_save_whose_padded_count_is_below_its_unpadded_count_is_refused(mgr):
+    """num_tokens_padded=3 with num_tokens_unpadded=4: hidden states of 3 rows would pass the row-count check
+    (as "padded" rows) and keep 3 rows for 4 slots; the save is refused before its id is issued (mutation
+    review, stop 59: ``_check_layout`` without ``padded < n`` passed every test, and the mutant failed the
+    save after the id was issued, the writer's cache turned sticky-fatal)."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    _, _, layout, n, _ = build([Part("a", 1, [0], 0, 4)], BS)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="token accounting"):
+        m.save_outputs(rows(1, range(3)), {}, num_tokens_unpadded=n, num_tokens_padded=n - 1, write_layout=layout)
+    m.new_step_starts([])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))  # the cache stays usable

@@ -460,3 +460,22 @@ def test_exact_only_tags_replace_the_slots_earlier_chains(mgr):
     sid = save_tagged(m, [Part("b", 3, [0, 1, 2], 8, 1)], {"b": TEMPLATE})
     assert torch.equal(m.materialize(sid, ["b"]).hidden_states["b"], expect(2, 8, 3, 8, 1))
     assert m.counters["token_mismatches"] == 0 and m.counters["token_checked_rows"] == 8
+
+
+def test_two_hits_of_one_prompt_on_other_blocks_are_each_checked(mgr):
+    """Hits of the same prompt ids share one tags array (``tokens.hits_token_tags``); ``_same_hits`` compares
+    such hits once only when they are on the same slots. c's hit, on blocks 3 and 4 that hold z's rows for other
+    tokens, is checked on its own and raises; b's, on a's rows of that prompt, is served (mutation review, stop
+    59: ``_same_hits`` taking the slots as equal passed every test, and served z's rows to c unchecked)."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1, 2]), started("z", [3, 4])])
+    m.discard_step(save_tagged(m, [Part("a", 1, [0, 1, 2], 0, 10), Part("z", 9, [3, 4], 0, 8)],
+                               {"a": PROMPT, "z": [7] * 8}))
+    m.new_step_starts([hit_event("b", [0, 1, 5], 8, PROMPT[:9]), hit_event("c", [3, 4, 6], 8, PROMPT[:9])])
+    sid = save_tagged(m, [Part("b", 1, [0, 1, 5], 8, 1), Part("c", 1, [3, 4, 6], 8, 1)],
+                      {"b": PROMPT[:9], "c": PROMPT[:9]})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="computed for other tokens"):
+        m.materialize(sid, ["c"])
+    m.new_step_starts([hit_event("d", [0, 1, 7], 8, PROMPT[:9])])
+    sid = save_tagged(m, [Part("d", 1, [0, 1, 7], 8, 1)], {"d": PROMPT[:9]})
+    assert torch.equal(m.materialize(sid, ["d"]).hidden_states["d"], expect(1, 8, 1, 8, 1))

@@ -902,6 +902,9 @@ def test_two_hit_plans_never_share_a_digest_through_an_id_that_holds_other_field
 
     crafted = "a\0" + BS.to_bytes(8, "little").decode("latin-1") + (0).to_bytes(8, "little").decode("latin-1") + "b"
     assert hits_digest({"a": span([0]), "b": span([1])}, BS) != hits_digest({crafted: span([1])}, BS)
+    # Without a NUL: the id's own length must go in too (mutation review, stop 59: leaving it out passed).
+    bare = "a" + BS.to_bytes(8, "little").decode("latin-1") + (0).to_bytes(8, "little").decode("latin-1") + "b"
+    assert hits_digest({"a": span([0]), "b": span([1])}, BS) != hits_digest({bare: span([1])}, BS)
     assert hits_digest({"a": span([0]), "b": span([1])}, BS) == hits_digest({"b": span([1]), "a": span([0])}, BS)
     assert hits_digest({"a": span([0, 1])}, BS) != hits_digest({"a": span([1, 0])}, BS)
 

@@ -598,3 +598,24 @@ def test_a_ranks_disagree_refusal_names_request_tensor_and_step(committer):
     finally:
         w.shutdown()
         r.shutdown()
+
+
+def test_a_refused_saves_slots_keep_the_rows_an_earlier_pending_read_planned(mgr):
+    """A refused save's slots become absent (``_forget_refused``), copy-on-write first: b's step, saved before it
+    with a hit on block 0 and not materialized yet, still reads the rows it planned (mutation review, stop 59:
+    the rescue dropped passed every test, and b's read lost its planned rows)."""
+    from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
+
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    m.new_step_starts([started("b", [0, 2], hit=4)])
+    sid = save(m, [Part("b", 2, [0, 2], 4, 2)], BS)  # b's hit on block 0: a planned read, not made yet
+    m.new_step_starts([started("c", [3])])
+    h, mm, _, n, pad = build([Part("c", 3, [3], 0, 4)], BS)
+    bad = PrefixCacheWriteLayout((PrefixCacheWrite("c", 0, 4),), torch.tensor([0, 1, 0, 3]))  # slot 0 twice
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="slot twice"):
+        m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=bad)
+    out = m.materialize(sid, ["b"])
+    assert torch.equal(out.hidden_states["b"], expect(1, 4, 2, 4, 2)) and out.num_hit_tokens["b"] == 4
