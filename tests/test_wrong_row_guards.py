@@ -619,3 +619,28 @@ def test_a_refused_saves_slots_keep_the_rows_an_earlier_pending_read_planned(mgr
         m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=bad)
     out = m.materialize(sid, ["b"])
     assert torch.equal(out.hidden_states["b"], expect(1, 4, 2, 4, 2)) and out.num_hit_tokens["b"] == 4
+
+
+def test_a_refused_save_whose_slots_could_not_be_made_absent_is_not_published(mgr, monkeypatch):
+    """A writer publishes a refused save's step id only once its slots are absent (``_burn_step``): its readers'
+    waits for it then end at once. When they could not be cleared, the step stays unpublished, and a reader
+    with a hit in that step waits out its bound and raises instead of reading the slots' previous tenant
+    (mutation review, stop 59: publishing it anyway passed every test)."""
+    from omnishm.client.adapter import PrefixCacheWrite, PrefixCacheWriteLayout
+
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    published = int(m._ctl_mv[protocol.CTL_PUBLISHED_STEP])
+
+    def cannot_clear(layout):
+        raise RuntimeError("the claim table could not be written")
+
+    monkeypatch.setattr(m, "_forget_refused", cannot_clear)
+    m.new_step_starts([started("c", [3])])
+    h, mm, _, n, pad = build([Part("c", 3, [3], 0, 4)], BS)
+    bad = PrefixCacheWriteLayout((PrefixCacheWrite("c", 0, 4),), torch.tensor([12, 13, 12, 15]))  # a slot twice
+    with pytest.raises(RuntimeError, match="could not be written"):
+        m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=bad)
+    assert int(m._ctl_mv[protocol.CTL_PUBLISHED_STEP]) == published
+    assert m.unconsumed_step_ids() == []  # the id was taken all the same
