@@ -633,10 +633,10 @@ def test_a_refused_save_whose_slots_could_not_be_made_absent_is_not_published(mg
     m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
     published = int(m._ctl_mv[protocol.CTL_PUBLISHED_STEP])
 
-    def cannot_clear(layout):
+    def cannot_clear(slots):
         raise RuntimeError("the claim table could not be written")
 
-    monkeypatch.setattr(m, "_forget_refused", cannot_clear)
+    monkeypatch.setattr(m, "_make_absent", cannot_clear)
     m.new_step_starts([started("c", [3])])
     h, mm, _, n, pad = build([Part("c", 3, [3], 0, 4)], BS)
     bad = PrefixCacheWriteLayout((PrefixCacheWrite("c", 0, 4),), torch.tensor([12, 13, 12, 15]))  # a slot twice
@@ -644,3 +644,5 @@ def test_a_refused_save_whose_slots_could_not_be_made_absent_is_not_published(mg
         m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=pad, write_layout=bad)
     assert int(m._ctl_mv[protocol.CTL_PUBLISHED_STEP]) == published
     assert m.unconsumed_step_ids() == []  # the id was taken all the same
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="could not be made absent"):  # and the cache is sticky
+        m.new_step_starts([])
