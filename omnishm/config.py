@@ -181,7 +181,8 @@ KNOBS: tuple[Knob, ...] = (
          scope="committer"),
     Knob("exit_with_parent", "bool", False,
          "stop, as on SIGTERM (every segment unlinked), once the process that started it is gone: for a "
-         "supervisor or a test run whose crash must leave nothing behind (an autostarted one ignores it: it "
+         "supervisor or a test run whose crash must leave nothing behind; `--parent-pid PID` names that process, "
+         "so that one gone before the options were read is caught too (an autostarted committer ignores it: it "
          "watches its client instead)", scope="committer"),
     Knob("prefault", "bool", False, "fault every pool page in at creation; the committer's loop answers nothing "
          "meanwhile (0.3-1.2 s per GiB of a key's pool): keep heartbeat_timeout_s above that for the largest key, "

@@ -14,7 +14,8 @@
 # from the moment the interpreter runs (~0.1 s after the exec; a signal before that ends it by the default
 # action, exit 128+N, having made nothing). Exit 2: another committer already holds that cache name.
 # --exit-with-parent: it stops the same way once the process that ran this script is gone (a supervisor that died
-# with SIGKILL, say), instead of keeping the cache's segments until someone stops it.
+# with SIGKILL, say), instead of keeping the cache's segments until someone stops it; a shell that starts this script
+# as its child adds --parent-pid $$ (its own pid), so that it is caught also when gone while the interpreter starts.
 # PYTHON overrides the interpreter (default python3).
 set -euo pipefail
 exec "${PYTHON:-python3}" -m omnishm.committer "$@"

@@ -283,9 +283,10 @@ def start_committer(log_dir: Path, name: str | None = None, *extra: str, wait: b
     name = name or unique_cache_name()
     log_path = log_dir / f"{name}.{uuid.uuid4().hex[:6]}.log"
     with open(log_path, "wb") as log:
-        # --exit-with-parent: a run killed outright (no teardown) leaves no committer, and so no segment, behind.
-        proc = subprocess.Popen([sys.executable, *python_args, "--name", name,
-                                 "--runtime-dir", str(RUNTIME_DIR), "--exit-with-parent", *extra],
+        # --exit-with-parent: a run killed outright (no teardown) leaves no committer, and so no segment, behind,
+        # also one killed while the committer was still starting (--parent-pid).
+        proc = subprocess.Popen([sys.executable, *python_args, "--name", name, "--runtime-dir", str(RUNTIME_DIR),
+                                 "--exit-with-parent", "--parent-pid", str(os.getpid()), *extra],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     handle = CommitterHandle(name, paths.ipc_endpoint(RUNTIME_DIR, name), RUNTIME_DIR, proc, log_path)
     if wait:

@@ -275,9 +275,14 @@ def test_restore_leaves_a_handler_python_cannot_put_back_as_it_is():
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-_CHILD_OF_A_SUPERVISOR = """
-import subprocess, sys
-subprocess.Popen([sys.executable, "-m", "omnishm.committer", *sys.argv[1:]]).wait()
+_SUPERVISOR = """
+import os, subprocess, sys
+pid_file, args = sys.argv[1], sys.argv[2:]
+args[args.index("--parent-pid") + 1] = str(os.getpid())  # this process is the committer's parent
+child = subprocess.Popen([sys.executable, "-m", "omnishm.committer", *args])
+with open(pid_file + ".tmp", "w") as f:
+    f.write(str(child.pid))
+os.rename(pid_file + ".tmp", pid_file)
 """
 
 
@@ -291,32 +296,40 @@ def _state(pid: int) -> str:
     return text[text.rfind(b")") + 2:][:1].decode()
 
 
-def test_a_committer_whose_parent_is_killed_stops_cleanly_with_exit_with_parent(committer_factory):
+@pytest.mark.parametrize("when", ["running", "starting"])
+def test_a_committer_whose_parent_is_killed_stops_cleanly_with_exit_with_parent(committer_factory, tmp_path, when):
     """A supervisor or a test run killed outright (SIGKILL: no teardown) left the committers it started running,
     their segments in /dev/shm for good. ``--exit-with-parent`` stops the committer as SIGTERM does once its
     parent is gone: the segments of a writer's key unlinked, its socket and lock removed, exit 0 (its new parent
-    reaps it). The suite's own committers run with it (tests/conftest.py)."""
-    handle = committer_factory(python_args=("-c", _CHILD_OF_A_SUPERVISOR))  # with --exit-with-parent, as all
-    supervisor = handle.proc.pid
-    with open(f"/proc/{supervisor}/task/{supervisor}/children") as f:
-        (pid,) = [int(p) for p in f.read().split()]
-    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)
+    reaps it). Also a parent gone while the committer was still starting, before it read its options (its
+    parent was init's by then: review, stop 59): ``--parent-pid`` names the parent it must have. The suite's own
+    committers run with both (tests/conftest.py)."""
+    pid_file = tmp_path / "committer.pid"
+    script = _SUPERVISOR + ("child.wait()\n" if when == "running" else "os._exit(0)\n")
+    handle = committer_factory(python_args=("-c", script, str(pid_file)), wait=when == "running")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not pid_file.exists():
+        assert time.monotonic() < deadline and handle.proc.poll() in (None, 0), handle.log()
+        time.sleep(0.01)
+    pid = int(pid_file.read_text())
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8) if when == "running" else None
     try:
-        writer.open_key("k", "float32", 4)
-        assert shm.list_segments(handle.name)
-        handle.proc.kill()
+        if writer is not None:
+            writer.open_key("k", "float32", 4)
+            assert shm.list_segments(handle.name)
+            handle.proc.kill()
         handle.proc.wait()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while _state(pid) not in ("", "Z") and time.monotonic() < deadline:
+        while _state(pid) not in ("", "Z") and time.monotonic() < deadline + START_TIMEOUT_S:
             time.sleep(0.01)
         left = _state(pid) not in ("", "Z")
         if left:  # the committer_factory no longer knows it: stopped here, so that it leaves nothing either
             os.kill(pid, signal.SIGTERM)
             while _state(pid) not in ("", "Z"):
                 time.sleep(0.01)
-        assert not left, f"committer {pid} still ran {START_TIMEOUT_S}s after its parent was killed:\n{handle.log()}"
+        assert not left, f"committer {pid} still ran long after its parent was gone:\n{handle.log()}"
     finally:
-        writer.raw.close()
+        if writer is not None:
+            writer.raw.close()
     assert shm.list_segments(handle.name) == [], handle.log()
     assert [f for f in os.listdir(RUNTIME_DIR) if f.startswith(f"{handle.name}.")] == []
     assert "parent gone" in handle.log(), handle.log()

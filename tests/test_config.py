@@ -73,6 +73,10 @@ def test_exit_with_parent_watches_the_parent_unless_autostarted(tmp_path, monkey
     assert cfg.parent_pid == 0 and cfg.spawned_by == 123
     cfg = config_from_args(build_parser().parse_args(["--name", "p", "--no-exit-with-parent"]), tmp_path)
     assert cfg.parent_pid == 0
+    cfg = config_from_args(build_parser().parse_args(["--name", "p", "--parent-pid", "4321"]), tmp_path)
+    assert cfg.parent_pid == 4321  # the launcher's own pid, named: a parent gone before this is caught too
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--name", "p", "--parent-pid", "0"])
 
 
 def test_client_settings_and_prefix_cache_config_read_env_and_file(tmp_path):

@@ -46,8 +46,9 @@ class CommitterConfig:
     """pid of the client process that autostarted this committer, 0 when not autostarted. Not its parent:
     autostart detaches it (``client/committer_process.py``)."""
     parent_pid: int = 0
-    """``exit_with_parent``: the parent this process had when its options were read, whose end stops it (the
-    loop sees another parent: ``server.Committer.run``); 0: none watched."""
+    """``exit_with_parent``: the parent whose end stops this process (the loop sees another parent:
+    ``server.Committer.run``), as ``--parent-pid`` names it, else the parent it had when its options were read;
+    0: none watched."""
     spawned_by_start: str = ""
     """That process's start time (``liveness.proc_identity``) when the client passed one: the committer then
     tells that very process from a later one under the same pid. Without it, only a parent is recognised."""
@@ -84,7 +85,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # Internal, set by a client's autostart (client/committer_process.py), not a knob: an autostarted
     # committer no client attached to exits once the process that started it is gone.
     parser.add_argument("--spawned-by", type=_spawner, default=(0, ""), metavar="PID[:START]", help=argparse.SUPPRESS)
+    # With --exit-with-parent, the launcher's own pid: a parent that died before the options were read (the
+    # interpreter's start and imports, about a second) is then caught too; getppid() there is init's already.
+    parser.add_argument("--parent-pid", type=_pid, default=0, metavar="PID",
+                        help="with --exit-with-parent: the pid of the process that starts this committer, which must "
+                             "be its parent (default: its parent when its options are read)")
     return parser
+
+
+def _pid(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a pid (a positive number), got {text!r}")
+    return int(text)
 
 
 def _spawner(text: str) -> tuple[int, str]:
@@ -117,7 +129,8 @@ def config_from_args(args: argparse.Namespace, runtime_dir: Path) -> CommitterCo
 
         require_prometheus()
     # An autostarted committer's parent is the shell that detached it, gone at once: it watches its client.
-    parent_pid = os.getppid() if getattr(args, "exit_with_parent", False) and not spawned_by else 0
+    watch = getattr(args, "exit_with_parent", False) and not spawned_by
+    parent_pid = (getattr(args, "parent_pid", 0) or os.getppid()) if watch else 0
     return CommitterConfig(name=args.name, runtime_dir=runtime_dir, endpoint=endpoint,
                            heartbeat_s=float(args.heartbeat_s),
                            heartbeat_timeout_s=float(args.heartbeat_timeout_s),
