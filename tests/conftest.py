@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from omnishm import orphans, paths, protocol, shm  # noqa: E402
-from omnishm.liveness import CacheLock  # noqa: E402
+from omnishm.liveness import CacheLock, lock_held  # noqa: E402
 
 from helpers import RawClient  # noqa: E402
 from manager_helpers import quick_config  # noqa: E402
@@ -64,6 +64,31 @@ _hang_deadline: float | None = None
 # moment, and the other worker's next committer swept the segments the test was about to check. A cache lock held
 # for the whole session keeps this session's dir served, as an engine host's dir is while anything runs there.
 _DIR_ANCHOR = CacheLock.acquire(RUNTIME_DIR, f"{SESSION_PREFIX}-anchor", "session")
+_DEAD_SESSION_AGE_S = 60.0
+
+
+def _sweep_dead_sessions() -> list[Path]:
+    """Remove the runtime dirs of sessions killed outright (no ``pytest_sessionfinish``): a dir whose only files
+    are session anchors no process holds, older than ``_DEAD_SESSION_AGE_S`` (a session starting now holds its
+    anchor a moment after making its dir). Their committers stopped with their parent (``--exit-with-parent``)
+    and unlinked their segments; what a SIGKILLed committer left is swept by the next committer that starts
+    (``orphans``). A dir holding anything else is left for a person to look at. Returns the dirs removed."""
+    removed = []
+    now = time.time()
+    for d in Path(tempfile.gettempdir()).glob("omnishm-test-*"):
+        try:
+            files = list(d.iterdir()) if d != RUNTIME_DIR and not d.is_symlink() else []
+            dead = bool(files) and all(f.name.endswith("-anchor.lock") and now - f.stat().st_mtime > _DEAD_SESSION_AGE_S
+                                       and not lock_held(f) for f in files)
+        except OSError:
+            continue
+        if dead:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+_sweep_dead_sessions()
 
 
 _ANY_SESSIONS_CACHE = re.compile(r"t[0-9a-f]{6}-")

@@ -9,6 +9,7 @@ thread's stack; the run goes on, red.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,34 @@ def test_the_watchdog_spares_a_test_within_its_own_timeout_and_a_forked_child(tm
     child waited for good on the parent's watchdog thread). REVIEW (stop 58)."""
     proc = _sub_run(tmp_path, "test_patient.py", _PATIENT_SUITE)
     assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_the_runtime_dirs_of_sessions_killed_outright_are_swept_at_the_next_start():
+    """A suite run killed outright (SIGKILL: no session end) left its runtime dir, holding its anchor lock, in the
+    temp dir for good (review, stop 59: three after a mutation review's killed runs). The next session removes a
+    dir whose only files are anchors nobody holds and that are older than a minute; a live session's (its anchor
+    held), one just made (a session starting) and one holding anything else stay."""
+    import tempfile
+    import time
+
+    from conftest import _sweep_dead_sessions
+    from omnishm.liveness import CacheLock
+
+    old = time.time() - 3600
+    made = {k: Path(tempfile.mkdtemp(prefix="omnishm-test-")) for k in ("dead", "live", "young", "other")}
+    held = CacheLock.acquire(made["live"], "tlive00-anchor", "session")
+    try:
+        for kind, d in made.items():
+            anchor = d / f"t{kind[:4]}00-anchor.lock"
+            if kind != "live":
+                anchor.write_text("1 session\n")
+            if kind != "young":
+                os.utime(next(d.glob("*-anchor.lock")), (old, old))
+        (made["other"] / "tother00-c0.sock").write_text("")
+        removed = _sweep_dead_sessions()
+        assert made["dead"] in removed and not made["dead"].exists()
+        assert all(made[k].exists() and made[k] not in removed for k in ("live", "young", "other"))
+    finally:
+        held.release()
+        for d in made.values():
+            shutil.rmtree(d, ignore_errors=True)

@@ -475,6 +475,35 @@ def test_reader_serves_rows_that_landed_as_their_writer_left(committer_factory, 
         r.shutdown()
 
 
+def test_a_reader_whose_writer_published_the_step_then_left_serves_it(committer_factory, monkeypatch):
+    """Unit level (``_wait_published``): the writer this reader follows publishes the step and says goodbye
+    between two of the reader's polls (seen together on the same pass). The step was published by its own
+    writer, so its claims are in the table: the wait returns instead of raising ``OmniPrefixCacheUnmatchError``
+    ("writer left the cache before publishing") and losing every hit of the step (mutation review, stop 59:
+    dropping the re-check of the publication once the writer is seen gone passed every test)."""
+    handle = committer_factory()
+    r = OmniPrefixCacheManager(small_config(commit_timeout_s=2.0), cache=handle.name, role="reader",
+                               autostart=False)
+    try:
+        r._follows = 1  # the writer of epoch 1 is the one this reader follows
+        state = {"published": False, "polls": 0}
+
+        def published(step_id):
+            state["polls"] += 1
+            return state["published"]
+
+        def published_as_it_left(since):
+            state["published"] = True  # its publication landed just before its goodbye was seen
+            return True
+
+        monkeypatch.setattr(r, "_published", published)
+        monkeypatch.setattr(r, "_writer_left", published_as_it_left)
+        r._wait_published(7, time.monotonic() + 2.0, req="b", key="k")  # returns: the step counts
+        assert state["polls"] >= 2
+    finally:
+        r.shutdown()
+
+
 def test_reader_never_copies_a_claimed_row_before_its_commit_word_matches(committer_factory, monkeypatch):
     """Unit level (``_read_committed``, the reader's seqlock): a hit row whose claim is this step's but whose
     commit word is not yet stored is still being written by the committer; the reader waits for the commit
