@@ -45,13 +45,13 @@ class CommitterConfig:
     spawned_by: int = 0
     """pid of the client process that autostarted this committer, 0 when not autostarted. Not its parent:
     autostart detaches it (``client/committer_process.py``)."""
+    spawned_by_start: str = ""
+    """That process's start time (``liveness.proc_identity``) when the client passed one: the committer then
+    tells that very process from a later one under the same pid. Without it, only a parent is recognised."""
     parent_pid: int = 0
     """``exit_with_parent``: the parent whose end stops this process (the loop sees another parent:
     ``server.Committer.run``), as ``--parent-pid`` names it, else the parent it had when its options were read;
     0: none watched."""
-    spawned_by_start: str = ""
-    """That process's start time (``liveness.proc_identity``) when the client passed one: the committer then
-    tells that very process from a later one under the same pid. Without it, only a parent is recognised."""
 
     @property
     def ipc_path(self) -> Path | None:
