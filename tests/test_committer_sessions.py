@@ -475,37 +475,47 @@ def test_another_live_process_cannot_take_a_live_writers_seat_after_a_restart(co
             w.wait()
 
 
-def _hello_as_owner(handle, pid: int):
+def _hello_as_owner(handle, **fields):
     raw = RawClient(handle.endpoint, handle.name)
     raw.client_id = "seat-owner"
-    return raw, raw.hello(protocol.ROLE_WRITER, LAYOUT, 4, pid=pid, started=proc_identity(pid))
+    return raw, raw.hello(protocol.ROLE_WRITER, LAYOUT, 4, **fields)
 
 
-def test_a_seat_taken_back_by_a_plain_hello_keeps_its_process_over_a_second_restart(committer_factory):
-    """Mutation review (stop 56): a writer taking its seat back with a plain Hello after a restart is recorded
-    with its process again, so after a second restart another live process is still refused."""
+def _as(pid: int) -> dict:
+    """A Hello's process fields for ``pid``, its start time confirmed."""
+    return dict(pid=pid, started=proc_identity(pid))
+
+
+@pytest.mark.parametrize("take_back", ["hello", "resume"])
+def test_a_seat_taken_back_after_a_restart_keeps_its_process_over_a_second_restart(committer_factory, take_back):
+    """Mutation reviews (stops 56 and 59): a writer taking its seat back after a restart, with a plain Hello or a
+    resume, is recorded with its process again, so after a second restart another live process is still refused
+    (``resume_taken``). The resume's case starts from a first Hello without a start time (unconfirmed: another
+    pid namespace): without the resume's record (``on_resume``'s ``set_writer_epoch`` dropped, stop 59) the
+    third committer's seat had no process, and another process took it, its epoch and its staging."""
     first = committer_factory(*ARGS)
     holder = CommitterLink(cache=first.name, role="reader", endpoint=first.endpoint, layout=LAYOUT,
                            reconnect_timeout_s=30.0)  # keeps the cache attached across the restarts
     raws = []
     try:
-        raw, welcome = _hello_as_owner(first, os.getpid())
+        raw, welcome = _hello_as_owner(first, **(_as(os.getpid()) if take_back == "hello" else {}))
         raws.append(raw)
         assert isinstance(welcome, protocol.Welcome), welcome
         epoch = welcome.epoch
         first.stop(signal.SIGKILL)
         second = committer_factory(*ARGS, name=first.name)
-        raw, again = _hello_as_owner(second, os.getpid())  # this same process: its seat, through a plain Hello
-        raws.append(raw)
+        resume = dict(resume=True, resume_generation=welcome.generation, resume_epoch=epoch, resume_staging=[])
+        raw, again = _hello_as_owner(second, **_as(os.getpid()), **(resume if take_back == "resume" else {}))
+        raws.append(raw)  # this same process takes its seat back
         assert isinstance(again, protocol.Welcome) and again.epoch == epoch, again
+        assert again.resumed == (take_back == "resume"), again
         second.stop(signal.SIGKILL)
         third = committer_factory(*ARGS, name=first.name)
-        other = os.getppid()  # another live process, its start time confirmed
-        raw, taken = _hello_as_owner(third, other)
+        raw, taken = _hello_as_owner(third, **_as(os.getppid()))  # another live process, its start time confirmed
         raws.append(raw)
         assert isinstance(taken, protocol.Refused) and f"belongs to process {os.getpid()}, which is alive" \
             in taken.reason, taken
-        raw, mine = _hello_as_owner(third, os.getpid())
+        raw, mine = _hello_as_owner(third, **_as(os.getpid()))
         raws.append(raw)
         assert isinstance(mine, protocol.Welcome) and mine.epoch == epoch, mine
         raw.goodbye()
