@@ -667,3 +667,18 @@ def test_a_fatal_writers_shutdown_reports_only_the_writes_that_do_not_land(mgr, 
     assert handed.done.result(timeout=10).failure() == ""  # a's write landed
     said = [r.getMessage() for r in caplog.records if "do not land" in r.getMessage()]
     assert len(said) == 1 and f"deferred writes [{stays.tid}] do not land" in said[0], said  # b's alone
+
+
+def test_an_interrupt_noted_after_shutdown_began_leaves_the_cache_closed_not_fatal(mgr):
+    """An integration's interrupt noted once shutdown began (a SIGTERM's SystemExit passing through the runner
+    after its hooks shut the cache down) changes nothing: later calls say the manager is shut down (mutation
+    review, stop 59: without the ``not self._closed`` guard it recorded a sticky "interrupted" error, and a
+    shutdown redone after a cut first pass would skip flushing the open deferred writes, as on a fatal writer)."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.shutdown()
+    m.note_interrupt("execute_model", SystemExit(0))
+    assert m._fatal is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        m.new_step_starts([])

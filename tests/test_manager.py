@@ -876,3 +876,46 @@ def test_a_readers_unconsumed_step_ids_are_bounded_by_staging_depth(committer):
         s1 = save(r, [Part("a", 1, [0], 2, 1)], BS)
         assert r._pages.in_use() == 1
         r.discard_step(s1)
+
+
+def test_an_aborted_requests_untaken_hit_goes_with_it(mgr):
+    """A request aborted while its planned hit is still pending (its save gave it no tokens) drops that hit
+    (mutation review, stop 59: without the drop at FINISHED/ABORTED the plan stayed for good, one per such
+    request, and a later save naming the id again was handed a hit the engine no longer planned)."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    m.new_step_starts([started("b", [0, 2], hit=4), started("c", [3])])
+    h, mm, lay, n, _ = build([Part("c", 5, [3], 0, 2)], BS)
+    lay0 = PrefixCacheWriteLayout((PrefixCacheWrite("b", 0, 0), *lay.writes), lay.slots)
+    m.discard_step(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay0))
+    assert "b" in m._pending_hits  # kept for b's next save (a 0-token write keeps its hit)
+    m.new_step_starts([aborted("b")])
+    assert "b" not in m._pending_hits
+
+
+def test_every_call_on_a_manager_whose_committer_is_gone_raises_the_committer_error(committer_factory):
+    """Once the link gave up on a committer that died (``reconnect_timeout_s``), every call raises
+    ``OmniPrefixCacheCommitterError`` at once (mutation review, stop 59: with the ``link.dead`` check gone from
+    ``_check_usable``, ``new_step_starts`` went on silently over a cache no committer serves; only the link's own
+    fault tests looked at ``dead``)."""
+    from omnishm.interface import OmniPrefixCacheCommitterError
+
+    handle = committer_factory("--heartbeat-s", "0.1", "--heartbeat-timeout-s", "1.0")
+    m = OmniPrefixCacheManager(quick_config(reconnect_timeout_s=1.0), cache=handle.name, autostart=False)
+    try:
+        m.new_step_starts([started("a", [0])])
+        m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+        m.wait_idle()
+        handle.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while m._link.dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m._link.dead is not None
+        for call in (lambda: m.new_step_starts([started("b", [1])]), lambda: save(m, [Part("b", 2, [1], 0, 4)], BS),
+                     lambda: m.discard_step(0)):
+            with pytest.raises(OmniPrefixCacheCommitterError):
+                call()
+    finally:
+        m.shutdown()

@@ -958,3 +958,32 @@ def test_a_plan_refusal_names_the_hit_request_asked_for(committer):
     finally:
         w.shutdown()
         r.shutdown()
+
+
+def test_a_reader_save_failing_after_its_id_was_issued_takes_that_id_only(committer, monkeypatch):
+    """A reader's save that fails after it issued its step id loses that step alone, and its next save gets the
+    writer's next id (mutation review, stop 59: with the burn's ``_next_step == step_id`` guard gone the failed
+    save was burnt too, the reader's ids ran one ahead of its writer's, and its next step read the claims of a
+    step the writer had not saved yet as its own)."""
+    cfg = small_config()
+    with OmniPrefixCacheManager(cfg, cache=committer.name, autostart=False) as w, \
+            OmniPrefixCacheManager(cfg, cache=committer.name, role="reader", autostart=False) as r:
+        real = r._follow_writer
+
+        def fail():  # called by a reader's save only after it issued the step id
+            raise RuntimeError("injected: a reader's save fails after its id was issued")
+
+        w.new_step_starts([started("a", [0])])
+        w.discard_step(save(w, [Part("a", 1, [0], 0, 4)], BS))
+        r.new_step_starts([started("a", [0])])
+        monkeypatch.setattr(r, "_follow_writer", fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            save(r, [Part("a", 1, [0], 0, 4)], BS)
+        monkeypatch.setattr(r, "_follow_writer", real)
+        assert r.unconsumed_step_ids() == []
+        for m in (w, r):
+            m.new_step_starts([started("b", [1])])
+        ws, rs = save(w, [Part("b", 2, [1], 0, 4)], BS), save(r, [Part("b", 2, [1], 0, 4)], BS)
+        assert ws == rs == 1
+        w.discard_step(ws)
+        assert torch.equal(r.materialize(rs, ["b"]).hidden_states["b"], expect(0, 0, 2, 0, 4))
