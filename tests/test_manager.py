@@ -749,6 +749,17 @@ def test_a_deferred_write_handed_over_twice_keeps_the_flusher_alive(mgr, monkeyp
         assert (m._held_bytes, m._pending_bytes, len(m._closing)) == (0, 0, 0)
 
 
+def _b_hits_beside_c(m):
+    """a's block 0 committed, then a step planning b's 4-token hit on it beside c's plain rows, and the save's
+    (hidden, mm, layout, n) giving b no tokens: b's hit stays planned for its next save."""
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    m.wait_idle()
+    m.new_step_starts([started("b", [0, 2], hit=4), started("c", [3])])
+    h, mm, lay, n, _ = build([Part("c", 5, [3], 0, 2)], BS)
+    return h, mm, PrefixCacheWriteLayout((PrefixCacheWrite("b", 0, 0), *lay.writes), lay.slots), n
+
+
 def test_a_refused_save_keeps_the_pending_hit_of_a_request_it_gave_no_tokens(mgr):
     """Mutation review (2026-12-06): a refused save takes (and drops) the planned hits of the requests it
     wrote rows for, exactly as a taken save would; a request the save gave 0 tokens keeps its hit for its
@@ -756,12 +767,7 @@ def test_a_refused_save_keeps_the_pending_hit_of_a_request_it_gave_no_tokens(mgr
     (``num_tokens >= 0``) the refusal silently dropped b's 4-token hit, and b's next materialize returned its
     2 new rows with no prefix (``num_hit_tokens`` 0): rows lost, no error."""
     m = mgr()
-    m.new_step_starts([started("a", [0])])
-    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-    m.wait_idle()
-    m.new_step_starts([started("b", [0, 2], hit=4), started("c", [3])])
-    h, mm, lay, n, _ = build([Part("c", 5, [3], 0, 2)], BS)
-    lay0 = PrefixCacheWriteLayout((PrefixCacheWrite("b", 0, 0), *lay.writes), lay.slots)
+    h, mm, lay0, n = _b_hits_beside_c(m)
     with pytest.raises(OmniPrefixCacheUnmatchError):  # refused: rows in another dtype than the key's
         m.save_outputs(h.double(), mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay0)
     m.new_step_starts([finished("c")])
@@ -883,12 +889,7 @@ def test_an_aborted_requests_untaken_hit_goes_with_it(mgr):
     (mutation review, stop 59: without the drop at FINISHED/ABORTED the plan stayed for good, one per such
     request, and a later save naming the id again was handed a hit the engine no longer planned)."""
     m = mgr()
-    m.new_step_starts([started("a", [0])])
-    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
-    m.wait_idle()
-    m.new_step_starts([started("b", [0, 2], hit=4), started("c", [3])])
-    h, mm, lay, n, _ = build([Part("c", 5, [3], 0, 2)], BS)
-    lay0 = PrefixCacheWriteLayout((PrefixCacheWrite("b", 0, 0), *lay.writes), lay.slots)
+    h, mm, lay0, n = _b_hits_beside_c(m)
     m.discard_step(m.save_outputs(h, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=lay0))
     assert "b" in m._pending_hits  # kept for b's next save (a 0-token write keeps its hit)
     m.new_step_starts([aborted("b")])
