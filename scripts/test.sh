@@ -12,14 +12,10 @@ bash scripts/install.sh
 # --max-worker-restart 0: a worker the suite's hang watchdog ended (tests/conftest.py, HANG_LIMIT_S) is not
 # replaced, so its hung test is not run again for another limit: the run ends, red, with its stacks printed.
 "$PY" -m pytest -q -m "not vllm" -p no:cacheprovider -n 2 --dist loadfile --max-worker-restart 0 tests "$@"
-# The demo in a runtime dir of its own, removed after it, failed or not; a file it left there fails this script.
+# The demo in a runtime dir of its own, removed after it, failed or not (the demo itself fails on a segment or a
+# runtime file of its cache left behind: its "leaked segments" row).
 demo_dir="$(mktemp -d -t omnishm-demo-XXXXXX)"
 rc=0
 OMNISHM_RUNTIME_DIR="$demo_dir" "$PY" -m omnishm demo --tp 2 --steps 200 || rc=$?
-left="$(ls -A "$demo_dir")"
 rm -rf "$demo_dir"
-if [ -n "$left" ]; then
-  echo "omnishm demo left in its runtime dir: $left" >&2
-  rc=1
-fi
 exit "$rc"

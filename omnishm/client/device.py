@@ -199,18 +199,17 @@ class CudaOps:
         if not rows.is_cuda:
             return rows.index_select(0, index) if index is not None else rows.clone()
         # The pinned result too: the host allocator's cudaHostAlloc runs in the current device's context.
-        with torch.cuda.device(self.device):
-            with torch.cuda.stream(self.read_stream):
-                if isinstance(after, torch.cuda.Event):
-                    self.read_stream.wait_event(after)
-                else:
-                    after.synchronize()
-                src = rows.index_select(0, index.to(rows.device)) if index is not None else rows
-                out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-                out.copy_(src, non_blocking=True)
-                done = DeviceEvent()
-                done.record(self.read_stream)
-            done.synchronize()  # a read of in-flight rows: only the materializing thread waits
+        with torch.cuda.device(self.device), torch.cuda.stream(self.read_stream):
+            if isinstance(after, torch.cuda.Event):
+                self.read_stream.wait_event(after)
+            else:
+                after.synchronize()
+            src = rows.index_select(0, index.to(rows.device)) if index is not None else rows
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            out.copy_(src, non_blocking=True)
+            done = DeviceEvent()
+            done.record(self.read_stream)
+        done.synchronize()  # a read of in-flight rows: only the materializing thread waits (under its device)
         return out
 
     def drain(self, timeout_s: float) -> bool:

@@ -407,7 +407,6 @@ class PrefixCacheRunnerMixin:
         manager = self._prefix_cache_manager
         if manager is None or _total_scheduled(scheduler_output) == 0:
             return None
-        handed = False
         try:
             counts: Mapping[ReqId, int] = scheduler_output.num_scheduled_tokens
             view = FullAttentionGroupView(self.input_batch, self._prefix_cache_block_size)  # type: ignore[attr-defined]
@@ -416,16 +415,18 @@ class PrefixCacheRunnerMixin:
             layout = PrefixCacheSchedulerAdapter.build_write_layout(view, counts, token_tags=manager.keeps_token_tags,
                                                                     chains=manager.prompt_chains)
             mm = dict(mm_outputs) if mm_outputs is not None else None
-            handed = True  # from here the manager's save answers for the step's slots (a refusal makes them absent)
+        except BaseException as exc:  # before the manager's save, any exception: the step's slots are unknown
+            manager.note_interrupt("prefix_cache_save", exc)  # first: a signal's says so
+            manager.note_unsaved_step("prefix_cache_save", exc)
+            raise
+        try:  # from here the manager's save answers for the step's slots (a refusal makes them absent)
             step_id = manager.save_outputs(hidden_states, mm, num_tokens_unpadded=num_tokens_unpadded,
                                            num_tokens_padded=num_tokens_padded, write_layout=layout)
             assert self._prefix_cache_step_req_ids is not None
             self._prefix_cache_step_req_ids[step_id] = tuple(layout.req_ids)
             return step_id
-        except BaseException as exc:  # before the manager's save, any exception: the step's slots are unknown
-            manager.note_interrupt("prefix_cache_save", exc)  # first: a signal's says so
-            if not handed:
-                manager.note_unsaved_step("prefix_cache_save", exc)
+        except BaseException as exc:  # a signal handler's: sticky (``OmniPrefixCacheManager.note_interrupt``)
+            manager.note_interrupt("prefix_cache_save", exc)
             raise
 
     def prefix_cache_save_time_req_ids(self, step_id: StepId) -> tuple[ReqId, ...]:
