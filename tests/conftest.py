@@ -64,27 +64,44 @@ _hang_deadline: float | None = None
 # moment, and the other worker's next committer swept the segments the test was about to check. A cache lock held
 # for the whole session keeps this session's dir served, as an engine host's dir is while anything runs there.
 _DIR_ANCHOR = CacheLock.acquire(RUNTIME_DIR, f"{SESSION_PREFIX}-anchor", "session")
+# The hang dir is the controller's (or a serial run's): its anchor tells a killed run's dir from a live one's.
+_HANG_ANCHOR = (CacheLock.acquire(HANG_DIR, f"{SESSION_PREFIX}-anchor", "session")
+                if "PYTEST_XDIST_WORKER" not in os.environ else None)
 _DEAD_SESSION_AGE_S = 60.0
 
 
 def _sweep_dead_sessions() -> list[Path]:
-    """Remove the runtime dirs of sessions killed outright (no ``pytest_sessionfinish``): a dir whose only files
-    are session anchors no process holds, older than ``_DEAD_SESSION_AGE_S`` (a session starting now holds its
-    anchor a moment after making its dir). Their committers stopped with their parent (``--exit-with-parent``)
-    and unlinked their segments; what a SIGKILLed committer left is swept by the next committer that starts
-    (``orphans``). A dir holding anything else is left for a person to look at. Returns the dirs removed."""
+    """Remove what suite runs killed outright (no ``pytest_sessionfinish``) left in the temp dir. Their committers
+    stopped with their parent (``--exit-with-parent``) and unlinked their segments; what a SIGKILLed committer left
+    is swept by the next committer that starts (``orphans``). A dir goes only when it holds a session anchor that
+    no process holds and that is older than ``_DEAD_SESSION_AGE_S`` (a session starting now holds its anchor a
+    moment after making its dir):
+
+    - a runtime dir (``omnishm-test-*``) whose only files are such anchors; one holding anything else is left for a
+      person to look at;
+    - a hang dir (``omnishm-hangs-*``) whose other files are the watchdog's per-process files (``PID.txt``): a
+      killed run's workers never unlinked theirs, and nobody is left to print them.
+
+    Returns the dirs removed."""
     removed = []
     now = time.time()
-    for d in Path(tempfile.gettempdir()).glob("omnishm-test-*"):
-        try:
-            files = list(d.iterdir()) if d != RUNTIME_DIR and not d.is_symlink() else []
-            dead = bool(files) and all(f.name.endswith("-anchor.lock") and now - f.stat().st_mtime > _DEAD_SESSION_AGE_S
-                                       and not lock_held(f) for f in files)
-        except OSError:
-            continue
-        if dead:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
+
+    def dead_anchor(f: Path) -> bool:
+        return f.name.endswith("-anchor.lock") and now - f.stat().st_mtime > _DEAD_SESSION_AGE_S and not lock_held(f)
+
+    tmp = Path(tempfile.gettempdir())
+    for pattern, others_ok in (("omnishm-test-*", lambda f: False), ("omnishm-hangs-*", lambda f: f.suffix == ".txt")):
+        for d in tmp.glob(pattern):
+            try:
+                files = list(d.iterdir()) if d not in (RUNTIME_DIR, HANG_DIR) and not d.is_symlink() else []
+                anchors = [f for f in files if f.name.endswith("-anchor.lock")]
+                dead = bool(anchors) and all(dead_anchor(f) for f in anchors) and all(
+                    others_ok(f) for f in files if f not in anchors)
+            except OSError:
+                continue
+            if dead:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
     return removed
 
 
@@ -178,8 +195,9 @@ def pytest_sessionfinish(session, exitstatus):
         _hang_file.close()
         os.unlink(_hang_file.name)
         _hang_file = None
-    if _DIR_ANCHOR is not None:
-        _DIR_ANCHOR.release()
+    for anchor in (_DIR_ANCHOR, _HANG_ANCHOR):
+        if anchor is not None:
+            anchor.release()
     shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
 
 

@@ -112,11 +112,12 @@ def test_the_watchdog_spares_a_test_within_its_own_timeout_and_a_forked_child(tm
     assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
-def test_the_runtime_dirs_of_sessions_killed_outright_are_swept_at_the_next_start():
-    """A suite run killed outright (SIGKILL: no session end) left its runtime dir, holding its anchor lock, in the
-    temp dir for good (review, stop 59: three after a mutation review's killed runs). The next session removes a
-    dir whose only files are anchors nobody holds and that are older than a minute; a live session's (its anchor
-    held), one just made (a session starting) and one holding anything else stay."""
+def test_the_dirs_of_sessions_killed_outright_are_swept_at_the_next_start():
+    """A suite run killed outright (SIGKILL: no session end) left its runtime dir, holding its anchor lock, and its
+    hang dir in the temp dir for good (review, stop 59: three runtime dirs after a mutation review's killed runs;
+    stop 60: two hang dirs). The next session removes a dir whose anchors nobody holds and are older than a
+    minute, when its other files are none (a runtime dir) or the watchdog's per-process files (a hang dir); a live
+    session's (its anchor held), one just made (a session starting) and one holding anything else stay."""
     import tempfile
     import time
 
@@ -124,20 +125,26 @@ def test_the_runtime_dirs_of_sessions_killed_outright_are_swept_at_the_next_star
     from omnishm.liveness import CacheLock
 
     old = time.time() - 3600
-    made = {k: Path(tempfile.mkdtemp(prefix="omnishm-test-")) for k in ("dead", "live", "young", "other")}
-    held = CacheLock.acquire(made["live"], "tlive00-anchor", "session")
+    made = {(prefix, k): Path(tempfile.mkdtemp(prefix=f"omnishm-{prefix}-"))
+            for prefix in ("test", "hangs") for k in ("dead", "live", "young", "other")}
+    held = [CacheLock.acquire(d, "tlive00-anchor", "session") for (_, k), d in made.items() if k == "live"]
     try:
-        for kind, d in made.items():
-            anchor = d / f"t{kind[:4]}00-anchor.lock"
+        for (prefix, kind), d in made.items():
             if kind != "live":
-                anchor.write_text("1 session\n")
+                (d / f"t{kind[:4]}00-anchor.lock").write_text("1 session\n")
             if kind != "young":
                 os.utime(next(d.glob("*-anchor.lock")), (old, old))
-        (made["other"] / "tother00-c0.sock").write_text("")
+            if prefix == "hangs":
+                (d / "4242.txt").write_text("tests/test_x.py::test_y was still running after 300 s; every thread's stack:\n")
+        (made["test", "other"] / "tother00-c0.sock").write_text("")
+        (made["hangs", "other"] / "core").write_text("")
         removed = _sweep_dead_sessions()
-        assert made["dead"] in removed and not made["dead"].exists()
-        assert all(made[k].exists() and made[k] not in removed for k in ("live", "young", "other"))
+        for prefix in ("test", "hangs"):
+            assert made[prefix, "dead"] in removed and not made[prefix, "dead"].exists(), prefix
+            assert all(made[prefix, k].exists() and made[prefix, k] not in removed
+                       for k in ("live", "young", "other")), prefix
     finally:
-        held.release()
+        for lock in held:
+            lock.release()
         for d in made.values():
             shutil.rmtree(d, ignore_errors=True)

@@ -581,6 +581,24 @@ def test_materialize_fills_preallocated_outputs_of_a_request_with_no_rows_this_s
     assert m.unconsumed_step_ids() == []
 
 
+def test_an_empty_tensor_of_a_0_token_step_is_a_leftover_and_fixes_no_keys_row_shape(mgr):
+    """MUTATION (stop 59, W02; closed stop 60): ``_split_outputs`` taking an mm tensor of a 0-token step as rows
+    survived. Its first dim matching 0 tokens says nothing of being per-token (a model's placeholder of that
+    step, ``torch.empty(0)`` here), and as rows it opened the key as rows of shape (): the key's first real
+    step, rows of width 16, was then refused and the cache turned unusable. A leftover, it goes back to each
+    request as it came."""
+    m = mgr()
+    m.new_step_starts([started("a", [0, 1])])
+    sid = save(m, [Part("a", 1, [0], 0, 0)], BS, extra_mm={"codes": torch.empty(0)})
+    out = m.materialize(sid, ["a"])
+    assert out.mm_outputs["a"]["codes"].shape == (0,)
+    codes = torch.arange(64, dtype=torch.float32).reshape(4, 16)
+    sid = save(m, [Part("a", 1, [0], 0, 4)], BS, extra_mm={"codes": codes})
+    out = m.materialize(sid, ["a"])
+    assert torch.equal(out.mm_outputs["a"]["codes"], codes)
+    m.new_step_starts([finished("a")])
+
+
 def test_an_interrupt_right_after_materialize_took_its_step_still_frees_the_page_and_pins(mgr, monkeypatch):
     # materialize consumed the id, then computed its deadline outside its try: a KeyboardInterrupt there
     # (SIGINT) kept the step's staging page and hit pins for good, and with all pages held every later
