@@ -124,6 +124,22 @@ def test_a_client_attaching_while_the_sweep_takes_the_owner_lock_keeps_the_gener
             shm.unlink_segment(n)
 
 
+# MUTATION (stop 60), O06 survived the suite: _remove_generation takes the owner lock before it unlinks anything, as
+# a committer may take it (an adoption) between sweep's generation_owned probe and the removal. Here the probe says
+# unowned (that window) and the sweep looks from another runtime dir, so the cache lock does not save it: the live
+# committer keeps every segment, with force too. Without the lock the owner segment went.
+def test_a_sweep_never_removes_a_generation_whose_owner_lock_a_live_committer_holds_when_it_looked_unowned(
+        committer_factory, tmp_path, monkeypatch):
+    handle = committer_factory("--heartbeat-timeout-s", "60")
+    before = sorted(shm.list_segments(handle.name))
+    assert before
+    monkeypatch.setattr(orphans, "generation_owned", lambda cache, generation: False)
+    elsewhere = paths.ensure_runtime_dir(tmp_path / "elsewhere")
+    assert orphans.sweep(elsewhere, handle.name) == []
+    assert orphans.sweep(elsewhere, handle.name, force=True) == []
+    assert sorted(shm.list_segments(handle.name)) == before
+
+
 # MUTATION (2026-12-06), L5 survived the suite: GenerationOwner.acquire must hold its lock on the segment the name
 # names now, not on one unlinked (by a sweep) between its open and its flock: else two committers both own the
 # generation.
