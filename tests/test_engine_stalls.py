@@ -284,6 +284,9 @@ def test_a_save_waits_for_the_previous_steps_acknowledgement_no_longer_than_comm
         try:
             m.new_step_starts([started("b", [1])])
             m.discard_step(save(m, [Part("b", 2, [1], 0, 4)], BS))  # sent, never acknowledged
+            # wait_idle's own bound names the cache, as every error does (docs review, stop 60: it did not).
+            with pytest.raises(TimeoutError, match=rf"^cache {handle.name}: step 1 not acknowledged within 0.3s$"):
+                m.wait_idle(0.3)
             m.new_step_starts([started("c", [2])])
             t0 = time.monotonic()
             with pytest.raises(OmniPrefixCacheUnmatchError, match="not acknowledged"):

@@ -581,6 +581,17 @@ def test_materialize_fills_preallocated_outputs_of_a_request_with_no_rows_this_s
     assert m.unconsumed_step_ids() == []
 
 
+def test_a_policy_registered_after_the_first_save_is_refused_naming_the_cache(mgr):
+    """Rows already saved went by the policy in force: a new one now would split later steps' keys otherwise
+    than theirs. The error names the cache, as every error does."""
+    m = mgr()
+    m.new_step_starts([started("a", [0])])
+    m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
+    with pytest.raises(RuntimeError, match=rf"^cache {m.cache}: register_policy must be called before the first"):
+        m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"feat"})))
+    m.new_step_starts([finished("a")])
+
+
 def test_an_empty_tensor_of_a_0_token_step_is_a_leftover_and_fixes_no_keys_row_shape(mgr):
     """MUTATION (stop 59, W02; closed stop 60): ``_split_outputs`` taking an mm tensor of a 0-token step as rows
     survived. Its first dim matching 0 tokens says nothing of being per-token (a model's placeholder of that

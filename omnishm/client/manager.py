@@ -200,7 +200,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, DeferredWri
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set the model's cache policy; call before the first save."""
         if self._next_step:
-            raise RuntimeError("register_policy must be called before the first save_outputs")
+            raise RuntimeError(f"cache {self.cache}: register_policy must be called before the first save_outputs")
         self._policy = policy
 
     @property

@@ -225,7 +225,8 @@ class WriterSide:
             if not deadline:
                 deadline = now + timeout_s
             elif now >= deadline:
-                raise TimeoutError(f"step {fut.step} not acknowledged within {timeout_s:.1f}s")  # type: ignore
+                raise TimeoutError(f"cache {self.cache}: step {fut.step} not acknowledged within "  # type: ignore
+                                   f"{timeout_s:.1f}s")
             elif not woke and getattr(fut, "rid", None) is not None:
                 # Still no marker after a poll, and the step was sent: its quiet send may have taken the
                 # ZMQ_FD edge of a reply, so a rejection would wait for the I/O thread's tick. Once is
