@@ -2,7 +2,8 @@
 
 Each test kills a mutant that survived the rest of the suite (mutation review of the committer, 2026-12-06):
 a tid at the top of int64 on the fast path, done tids of a two-key step whose keys carry other tids, rows
-larger than one gather piece, a gather larger than the first, and a layout with a dimension of 0 or less.
+larger than one gather piece, a gather larger than the first, and a layout with a dimension of 0 or less; and
+(stop 60) a two-key step whose first key has no rows, and one bounded by the smaller of its keys' stagings.
 """
 
 from __future__ import annotations
@@ -250,3 +251,44 @@ def test_a_refused_step_counts_its_distinct_tids_as_failed(pool):
     done = _write(pool, ["h"], [0, 0, 0], [9, 3, 9], [cv] * 3, [0, 1, 2], [1, 1, 1], [0, 1, 99])
     assert done.failed_tids == pack([3, 9]) and done.rows_written == 0, done
     assert (pool.steps_failed, pool.tids_failed, pool.steps_applied) == (1, 2, 0)
+
+
+# The mutation review of the committer's server and apply paths (stop 60): two gaps of multi-key steps.
+def test_a_two_key_step_whose_first_key_has_no_rows_lands_the_second_keys_rows(pool):
+    """MUTATION A15 (stop 60): the general path's per-key loop skips a key with no rows in the step; with that
+    ``continue`` turned into ``break``, a step naming keys ["h", "m"] whose every entry is m's (key_idx 1)
+    landed nothing, yet replied its tids done with 0 rows written and 0 skipped: a lost write reported done."""
+    h, _ = _key(pool, 4, 4, 4, 8, key="h")
+    m, m_staging = _key(pool, 4, 4, 4, 8, key="m")
+    cvs = [make_cv(EPOCH, 1, 1), make_cv(EPOCH, 1, 2)]
+    m.claim[[2, 3]] = cvs
+    h_before = h.data.copy()
+    done = pool.apply_step(CLIENT, protocol.StepWrite(
+        rid=1, step=1, keys=["h", "m"], key_idx=pack([1, 1]), tids=pack([4, 5]), cvs=pack(cvs),
+        src_rows=pack([0, 1]), counts=pack([1, 1]), slots=pack([2, 3])), EPOCH)
+    assert (done.reason, done.rows_written, done.rows_skipped, done.done_tids) == ("", 2, 0, pack([4, 5])), done
+    assert np.array_equal(m.data[2:4], m_staging.data[0:2])
+    assert list(m.commit[[2, 3]]) == cvs
+    assert np.array_equal(h.data, h_before)
+
+
+def test_a_two_key_step_is_bounded_by_the_smaller_staging_on_the_fast_path(pool):
+    """MUTATION A25 (stop 60): the fast path bounds a repeated multi-key step by the smallest of the keys'
+    stagings; with ``max`` for ``min``, keys with stagings of 8 and 4 rows took a 6-row step (rows 0..6 of
+    each): h's rows landed, then m's copy read past its staging (a shape error out of ``apply_step``, which
+    never raises on bad input, the step half-applied). It must be refused whole, naming m, nothing landed.
+    Today every staging of a writer has its session's ``staging_rows``; the bound holds whatever they are."""
+    h, _ = _key(pool, 4, 4, 4, 8, key="h")
+    m, _ = _key(pool, 4, 4, 4, 4, key="m")
+    cvs = [make_cv(EPOCH, 1, j + 1) for j in range(6)]
+    h.claim[:6] = cvs
+    m.claim[:6] = cvs
+    h_before, m_before = h.data.copy(), m.data.copy()
+    done = pool.apply_step(CLIENT, protocol.StepWrite(
+        rid=1, step=1, keys=["h", "m"], key_idx=pack([0] * 6 + [1] * 6), tids=pack(list(range(6)) * 2),
+        cvs=pack(cvs * 2), src_rows=pack(list(range(6)) * 2), counts=pack([1] * 12), slots=pack(list(range(6)) * 2)),
+        EPOCH)
+    assert done.rows_written == 0 and done.failed_tids == pack(range(6)), done
+    assert "key 'm' writes 6 rows, more than its 4 staging rows" in done.reason, done.reason
+    assert np.array_equal(h.data, h_before) and np.array_equal(m.data, m_before)
+    assert not h.commit[:6].any() and not m.commit[:6].any()

@@ -74,6 +74,30 @@ def test_admin_cannot_take_the_writers_client_id(committer_factory):
         writer.goodbye()
 
 
+def test_an_admin_session_cannot_open_a_key(committer_factory):
+    """MUTATION (stop 60, S13): the refusal survived the suite. An admin session (``omnishm status``, a probe)
+    has no staging and chooses no spec: its OpenKey is refused (``bad_role``, counted) and opens nothing, so
+    the writer opens the key afterwards with the spec it chooses. Without the refusal the admin fixed the key
+    as float16 of width 2, and the writer's float32 rows of width 4 were refused."""
+    handle = committer_factory(*FAST)
+    writer = Writer(handle.endpoint, handle.name, LAYOUT, 8)  # the layout is set: only the role refuses
+    admin = RawClient(handle.endpoint, handle.name)
+    try:
+        assert isinstance(_hello(admin, protocol.ROLE_ADMIN, admin.client_id), protocol.Welcome)
+        before = sorted(shm.list_segments(handle.name))
+        reply = admin.call(protocol.OpenKey(rid=admin.next_rid(), key="k", dtype="float16", width=2))
+        assert isinstance(reply, protocol.Error) and reply.code == "bad_role", reply
+        status = admin.call(protocol.StatusRequest(rid=admin.next_rid())).status
+        assert status["rejected"].get("open_key_admin") == 1 and "k" not in status["keys"], status
+        assert sorted(shm.list_segments(handle.name)) == before
+        view = writer.open_key("k", "float32", 4)
+        assert view.pool.dtype == torch.float32 and view.pool.shape[1] == 4
+        assert isinstance(admin.goodbye(), protocol.Bye)
+    finally:
+        admin.close()
+        writer.goodbye()
+
+
 def test_a_hello_refused_as_a_duplicate_leaves_the_cache_as_it_was(committer_factory):
     """The duplicate-client refusal comes before anything that changes the pool: a Hello with an attached
     client's id, and a layout the cache has not taken yet (only an admin is attached), does not fix it."""
