@@ -16,7 +16,7 @@ import torch
 
 from omnishm import protocol, shm
 from omnishm.committer.pool import CachePool, PoolError
-from omnishm.versions import make_cv
+from omnishm.versions import MAX_STEP, make_cv
 
 from helpers import pack
 
@@ -292,3 +292,28 @@ def test_a_two_key_step_is_bounded_by_the_smaller_staging_on_the_fast_path(pool)
     assert "key 'm' writes 6 rows, more than its 4 staging rows" in done.reason, done.reason
     assert np.array_equal(h.data, h_before) and np.array_equal(m.data, m_before)
     assert not h.commit[:6].any() and not m.commit[:6].any()
+
+
+@pytest.mark.parametrize("step", [-1, MAX_STEP + 1])
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_a_step_id_outside_what_a_writer_issues_is_refused_whole(pool, step, path):
+    """MUTATION (stop 60, S04): a quiet step of id -1 was applied and then not acknowledged (its marker cannot be
+    made), so its writer waited out its timeout for rows that had landed. No writer issues such an id: it is
+    refused whole, naming it, nothing landed, on the fast path (the previous step repeated) and the general."""
+    state, _ = _key(pool, 4, 4, 4, 8)
+    cvs = [make_cv(EPOCH, 1, 1), make_cv(EPOCH, 1, 2)]
+
+    def write(step_id: int) -> protocol.StepDone:
+        return pool.apply_step(CLIENT, protocol.StepWrite(
+            rid=1, step=step_id, keys=["h"], key_idx=pack([0, 0]), tids=pack([1, 2]), cvs=pack(cvs),
+            src_rows=pack([0, 1]), counts=pack([1, 1]), slots=pack([2, 3]), quiet=True), EPOCH)
+
+    if path == "fast":
+        state.claim[[2, 3]] = cvs
+        assert write(1).rows_written == 2  # the shape the fast path repeats
+        state.commit[[2, 3]] = 0
+    before = state.data.copy()
+    done = write(step)
+    assert done.rows_written == 0 and done.failed_tids == pack([1, 2]), done
+    assert f"step id {step} is outside 0..{MAX_STEP}" in done.reason, done.reason
+    assert np.array_equal(state.data, before) and not state.commit[[2, 3]].any()
