@@ -79,8 +79,9 @@ def _sweep_dead_sessions() -> list[Path]:
 
     - a runtime dir (``omnishm-test-*``) whose only files are such anchors; one holding anything else is left for a
       person to look at;
-    - a hang dir (``omnishm-hangs-*``) whose other files are the watchdog's per-process files (``PID.txt``): a
-      killed run's workers never unlinked theirs, and nobody is left to print them.
+    - a hang dir (``omnishm-hangs-*``) whose other files are the watchdog's per-process files (``PID.txt``) holding
+      their header line only: a killed run's processes never unlinked theirs. One holding stacks (a serial run the
+      watchdog ended: its header told a person to read them there) stays.
 
     Returns the dirs removed."""
     removed = []
@@ -90,7 +91,10 @@ def _sweep_dead_sessions() -> list[Path]:
         return f.name.endswith("-anchor.lock") and now - f.stat().st_mtime > _DEAD_SESSION_AGE_S and not lock_held(f)
 
     tmp = Path(tempfile.gettempdir())
-    for pattern, others_ok in (("omnishm-test-*", lambda f: False), ("omnishm-hangs-*", lambda f: f.suffix == ".txt")):
+    def header_only(f: Path) -> bool:
+        return f.suffix == ".txt" and f.read_text(errors="replace").count("\n") <= 1
+
+    for pattern, others_ok in (("omnishm-test-*", lambda f: False), ("omnishm-hangs-*", header_only)):
         for d in tmp.glob(pattern):
             try:
                 files = list(d.iterdir()) if d not in (RUNTIME_DIR, HANG_DIR) and not d.is_symlink() else []

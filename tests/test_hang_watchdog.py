@@ -116,8 +116,9 @@ def test_the_dirs_of_sessions_killed_outright_are_swept_at_the_next_start():
     """A suite run killed outright (SIGKILL: no session end) left its runtime dir, holding its anchor lock, and its
     hang dir in the temp dir for good (review, stop 59: three runtime dirs after a mutation review's killed runs;
     stop 60: two hang dirs). The next session removes a dir whose anchors nobody holds and are older than a
-    minute, when its other files are none (a runtime dir) or the watchdog's per-process files (a hang dir); a live
-    session's (its anchor held), one just made (a session starting) and one holding anything else stay."""
+    minute, when its other files are none (a runtime dir) or the watchdog's per-process files with their header
+    only (a hang dir); a live session's (its anchor held), one just made (a session starting), one holding anything
+    else and a hang dir holding stacks (a serial run the watchdog ended: a person reads them there) stay."""
     import tempfile
     import time
 
@@ -125,8 +126,9 @@ def test_the_dirs_of_sessions_killed_outright_are_swept_at_the_next_start():
     from omnishm.liveness import CacheLock
 
     old = time.time() - 3600
-    made = {(prefix, k): Path(tempfile.mkdtemp(prefix=f"omnishm-{prefix}-"))
-            for prefix in ("test", "hangs") for k in ("dead", "live", "young", "other")}
+    kinds = [("test", k) for k in ("dead", "live", "young", "other")]
+    kinds += [("hangs", k) for k in ("dead", "live", "young", "other", "hung")]
+    made = {(prefix, k): Path(tempfile.mkdtemp(prefix=f"omnishm-{prefix}-")) for prefix, k in kinds}
     held = [CacheLock.acquire(d, "tlive00-anchor", "session") for (_, k), d in made.items() if k == "live"]
     try:
         for (prefix, kind), d in made.items():
@@ -135,14 +137,17 @@ def test_the_dirs_of_sessions_killed_outright_are_swept_at_the_next_start():
             if kind != "young":
                 os.utime(next(d.glob("*-anchor.lock")), (old, old))
             if prefix == "hangs":
-                (d / "4242.txt").write_text("tests/test_x.py::test_y was still running after 300 s; every thread's stack:\n")
+                header = "tests/test_x.py::test_y was still running after 300 s; every thread's stack:\n"
+                (d / "4242.txt").write_text(header)
         (made["test", "other"] / "tother00-c0.sock").write_text("")
         (made["hangs", "other"] / "core").write_text("")
+        with open(made["hangs", "hung"] / "4242.txt", "a") as f:
+            f.write('Thread 0x00007f (most recent call first):\n  File "x.py", line 1 in stuck\n')
         removed = _sweep_dead_sessions()
         for prefix in ("test", "hangs"):
             assert made[prefix, "dead"] in removed and not made[prefix, "dead"].exists(), prefix
             assert all(made[prefix, k].exists() and made[prefix, k] not in removed
-                       for k in ("live", "young", "other")), prefix
+                       for k in ("live", "young", "other", "hung") if (prefix, k) in made), prefix
     finally:
         for lock in held:
             lock.release()
