@@ -22,6 +22,16 @@ NUM_BLOCKS = 16
 POLL_TIMEOUT_S = 15.0
 
 
+def others_depart(t: ClientCounterTotals, counter: str, prefix: str = "r") -> None:
+    """``RETAIN_DEPARTED_IDS`` readers of 1 ``counter`` each come and go: every client that left before them is
+    folded into the readers' total."""
+    from omnishm.committer.metrics import RETAIN_DEPARTED_IDS
+
+    for i in range(RETAIN_DEPARTED_IDS):
+        t.heartbeat(f"{prefix}{i}", "reader", {counter: 1})
+        t.departed(f"{prefix}{i}")
+
+
 def get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -150,9 +160,7 @@ def test_a_client_back_after_a_thousand_others_left_is_counted_once():
     t = ClientCounterTotals()
     t.heartbeat("x", "reader", {"steps_saved": 100})
     t.departed("x")
-    for i in range(RETAIN_DEPARTED_IDS):
-        t.heartbeat(f"r{i}", "reader", {"steps_saved": 1})
-        t.departed(f"r{i}")
+    others_depart(t, "steps_saved")
     assert t.totals()["reader"] == {"steps_saved": 100.0 + RETAIN_DEPARTED_IDS}
     t.heartbeat("x", "reader", {"steps_saved": 100})  # back: the same cumulative value
     assert t.totals()["reader"] == {"steps_saved": 100.0 + RETAIN_DEPARTED_IDS}
@@ -177,9 +185,7 @@ def test_a_client_back_in_another_role_keeps_what_it_counted_in_the_old_one():
     t.heartbeat("x", "reader", {"hit_tokens": 7})  # a reader again, its counters new: nothing to supersede
     assert t.totals()["reader"] == {"hit_tokens": 107.0}
     t.departed("x")
-    for i in range(RETAIN_DEPARTED_IDS):  # x's 7 folded into the readers' total
-        t.heartbeat(f"r{i}", "reader", {"hit_tokens": 1})
-        t.departed(f"r{i}")
+    others_depart(t, "hit_tokens")  # x's 7 folded into the readers' total
     t.heartbeat("x", "writer", {})
     assert t.totals()["reader"] == {"hit_tokens": 107.0 + RETAIN_DEPARTED_IDS}
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics import get, scrape, value
+from test_metrics import get, others_depart, scrape, value
 
 from omnishm.committer import metrics
 from omnishm.committer.metrics import (
@@ -105,9 +105,7 @@ def test_several_folded_clients_coming_back_each_count_once():
     t.departed("x")
     t.heartbeat("y", "reader", {"hit_tokens": 50})
     t.departed("y")
-    for i in range(RETAIN_DEPARTED_IDS):  # x and y folded
-        t.heartbeat(f"f{i}", "reader", {"hit_tokens": 1})
-        t.departed(f"f{i}")
+    others_depart(t, "hit_tokens", "f")  # x and y folded
     want = {"hit_tokens": 150.0 + RETAIN_DEPARTED_IDS}
     assert t.totals()["reader"] == want
     t.heartbeat("x", "reader", {"hit_tokens": 100})
@@ -133,9 +131,7 @@ def test_a_folded_client_back_in_another_role_and_then_its_old_one_takes_nothing
     t = ClientCounterTotals()
     t.heartbeat("x", "reader", {"hit_tokens": 100})
     t.departed("x")
-    for i in range(RETAIN_DEPARTED_IDS):
-        t.heartbeat(f"r{i}", "reader", {"hit_tokens": 1})
-        t.departed(f"r{i}")
+    others_depart(t, "hit_tokens")
     t.heartbeat("x", "writer", {})
     t.departed("x")
     t.heartbeat("x", "reader", {"hit_tokens": 7})
