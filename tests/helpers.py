@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import zmq
 
-from omnishm import protocol, shm
+from omnishm import liveness, protocol, shm
 from omnishm.client.segments import DTYPES
 
 REPLY_TIMEOUT_S = 5.0
@@ -417,3 +417,17 @@ Attach.on_hello = on_hello
 from omnishm.committer.start import main
 sys.exit(main(sys.argv[1:]))
 """)
+
+
+def dead_generation(cache: str, gen: str, recorded) -> list[str]:
+    """The segments a committer of ``cache`` SIGKILLed while serving ``gen`` leaves (its owner segment naming the
+    runtime dir ``recorded``): sorted names, the owner's included.
+
+    A committer that another session of the suite starts meanwhile sweeps them when ``recorded`` is a dir nobody
+    serves from (``orphans.abandoned``): a test that sweeps them itself names a served dir, as the session's
+    ``RUNTIME_DIR`` is (review, stop 51)."""
+    names = [shm.segment_name(cache, gen, w) for w in ("ctl", "pool.k0")]
+    for name in names:
+        shm.Segment.create(name, 64).close()
+    liveness.GenerationOwner.acquire(cache, gen, runtime_dir=recorded).release(unlink=False)
+    return sorted(names + [shm.segment_name(cache, gen, liveness.OWNER)])
