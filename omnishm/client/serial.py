@@ -72,6 +72,10 @@ class SerialThread(Generic[T]):
                 self._queue.put(_STOP)
         self._thread.join(timeout=timeout_s)
 
+    def running(self) -> bool:
+        """Whether the thread still runs (after ``stop``: what it was handed did not finish within the bound)."""
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()

@@ -97,6 +97,10 @@ class SessionSide:
         # Not on a fatal writer, nor over a link a pass an interrupt cut short closed (its ``finally``): then
         # what the flusher could not land is said once it stopped (review, 2026-12-06), not lost quietly.
         flush = self.is_writer and self._fatal is None and self._link.dead is None
+        # One bound for the open deferred writes, the last step's write and the threads' stops: a stuck committer or
+        # copy must not hold an exit for a timeout each (review, stop 60: the thread joins each took a fresh one, a
+        # stuck flusher copy held a shutdown 2 x commit_timeout_s).
+        deadline = time.monotonic() + self.config.commit_timeout_s
         if self._pages is not None:
             self._pages.close("the manager is shut down")
         try:
@@ -111,9 +115,7 @@ class SessionSide:
                     for t in tasks:
                         self._close_task_locked(t)
                 self._flush(list(tasks))  # _flush empties the list it is given
-                # One bound for them all and the last step's write: a stuck committer must not hold an exit for a
-                # timeout per write (the last step's write went before them, so it lands first).
-                deadline = time.monotonic() + self.config.commit_timeout_s
+                # The last step's write went before them, so it lands first.
                 for t in tasks:
                     try:
                         t.done.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -126,7 +128,7 @@ class SessionSide:
                     logger.warning("cache %s: last step write failed at shutdown: %s", self.cache, exc)
         finally:
             try:
-                self._stop_threads()
+                self._stop_threads(deadline)
                 if self.is_writer:  # a healthy shutdown too: a write another thread closed meanwhile is named
                     self._report_unlanded_writes()
                 self._unregister_staging()
@@ -143,7 +145,10 @@ class SessionSide:
         if lost:
             logger.warning("cache %s: deferred writes %s do not land: %s", self.cache, lost,
                            self._fatal or self._link.dead
-                           or "closed by another thread while this shutdown ran, after the flusher stopped")
+                           or (f"the flusher did not land them within the shutdown's commit_timeout_s "
+                               f"({self.config.commit_timeout_s:.1f}s)" if self._flusher is not None
+                               and self._flusher.running() else
+                               "closed by another thread while this shutdown ran, after the flusher stopped"))
 
     def _unregister_staging(self) -> None:
         """Shutdown: unpin the staging (``device.unregister_after_drain``); what stays registered is logged."""
@@ -153,10 +158,8 @@ class SessionSide:
                 logger.warning("cache %s: %s at shutdown; the staging stays registered", self.cache, why)
             self._registrations.clear()
 
-    def _stop_threads(self) -> None:
-        if self._flusher is not None:
-            self._flusher.stop()
-        if self._prefetcher is not None:
-            self._prefetcher.stop(self.config.commit_timeout_s)
-        if self._sender is not None:
-            self._sender.stop(self.config.commit_timeout_s)
+    def _stop_threads(self, deadline: float) -> None:
+        """Stop the flusher, prefetch and sender threads, waiting for them until ``deadline`` (monotonic)."""
+        for thread in (self._flusher, self._prefetcher, self._sender):
+            if thread is not None:
+                thread.stop(max(0.0, deadline - time.monotonic()))
