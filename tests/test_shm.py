@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 import types
 import uuid
 from pathlib import Path
@@ -14,7 +18,7 @@ import torch
 
 from omnishm import liveness, orphans, paths, shm
 
-from conftest import unique_cache_name
+from conftest import REPO, unique_cache_name
 from helpers import dead_socket
 
 
@@ -343,3 +347,172 @@ def test_another_programs_segment_shaped_like_ours_is_not_one_of_ours():
         assert name not in shm.list_segments()
     finally:
         posix_ipc.unlink_shared_memory(name)
+
+# The mutation review of shm.py and liveness.py (stop 60): what survived the suite. Tests that need another user
+# switch a child to OTHER_UID (root opens and unlinks anything), as tests/test_permissions.py does.
+OTHER_UID = 65534
+
+
+def _seg_name(what: str = "ctl") -> str:
+    return shm.segment_name(unique_cache_name("mut"), "gen1", what)
+
+
+def test_an_empty_segment_is_one_byte_mapped_not_an_error():
+    """``Segment.create`` of size 0 (a key of no rows) makes a 1-byte segment: ``posix_fallocate`` and ``mmap``
+    refuse a length of 0. MUTATION: ``size = int(size)`` (no ``max(.., 1)``) survived."""
+    name = _seg_name("pool.k0")
+    seg = shm.Segment.create(name, 0)
+    try:
+        assert seg.size == 1 and os.stat(shm.SHM_DIR / name.lstrip("/")).st_size == 1
+        assert seg.tensor(torch.float32, (0, 16)).shape == (0, 16)
+    finally:
+        assert seg.unlink()
+
+
+def test_a_failing_reservation_keeps_its_errno_and_leaves_no_segment(monkeypatch):
+    """Only ENOSPC is reported as a full /dev/shm; any other error of ``posix_fallocate`` (EIO, EFBIG) keeps its
+    own errno, and the name is unlinked either way. MUTATION: dropping ``if exc.errno != errno.ENOSPC: raise``
+    (every error reported as "No space left") survived."""
+    def failing(fd, offset, length):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "posix_fallocate", failing)
+    name = _seg_name("pool.k0")
+    with pytest.raises(OSError) as info:
+        shm.Segment.create(name, 4096)
+    assert info.value.errno == errno.EIO, info.value
+    assert "No space left" not in str(info.value)
+    assert name not in shm.list_segments()
+
+
+_OTHER_USER = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {repo!r})
+    from omnishm import shm                     # loaded as root, before dropping privileges
+    name = sys.argv[1]
+    os.setgroups([]); os.setgid({uid}); os.setuid({uid})
+    out = {{"uid": os.geteuid()}}
+    try:
+        out["unlinked"] = shm.unlink_segment(name)
+    except Exception as exc:
+        out["unlinked"] = "raised " + type(exc).__name__
+    try:
+        shm.Segment.attach(name, readonly=True)
+        out["attach"] = "mapped"
+    except Exception as exc:
+        out["attach"] = type(exc).__name__
+    print(json.dumps(out))
+""")
+
+
+def test_another_user_can_neither_unlink_nor_map_our_segment():
+    """Another user's process (a sweep or cleanup of its own, a client of its own) calling ``unlink_segment``
+    on one of our segments (0600, in sticky /dev/shm) gets False, not an exception, and the segment stays;
+    ``Segment.attach`` raises the builtin PermissionError, which callers catch. MUTATIONS: dropping
+    ``posix_ipc.PermissionsError`` from ``unlink_segment``'s except, or ``attach``'s conversion of it, survived."""
+    if os.geteuid() != 0:
+        pytest.skip("switching to another uid needs root")
+    seg = shm.Segment.create(_seg_name(), 4096)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _OTHER_USER.format(repo=str(REPO), uid=OTHER_UID), seg.name],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out == {"uid": OTHER_UID, "unlinked": False, "attach": "PermissionError"}, out
+        assert seg.name in shm.list_segments()
+    finally:
+        assert seg.unlink()
+
+
+def test_a_hard_link_at_a_lock_path_is_refused_and_its_file_left_alone(tmp_path):
+    """A lock file with a second name (a hard link someone put at the lock path, to a file of ours elsewhere)
+    is not a committer's: ``CacheLock.at`` refuses it, and never writes its record into that other file.
+    MUTATION: dropping ``st.st_nlink > 1`` from ``_open_own_file`` survived (the record overwrote the target)."""
+    target = tmp_path / "precious.txt"
+    target.write_bytes(b"keep me\n")
+    path = tmp_path / "cache.lock"
+    os.link(target, path)
+    with pytest.raises(PermissionError, match="link"):
+        liveness.CacheLock.at(path, "gen1")
+    assert target.read_bytes() == b"keep me\n"
+    assert not liveness.lock_held(path)
+
+
+_ORPHAN = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    from omnishm import liveness
+    print(liveness.die_with_parent(os.getppid()), liveness.die_with_parent(os.getppid() + 1000000))
+""")
+
+
+def test_die_with_parent_is_false_when_the_parent_named_is_not_ours():
+    """``die_with_parent`` returns False when the process named is not (any more) this one's parent: the caller
+    (a demo rank, a bench child) must stop then, or it outlives its launcher. Run in a child: it sets the
+    parent death signal. MUTATION: ``return True`` survived."""
+    proc = subprocess.run([sys.executable, "-c", _ORPHAN.format(repo=str(REPO))], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False"], proc.stdout
+
+
+def test_create_and_attach_leave_no_descriptor_open():
+    """A segment's fd is closed once it is mapped (the mapping keeps the pages): a committer creates a staging
+    segment per client and key for its whole life, and one fd each would run it out of descriptors. Only
+    descriptors naming these segments are judged: other threads of the process open and close their own.
+    MUTATION: dropping ``shm.close_fd()`` after a successful create survived."""
+    import gc
+
+    def ours() -> list[str]:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # closed meanwhile
+                continue
+        return [link for link in links if any(n.lstrip("/") in link for n in names)]
+
+    names = [_seg_name(f"stage.c{i}.k0") for i in range(8)]
+    segs = [shm.Segment.create(n, 4096) for n in names]
+    views = [shm.Segment.attach(s.name, readonly=True) for s in segs]
+    for s in segs:
+        assert s.unlink()
+    del segs, views, s
+    gc.collect()
+    assert ours() == []
+
+
+def test_a_segment_unlinked_while_listing_is_passed_over(monkeypatch):
+    """``list_segments`` passes over an entry gone between ``listdir`` and its ``stat`` (a committer unlinking
+    its segments while a sweep or cleanup lists): no FileNotFoundError out of the sweep.
+    MUTATION: letting that stat's error through survived."""
+    gone = shm.segment_name(unique_cache_name("gone"), "gen1", "ctl").lstrip("/")
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p=".": [*real(p), gone] if str(p) == str(shm.SHM_DIR) else real(p))
+    names = shm.list_segments()
+    assert "/" + gone not in names
+
+
+_LOCK_HELD_AS_OTHER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    from omnishm import liveness                 # loaded as root, before dropping privileges
+    os.setgroups([]); os.setgid({uid}); os.setuid({uid})
+    print(liveness.lock_held(liveness.Path(sys.argv[1])))
+""")
+
+
+def test_a_lock_file_another_user_may_not_open_reads_as_not_held(tmp_path):
+    """``lock_held`` of a lock file this user may not open (another user's, or in a directory it may not
+    search) is False, not a PermissionError out of every sweep and ping that asks.
+    MUTATION: dropping PermissionError from ``lock_held``'s except survived (root opens anything)."""
+    if os.geteuid() != 0:
+        pytest.skip("switching to another uid needs root")
+    lock = liveness.CacheLock.at(tmp_path / "c.lock", "gen1")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _LOCK_HELD_AS_OTHER.format(repo=str(REPO), uid=OTHER_UID),
+                               str(lock.path)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["False"], proc.stdout
+    finally:
+        lock.release()
