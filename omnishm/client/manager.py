@@ -191,7 +191,7 @@ class OmniPrefixCacheManager(SessionSide, StepLifecycle, WriterSide, DeferredWri
             # or the link's I/O thread keeps the session (and, for a writer, the cache's one writer seat)
             # alive with heartbeats for as long as this process lives.
             self._closed = True
-            self._stop_threads()
+            self._stop_threads(time.monotonic() + config.commit_timeout_s)
             self._link.close()
             raise
 
