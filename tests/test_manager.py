@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from helpers import until
 from manager_helpers import (MM_WIDTH, Part, aborted, build, expect, extended, finished, quick_config, rows, save,
                              started)
 from omnishm.client import (HIDDEN_KEY, ModelCachePolicy, OmniPrefixCacheManager,
@@ -939,10 +940,7 @@ def test_every_call_on_a_manager_whose_committer_is_gone_raises_the_committer_er
         m.discard_step(save(m, [Part("a", 1, [0], 0, 4)], BS))
         m.wait_idle()
         handle.stop(signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while m._link.dead is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert m._link.dead is not None
+        until(lambda: m._link.dead is not None, 10.0, "the link giving up on its killed committer")
         for call in (lambda: m.new_step_starts([started("b", [1])]), lambda: save(m, [Part("b", 2, [1], 0, 4)], BS),
                      lambda: m.discard_step(0)):
             with pytest.raises(OmniPrefixCacheCommitterError):

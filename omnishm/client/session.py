@@ -142,13 +142,14 @@ class SessionSide:
         those another thread closed while this shutdown ran. One the flusher failed said so itself."""
         with self._lock:
             lost = sorted(t.tid for t in [*self._open.values(), *self._closing.values()] if not t.done.done())
-        if lost:
-            logger.warning("cache %s: deferred writes %s do not land: %s", self.cache, lost,
-                           self._fatal or self._link.dead
-                           or (f"the flusher did not land them within the shutdown's commit_timeout_s "
-                               f"({self.config.commit_timeout_s:.1f}s)" if self._flusher is not None
-                               and self._flusher.running() else
-                               "closed by another thread while this shutdown ran, after the flusher stopped"))
+        if not lost:
+            return
+        why = self._fatal or self._link.dead
+        if not why and self._flusher is not None and self._flusher.running():
+            why = (f"the flusher did not land them within the shutdown's commit_timeout_s "
+                   f"({self.config.commit_timeout_s:.1f}s)")
+        logger.warning("cache %s: deferred writes %s do not land: %s", self.cache, lost,
+                       why or "closed by another thread while this shutdown ran, after the flusher stopped")
 
     def _unregister_staging(self) -> None:
         """Shutdown: unpin the staging (``device.unregister_after_drain``); what stays registered is logged."""

@@ -86,8 +86,6 @@ class StepApply:
         already planned on (commit, claim and version would all still agree).
         """
         step = msg.step
-        if not 0 <= step <= MAX_STEP:  # no writer issues it: its claims could not name it, nor its ack
-            raise StepRejected(f"step id {step} is outside 0..{MAX_STEP}")
         tids = _ints(msg.tids, "tids", step)
         key_idx = _ints(msg.key_idx, "key_idx", step)
         cvs = _ints(msg.cvs, "cvs", step)
@@ -173,11 +171,13 @@ class StepApply:
     def apply_step(self, client_id: str, msg: protocol.StepWrite, epoch: int) -> protocol.StepDone:
         """Validate, then apply ``msg`` from the writer ``client_id`` of ``epoch``; never raises on bad input."""
         t0 = time.perf_counter()
-        if msg.keys and 0 <= msg.step <= MAX_STEP:  # else validate_step refuses it
-            done = self._apply_repeated(client_id, msg, t0, epoch)
-            if done is not None:
-                return done
         try:
+            if not 0 <= msg.step <= MAX_STEP:  # no writer issues it: its claims could not name it, nor its ack
+                raise StepRejected(f"step id {msg.step} is outside 0..{MAX_STEP}")
+            if msg.keys:
+                done = self._apply_repeated(client_id, msg, t0, epoch)
+                if done is not None:
+                    return done
             tids, key_idx, cvs, src_rows, counts, slots, states = self.validate_step(client_id, msg, epoch)
         except StepRejected as exc:
             self.steps_failed += 1
