@@ -190,9 +190,9 @@ class Flusher:
     def pending(self) -> int:
         return self._thread.pending()
 
-    def stop(self, timeout_s: float) -> None:
-        """Let the writes handed over so far be flushed, waiting for them at most ``timeout_s``."""
-        self._thread.stop(timeout_s)
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Let the writes handed over so far be flushed, waiting ``timeout_s`` (default ``commit_timeout_s``)."""
+        self._thread.stop(self._timeout_s if timeout_s is None else timeout_s)
 
     def running(self) -> bool:
         """Whether the flusher thread still runs (after ``stop``: it did not finish within its bound)."""
